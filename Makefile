@@ -1,0 +1,44 @@
+# The course's commands. Each one sets up what it needs first.
+#   make lab        install everything in .venv and open the course in JupyterLab
+#   make test       install everything in .venv and run the whole test suite
+#   make notebooks  regenerate notebooks/ from solutions/
+#   make solutions  re-execute the solution notebooks in place
+#   make doctor     report this machine (GPU, versions, interpreter)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Without a GPU we pin exact versions (constraints/ci.txt: CPU torch, triton
+# 3.8). With one (nvidia-smi present) we keep pip's choice, so torch's CUDA
+# build brings the triton it was built with.
+CONSTRAINTS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,constraints/ci.txt)
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+
+.PHONY: setup lab test notebooks solutions doctor
+
+$(VENV)/.installed: pyproject.toml constraints/ci.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PIP_C) -e ".[test]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+setup: $(VENV)/.installed
+
+lab: setup
+	$(PY) -m pip install -q $(PIP_C) -e ".[test,lab]"
+	$(PY) -m course_utils || true
+	$(VENV)/bin/jupyter lab notebooks/
+
+# The test command: unit tests (with the notebooks/ sync check) and nbval
+# over every solution notebook (in Triton's interpreter when there is no GPU).
+test: setup
+	$(PY) -m pytest tests/ --nbval-lax --nbval-current-env solutions/ -p no:cacheprovider
+
+notebooks: setup
+	$(PY) -m course_utils.build
+
+solutions: setup
+	$(PY) -m course_utils.build --execute
+
+doctor: setup
+	$(PY) -m course_utils

@@ -1,0 +1,194 @@
+"""Where the course is running, and the defaults that follow from it.
+
+Triton kernels need an NVIDIA GPU, except under Triton's *interpreter*, which
+runs them on CPU tensors with NumPy. The interpreter is switched on by the
+environment variable ``TRITON_INTERPRET=1``, and Triton reads it once, when it
+is first imported. Set later, kernels fail with the misleading messages
+"Cannot call @triton.jit'd outside of the scope of a kernel" or
+"0 active drivers". That is why every notebook starts with
+``import course_utils``: :func:`configure` runs on that import, before
+anything else imports Triton.
+
+``python -m course_utils`` (the *doctor*) prints :func:`report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import platform
+import sys
+import warnings
+
+INTERPRET_VAR = "TRITON_INTERPRET"
+
+
+@dataclasses.dataclass(frozen=True)
+class Environment:
+    """What this machine can do, and the defaults the notebooks use on it."""
+
+    device: str  # "cuda" or "cpu"
+    interpreter: bool  # Triton kernels run in the interpreter (on the CPU)
+    gpu_name: str | None
+    capability: tuple[int, int] | None
+    triton_imported_too_early: bool
+
+    @property
+    def bf16_ok(self) -> bool:
+        """bf16 needs sm_80 (Ampere) on a GPU; the interpreter computes it wrong."""
+        return self.capability is not None and self.capability >= (8, 0)
+
+    @property
+    def dtype(self):
+        """The default dtype for attention inputs on this machine.
+
+        bf16 on Ampere/Hopper; fp16 on older GPUs such as Colab's T4 (sm_75);
+        fp32 on the CPU, where the interpreter's bf16 is silently wrong and
+        fp32 ``tl.dot`` is exact.
+        """
+        import torch
+
+        if self.device == "cpu":
+            return torch.float32
+        return torch.bfloat16 if self.bf16_ok else torch.float16
+
+    @property
+    def seq_len(self) -> int:
+        """A sequence length that keeps a notebook cell to seconds.
+
+        The interpreter costs about 4 ms per program per K/V block, so on the
+        CPU we stay at N <= 256.
+        """
+        return 1024 if self.device == "cuda" else 128
+
+
+_ENV: Environment | None = None
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def configure() -> Environment:
+    """Decide CPU or GPU and switch the Triton interpreter on when needed.
+
+    Runs once, on ``import course_utils``. Without a GPU it sets
+    ``TRITON_INTERPRET=1``, which only works if Triton is not imported yet;
+    if it was, it warns in one sentence and says how to recover.
+    """
+    global _ENV
+    if _ENV is not None:
+        return _ENV
+    triton_was_imported = "triton" in sys.modules
+    has_gpu = _cuda_available()
+    too_early = False
+    if not has_gpu:
+        if os.environ.get(INTERPRET_VAR) != "1":
+            if triton_was_imported:
+                too_early = True
+                warnings.warn(
+                    "Triton was imported before course_utils, so its CPU interpreter "
+                    "could not be switched on: restart the kernel and run "
+                    "`import course_utils` before `import triton`.",
+                    stacklevel=3,
+                )
+            else:
+                os.environ[INTERPRET_VAR] = "1"
+    interpreter = os.environ.get(INTERPRET_VAR) == "1" and not too_early
+    name = cap = None
+    if has_gpu:
+        import torch
+
+        name = torch.cuda.get_device_name()
+        cap = tuple(torch.cuda.get_device_capability())
+    _ENV = Environment(
+        device="cuda" if has_gpu else "cpu",
+        interpreter=interpreter,
+        gpu_name=name,
+        capability=cap,
+        triton_imported_too_early=too_early,
+    )
+    return _ENV
+
+
+def current() -> Environment:
+    """The environment found by :func:`configure` (configuring it if needed)."""
+    return configure()
+
+
+def known_problems(env: Environment | None = None) -> list[str]:
+    """Combinations of versions and settings known to break the course."""
+    env = env or current()
+    problems = []
+    triton_v = _version("triton")
+    numpy_v = _version("numpy")
+    if env.triton_imported_too_early:
+        problems.append(
+            "Triton was imported before course_utils: the interpreter is off and "
+            "kernels will fail with 'Cannot call @triton.jit'd outside of the scope "
+            "of a kernel' or '0 active drivers'. Restart the kernel and import "
+            "course_utils first."
+        )
+    if triton_v is None and platform.system() != "Linux":
+        problems.append(
+            f"Triton has no wheels for {platform.system()}: use Colab or WSL "
+            "(see the README's support matrix)."
+        )
+    elif triton_v is None:
+        problems.append("Triton is not installed: `pip install -e .` installs it.")
+    if env.interpreter and triton_v and numpy_v:
+        t = tuple(int(x) for x in triton_v.split(".")[:2])
+        n = tuple(int(x) for x in numpy_v.split(".")[:2])
+        if t < (3, 8) and n >= (2, 4):
+            problems.append(
+                f"triton {triton_v}'s interpreter with numpy {numpy_v} breaks `range` "
+                "loops with run-time bounds: install triton>=3.8 or numpy<2.4."
+            )
+    if env.device == "cuda" and not env.bf16_ok:
+        problems.append(
+            f"{env.gpu_name} (sm_{env.capability[0]}{env.capability[1]}) has no bf16: "
+            "the course uses fp16 here."
+        )
+    return problems
+
+
+def report(env: Environment | None = None) -> str:
+    """A short, plain description of this machine for the doctor."""
+    env = env or current()
+    lines = ["FlashAttention course - environment check"]
+    lines.append(f"  python        {platform.python_version()} ({platform.system()})")
+    for pkg in ("torch", "triton", "numpy", "matplotlib", "ipywidgets"):
+        lines.append(f"  {pkg:<13} {_version(pkg) or 'not installed'}")
+    if env.device == "cuda":
+        major, minor = env.capability
+        lines.append(f"  GPU           {env.gpu_name} (compute capability {major}.{minor})")
+    else:
+        lines.append("  GPU           none: Triton kernels run in the interpreter on the CPU")
+    lines.append(f"  interpreter   {'on' if env.interpreter else 'off'} ({INTERPRET_VAR}={os.environ.get(INTERPRET_VAR, '')!r})")
+    lines.append(f"  default dtype {str(env.dtype).replace('torch.', '')}")
+    lines.append(f"  default N     {env.seq_len}")
+    problems = known_problems(env)
+    if problems:
+        lines.append("Problems:")
+        lines.extend(f"  - {p}" for p in problems)
+    else:
+        lines.append("No known problems.")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    """Entry point of ``python -m course_utils`` and ``course-doctor``."""
+    print(report())
+    return 1 if current().triton_imported_too_early else 0

@@ -1,0 +1,15 @@
+"""One check per exercise: ``check_<exercise>(fn)`` grades the learner's ``fn``.
+
+Every check compares ``fn`` with float64 references (:mod:`course_utils.references`)
+on fixed cases and on fresh random cases each call, returns a
+:class:`~course_utils.grading.core.Passed` line on success, and raises a
+:class:`~course_utils.grading.core.GradingError` (an ``AssertionError``)
+that names the case, the seed, the largest error and a likely cause.
+The shared machinery is in :mod:`.core` (runs, comparisons, diagnoses,
+time limits) and :mod:`.sandbox` (process isolation, launch counting,
+NaN-padded inputs for the Triton checks).
+"""
+
+from .core import Diagnosis, GradingError, Passed
+
+__all__ = ["GradingError", "Passed", "Diagnosis"]

@@ -1,0 +1,243 @@
+"""What every check shares: a graded run, comparisons, diagnoses, time limits.
+
+A check (``check_softmax``, ``check_flash_gqa``, ...) is written as::
+
+    def check_softmax(fn, *, seed=None):
+        run = Run("check_softmax", seed)
+        for case in ...:                       # fixed cases, then fresh random ones
+            out = run.call(fn, x, axis=-1, case=case)
+            got = run.array(out, expected_shape=x.shape, case=case)
+            run.compare(got, expected, case=case, what="softmax",
+                        diagnoses=[Diagnosis("...", expected=wrong_answer)])
+        return run.passed()
+
+- the learner's own exceptions propagate with their own traceback, plus a
+  note naming the case; a wrong type, shape or dtype gets one plain sentence;
+- a hang is stopped by a time limit (``SIGALRM`` in the main thread);
+- a wrong value raises :class:`GradingError` (an ``AssertionError``) that names
+  the case, the seed to reproduce it, the largest error and where it is, and
+  the first :class:`Diagnosis` whose mistake the answer matches.
+
+Fresh random cases use a new seed on every call, so a hard-coded answer
+cannot pass; ``seed=`` replays a failing call exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import secrets
+import signal
+import threading
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+__all__ = [
+    "GradingError",
+    "Passed",
+    "Diagnosis",
+    "Run",
+    "time_limit",
+]
+
+
+class GradingError(AssertionError):
+    """A check found a wrong answer. The message says where, how wrong, and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Passed:
+    """What a check returns on success: Jupyter shows it as one short line."""
+
+    exercise: str
+    cases: int
+    seed: int
+    max_error: float
+
+    def __repr__(self) -> str:
+        return (
+            f"\u2705 {self.exercise}: passed {self.cases} cases "
+            f"(largest error {self.max_error:.2g}; seed {self.seed})"
+        )
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """A known mistake and how to recognise it in an answer.
+
+    ``expected`` is what the mistaken code would return (an array, or a
+    zero-argument callable computing it, evaluated only when needed); the
+    answer matches when it is close to that. ``when`` is a predicate on the
+    answer for mistakes that have no single wrong output (e.g. overflow).
+    """
+
+    message: str
+    expected: Any = None
+    when: Callable[[np.ndarray], bool] | None = None
+    atol: float | None = None
+    rtol: float | None = None
+
+    def matches(self, actual: np.ndarray, atol: float, rtol: float) -> bool:
+        if self.when is not None:
+            with np.errstate(all="ignore"):
+                return bool(self.when(actual))
+        wrong = self.expected() if callable(self.expected) else self.expected
+        if wrong is None:
+            return False
+        wrong = np.asarray(wrong, dtype=np.float64)
+        if wrong.shape != actual.shape:
+            return False
+        a = atol if self.atol is None else self.atol
+        r = rtol if self.rtol is None else self.rtol
+        return bool(np.allclose(actual, wrong, atol=a, rtol=r, equal_nan=False))
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Stop the body with a :class:`GradingError` after ``seconds``.
+
+    Uses ``SIGALRM``, so it only acts in the main thread on Unix (where
+    Jupyter runs cells); elsewhere the body runs without a limit.
+    """
+    usable = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not usable or seconds is None:
+        yield
+        return
+
+    def _on_alarm(signum, frame):
+        raise GradingError(
+            f"Your function ran for more than {seconds:g} s on {what} and was stopped. "
+            "Look for a loop that never ends (an index that never advances, a "
+            "`while` whose condition stays true) or a problem much larger than intended."
+        )
+
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _fmt_index(idx: tuple[int, ...], axes: tuple[str, ...] | None) -> str:
+    if axes and len(axes) == len(idx):
+        return "[" + ", ".join(f"{a}={i}" for a, i in zip(axes, idx)) + "]"
+    return "[" + ", ".join(str(i) for i in idx) + "]"
+
+
+class Run:
+    """One call of a check: its seed, its cases and the largest error seen."""
+
+    def __init__(self, exercise: str, seed: int | None = None, time_limit_s: float = 10.0):
+        self.exercise = exercise
+        self.seed = secrets.randbelow(2**31) if seed is None else int(seed)
+        self.rng = np.random.default_rng(self.seed)
+        self.time_limit_s = time_limit_s
+        self.cases = 0
+        self.max_error = 0.0
+
+    # -- describing cases -------------------------------------------------
+    def where(self, case: str) -> str:
+        """A case's name plus how to reproduce it."""
+        return f"case {case!s} (reproduce with `{self.exercise}(fn, seed={self.seed})`)"
+
+    # -- calling the learner ----------------------------------------------
+    def call(self, fn: Callable, *args, case: str, **kwargs):
+        """Call the learner's ``fn`` under a time limit.
+
+        Their exceptions keep their own traceback and gain a note naming the
+        case; ``__tracebackhide__`` keeps the grader's frames out of
+        IPython's and pytest's tracebacks.
+        """
+        __tracebackhide__ = True
+        self.cases += 1
+        with time_limit(self.time_limit_s, self.where(case)):
+            try:
+                return fn(*args, **kwargs)
+            except GradingError:
+                raise
+            except Exception as exc:  # the learner's own error: show it as theirs
+                exc.add_note(f"[{self.exercise}] raised by your function on {self.where(case)}")
+                raise
+
+    # -- checking what came back ------------------------------------------
+    def fail(self, message: str, case: str) -> GradingError:
+        """A :class:`GradingError` for ``case`` (raise it)."""
+        return GradingError(f"{self.exercise} failed on {self.where(case)}:\n{message}")
+
+    def array(self, out, *, expected_shape, case: str, name: str = "your function's result") -> np.ndarray:
+        """Check the type and shape of a NumPy answer and return it as float64."""
+        __tracebackhide__ = True
+        if out is None:
+            raise self.fail(f"{name} is None: did you forget a `return`?", case)
+        if hasattr(out, "detach") and hasattr(out, "cpu"):  # a torch tensor
+            out = out.detach().cpu().float().numpy()
+        if not isinstance(out, np.ndarray):
+            raise self.fail(f"{name} is a {type(out).__name__}; return a NumPy array.", case)
+        if not np.issubdtype(out.dtype, np.floating):
+            raise self.fail(f"{name} has dtype {out.dtype}; it should be a floating-point array.", case)
+        if tuple(out.shape) != tuple(expected_shape):
+            raise self.fail(
+                f"{name} has shape {tuple(out.shape)}, expected {tuple(expected_shape)}.", case
+            )
+        return out.astype(np.float64)
+
+    def compare(
+        self,
+        actual: np.ndarray,
+        expected: np.ndarray,
+        *,
+        case: str,
+        what: str,
+        atol: float,
+        rtol: float,
+        diagnoses: Iterable[Diagnosis] = (),
+        axes: tuple[str, ...] | None = None,
+    ) -> float:
+        """Compare ``actual`` with the float64 ``expected``; explain a mismatch.
+
+        Returns the largest absolute error. On a mismatch raises a
+        :class:`GradingError` naming the largest error, its index (with axis
+        names from ``axes``), how many elements are off, and the first
+        diagnosis that matches.
+        """
+        __tracebackhide__ = True
+        actual = np.asarray(actual, dtype=np.float64)
+        expected = np.asarray(expected, dtype=np.float64)
+        with np.errstate(all="ignore"):
+            err = np.abs(actual - expected)
+            tol = atol + rtol * np.abs(expected)
+        bad_nan = ~np.isfinite(actual) & np.isfinite(expected)
+        bad = (err > tol) | bad_nan
+        if not bad.any():
+            worst = float(np.nanmax(err)) if err.size else 0.0
+            self.max_error = max(self.max_error, worst)
+            return worst
+        if bad_nan.any():
+            idx = tuple(int(i) for i in np.argwhere(bad_nan)[0])
+            head = (
+                f"{what} holds {int(bad_nan.sum())} non-finite values (NaN or inf) out of {bad.size}; "
+                f"the first is at {_fmt_index(idx, axes)} (got {actual[idx]}, expected {expected[idx]:.6g})."
+            )
+        else:
+            excess = np.where(bad, err - tol, -np.inf)
+            idx = tuple(int(i) for i in np.unravel_index(np.argmax(excess), err.shape))
+            head = (
+                f"{what} is wrong in {int(bad.sum())} of {bad.size} elements. Largest error "
+                f"{float(np.max(np.where(bad, err, 0))):.3g}; at {_fmt_index(idx, axes)} got "
+                f"{actual[idx]:.6g}, expected {expected[idx]:.6g} (tolerance {tol[idx]:.2g})."
+            )
+        for diagnosis in diagnoses:
+            if diagnosis.matches(actual, atol, rtol):
+                head += f"\nLikely cause: {diagnosis.message}"
+                break
+        raise self.fail(head, case)
+
+    def passed(self) -> Passed:
+        """The success value every check returns."""
+        return Passed(self.exercise, self.cases, self.seed, self.max_error)

@@ -1,0 +1,194 @@
+"""Running a learner's Triton code safely, and proving that it ran.
+
+Two things the Triton checks need that the NumPy ones do not:
+
+- **isolation**: in the CPU interpreter an out-of-bounds access far enough
+  away segfaults the whole Python process, which in Jupyter means the
+  learner's kernel dies and their work with it. :func:`isolated` runs a check
+  in a forked child process and turns a crash, a hang or an error there into
+  a readable message here. On a GPU we run in-process (CUDA does not survive
+  a fork), where a bad access is a CUDA error rather than a segfault.
+- **proof of a kernel launch**: :func:`count_launches` records every Triton
+  kernel launched while it is active, so a check can reject an answer that
+  calls ``torch.nn.functional.scaled_dot_product_attention`` instead.
+- **guarded inputs**: :func:`nan_padded` places a tensor inside a larger
+  buffer filled with NaN, so a kernel that reads past the end of a row or of
+  the sequence reads NaN, which then shows up in its output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing
+import os
+import signal
+import traceback
+from typing import Callable
+
+from ..environment import current
+from .core import GradingError
+
+__all__ = ["isolated", "count_launches", "nan_padded", "KernelError"]
+
+
+class KernelError(RuntimeError):
+    """The learner's code raised inside the isolated grading process."""
+
+
+_GRADING_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _learner_traceback(exc: BaseException) -> str:
+    """The exception's traceback without the grader's own frames."""
+    te = traceback.TracebackException.from_exception(exc)
+    te.stack = traceback.StackSummary.from_list(
+        [fs for fs in te.stack if not fs.filename.startswith(_GRADING_DIR)]
+    )
+    return "".join(te.format())
+
+
+def _child(conn, check, fn, kwargs):
+    try:
+        outcome = ("passed", check(fn, **kwargs))
+    except GradingError as exc:
+        outcome = ("failed", str(exc))
+    except BaseException as exc:  # the learner's error: send its traceback as text
+        outcome = ("error", _learner_traceback(exc))
+    try:
+        conn.send(outcome)
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def _crash_message(exercise: str, exitcode: int) -> str:
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    hint = ""
+    if name in ("SIGSEGV", "SIGBUS"):
+        hint = (
+            " In Triton's CPU interpreter that almost always means an out-of-bounds "
+            "`tl.load` or `tl.store`: every pointer whose offsets can pass the end of "
+            "a tensor (the last, partial block of a sequence; a head index past the "
+            "last head) needs a `mask=`, and loads need `other=`."
+        )
+    elif name == "SIGKILL":
+        hint = " The system killed it, usually for using too much memory."
+    return (
+        f"{exercise}: your code crashed the grading process ({name}).{hint} "
+        "Your notebook is fine: the check ran in a separate process."
+    )
+
+
+def isolated(check: Callable) -> Callable:
+    """Run ``check(fn, **kwargs)`` in a forked process on the CPU.
+
+    The wrapped check takes ``isolate=None`` (auto: on when there is no GPU
+    and the OS can fork) and ``timeout_s``, the limit for the whole check.
+    """
+
+    @functools.wraps(check)
+    def wrapper(fn, *, isolate: bool | None = None, timeout_s: float = 120.0, **kwargs):
+        __tracebackhide__ = True
+        if isolate is None:
+            isolate = current().device == "cpu" and hasattr(os, "fork")
+        if not isolate:
+            return check(fn, **kwargs)
+        ctx = multiprocessing.get_context("fork")
+        receiver, sender = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(sender, check, fn, kwargs), daemon=True)
+        proc.start()
+        sender.close()
+        outcome = None
+        if receiver.poll(timeout_s):
+            try:
+                outcome = receiver.recv()
+            except EOFError:  # the child died before it could answer
+                outcome = None
+        else:
+            proc.kill()
+            proc.join()
+            raise GradingError(
+                f"{check.__name__}: the check did not finish within {timeout_s:g} s and was "
+                "stopped. Look for a loop that never ends, or a grid launching far more "
+                "programs than intended (in the interpreter each program runs one after another)."
+            )
+        proc.join(timeout=10)
+        if outcome is None:
+            raise GradingError(_crash_message(check.__name__, proc.exitcode or -signal.SIGSEGV))
+        kind, value = outcome
+        if kind == "passed":
+            return value
+        if kind == "failed":
+            raise GradingError(value)
+        raise KernelError(
+            f"{check.__name__}: your code raised an error (it ran in a separate process; "
+            f"its traceback follows).\n\n{value}"
+        )
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def count_launches():
+    """Record the names of the Triton kernels launched inside the block.
+
+    Yields a list that fills with kernel names. Works for compiled kernels
+    (``JITFunction``), the interpreter (``InterpretedFunction``) and
+    autotuned kernels (which launch through one of the two).
+    """
+    from triton.runtime.jit import JITFunction
+
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:  # pragma: no cover - every supported Triton has it
+        pass
+    launched: list[str] = []
+    originals = {cls: cls.run for cls in classes}
+
+    def make(original):
+        def run(self, *args, grid, warmup, **kwargs):
+            if not warmup:
+                launched.append(getattr(self.fn, "__name__", "?"))
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        return run
+
+    for cls, original in originals.items():
+        cls.run = make(original)
+    try:
+        yield launched
+    finally:
+        for cls, original in originals.items():
+            cls.run = original
+
+
+def nan_padded(t, rows: int = 128, cols: int = 8, *, transpose_heads: bool = False):
+    """A copy of ``t`` (``[B, H, N, D]``) living inside a NaN-filled buffer.
+
+    The buffer has ``rows`` extra rows after each head's sequence (128, the
+    largest block the course uses, so a whole unmasked tail block reads NaN)
+    and ``cols`` extra columns after each row's ``D`` values. The view is not
+    contiguous, and anything read past the last row or column is NaN, which
+    then shows in the output. With ``transpose_heads`` the buffer is laid out
+    ``[B, N, H, D]`` and viewed as ``[B, H, N, D]``, so the strides are not in
+    the usual order either.
+    """
+    import torch
+
+    B, H, N, D = t.shape
+    nan = float("nan")
+    if transpose_heads:
+        buf = torch.full((B, N + rows, H, D + cols), nan, dtype=t.dtype, device=t.device)
+        view = buf[:, :N, :, :D].permute(0, 2, 1, 3)
+    else:
+        buf = torch.full((B, H, N + rows, D + cols), nan, dtype=t.dtype, device=t.device)
+        view = buf[:, :, :N, :D]
+    view.copy_(t)
+    return view
