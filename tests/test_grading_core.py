@@ -1,0 +1,171 @@
+"""The machinery every check shares: runs, comparisons, time limits, isolation."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import course_utils  # noqa: F401  (configures the interpreter before triton)
+import triton
+import triton.language as tl
+
+from course_utils.grading.core import Diagnosis, GradingError, Run
+from course_utils.grading.sandbox import KernelError, count_launches, isolated, nan_padded
+
+
+def test_compare_names_case_seed_index_and_diagnosis():
+    run = Run("check_demo", seed=7)
+    expected = np.arange(6.0).reshape(2, 3)
+    wrong = expected.copy()
+    wrong[1, 2] += 1.0
+    with pytest.raises(GradingError) as err:
+        run.compare(
+            wrong, expected, case="'tiny'", what="the output", atol=1e-6, rtol=0,
+            axes=("row", "col"),
+            diagnoses=[Diagnosis("not this one", expected=expected * 3), Diagnosis("the last element is off", expected=wrong)],
+        )
+    msg = str(err.value)
+    assert "check_demo(fn, seed=7)" in msg and "'tiny'" in msg
+    assert "[row=1, col=2]" in msg and "got 6, expected 5" in msg
+    assert "Likely cause: the last element is off" in msg and "not this one" not in msg
+
+
+def test_compare_reports_nan_and_passes_close_answers():
+    run = Run("check_demo", seed=1)
+    expected = np.ones(4)
+    assert run.compare(expected + 1e-9, expected, case="c", what="x", atol=1e-6, rtol=0) < 1e-8
+    bad = expected.copy()
+    bad[2] = np.nan
+    with pytest.raises(GradingError, match=r"non-finite.*\[2\]"):
+        run.compare(bad, expected, case="c", what="x", atol=1e-6, rtol=0)
+
+
+def test_array_rejects_wrong_type_shape_dtype_with_one_sentence():
+    run = Run("check_demo", seed=1)
+    with pytest.raises(GradingError, match="is a list; return a NumPy array"):
+        run.array([1.0], expected_shape=(1,), case="c")
+    with pytest.raises(GradingError, match=r"has shape \(2,\), expected \(3,\)"):
+        run.array(np.zeros(2), expected_shape=(3,), case="c")
+    with pytest.raises(GradingError, match="dtype int64"):
+        run.array(np.zeros(3, dtype=np.int64), expected_shape=(3,), case="c")
+    with pytest.raises(GradingError, match="forget a `return`"):
+        run.array(None, expected_shape=(3,), case="c")
+
+
+def test_learner_exception_keeps_its_type_and_gains_a_note():
+    run = Run("check_demo", seed=3)
+
+    def learner(x):
+        return x / undefined_name  # noqa: F821
+
+    with pytest.raises(NameError) as err:
+        run.call(learner, 1.0, case="'one'")
+    assert any("check_demo(fn, seed=3)" in note for note in err.value.__notes__)
+
+
+def test_a_hang_is_stopped_by_the_time_limit():
+    run = Run("check_demo", seed=1, time_limit_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(GradingError, match="more than 0.5 s"):
+        run.call(lambda: time.sleep(30), case="c")
+    assert time.monotonic() - start < 5
+
+
+def test_fresh_seed_each_call_and_passed_line():
+    seeds = {Run("check_demo").seed for _ in range(5)}
+    assert len(seeds) > 1
+    run = Run("check_demo", seed=11)
+    run.call(lambda: None, case="c")
+    assert repr(run.passed()).startswith("\u2705 check_demo: passed 1 cases")
+
+
+# -- the sandbox ---------------------------------------------------------------
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _wild_kernel(src, dst, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs * 1_000_000_000))
+
+
+def _triton_copy(x):
+    out = torch.empty_like(x)
+    _copy_kernel[(triton.cdiv(x.numel(), 32),)](x, out, x.numel(), BLOCK=32)
+    return out
+
+
+def _wild_copy(x):
+    out = torch.empty_like(x)
+    _wild_kernel[(1,)](x, out, BLOCK=32)
+    return out
+
+
+def _broken_copy(x):
+    raise ValueError("my own bug")
+
+
+@isolated
+def _check_copy(fn, *, seed=None):
+    run = Run("_check_copy", seed)
+    x = torch.randn(100)
+    with count_launches() as launched:
+        out = run.call(fn, x, case="n=100")
+    if not launched:
+        raise run.fail("No Triton kernel ran.", "n=100")
+    run.compare(run.array(out, expected_shape=(100,), case="n=100"), x.numpy(), case="n=100", what="copy", atol=0, rtol=0)
+    return run.passed()
+
+
+def test_isolated_check_passes_and_counts_the_launch():
+    assert _check_copy(_triton_copy)
+
+
+def test_isolated_check_rejects_an_answer_without_triton():
+    with pytest.raises(GradingError, match="No Triton kernel ran"):
+        _check_copy(lambda x: x.clone())
+
+
+def test_segfaulting_kernel_is_reported_and_this_process_survives():
+    with pytest.raises(GradingError, match=r"crashed the grading process \(SIG(SEGV|BUS)\).*mask="):
+        _check_copy(_wild_copy)
+    assert _check_copy(_triton_copy)  # still alive
+
+
+def test_learner_error_in_the_child_shows_their_traceback_without_grader_frames():
+    with pytest.raises(KernelError) as err:
+        _check_copy(_broken_copy)
+    text = str(err.value)
+    assert "my own bug" in text and "_broken_copy" in text
+    assert "grading/sandbox.py" not in text and "grading/core.py" not in text
+
+
+def test_isolated_hang_is_stopped():
+    start = time.monotonic()
+    with pytest.raises(GradingError, match="did not finish within 2 s"):
+        _check_copy(lambda x: time.sleep(60), timeout_s=2)
+    assert time.monotonic() - start < 15
+
+
+def test_count_launches_names_kernels_and_restores_run():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    before = InterpretedFunction.run
+    with count_launches() as launched:
+        _triton_copy(torch.zeros(10))
+    assert launched == ["_copy_kernel"]
+    assert InterpretedFunction.run is before
+
+
+def test_nan_padded_views_hold_the_data_and_nan_around_it():
+    t = torch.randn(2, 3, 5, 4)
+    for transpose in (False, True):
+        v = nan_padded(t, transpose_heads=transpose)
+        assert torch.equal(v, t) and not v.is_contiguous()
+        storage = v.as_strided((v.untyped_storage().nbytes() // 4,), (1,), 0)
+        assert torch.isnan(storage).sum() == storage.numel() - t.numel()
