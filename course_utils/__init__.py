@@ -38,8 +38,16 @@ def require_implemented(*kernels) -> None:
     from .build import STUB_LINE
 
     for kernel in kernels:
-        src = getattr(kernel, "src", None) or ""
-        if STUB_LINE in src:
+        src = getattr(kernel, "src", None)
+        if src is None and getattr(kernel, "fn", None) is not None:
+            # The interpreter's InterpretedFunction has no `.src`: read the Python function's.
+            import inspect
+
+            try:
+                src = inspect.getsource(kernel.fn)
+            except (OSError, TypeError):
+                src = None
+        if STUB_LINE in (src or ""):
             name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "the kernel")
             raise NotImplementedError(
                 f"`{name}` still has a `{STUB_LINE}` line: replace it with your code, then run this cell again."

@@ -23,6 +23,7 @@ import functools
 import multiprocessing
 import os
 import signal
+import sys
 import traceback
 from typing import Callable
 
@@ -49,6 +50,12 @@ def _learner_traceback(exc: BaseException) -> str:
 
 
 def _child(conn, check, fn, kwargs):
+    # A parent that already ran a multi-threaded torch op (any op on more than
+    # ~32k elements) leaves OpenMP's thread pool unusable in a forked child:
+    # the child's next such op would wait forever for threads that were not
+    # copied. One thread avoids OpenMP altogether; the checks' tensors are small.
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
     try:
         outcome = ("passed", check(fn, **kwargs))
     except GradingError as exc:

@@ -1,0 +1,356 @@
+"""Float64 reference implementations the graders compare with.
+
+Everything here is plain NumPy in float64 and written to be read: the graders
+compare learners' answers with these functions, and the lessons teach the same
+algorithms. The module is split into sections by course part; later parts
+append their own sections (torch-facing helpers, the backward pass) below the
+existing ones.
+
+Conventions shared by every section:
+
+- attention inputs are ``q`` of shape ``[..., Nq, d]`` and ``k``, ``v`` of
+  shape ``[..., Nk, d]``; the leading axes are batch axes, and axis ``-3``
+  (when present) is the head axis;
+- ``sm_scale`` defaults to ``1 / sqrt(d)``;
+- ``causal=True`` masks **top-left aligned**: query ``i`` sees keys
+  ``j <= i``. This is what ``torch.nn.functional.scaled_dot_product_attention``
+  does with ``is_causal=True`` (it builds ``ones(Nq, Nk).tril(0)``).
+  FlashAttention >= 2.1 aligns the mask bottom-right instead when
+  ``Nq != Nk`` (query ``i`` sees ``j <= i + Nk - Nq``); the two agree when
+  ``Nq == Nk``. With top-left alignment every query sees at least key 0, so
+  no row is ever fully masked;
+- ``lse`` is the natural-log logsumexp of each query row's scaled (and
+  masked) scores: ``lse[i] = log(sum_j exp(sm_scale * q[i] . k[j]))``;
+- grouped-query attention (GQA): when ``q`` has more heads on axis ``-3``
+  than ``k`` and ``v``, each kv head serves ``group_size = n_q_heads //
+  n_kv_heads`` consecutive query heads, i.e. ``kv_head = q_head //
+  group_size`` (the convention of torch's ``enable_gqa=True``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = [
+    # Part 1: attention and the online softmax (NumPy)
+    "softmax",
+    "causal_mask",
+    "repeat_kv_heads",
+    "attention",
+    "attention_lse",
+    "online_softmax",
+    "online_softmax_states",
+    "tiled_attention",
+]
+
+
+# =============================================================================
+# Part 1: attention and the online softmax (NumPy)
+# =============================================================================
+
+
+def softmax(x, axis=-1):
+    """Numerically stable softmax of ``x`` along ``axis``, in float64.
+
+    Subtracting each row's maximum first does not change the result
+    (``softmax(x) == softmax(x - c)`` for any constant ``c`` per row) but
+    makes the largest exponent ``exp(0) = 1``, so ``exp`` cannot overflow.
+    A row that is entirely ``-inf`` has no softmax and comes out as NaN.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def causal_mask(n_q: int, n_k: int) -> np.ndarray:
+    """Boolean ``[n_q, n_k]`` array, True where query ``i`` may see key ``j``.
+
+    Top-left aligned: ``j <= i`` (see the module docstring for why, and how
+    it differs from FlashAttention's bottom-right alignment when
+    ``n_q != n_k``).
+    """
+    return np.arange(n_k)[None, :] <= np.arange(n_q)[:, None]
+
+
+def repeat_kv_heads(q, k, v):
+    """``k`` and ``v`` with their heads repeated to match ``q``'s (for GQA).
+
+    If ``q`` has ``n_q_heads`` on axis ``-3`` and ``k``, ``v`` have
+    ``n_kv_heads`` there, each kv head is repeated ``group_size = n_q_heads
+    // n_kv_heads`` times in place, so query head ``h`` meets kv head
+    ``h // group_size``. Equal head counts (or no head axis) return ``k`` and
+    ``v`` unchanged.
+    """
+    if q.ndim < 3 or k.ndim < 3:
+        return k, v
+    n_q_heads, n_kv_heads = q.shape[-3], k.shape[-3]
+    if n_q_heads == n_kv_heads:
+        return k, v
+    if n_kv_heads == 0 or n_q_heads % n_kv_heads:
+        raise ValueError(
+            f"{n_q_heads} query heads cannot be shared evenly among {n_kv_heads} kv heads"
+        )
+    group_size = n_q_heads // n_kv_heads
+    return np.repeat(k, group_size, axis=-3), np.repeat(v, group_size, axis=-3)
+
+
+def attention_lse(q, k, v, causal=False, scale=None):
+    """Scaled dot-product attention and the logsumexp of each query row.
+
+    ``q [..., Nq, d]``, ``k``/``v [..., Nk, d]`` (``v`` may have its own last
+    size). Returns ``(o, lse)`` with ``o [..., Nq, d_v]`` and ``lse [..., Nq]``,
+    ``lse`` being the natural-log logsumexp of the row's scaled, masked
+    scores. ``scale`` defaults to ``1/sqrt(d)``; ``causal`` is top-left
+    aligned; fewer kv heads than query heads means GQA (module docstring).
+    """
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    k, v = repeat_kv_heads(q, k, v)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    s = sm_scale * (q @ np.swapaxes(k, -1, -2))
+    if causal:
+        s = np.where(causal_mask(q.shape[-2], k.shape[-2]), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    p = np.exp(s - m)
+    l = np.sum(p, axis=-1, keepdims=True)
+    o = (p / l) @ v
+    lse = (m + np.log(l))[..., 0]
+    return o, lse
+
+
+def attention(q, k, v, causal=False, scale=None):
+    """Scaled dot-product attention ``softmax(scale * q k^T) v``: the output only.
+
+    Same arguments and conventions as :func:`attention_lse`.
+    """
+    return attention_lse(q, k, v, causal=causal, scale=scale)[0]
+
+
+def online_softmax(x, block_size: int):
+    """Softmax over the last axis, reading ``x`` block by block (the online softmax).
+
+    One streaming pass keeps, per row, the running maximum ``m`` and the
+    running sum ``l = sum exp(x_seen - m)``. When a block raises the maximum
+    from ``m_old`` to ``m_new``, every term already in ``l`` was computed
+    against ``m_old``; multiplying ``l`` by ``exp(m_old - m_new)`` re-bases
+    them all at once. A final element-wise pass normalises. The last block
+    may be shorter than ``block_size``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    n = x.shape[-1]
+    m = np.full(x.shape[:-1], -np.inf)  # running max: nothing seen yet
+    l = np.zeros(x.shape[:-1])  # running sum of exp(x_seen - m)
+    for start in range(0, n, block_size):
+        block = x[..., start : start + block_size]  # the tail block may be short
+        m_new = np.maximum(m, np.max(block, axis=-1))
+        # exp(-inf - m_new) = 0 on the first block, so l starts cleanly at 0.
+        l = l * np.exp(m - m_new) + np.sum(np.exp(block - m_new[..., None]), axis=-1)
+        m = m_new
+    return np.exp(x - m[..., None]) / l[..., None]
+
+
+def online_softmax_states(x, block_size: int) -> list[tuple[float, float]]:
+    """The running ``(m, l)`` of :func:`online_softmax` after each block of a 1-D row.
+
+    For pictures and widgets that step through the algorithm.
+    """
+    x = np.asarray(x, dtype=np.float64).reshape(-1)
+    m, l = -np.inf, 0.0
+    states = []
+    for start in range(0, x.size, block_size):
+        block = x[start : start + block_size]
+        m_new = max(m, float(block.max()))
+        l = l * math.exp(m - m_new) + float(np.exp(block - m_new).sum())
+        m = m_new
+        states.append((m, l))
+    return states
+
+
+def tiled_attention(q, k, v, block_m: int, block_n: int, causal=False):
+    """Attention computed tile by tile, as FlashAttention's forward pass does.
+
+    Queries are processed ``block_m`` rows at a time; for each query block
+    the keys and values stream past ``block_n`` rows at a time, and the
+    online softmax's running max ``m_i``, running sum ``l_i`` and unnormalised
+    output ``acc`` are rescaled by ``alpha = exp(m_old - m_new)`` whenever the
+    max grows. The ``Nq x Nk`` score matrix never exists: only one
+    ``block_m x block_n`` tile at a time. With ``causal``, key blocks that
+    start after a query block's last row are skipped entirely (every score
+    there is masked), and only tiles crossing the diagonal need the mask.
+
+    Returns ``(o, lse)`` like :func:`attention_lse`; ``sm_scale = 1/sqrt(d)``.
+    """
+    q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
+    k, v = repeat_kv_heads(q, k, v)
+    n_q, d = q.shape[-2:]
+    n_k = k.shape[-2]
+    sm_scale = 1.0 / math.sqrt(d)
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    o = np.empty(batch + (n_q, v.shape[-1]))
+    lse = np.empty(batch + (n_q,))
+    for q_start in range(0, n_q, block_m):
+        q_end = min(q_start + block_m, n_q)
+        q_blk = q[..., q_start:q_end, :]
+        rows = q_end - q_start
+        m_i = np.full(batch + (rows,), -np.inf)
+        l_i = np.zeros(batch + (rows,))
+        acc = np.zeros(batch + (rows, v.shape[-1]))
+        # Causal: no query in this block sees a key at or beyond q_end.
+        kv_stop = min(n_k, q_end) if causal else n_k
+        for k_start in range(0, kv_stop, block_n):
+            k_end = min(k_start + block_n, n_k)
+            s = sm_scale * (q_blk @ np.swapaxes(k[..., k_start:k_end, :], -1, -2))
+            if causal and k_end - 1 > q_start:  # the tile crosses the diagonal
+                allowed = np.arange(k_start, k_end)[None, :] <= np.arange(q_start, q_end)[:, None]
+                s = np.where(allowed, s, -np.inf)
+            # Every row saw key 0 in the first tile, so m_i is finite from then on
+            # and a row that is fully masked in a later tile just adds exp(-inf) = 0.
+            m_new = np.maximum(m_i, np.max(s, axis=-1))
+            alpha = np.exp(m_i - m_new)  # how much the old terms shrink
+            p = np.exp(s - m_new[..., None])
+            l_i = l_i * alpha + np.sum(p, axis=-1)
+            acc = acc * alpha[..., None] + p @ v[..., k_start:k_end, :]
+            m_i = m_new
+        o[..., q_start:q_end, :] = acc / l_i[..., None]
+        lse[..., q_start:q_end] = m_i + np.log(l_i)
+    return o, lse
+
+
+# =============================================================================
+# Part 4: the backward pass (NumPy)
+# =============================================================================
+# Gradients of attention for lesson 07 and its graders
+# (course_utils/grading/part4_backward.py). Same conventions as above; with
+# GQA a kv head's gradient is the SUM of the contributions of every query
+# head in its group: the forward copies each kv head to group_size query
+# heads, and the chain rule through a copy adds the copies' gradients.
+
+__all__ += ["attention_backward", "tiled_attention_backward"]
+
+
+def _group_size_of(q, k) -> int:
+    """Query heads per kv head (1 without a head axis or without GQA)."""
+    if q.ndim < 3 or k.ndim < 3 or q.shape[-3] == k.shape[-3]:
+        return 1
+    n_q_heads, n_kv_heads = q.shape[-3], k.shape[-3]
+    if n_kv_heads == 0 or n_q_heads % n_kv_heads:
+        raise ValueError(
+            f"{n_q_heads} query heads cannot be shared evenly among {n_kv_heads} kv heads"
+        )
+    return n_q_heads // n_kv_heads
+
+
+def _check_backward_shapes(q, k, v, do):
+    if q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim or do.ndim != q.ndim:
+        raise ValueError(
+            f"q, k, v and do must be [..., N, d] arrays of one rank; got shapes "
+            f"{q.shape}, {k.shape}, {v.shape}, {do.shape}"
+        )
+    if q.shape[-1] != k.shape[-1] or k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"q and k need the same head dim, k and v the same [..., N]; got {q.shape}, {k.shape}, {v.shape}"
+        )
+    if do.shape != q.shape[:-1] + v.shape[-1:]:
+        raise ValueError(f"do must have shape {q.shape[:-1] + v.shape[-1:]}, got {do.shape}")
+    return _group_size_of(q, k)
+
+
+def sum_kv_groups(dx, group_size: int):
+    """Sum per-query-head gradients ``[..., Hq, N, d]`` onto their kv heads ``[..., Hq // group_size, N, d]``.
+
+    The adjoint of :func:`repeat_kv_heads`: query heads ``g * group_size`` to
+    ``(g + 1) * group_size - 1`` all read kv head ``g``, so kv head ``g``'s
+    gradient adds up theirs.
+    """
+    dx = np.asarray(dx, dtype=np.float64)
+    if group_size == 1:
+        return dx
+    shape = dx.shape[:-3] + (dx.shape[-3] // group_size, group_size) + dx.shape[-2:]
+    return dx.reshape(shape).sum(axis=-3)
+
+
+__all__ += ["sum_kv_groups"]
+
+
+def attention_backward(q, k, v, do, causal=False, scale=None):
+    """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` for an upstream ``do``.
+
+    The textbook chain rule, with the whole score matrix in memory (fine at
+    the sizes a reference is used for)::
+
+        S = scale * Q K^T,  P = softmax(S),  O = P V
+        dV = P^T dO,        dP = dO V^T
+        dS = P * (dP - D),  D = rowsum(dO * O)   (equal to rowsum(P * dP))
+        dQ = scale * dS K,  dK = scale * dS^T Q
+
+    ``D`` comes from the softmax's Jacobian: ``dS_ij = P_ij (dP_ij - sum_k
+    P_ik dP_ik)``, and ``sum_k P_ik dP_ik = dO_i . (sum_k P_ik V_k) = dO_i . O_i``.
+    With GQA, dK and dV are summed over each group's query heads.
+    """
+    q, k, v, do = (np.asarray(t, dtype=np.float64) for t in (q, k, v, do))
+    group_size = _check_backward_shapes(q, k, v, do)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    k_rep, v_rep = repeat_kv_heads(q, k, v)
+    s = sm_scale * (q @ np.swapaxes(k_rep, -1, -2))
+    if causal:
+        s = np.where(causal_mask(q.shape[-2], k.shape[-2]), s, -np.inf)
+    p = softmax(s, axis=-1)
+    o = p @ v_rep
+    dv = np.swapaxes(p, -1, -2) @ do
+    dp = do @ np.swapaxes(v_rep, -1, -2)
+    delta = np.sum(do * o, axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    dq = sm_scale * (ds @ k_rep)
+    dk = sm_scale * (np.swapaxes(ds, -1, -2) @ q)
+    return dq, sum_kv_groups(dk, group_size), sum_kv_groups(dv, group_size)
+
+
+def tiled_attention_backward(q, k, v, o, lse, do, block_m: int, block_n: int, causal=False, scale=None):
+    """The FlashAttention-2 backward pass, tile by tile, in readable NumPy.
+
+    No ``Nq x Nk`` array ever exists. First ``D = rowsum(dO * O)``, one number
+    per query row. Then, for each block of ``block_n`` keys, that block's dK
+    and dV stay local (in a GPU kernel: in registers) while every block of
+    ``block_m`` queries streams past; the probabilities are recomputed from
+    Q, K and the saved natural-log ``lse``: ``P = exp(scale * Q K^T - lse)``,
+    which is already normalised. dQ is accumulated across key blocks (the
+    Triton version gives dQ a kernel of its own, so that no two programs add
+    into the same rows). With ``causal``, query blocks that end before the
+    key block starts are skipped, and tiles crossing the diagonal are masked.
+
+    ``o`` and ``lse`` (shape ``q.shape[:-1]``) are what the forward saved.
+    """
+    q, k, v, o, lse, do = (np.asarray(t, dtype=np.float64) for t in (q, k, v, o, lse, do))
+    group_size = _check_backward_shapes(q, k, v, do)
+    if lse.shape != q.shape[:-1] or o.shape != do.shape:
+        raise ValueError(f"lse must have shape {q.shape[:-1]} and o shape {do.shape}; got {lse.shape}, {o.shape}")
+    block_m, block_n = int(block_m), int(block_n)
+    if block_m < 1 or block_n < 1:
+        raise ValueError(f"block sizes must be positive, got block_m={block_m}, block_n={block_n}")
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    k, v = repeat_kv_heads(q, k, v)
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    delta = np.sum(do * o, axis=-1)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for k_start in range(0, n_k, block_n):
+        k_end = min(k_start + block_n, n_k)
+        k_blk, v_blk = k[..., k_start:k_end, :], v[..., k_start:k_end, :]
+        dk_blk, dv_blk = np.zeros_like(k_blk), np.zeros_like(v_blk)
+        # Causal: a query block whose last row is before k_start sees none of these keys.
+        q_first = (k_start // block_m) * block_m if causal else 0
+        for q_start in range(q_first, n_q, block_m):
+            q_end = min(q_start + block_m, n_q)
+            q_blk, do_blk = q[..., q_start:q_end, :], do[..., q_start:q_end, :]
+            p = np.exp(sm_scale * (q_blk @ np.swapaxes(k_blk, -1, -2)) - lse[..., q_start:q_end, None])
+            if causal:
+                p = np.where(np.arange(k_start, k_end)[None, :] <= np.arange(q_start, q_end)[:, None], p, 0.0)
+            dv_blk += np.swapaxes(p, -1, -2) @ do_blk
+            dp = do_blk @ np.swapaxes(v_blk, -1, -2)
+            ds = p * (dp - delta[..., q_start:q_end, None])
+            dq[..., q_start:q_end, :] += sm_scale * (ds @ k_blk)
+            dk_blk += sm_scale * (np.swapaxes(ds, -1, -2) @ q_blk)
+        dk[..., k_start:k_end, :] = dk_blk
+        dv[..., k_start:k_end, :] = dv_blk
+    return dq, sum_kv_groups(dk, group_size), sum_kv_groups(dv, group_size)

@@ -1,0 +1,78 @@
+"""Interactive controls for the lessons, built from core ipywidgets only.
+
+Only ``IntSlider``, ``Checkbox`` and ``interactive`` are used, which exist
+unchanged in ipywidgets 7.7 and 8.x. Each function returns the widget; the
+lesson displays it by leaving it as the cell's last expression. Without a
+frontend (nbval, nbclient, a plain script) the widget is still built and its
+function runs once with the initial values, so nothing fails headless.
+Figures are shown with ``display`` and then closed, so moving a slider does
+not pile up open figures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import plots
+from . import references as ref
+
+__all__ = ["attention_explorer", "online_softmax_stepper"]
+
+
+def _show(fig):
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    display(fig)
+    plt.close(fig)
+
+
+def attention_explorer(q, k, *, row=0):
+    """Pick a query row and switch the causal mask on and off; see its weights.
+
+    ``q [Nq, d]`` and ``k [Nk, d]``. Left: the heatmap of all weights
+    ``softmax(q k^T / sqrt(d))`` with the chosen row outlined; right: that
+    row's weights as bars (they sum to 1; masked keys get exactly 0).
+    """
+    import matplotlib.pyplot as plt
+    from ipywidgets import Checkbox, IntSlider, interactive
+
+    q = np.asarray(q, dtype=float)
+    k = np.asarray(k, dtype=float)
+    n_q, n_k = q.shape[0], k.shape[0]
+    scores = q @ k.T / np.sqrt(q.shape[-1])
+
+    def show(row, causal):
+        s = np.where(ref.causal_mask(n_q, n_k), scores, -np.inf) if causal else scores
+        weights = ref.softmax(s, axis=-1)
+        fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), layout="constrained")
+        plots.attention_heatmap(weights, causal=causal, row=row, ax=left)
+        right.bar(np.arange(n_k), weights[row], color="#2171b5")
+        right.set_ylim(0, 1)
+        right.set_xlabel("key j")
+        right.set_title(f"query {row}: weights sum to {weights[row].sum():.3f}")
+        _show(fig)
+
+    return interactive(
+        show,
+        row=IntSlider(value=min(row, n_q - 1), min=0, max=n_q - 1, description="query row"),
+        causal=Checkbox(value=False, description="causal mask"),
+    )
+
+
+def online_softmax_stepper(x, block_size):
+    """Step through the online softmax of one row, one block at a time.
+
+    The slider sets how many blocks have been read; the picture is
+    :func:`course_utils.plots.plot_online_softmax` at that step.
+    """
+    from ipywidgets import IntSlider, interactive
+
+    x = np.asarray(x, dtype=float).reshape(-1)
+    n_blocks = -(-x.size // block_size)
+
+    def show(step):
+        axes = plots.plot_online_softmax(x, block_size, step)
+        _show(axes[0].figure)
+
+    return interactive(show, step=IntSlider(value=1, min=1, max=n_blocks, description="blocks read"))
