@@ -12,6 +12,8 @@ NaN-padded inputs for the Triton checks).
 
 from .core import Diagnosis, GradingError, Passed
 from .part1_numpy import check_softmax, check_naive_attention, check_online_softmax, check_tiled_attention
+from .part2_basics import check_triton_softmax
+from .part2_triton import check_kv_head, check_flash_forward, check_flash_gqa
 
 __all__ = [
     "GradingError",
@@ -21,4 +23,8 @@ __all__ = [
     "check_naive_attention",
     "check_online_softmax",
     "check_tiled_attention",
+    "check_triton_softmax",
+    "check_kv_head",
+    "check_flash_forward",
+    "check_flash_gqa",
 ]

@@ -1,0 +1,64 @@
+"""The course's Triton kernels: one copy of each, importable and documented.
+
+Public API (torch tensors ``[B, H, N, D]``)::
+
+    o = flash_attention(q, k, v, causal=False)
+    o, lse = flash_attention_with_lse(q, k, v, causal=False)
+
+``q`` is ``[B, Hq, N, D]``, ``k`` and ``v`` are ``[B, Hkv, N, D]`` with
+``Hq`` a multiple of ``Hkv`` (MHA, GQA and MQA), any strides, fp16, bf16 (on
+a GPU) or fp32, head dims 16 to 256. ``lse`` is float32 ``[B, Hq, N]``: the
+natural-log logsumexp of each query row's scaled scores. Bad input raises a
+``ValueError`` of one sentence.
+
+Modules: :mod:`.forward` holds the lesson kernels (04's
+``flash_attention_kernel``, 05's ``_flash_attention_forward_gqa_kernel``)
+and their launchers. Both public functions go through :func:`_forward`, the
+one place that picks which forward kernel runs.
+"""
+
+from __future__ import annotations
+
+from . import forward
+from .forward import flash_attention_forward, flash_attention_gqa_forward, validate
+
+__all__ = [
+    "flash_attention",
+    "flash_attention_with_lse",
+    "flash_attention_forward",
+    "flash_attention_gqa_forward",
+    "validate",
+    "forward",
+]
+
+
+def _forward(q, k, v, causal: bool):
+    """The dispatch point: run a forward kernel and return ``(o, lse)``.
+
+    Today this is the course's GQA kernel (lesson 05), which handles MHA, GQA
+    and MQA, causal or not. A faster kernel for some machines can be routed
+    in here without changing the public functions.
+    """
+    return flash_attention_gqa_forward(q, k, v, causal=causal)
+
+
+def flash_attention(q, k, v, causal: bool = False):
+    """Attention ``softmax(q k^T / sqrt(D)) v`` per head, by a Triton kernel.
+
+    ``q``: ``[B, Hq, N, D]``; ``k, v``: ``[B, Hkv, N, D]`` (``Hq`` a multiple
+    of ``Hkv``). ``causal`` hides from each query the keys after it. Returns
+    ``o`` with ``q``'s shape and dtype.
+    """
+    validate(q, k, v)
+    return _forward(q, k, v, bool(causal))[0]
+
+
+def flash_attention_with_lse(q, k, v, causal: bool = False):
+    """Like :func:`flash_attention`, also returning ``lse`` (float32 ``[B, Hq, N]``).
+
+    ``lse[b, h, i] = log(sum_j exp(s_ij))`` with ``s = q k^T / sqrt(D)``
+    (masked keys excluded): the statistic the backward pass uses to rebuild
+    the softmax ``p_ij = exp(s_ij - lse_i)`` without storing it.
+    """
+    validate(q, k, v)
+    return _forward(q, k, v, bool(causal))

@@ -1,0 +1,485 @@
+"""The FlashAttention-2 backward pass in Triton, with grouped-query attention.
+
+Given what the forward pass saved (``q, k, v``, the output ``o`` and the
+natural-log logsumexp ``lse`` of each query row) and the upstream gradient
+``do``, three kernels compute ``dq, dk, dv`` without ever holding an
+``N x N`` matrix:
+
+1. :func:`_attn_bwd_preprocess` - ``delta = rowsum(do * o)``, one float per
+   query row. It is the ``D`` in ``dS = P * (dP - D)``: the softmax Jacobian's
+   correction term, computed once instead of once per key block.
+2. :func:`_attn_bwd_dkdv` - one program per (block of keys, kv head). It keeps
+   its ``dk`` and ``dv`` tiles in registers and loops over every query block
+   of every query head in its GQA group, recomputing ``P`` from ``q``, ``k``
+   and ``lse``. Because one program owns a kv head's rows, the sum over the
+   group's query heads happens in a fixed order inside the program: no atomics,
+   and the result is the same bit for bit on every run.
+3. :func:`_attn_bwd_dq` - one program per (block of queries, query head),
+   looping over the key blocks of its kv head. ``dq`` gets its own kernel so
+   that no two programs ever add into the same rows.
+
+Exponentials use ``exp2`` (one hardware instruction) with ``log2(e)`` folded
+into the scale: ``P = exp(s * sm_scale - lse) = exp2(s * sm_scale * log2(e) -
+lse * log2(e))``; ``lse`` stays a natural log everywhere outside the kernels.
+
+:class:`FlashAttentionFunction` wires the forward kernel
+(:func:`course_utils.kernels.forward.flash_attention_with_lse`) and this
+backward into ``torch.autograd``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+__all__ = [
+    "attention_backward",
+    "FlashAttentionFunction",
+    "flash_attention_differentiable",
+    "BackwardConfig",
+    "default_config",
+    "check_backward_inputs",
+]
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+
+
+# -----------------------------------------------------------------------------
+# Loading helpers: rows past the end of the sequence and columns past the head
+# dim are masked (the head dim is padded to a power of two for tl.arange).
+# EVEN and PAD_D are compile-time flags, so the common case pays for no mask.
+# -----------------------------------------------------------------------------
+@triton.jit
+def _load_tile(ptrs, offs_rows, n_rows, offs_d, head_dim, EVEN: tl.constexpr, PAD_D: tl.constexpr):
+    if EVEN:
+        if PAD_D:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    else:
+        if PAD_D:
+            tile = tl.load(ptrs, mask=(offs_rows[:, None] < n_rows) & (offs_d[None, :] < head_dim), other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=offs_rows[:, None] < n_rows, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(ptrs, tile, offs_rows, n_rows, offs_d, head_dim, EVEN: tl.constexpr, PAD_D: tl.constexpr):
+    if EVEN:
+        if PAD_D:
+            tl.store(ptrs, tile, mask=offs_d[None, :] < head_dim)
+        else:
+            tl.store(ptrs, tile)
+    else:
+        if PAD_D:
+            tl.store(ptrs, tile, mask=(offs_rows[:, None] < n_rows) & (offs_d[None, :] < head_dim))
+        else:
+            tl.store(ptrs, tile, mask=offs_rows[:, None] < n_rows)
+
+
+# -----------------------------------------------------------------------------
+# 1. delta = rowsum(dO * O)
+# -----------------------------------------------------------------------------
+@triton.jit
+def _attn_bwd_preprocess(
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_deltab, stride_deltah,
+    n_q_heads, N_Q, head_dim,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, PAD_D: tl.constexpr, ACC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_q_heads
+    q_head = pid_bh % n_q_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o_ptrs = O + b * stride_ob + q_head * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
+    do_ptrs = DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod
+    o = _load_tile(o_ptrs, offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D).to(ACC)
+    do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D).to(ACC)
+    delta = tl.sum(o * do, axis=1)
+    delta_ptrs = DELTA + b * stride_deltab + q_head * stride_deltah + offs_m
+    if EVEN_M:
+        tl.store(delta_ptrs, delta)
+    else:
+        tl.store(delta_ptrs, delta, mask=offs_m < N_Q)
+
+
+# -----------------------------------------------------------------------------
+# 2. dK, dV: one program per (key block, batch * kv head)
+# -----------------------------------------------------------------------------
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v,
+    q_base, do_base, lse_base, delta_base,
+    stride_qn, stride_qd, stride_don, stride_dod,
+    offs_n, offs_d, start_m_lo, start_m_hi, N_Q, head_dim, qk_scale,
+    BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr,
+):
+    """Add the contributions of query blocks [start_m_lo, start_m_hi) of ONE query head.
+
+    Works on transposed tiles (keys on the rows) so that dk and dv, which are
+    [BLOCK_N, D], come straight out of ``tl.dot``.
+    """
+    for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                       offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+        do = _load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                        offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+        if EVEN_M:
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        else:
+            # lse = +inf on rows past the end makes their P exactly 0.
+            lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
+        # P^T = exp(S^T * sm_scale - lse), in base 2 with log2(e) folded in.
+        s_t = tl.dot(k, tl.trans(q))
+        p_t = tl.math.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
+        if MASK:  # tiles on the diagonal: key j is invisible to query i < j
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lseb, stride_lseh,
+    stride_deltab, stride_deltah,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    n_kv_heads, group_size, N_Q, N_K, head_dim, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    k = _load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    v = _load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+
+    # The group's query heads, one after another, always in the same order:
+    # the GQA sum is deterministic.
+    for g in range(0, group_size):
+        q_head = kv_head * group_size + g
+        q_base = Q + b * stride_qb + q_head * stride_qh
+        do_base = DO + b * stride_dob + q_head * stride_doh
+        lse_base = LSE + b * stride_lseb + q_head * stride_lseh
+        delta_base = DELTA + b * stride_deltab + q_head * stride_deltah
+        if CAUSAL:
+            # BLOCK_N is a multiple of BLOCK_M, so query blocks start at start_n:
+            # those before it see none of these keys (skipped), the ones in
+            # [start_n, start_n + BLOCK_N) cross the diagonal (masked), the
+            # rest are fully visible (no mask work).
+            diag_end = tl.minimum(start_n + BLOCK_N, N_Q)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                 stride_qn, stride_qd, stride_don, stride_dod,
+                                 offs_n, offs_d, start_n, diag_end, N_Q, head_dim, qk_scale,
+                                 BLOCK_M, EVEN_M, PAD_D, True)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                 stride_qn, stride_qd, stride_don, stride_dod,
+                                 offs_n, offs_d, start_n + BLOCK_N, N_Q, N_Q, head_dim, qk_scale,
+                                 BLOCK_M, EVEN_M, PAD_D, False)
+        else:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                 stride_qn, stride_qd, stride_don, stride_dod,
+                                 offs_n, offs_d, 0, N_Q, N_Q, head_dim, qk_scale,
+                                 BLOCK_M, EVEN_M, PAD_D, False)
+
+    dk *= sm_scale  # dK = sm_scale * dS^T Q: the scale is applied once, at the end
+    _store_tile(DK + b * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+                dk.to(DK.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    _store_tile(DV + b * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+                dv.to(DV.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+
+
+# -----------------------------------------------------------------------------
+# 3. dQ: one program per (query block, batch * query head)
+# -----------------------------------------------------------------------------
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse2, delta,
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, start_n_lo, start_n_hi, N_K, head_dim, qk_scale,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr,
+):
+    """Add the contributions of key blocks [start_n_lo, start_n_hi) to one dq tile."""
+    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        s = tl.dot(q, tl.trans(k))
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if MASK:
+            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+        if not EVEN_N:  # keys past the end were loaded as zeros: their P must be 0
+            p = tl.where(offs_n[None, :] < N_K, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lseb, stride_lseh,
+    stride_deltab, stride_deltah,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    n_q_heads, group_size, N_Q, N_K, head_dim, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # With a causal mask the last query block has the most key blocks to visit:
+    # launch it first, so the short programs fill in at the end.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_q_heads
+    q_head = pid_bh % n_q_heads
+    kv_head = q_head // group_size
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    q = _load_tile(Q + b * stride_qb + q_head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                   offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    do = _load_tile(DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                    offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    lse_ptrs = LSE + b * stride_lseb + q_head * stride_lseh + offs_m
+    delta_ptrs = DELTA + b * stride_deltab + q_head * stride_deltah + offs_m
+    if EVEN_M:
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    else:
+        lse = tl.load(lse_ptrs, mask=offs_m < N_Q, other=0.0)
+        delta = tl.load(delta_ptrs, mask=offs_m < N_Q, other=0.0)
+    lse2 = lse * 1.4426950408889634  # the natural-log lse, in base 2
+
+    k_base = K + b * stride_kb + kv_head * stride_kh
+    v_base = V + b * stride_vb + kv_head * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    if CAUSAL:
+        # BLOCK_M is a multiple of BLOCK_N: key blocks before start_m are fully
+        # visible, those in [start_m, start_m + BLOCK_M) cross the diagonal,
+        # and later ones are skipped.
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_m, offs_d, 0, tl.minimum(start_m, N_K), N_K, head_dim, qk_scale,
+                       BLOCK_N, EVEN_N, PAD_D, False)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K, head_dim, qk_scale,
+                       BLOCK_N, EVEN_N, PAD_D, True)
+    else:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_m, offs_d, 0, N_K, N_K, head_dim, qk_scale,
+                       BLOCK_N, EVEN_N, PAD_D, False)
+    dq *= sm_scale  # dQ = sm_scale * dS K
+    _store_tile(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+                dq.to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+
+
+# -----------------------------------------------------------------------------
+# Launch configuration
+# -----------------------------------------------------------------------------
+class BackwardConfig:
+    """Block sizes, warps and pipeline stages of the two main kernels.
+
+    ``dkdv_block_n`` must be a multiple of ``dkdv_block_m`` and ``dq_block_m``
+    of ``dq_block_n`` (the causal loops split at block boundaries).
+    """
+
+    def __init__(self, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16,
+                 dkdv_warps=4, dkdv_stages=1, dq_warps=4, dq_stages=1, pre_block_m=None):
+        if dkdv_block_n % dkdv_block_m or dq_block_m % dq_block_n:
+            raise ValueError("dkdv_block_n must be a multiple of dkdv_block_m, and dq_block_m of dq_block_n")
+        for value in (dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n):
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot needs 16), got {value}")
+        self.dkdv_block_m, self.dkdv_block_n = dkdv_block_m, dkdv_block_n
+        self.dq_block_m, self.dq_block_n = dq_block_m, dq_block_n
+        self.dkdv_warps, self.dkdv_stages = dkdv_warps, dkdv_stages
+        self.dq_warps, self.dq_stages = dq_warps, dq_stages
+        self.pre_block_m = pre_block_m or dq_block_m
+
+    def __repr__(self):
+        return (f"BackwardConfig(dkdv {self.dkdv_block_m}x{self.dkdv_block_n} w{self.dkdv_warps} s{self.dkdv_stages}, "
+                f"dq {self.dq_block_m}x{self.dq_block_n} w{self.dq_warps} s{self.dq_stages})")
+
+
+def default_config(head_dim: int, device_type: str) -> BackwardConfig:
+    """Small blocks in the CPU interpreter; blocks tuned for Hopper on a GPU.
+
+    The GPU choice follows the usual FlashAttention-2 split: the dK/dV kernel
+    holds two [BLOCK_N, D] fp32 accumulators, so it streams narrow query
+    blocks past wide key blocks; the dQ kernel is the mirror image.
+    """
+    if device_type != "cuda":
+        return BackwardConfig(32, 64, 64, 32, 4, 1, 4, 1)
+    if head_dim <= 64:  # not measured for speed: half of D=128's accumulators, so 4 warps
+        return BackwardConfig(32, 128, 128, 32, 4, 3, 4, 3)
+    if head_dim <= 128:
+        # Measured on an H200 (bf16, causal, GQA 32/8, D=128, N = 1k..16k; triton 3.6,
+        # 2026-11-30), the best of 10 dK/dV x 8 dQ configurations. 4 warps with
+        # BLOCK_N=128 was 2-3x slower: two 128x128 fp32 accumulators do not fit
+        # in 128 threads' registers.
+        return BackwardConfig(64, 128, 128, 32, 8, 3, 8, 3)
+    return BackwardConfig(16, 64, 64, 16, 8, 1, 8, 1)  # D up to 256: small tiles, not tuned
+
+
+# -----------------------------------------------------------------------------
+# The launcher
+# -----------------------------------------------------------------------------
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_backward_inputs(q, k, v, o, lse, do):
+    """Raise ``ValueError`` (one sentence) unless the tensors fit :func:`attention_backward`."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-d torch tensor [B, H, N, D]; got {getattr(t, 'shape', type(t))}")
+        if t.dtype not in _FLOATS:
+            raise ValueError(f"{name} has dtype {t.dtype}; use float16, bfloat16 or float32")
+    B, n_q_heads, N_Q, D = q.shape
+    Bk, n_kv_heads, N_K, Dk = k.shape
+    if Bk != B or Dk != D or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"k and v must be [B, H_kv, N_k, D] with q's B and D; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if n_kv_heads == 0 or n_q_heads % n_kv_heads:
+        raise ValueError(f"{n_q_heads} query heads cannot be shared evenly among {n_kv_heads} kv heads")
+    if tuple(o.shape) != tuple(q.shape) or tuple(do.shape) != tuple(q.shape):
+        raise ValueError(f"o and do must have q's shape {tuple(q.shape)}; got {tuple(o.shape)}, {tuple(do.shape)}")
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (B, n_q_heads, N_Q):
+        raise ValueError(f"lse must be a [B, H_q, N] tensor {(B, n_q_heads, N_Q)}; got {getattr(lse, 'shape', type(lse))}")
+    if not 1 <= D <= 256:
+        raise ValueError(f"head dim {D} is not supported (1 to 256)")
+    devices = {t.device for t in (q, k, v, o, lse, do)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
+
+
+def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, config: BackwardConfig | None = None):
+    """``(dq, dk, dv)`` of FlashAttention from what the forward saved, in Triton.
+
+    ``q``, ``o``, ``do``: ``[B, H_q, N_q, D]``; ``k``, ``v``: ``[B, H_kv, N_k, D]``
+    with ``H_q`` a multiple of ``H_kv`` (GQA; MQA when ``H_kv == 1``);
+    ``lse``: ``[B, H_q, N_q]``, the natural-log logsumexp of each row's scaled
+    scores, any float dtype. Any strides. ``causal`` is top-left aligned.
+    ``sm_scale`` defaults to ``1/sqrt(D)``. The gradients have the inputs'
+    dtypes; every sum is accumulated in fp32.
+    """
+    check_backward_inputs(q, k, v, o, lse, do)
+    B, n_q_heads, N_Q, D = q.shape
+    n_kv_heads, N_K = k.shape[1], k.shape[2]
+    group_size = n_q_heads // n_kv_heads
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    cfg = config or default_config(D, q.device.type)
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    PAD_D = BLOCK_D != D
+    # fp32 statistics and accumulators, except for float64 inputs (gradcheck),
+    # which get float64 all the way through.
+    acc_torch = torch.float64 if q.dtype == torch.float64 else torch.float32
+    ACC = tl.float64 if acc_torch == torch.float64 else tl.float32
+    lse = lse.to(acc_torch)
+
+    delta = torch.empty((B, n_q_heads, N_Q), device=q.device, dtype=acc_torch)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+
+    pre_m = cfg.pre_block_m
+    _attn_bwd_preprocess[(triton.cdiv(N_Q, pre_m), B * n_q_heads)](
+        o, do, delta,
+        *o.stride(), *do.stride(), delta.stride(0), delta.stride(1),
+        n_q_heads, N_Q, D,
+        BLOCK_M=pre_m, BLOCK_D=BLOCK_D, EVEN_M=N_Q % pre_m == 0, PAD_D=PAD_D, ACC=ACC,
+    )
+    common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
+              lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    _attn_bwd_dkdv[(triton.cdiv(N_K, bn), B * n_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
+        n_kv_heads, group_size, N_Q, N_K, D, sm_scale,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, CAUSAL=bool(causal),
+        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )
+    bm, bn = cfg.dq_block_m, cfg.dq_block_n
+    _attn_bwd_dq[(triton.cdiv(N_Q, bm), B * n_q_heads)](
+        q, k, v, do, lse, delta, dq, *common, *dq.stride(),
+        n_q_heads, group_size, N_Q, N_K, D, sm_scale,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, CAUSAL=bool(causal),
+        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )
+    return dq, dk, dv
+
+
+# -----------------------------------------------------------------------------
+# torch.autograd wiring
+# -----------------------------------------------------------------------------
+class FlashAttentionFunction(torch.autograd.Function):
+    """FlashAttention with a Triton forward AND a Triton backward.
+
+    The forward saves only ``q, k, v, o`` and the per-row ``lse`` (O(N) extra
+    memory), not the ``N x N`` probabilities: the backward recomputes them
+    tile by tile from ``q``, ``k`` and ``lse``.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False):
+        from course_utils.kernels import flash_attention_with_lse  # the package's forward dispatch point
+
+        o, lse = flash_attention_with_lse(q, k, v, causal=causal)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal = bool(causal)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do, causal=ctx.causal)
+        return dq, dk, dv, None
+
+
+def flash_attention_differentiable(q, k, v, causal=False):
+    """``o = FlashAttention(q, k, v)`` that ``torch.autograd`` can differentiate.
+
+    ``q [B, H_q, N, D]``, ``k``/``v [B, H_kv, N, D]``; see
+    :func:`attention_backward` for what is supported.
+    """
+    return FlashAttentionFunction.apply(q, k, v, causal)

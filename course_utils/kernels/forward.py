@@ -1,0 +1,443 @@
+"""The course's FlashAttention forward kernels in Triton, and their launchers.
+
+Two kernels, each taught in a lesson and kept here as the one copy:
+
+- :func:`flash_attention_kernel` (lesson 04): multi-head attention with the
+  online softmax, one program per (query block, head, batch element), full
+  4-D strides for every tensor, an optional causal mask. Plain ``tl.exp``.
+- :func:`_flash_attention_forward_gqa_kernel` (lesson 05): the same idea for
+  grouped-query attention (several query heads share one key/value head), with
+  the causal loop split in two phases (blocks wholly below the diagonal need
+  no mask; only the diagonal blocks do), ``exp2`` with ``log2(e)`` folded into
+  the scale, and the per-row logsumexp ``lse`` written for the backward pass.
+  Its inner loop is :func:`_attn_fwd_inner`, as in Triton's fused-attention
+  tutorial.
+
+One copy: the solution notebooks ``solutions/04_flash_attention_forward.ipynb``
+and ``solutions/05_causal_gqa.ipynb`` define these same ``@triton.jit``
+functions. The ``### BEGIN SOLUTION`` / ``### END SOLUTION`` comment lines
+below mark the parts the learner writes; they are kept here, so the notebook
+cells are this source verbatim (the build tool turns each marked block into a
+``# YOUR CODE HERE`` line in the student notebooks). The test
+``tests/test_kernels_forward.py`` strips the marker lines from both sides and
+requires the rest to be equal, character for character (trailing whitespace
+aside). Edit both together.
+
+Launchers: :func:`flash_attention_forward` (kernel A, returns ``o``) and
+:func:`flash_attention_gqa_forward` (kernel B, returns ``(o, lse)``). Both take
+torch tensors ``[B, H, N, D]`` of any strides, fp16, bf16 (GPU only) or fp32,
+head dims 16 to 256 (a head dim that is not a power of two is padded to the
+next one inside the kernel and masked), and reject bad input with a
+``ValueError`` of one sentence (:func:`validate`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "flash_attention_kernel",
+    "_flash_attention_forward_gqa_kernel",
+    "_attn_fwd_inner",
+    "flash_attention_forward",
+    "flash_attention_gqa_forward",
+    "validate",
+    "block_config",
+    "LOG2E",
+]
+
+#: log2(e): exp(x) == exp2(x * LOG2E). Folded into the scale in kernel B.
+LOG2E = 1.4426950408889634
+
+
+# -----------------------------------------------------------------------------
+# Kernel A (lesson 04): multi-head attention, online softmax, any strides.
+# -----------------------------------------------------------------------------
+@triton.jit
+def flash_attention_kernel(
+    Q_ptr, K_ptr, V_ptr, O_ptr,
+    stride_qz, stride_qh, stride_qm, stride_qk,
+    stride_kz, stride_kh, stride_kn, stride_kk,
+    stride_vz, stride_vh, stride_vn, stride_vk,
+    stride_oz, stride_oh, stride_om, stride_ok,
+    Z, H, M_size, N_size,
+    sm_scale,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Flash attention with online softmax. One program per (batch, head, query-block).
+
+    Q, K, V, O are ``[Z, H, M_size or N_size, D]`` with any strides: every
+    address is built from the tensor's own four strides, so a transposed view
+    works without a copy. ``D_PAD`` is ``D`` rounded up to a power of two
+    (``tl.arange`` needs one); the extra columns are masked.
+    """
+    pid_m = tl.program_id(0)  # which block of BLOCK_M queries
+    pid_h = tl.program_id(1)  # which head
+    pid_z = tl.program_id(2)  # which batch element
+
+    # Where this (batch, head) starts in each tensor. Each tensor has its own strides.
+    q_base = Q_ptr + pid_z * stride_qz + pid_h * stride_qh
+    k_base = K_ptr + pid_z * stride_kz + pid_h * stride_kh
+    v_base = V_ptr + pid_z * stride_vz + pid_h * stride_vh
+    o_base = O_ptr + pid_z * stride_oz + pid_h * stride_oh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # the query rows of this program
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D  # padded head-dim columns are masked out
+    m_ok = offs_m < M_size  # the last query block may run past the sequence
+
+    # Q block [BLOCK_M, D_PAD]: loaded once, reused for every K/V block.
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
+        mask=m_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+
+    # Online-softmax state, in float32 whatever the input dtype.
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max of each row
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)  # running sum of exp(s - m_i)
+    acc = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)  # running sum of exp(s - m_i) @ V
+
+    # Which keys can this query block see? With the causal mask, none after its last row.
+    ### BEGIN SOLUTION
+    if IS_CAUSAL:
+        kv_end = tl.minimum(N_size, (pid_m + 1) * BLOCK_M)
+    else:
+        kv_end = N_size
+    ### END SOLUTION
+
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_size
+        # K block loaded transposed, [D_PAD, BLOCK_N], so that q @ k is [BLOCK_M, BLOCK_N].
+        k = tl.load(
+            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kk,
+            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk,
+            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        s = tl.dot(q, k) * sm_scale  # scores, float32
+        # Keys past the end of the sequence, and (causal) keys after the query, get -inf.
+        keep = n_ok[None, :]
+        if IS_CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        s = tl.where(keep, s, float("-inf"))
+
+        # Fold this block into the running max, sum and accumulator.
+        ### BEGIN SOLUTION
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)  # how much the old max overestimated: rescale the old state
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        ### END SOLUTION
+
+    acc = acc / l_i[:, None]
+    tl.store(
+        o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok,
+        acc.to(O_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+
+
+# -----------------------------------------------------------------------------
+# Kernel B (lesson 05): causal GQA/MQA, two-phase loop, exp2, logsumexp.
+# -----------------------------------------------------------------------------
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, q,
+    k_base, v_base,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, d_ok,
+    lo, hi, SEQ_LEN, qk_scale,
+    MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Fold the K/V blocks starting at ``lo, lo + BLOCK_N, ...`` (below ``hi``) into the state.
+
+    Scores are in log2 units (``qk_scale`` = ``sm_scale * log2(e)``), so the
+    exponentials are ``exp2``. With ``MASK`` the scores of keys past the end
+    of the sequence, and with ``IS_CAUSAL`` also of keys after the query,
+    become -inf; without it the caller promises every key is visible, and the
+    ``tl.where`` is not compiled at all.
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < SEQ_LEN  # a cheap guard on the loads, even where no score is masked
+        k = tl.load(
+            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASK:
+            keep = n_ok[None, :]
+            if IS_CAUSAL:
+                keep = keep & (offs_m[:, None] >= offs_n[None, :])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_attention_forward_gqa_kernel(
+    Q_ptr, K_ptr, V_ptr, O_ptr, LSE_ptr,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    sm_scale, SEQ_LEN, N_Q_HEADS, N_KV_HEADS,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """FlashAttention forward for GQA/MQA/MHA: one program per (query block, batch x query head).
+
+    Q and O are ``[B, N_Q_HEADS, SEQ_LEN, HEAD_DIM]``, K and V
+    ``[B, N_KV_HEADS, SEQ_LEN, HEAD_DIM]``, LSE is float32
+    ``[B, N_Q_HEADS, SEQ_LEN]``; all with any strides. Writes the output and
+    the natural-log logsumexp of each query row's scaled scores.
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # phase 1 must end exactly where the diagonal starts
+    start_m = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // N_Q_HEADS
+    q_head = batch_head % N_Q_HEADS
+
+    # Which key/value head does this query head share? (Groups of consecutive query heads.)
+    ### BEGIN SOLUTION
+    group_size = N_Q_HEADS // N_KV_HEADS
+    kv_head = q_head // group_size
+    ### END SOLUTION
+
+    q_base = Q_ptr + batch * stride_qb + q_head * stride_qh
+    k_base = K_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = V_ptr + batch * stride_vb + kv_head * stride_vh
+    o_base = O_ptr + batch * stride_ob + q_head * stride_oh  # O's own strides, not Q's
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < SEQ_LEN
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        mask=m_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # log2(e) folded in: exp(x) == exp2(x * log2(e))
+
+    # Two phases: K/V blocks [0, mask_lo) need no mask at all (phase 1), the blocks
+    # [mask_lo, mask_hi) need one (phase 2). Causal: the diagonal; otherwise: the tail.
+    ### BEGIN SOLUTION
+    if IS_CAUSAL:
+        mask_lo = start_m * BLOCK_M  # keys before this are before every query of the block
+        mask_hi = tl.minimum((start_m + 1) * BLOCK_M, SEQ_LEN)
+    else:
+        mask_lo = SEQ_LEN - SEQ_LEN % BLOCK_N  # only the last, partial block needs a mask
+        mask_hi = SEQ_LEN
+    ### END SOLUTION
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, d_ok,
+        0, mask_lo, SEQ_LEN, qk_scale,
+        MASK=False, IS_CAUSAL=IS_CAUSAL, BLOCK_N=BLOCK_N,
+    )
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base,
+        stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, d_ok,
+        mask_lo, mask_hi, SEQ_LEN, qk_scale,
+        MASK=True, IS_CAUSAL=IS_CAUSAL, BLOCK_N=BLOCK_N,
+    )
+
+    # The logsumexp of each row, in natural log: m_i and log2(l_i) are in log2 units.
+    ### BEGIN SOLUTION
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # times ln(2): log2 units -> natural log
+    ### END SOLUTION
+    tl.store(LSE_ptr + batch * stride_lb + q_head * stride_lh + offs_m * stride_ln, lse, mask=m_ok)
+
+    acc = acc / l_i[:, None]
+    tl.store(
+        o_base + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        acc.to(O_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+
+
+# -----------------------------------------------------------------------------
+# Launchers
+# -----------------------------------------------------------------------------
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreted(device: torch.device) -> bool:
+    """True when Triton kernels on ``device`` run in the CPU interpreter."""
+    return device.type == "cpu"
+
+
+def validate(q, k, v) -> None:
+    """Raise ``ValueError`` (one plain sentence) unless q, k, v can go to the kernels.
+
+    Accepted: torch tensors ``[B, H, N, D]`` on one device with one dtype
+    (fp16, fp32, or bf16 on a GPU), the same B, N and D, K and V of one shape,
+    ``Hq`` a multiple of ``Hkv``, and ``16 <= D <= 256``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch tensor, not {type(t).__name__}.")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions [B, H, N, D], but it has {t.dim()} (shape {tuple(t.shape)}).")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, but they are on {q.device}, {k.device} and {v.device}.")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must have one dtype, but they have {q.dtype}, {k.dtype} and {v.dtype}.")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported: use float16, bfloat16 or float32.")
+    if q.dtype == torch.bfloat16 and _interpreted(q.device):
+        raise ValueError("bfloat16 is computed wrongly by Triton's CPU interpreter: use float32 or float16 on the CPU.")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, but they are {tuple(k.shape)} and {tuple(v.shape)}.")
+    (b, hq, n, d), (bk, hkv, nk, dk) = q.shape, k.shape
+    if b != bk:
+        raise ValueError(f"q has batch size {b} but k and v have {bk}.")
+    if n != nk:
+        raise ValueError(f"q has sequence length {n} but k and v have {nk}; these kernels need the same N.")
+    if d != dk:
+        raise ValueError(f"q has head dim {d} but k and v have {dk}.")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hkv}).")
+    if not 16 <= d <= 256:
+        raise ValueError(f"head dim {d} is not supported: it must be between 16 and 256.")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the tensors are on the CPU but Triton's interpreter is off: move them to the GPU "
+                         "(or import course_utils before triton on a machine without one).")
+
+
+def block_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Block sizes and launch options for a head dim and dtype.
+
+    In the CPU interpreter programs run one after another and every step of
+    the K/V loop costs about the same few milliseconds whatever the block
+    size (NumPy's per-call overhead dominates), so fewer, larger blocks run
+    faster: 64 x 32 still gives the course's short sequences (N <= 256)
+    several query blocks, several K/V blocks and two diagonal blocks per
+    query block, so every code path runs.
+    On a GPU the tiles must fit in shared memory with ``num_stages`` copies of
+    the K and V tiles in flight: wider heads and 4-byte floats get smaller
+    tiles and fewer stages. These are sensible defaults, not tuned optima
+    (no autotuning here: it needs a GPU and would hide the lesson).
+    """
+    if _interpreted(device):
+        return dict(BLOCK_M=64, BLOCK_N=32)
+    d_pad = triton.next_power_of_2(head_dim)
+    if dtype == torch.float32:
+        if d_pad <= 64:
+            return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4 if d_pad <= 128 else 8, num_stages=2)
+    if d_pad <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if d_pad <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+
+
+def _config(q, block_m, block_n):
+    cfg = block_config(q.shape[-1], q.dtype, q.device)
+    if block_m is not None:
+        cfg["BLOCK_M"] = block_m
+    if block_n is not None:
+        cfg["BLOCK_N"] = block_n
+    for name in ("BLOCK_M", "BLOCK_N"):
+        size = cfg[name]
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"{name.lower()} must be a power of two of at least 16 (tl.dot needs 16), not {size}.")
+    return cfg
+
+
+def flash_attention_forward(q, k, v, causal: bool = False, *, block_m: int | None = None, block_n: int | None = None):
+    """Multi-head attention with kernel A (:func:`flash_attention_kernel`).
+
+    ``q, k, v``: ``[B, H, N, D]`` torch tensors of any strides (the same H:
+    this kernel has no GQA; see :func:`flash_attention_gqa_forward`). Returns
+    ``o`` with q's shape and dtype. ``block_m``/``block_n`` override the
+    defaults of :func:`block_config`.
+    """
+    validate(q, k, v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"flash_attention_forward is multi-head only: q has {q.shape[1]} heads and k, v have {k.shape[1]}; "
+            "use flash_attention_gqa_forward for grouped-query attention."
+        )
+    B, H, N, D = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's layout
+    if o.numel() == 0:
+        return o
+    cfg = _config(q, block_m, block_n)
+    grid = (triton.cdiv(N, cfg["BLOCK_M"]), H, B)
+    flash_attention_kernel[grid](
+        q, k, v, o,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        B, H, N, N,
+        1.0 / math.sqrt(D),
+        D=D, D_PAD=triton.next_power_of_2(D), IS_CAUSAL=bool(causal),
+        **cfg,
+    )
+    return o
+
+
+def flash_attention_gqa_forward(q, k, v, causal: bool = False, *, block_m: int | None = None, block_n: int | None = None):
+    """Grouped-query attention with kernel B (:func:`_flash_attention_forward_gqa_kernel`).
+
+    ``q``: ``[B, Hq, N, D]``; ``k, v``: ``[B, Hkv, N, D]`` with ``Hq`` a
+    multiple of ``Hkv`` (``Hkv == Hq`` is MHA, ``Hkv == 1`` MQA); any strides.
+    Returns ``(o, lse)``: ``o`` like ``q``, ``lse`` float32 ``[B, Hq, N]``,
+    the natural-log logsumexp of each query row's scaled scores (what the
+    backward pass needs to rebuild the softmax without storing it).
+    ``block_m`` must be a multiple of ``block_n``.
+    """
+    validate(q, k, v)
+    B, Hq, N, D = q.shape
+    Hkv = k.shape[1]
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    cfg = _config(q, block_m, block_n)
+    if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
+        raise ValueError(f"block_m ({cfg['BLOCK_M']}) must be a multiple of block_n ({cfg['BLOCK_N']}).")
+    grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * Hq)
+    _flash_attention_forward_gqa_kernel[grid](
+        q, k, v, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+        1.0 / math.sqrt(D), N, Hq, Hkv,
+        HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), IS_CAUSAL=bool(causal),
+        **cfg,
+    )
+    return o, lse

@@ -1,0 +1,206 @@
+"""course_utils.bench without a GPU: the message, the FLOP count, the writers, the shipped results."""
+
+import csv
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import course_utils  # noqa: F401  (before triton)
+import numpy as np
+import pytest
+import torch
+
+from course_utils import bench, references
+
+
+# ----------------------------------------------------------------------------
+# No GPU: one sentence, exit code 0
+# ----------------------------------------------------------------------------
+def test_main_without_gpu_says_so_and_exits_zero(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(bench, "gpu_available", lambda: False)
+    assert bench.main(["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == bench.NO_GPU_MESSAGE
+    assert "\n" not in out and out.endswith(".")  # one sentence
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the no-GPU path of the command line")
+def test_module_command_without_gpu():
+    res = subprocess.run([sys.executable, "-m", "course_utils.bench", "--quick"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == bench.NO_GPU_MESSAGE
+
+
+# ----------------------------------------------------------------------------
+# Counting
+# ----------------------------------------------------------------------------
+def test_flops_formula_and_causal_halving():
+    assert bench.attention_flops(1, 1, 1, 1, causal=False) == 4.0
+    full = bench.attention_flops(4, 32, 4096, 128, causal=False)
+    assert full == 4 * 4 * 32 * 4096**2 * 128
+    assert bench.attention_flops(4, 32, 4096, 128, causal=True) == full / 2
+    # Doubling N quadruples the work; doubling D or the heads doubles it.
+    assert bench.attention_flops(1, 8, 2048, 64, False) == 4 * bench.attention_flops(1, 8, 1024, 64, False)
+    assert bench.attention_flops(1, 8, 1024, 128, False) == 2 * bench.attention_flops(1, 8, 1024, 64, False)
+
+
+def test_tflops_from_milliseconds():
+    assert math.isclose(bench.tflops(1e12, 1000.0), 1.0)
+    assert math.isclose(bench.tflops(bench.attention_flops(4, 32, 4096, 128, True), 1.0), 549.755813888)
+
+
+def test_cases_keep_tokens_fixed():
+    case = bench.STANDARD_SUITE[0]
+    assert [case.batch(n) * n for n in case.ns] == [16384] * len(case.ns)
+    assert {c.name for c in bench.STANDARD_SUITE} == {"main", "noncausal", "d64_causal", "d64_noncausal", "fp16"}
+    d64 = [c for c in bench.STANDARD_SUITE if c.head_dim == 64]
+    assert d64 and all(c.n_q_heads == c.n_kv_heads for c in d64)  # MHA
+    assert {c.causal for c in d64} == {True, False}
+
+
+def test_options_pick_the_suite_or_one_custom_case():
+    cases = bench.cases_from_args(bench._parse([]))
+    assert [c.name for c in cases] == [c.name for c in bench.STANDARD_SUITE]
+    quick = bench.cases_from_args(bench._parse(["--quick"]))
+    assert [c.name for c in quick] == ["main"] and quick[0].ns == bench.QUICK_NS
+    (custom,) = bench.cases_from_args(bench._parse(["--no-causal", "--heads", "16/2", "--dim", "64", "--dtype", "fp16",
+                                                   "--n", "512,2048", "--tokens", "8192"]))
+    assert (custom.causal, custom.n_q_heads, custom.n_kv_heads, custom.head_dim, custom.dtype) == (False, 16, 2, 64, "fp16")
+    assert custom.ns == (512, 2048) and custom.batch(512) == 16
+
+
+# ----------------------------------------------------------------------------
+# The providers' pure-PyTorch parts, and the correctness check
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [True, False])
+def test_naive_attention_matches_the_reference_with_gqa(causal):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 48, 16, generator=g)
+    k = torch.randn(2, 2, 48, 16, generator=g)
+    v = torch.randn(2, 2, 48, 16, generator=g)
+    o = bench.naive_attention(q, k, v, causal, 0.25)
+    ref = references.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=causal, scale=0.25)
+    np.testing.assert_allclose(o.double().numpy(), ref, atol=1e-5)
+
+
+def test_check_output_passes_right_answers_and_flags_wrong_ones():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 160, 32, generator=g) for h in (4, 2, 2))
+    ref = bench.reference_slice(q, k, v, causal=True, rows=16)
+    heads, idx, o_ref, lse_ref = ref
+    assert heads == [0, 3] and idx.tolist() == list(range(16)) + list(range(144, 160))
+    right = bench.naive_attention(q, k, v, True, 1 / math.sqrt(32))
+    rel, lse_err = bench.check_output(right, ref)
+    assert rel < 1e-5 and lse_err is None
+    # Non-causal output for a causal problem: far off.
+    wrong = bench.naive_attention(q, k, v, False, 1 / math.sqrt(32))
+    assert bench.check_output(wrong, ref)[0] > bench.TOLERANCE
+    # An lse that is off is reported.
+    lse = torch.zeros(1, 4, 160)
+    assert bench.check_output((right, lse), ref)[1] > 1.0
+
+
+# ----------------------------------------------------------------------------
+# Writing results (fake measurements)
+# ----------------------------------------------------------------------------
+def _fake_rows():
+    rows = []
+    for case in bench.STANDARD_SUITE[:2]:
+        for n in (1024, 4096):
+            for p, t in zip(bench.PROVIDERS, (30.0, 200.0, 500.0, 300.0, 400.0)):
+                oom = p == "naive" and n == 4096
+                rows.append(dict(
+                    case=case.name, provider=p, dtype=case.dtype, causal=case.causal, batch=case.batch(n),
+                    n_q_heads=case.n_q_heads, n_kv_heads=case.n_kv_heads, n=n, head_dim=case.head_dim,
+                    ms=None if oom else 1.5, tflops=None if oom else t, peak_mib=None if oom else 64.0 * n / 1024,
+                    status="OOM" if oom else "ok", rel_err=None if oom else 2e-3,
+                    note="out of memory" if oom else ("BLOCK_M=128" if p == "fast" else ""),
+                ))
+    return rows
+
+
+def test_write_results_csv_json_markdown_png(tmp_path):
+    rows = _fake_rows()
+    info = {"gpu": "Fake GPU", "date": "today", "torch": "t", "triton": "tr", "cuda": "c", "cudnn": 1}
+    ceilings = {"matmul_tflops": 700.0, "matmul_dtype": "bfloat16", "matmul_size": 8192, "copy_gbps": 4000.0}
+    paths = bench.write_results(rows, tmp_path, info, list(bench.STANDARD_SUITE[:2]), ceilings)
+    assert set(paths) == {"csv", "json", "md", "png"} and all(p.exists() for p in paths.values())
+    # CSV round trip keeps numbers and empties.
+    back = bench.read_csv(paths["csv"])
+    assert len(back) == len(rows)
+    assert back[0]["tflops"] == 30.0 and back[0]["n"] == 1024 and back[0]["causal"] is True
+    oom = [r for r in back if r["status"] == "OOM"]
+    assert len(oom) == 2 and all(r["tflops"] is None for r in oom)
+    # JSON keeps everything.
+    doc = json.loads(paths["json"].read_text())
+    assert doc["info"]["gpu"] == "Fake GPU" and doc["rows"] == rows and doc["ceilings"]["copy_gbps"] == 4000.0
+    # Markdown: the ratio columns are computed from the rows; OOM is shown as such.
+    md = paths["md"].read_text()
+    assert "| fast/flash | fast/cudnn | course/flash |" in md
+    assert "| 1024 | 16 | 30 | 200 | 500 | 300 | 400 | 2.00x | 0.80x | 1.50x |" in md
+    assert "| 4096 | 4 | OOM | 200 | 500 | 300 | 400 | 2.00x | 0.80x | 1.50x |" in md
+    assert "Fake GPU" in md and "700 TFLOP/s" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replot_rebuilds_tables_from_json(tmp_path, capsys):
+    bench.write_results(_fake_rows(), tmp_path, {"gpu": "Fake"}, list(bench.STANDARD_SUITE[:2]), plot=False)
+    (tmp_path / "forward_bench.md").unlink()
+    assert bench.main(["--replot", str(tmp_path)]) == 0
+    assert "2.00x" in (tmp_path / "forward_bench.md").read_text()
+    assert (tmp_path / "forward_bench.png").exists()
+
+
+def test_ratio_table_skips_missing_providers():
+    rows = [r for r in _fake_rows() if r["provider"] != "sdpa_cudnn"]
+    r = bench.ratio_table(rows)[("main", 1024)]
+    assert r["fast/sdpa_cudnn"] is None and math.isclose(r["fast/sdpa_flash"], 2.0)
+
+
+# ----------------------------------------------------------------------------
+# The results shipped in results/
+# ----------------------------------------------------------------------------
+RESULTS = bench.RESULTS_DIR
+
+
+def test_shipped_results_parse_and_cover_every_provider_and_case():
+    doc = bench.load_results(RESULTS / "forward_bench.json")
+    info = doc["info"]
+    for key in ("gpu", "torch", "triton", "date", "cuda", "cudnn"):
+        assert info.get(key), key
+    rows = doc["rows"]
+    assert {r["case"] for r in rows} == {c.name for c in bench.STANDARD_SUITE}
+    for case in bench.STANDARD_SUITE:
+        for n in case.ns:
+            got = {r["provider"] for r in rows if r["case"] == case.name and r["n"] == n}
+            assert got == set(bench.PROVIDERS), (case.name, n)
+    # Every provider that was timed passed its correctness check first.
+    for r in rows:
+        if r["tflops"] is not None:
+            assert r["status"] == "ok" and r["rel_err"] <= bench.TOLERANCE
+            flops = bench.attention_flops(r["batch"], r["n_q_heads"], r["n"], r["head_dim"], r["causal"])
+            assert math.isclose(r["tflops"], bench.tflops(flops, r["ms"]), rel_tol=1e-9)
+    assert doc["ceilings"]["matmul_tflops"] > 0 and doc["ladder"]["steps"]
+
+
+def test_shipped_csv_and_markdown_agree_with_the_json():
+    doc = bench.load_results(RESULTS / "forward_bench.json")
+    rows = bench.read_csv(RESULTS / "forward_bench.csv")
+    assert len(rows) == len(doc["rows"])
+    for a, b in zip(rows, doc["rows"]):
+        assert (a["case"], a["provider"], a["n"]) == (b["case"], b["provider"], b["n"])
+        if b["tflops"] is not None:
+            assert math.isclose(a["tflops"], b["tflops"], rel_tol=1e-9)
+    md = (RESULTS / "forward_bench.md").read_text()
+    assert md.startswith(bench.markdown_tables(doc["rows"], doc["cases"], doc["info"]))
+    assert bench.ladder_markdown(doc["ladder"]) in md
+    for label in bench.LABELS.values():
+        assert label in md
+    assert (RESULTS / "forward_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_recorded_results_are_found():
+    assert bench.recorded_results_path() == RESULTS / "forward_bench.json"

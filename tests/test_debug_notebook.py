@@ -1,0 +1,184 @@
+"""Lesson 05b ("debug a classmate's kernel"): the fix passes, each flaw put back fails.
+
+The notebook lists seven flaws in a classmate's causal GQA forward kernel. Here
+the notebook's own fixed kernel (the exercise cell of
+``solutions/05b_debug_gqa_kernel.ipynb``) is graded by ``check_flash_gqa``,
+and then each flaw is put back into it, one at a time, by replacing the fixed
+lines with the classmate's, and the result must be rejected.
+
+One flaw cannot be rejected by any check of the outputs: ``+ 1e-6`` in the
+normaliser changes results by at most 1e-6 relative, far below tolerances that
+must also hold on a GPU (tf32 ~ 1e-3). The notebook says so; here we test what
+it claims instead: the check accepts that variant, and its outputs differ from
+the fix by exactly the predicted factor, not by nothing.
+"""
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+
+import nbformat
+import pytest
+import torch
+
+from course_utils import references as ref
+from course_utils.grading import GradingError
+from course_utils.grading.part2_triton import MSG_D_STRIDE, MSG_LSE_MIXED, MSG_O_STRIDES, check_flash_gqa
+from course_utils.grading.sandbox import KernelError
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions" / "05b_debug_gqa_kernel.ipynb"
+HEADER = "import course_utils\nimport math\nimport torch\nimport triton\nimport triton.language as tl\n\n"
+
+
+def _fixed_cell() -> str:
+    """The exercise cell: the fixed kernel and wrapper, with solution markers."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    found = [c.source for c in nb.cells if c.cell_type == "code"
+             and "def _flash_attention_forward_gqa_kernel(" in c.source and "### BEGIN SOLUTION" in c.source]
+    assert len(found) == 1, "expected exactly one exercise cell with the fixed kernel"
+    return found[0]
+
+
+# Each flaw as (fixed text, the classmate's text) replacements in the exercise cell.
+FLAWS = {
+    "lse_buffer_missing": [  # the wrapper neither allocates nor passes lse, and returns o alone
+        ("    lse = torch.empty((batch, n_q_heads, seq_len), device=q.device, dtype=torch.float32)\n", ""),
+        ("q, k, v, o, lse,", "q, k, v, o,"),
+        ("*o.stride(), *lse.stride(),", "*o.stride(),"),
+        ("return o, lse", "return o"),
+    ],
+    "lse_mixed_bases": [
+        ("lse = (m_i + tl.log2(l_i)) * 0.6931471805599453", "lse = m_i + tl.log(l_i)"),
+    ],
+    "epsilon": [
+        ("tl.log2(l_i)", "tl.log2(l_i + 1e-6)"),
+        ("acc = acc / l_i[:, None]", "acc = acc / (l_i[:, None] + 1e-6)"),
+    ],
+    "o_from_q_strides": [
+        ("O_ptr + batch_idx * o_stride_b + q_head_idx * o_stride_h",
+         "O_ptr + batch_idx * q_stride_b + q_head_idx * q_stride_h"),
+        ("q_offsets[:, None] * o_stride_s + d_offsets[None, :] * o_stride_d",
+         "q_offsets[:, None] * q_stride_s + d_offsets[None, :] * q_stride_d"),
+    ],
+    "p_cast_to_bf16": [
+        ("p_ij.to(v_block.dtype)", "p_ij.to(tl.bfloat16)"),
+    ],
+    "head_dim_contiguous": [
+        ("d_offsets[None, :] * q_stride_d", "d_offsets[None, :]"),
+        ("d_offsets[:, None] * k_stride_d", "d_offsets[:, None]"),
+        ("d_offsets[None, :] * v_stride_d", "d_offsets[None, :]"),
+        ("d_offsets[None, :] * o_stride_d", "d_offsets[None, :]"),
+    ],
+    "block_m_multiple_of_block_n": [
+        ("diag_start = (q_block_idx * BLOCK_M) // BLOCK_N * BLOCK_N", "diag_start = q_block_idx * BLOCK_M"),
+    ],
+}
+
+
+def _load(tmp_path, name, changes=()):
+    """The exercise cell with ``changes`` applied, imported as a module (Triton needs a file)."""
+    src = _fixed_cell()
+    for old, new in changes:
+        assert old in src, f"{name}: the fixed cell no longer contains {old!r}; update FLAWS"
+        src = src.replace(old, new)
+    path = tmp_path / f"nb05b_{name}.py"
+    path.write_text(HEADER + src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_flaw_is_listed_once():
+    # The notebook's seven flaws, and nothing silently dropped from this file.
+    assert len(FLAWS) == 7
+
+
+@pytest.mark.parametrize("blocks", [{}, {"block_m": 32, "block_n": 64}], ids=["default", "32x64"])
+def test_fixed_kernel_passes(tmp_path, blocks):
+    fixed = _load(tmp_path, "fixed")
+    assert check_flash_gqa(functools.partial(fixed.flash_attention_forward, **blocks))
+
+
+def test_missing_lse_buffer_is_rejected(tmp_path):
+    mod = _load(tmp_path, "lse", FLAWS["lse_buffer_missing"])
+    with pytest.raises((KernelError, TypeError), match="missing 4 required positional arguments"):
+        check_flash_gqa(mod.flash_attention_forward)
+
+
+def test_lse_in_mixed_bases_is_rejected(tmp_path):
+    mod = _load(tmp_path, "mixed", FLAWS["lse_mixed_bases"])
+    with pytest.raises(GradingError) as info:
+        check_flash_gqa(mod.flash_attention_forward)
+    assert "lse is wrong" in str(info.value) and MSG_LSE_MIXED in str(info.value)
+
+
+def test_output_with_q_strides_is_rejected(tmp_path):
+    mod = _load(tmp_path, "ostrides", FLAWS["o_from_q_strides"])
+    with pytest.raises(GradingError) as info:
+        check_flash_gqa(mod.flash_attention_forward)
+    assert MSG_O_STRIDES in str(info.value)
+
+
+def test_p_cast_to_bf16_is_rejected(tmp_path):
+    mod = _load(tmp_path, "bf16", FLAWS["p_cast_to_bf16"])
+    # float32 and float16 inputs: tl.dot(bf16, fp32) is refused (the interpreter, and the compiler).
+    with pytest.raises(Exception, match="Both operands must be same dtype"):
+        check_flash_gqa(mod.flash_attention_forward)
+
+
+def test_contiguous_head_dim_assumption_is_rejected(tmp_path):
+    mod = _load(tmp_path, "hdim", FLAWS["head_dim_contiguous"])
+    with pytest.raises(GradingError) as info:
+        check_flash_gqa(mod.flash_attention_forward)
+    assert MSG_D_STRIDE in str(info.value)
+
+
+def test_block_m_multiple_of_block_n_assumption_is_rejected(tmp_path):
+    # Only visible when BLOCK_N > BLOCK_M: the notebook grades with block_m=32, block_n=64 too.
+    mod = _load(tmp_path, "blocks", FLAWS["block_m_multiple_of_block_n"])
+    with pytest.raises(GradingError, match="the output o is wrong"):
+        check_flash_gqa(functools.partial(mod.flash_attention_forward, block_m=32, block_n=64))
+
+
+def test_epsilon_is_invisible_to_the_check_but_really_there(tmp_path):
+    """What the notebook claims about `+ 1e-6`: real, <= 1e-6 relative, accepted by the check."""
+    fixed = _load(tmp_path, "fixed_eps_ref")
+    eps = _load(tmp_path, "eps", FLAWS["epsilon"])
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 40, 16)
+    k = torch.randn(1, 2, 40, 16)
+    v = torch.randn(1, 2, 40, 16)
+    o_fix, lse_fix = fixed.flash_attention_forward(q, k, v)
+    o_eps, lse_eps = eps.flash_attention_forward(q, k, v)
+    # Query 0 sees only key 0: l = 1 there, so o_eps = v[0] / (1 + 1e-6) exactly.
+    assert torch.allclose(o_eps[0, :, 0] / o_fix[0, :, 0], torch.tensor(1 / (1 + 1e-6)), rtol=0, atol=2e-7)
+    assert not torch.equal(o_eps, o_fix)
+    # ... and nowhere more than 1e-6 relative (l >= 1 in every row), plus float32 rounding.
+    big = o_fix.abs() > 1e-3
+    assert ((o_eps - o_fix).abs()[big] / o_fix.abs()[big]).max() < 1.3e-6
+    assert (lse_eps - lse_fix).abs().max() < 1.1e-6
+    # The fixed kernel itself is right (so the comparison above is against a correct answer).
+    o_ref, lse_ref = ref.attention_lse(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
+    assert abs(o_fix.double().numpy() - o_ref).max() < 1e-5
+    assert abs(lse_fix.double().numpy() - lse_ref).max() < 1e-5
+    # So the check cannot tell it from the fix: the notebook says so rather than pretend.
+    assert check_flash_gqa(eps.flash_attention_forward)
+
+
+def test_student_version_raises_until_filled_in(tmp_path):
+    # The generated student cell keeps the structure, loses the fixes, and says so when called.
+    from course_utils.build import STUB_LINE, student_source
+
+    src = student_source(_fixed_cell(), "05b exercise")
+    assert src.count(STUB_LINE) == 8 and "diag_start = (" not in src and "tl.log2(l_i)" not in src
+    path = tmp_path / "nb05b_student.py"
+    path.write_text(HEADER + src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    q = torch.randn(1, 2, 16, 16)
+    with pytest.raises(NotImplementedError, match="_flash_attention_forward_gqa_kernel"):
+        module.flash_attention_forward(q, q[:, :1], q[:, :1])

@@ -1,0 +1,323 @@
+"""check_kv_head, check_flash_forward, check_flash_gqa: planted mistakes get their diagnosis.
+
+The planted kernels are the course's own kernels (course_utils/kernels/forward.py)
+with exactly one mistake each: the test copies forward.py's source, replaces
+one or two lines inside one function (each replaced text must occur exactly
+once there, so a change to forward.py that would make a mutant meaningless
+fails loudly), writes it to a temporary module and imports it. Correct kernels
+written differently (other block sizes, tl.exp instead of exp2, another kv-head
+formula, a single masked loop) must pass.
+"""
+
+import importlib.util
+import inspect
+import sys
+import time
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from course_utils.grading import GradingError, check_flash_forward, check_flash_gqa, check_kv_head
+from course_utils.grading import part2_triton as pt
+from course_utils.kernels import flash_attention, forward
+
+A = "flash_attention_kernel"
+B = "_flash_attention_forward_gqa_kernel"
+INNER = "_attn_fwd_inner"
+LAUNCH_A = "flash_attention_forward"
+
+
+# -- planting mistakes in a copy of forward.py ---------------------------------
+def _span(src: str, name: str) -> tuple[int, int]:
+    """Where function ``name`` starts and ends in ``src`` (up to the next top-level item)."""
+    start = src.index(f"\ndef {name}(") + 1
+    ends = [i for i in (src.find("\n@triton.jit", start), src.find("\ndef ", start), src.find("\n# ---", start)) if i != -1]
+    return start, min(ends) if ends else len(src)
+
+
+_made: dict = {}
+
+
+@pytest.fixture(scope="module")
+def variant(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("variants")
+    source = inspect.getsource(forward)
+
+    def make(name, *edits):
+        """forward.py with each ``(function, old, new)`` edit applied, as a module."""
+        if name in _made:
+            return _made[name]
+        src = source
+        for func, old, new in edits:
+            a, b = _span(src, func)
+            body = src[a:b]
+            assert body.count(old) == 1, f"{name}: {old!r} occurs {body.count(old)} times in {func}"
+            src = src[:a] + body.replace(old, new) + src[b:]
+        path = folder / f"variant_{name}.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(f"variant_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _made[name] = module
+        return module
+
+    return make
+
+
+def mha(module, **blocks):
+    return lambda q, k, v, causal=False: module.flash_attention_forward(q, k, v, causal=causal, **blocks)
+
+
+def gqa(module, **blocks):
+    return lambda q, k, v: module.flash_attention_gqa_forward(q, k, v, causal=True, **blocks)
+
+
+def _fails(check, fn, message, **kwargs):
+    """``check(fn)`` fails, naming ``message`` as the likely cause."""
+    with pytest.raises(GradingError) as info:
+        check(fn, **kwargs)
+    text = str(info.value)
+    # the message's fixed part: before any block size is filled in, first letter aside (capitalised mid-sentence)
+    fixed = message.split("{")[0].split(" (BLOCK")[0][1:70]
+    assert "Likely cause: " in text and fixed in text.split("Likely cause: ", 1)[1], text
+    return text
+
+
+# -- check_kv_head --------------------------------------------------------------
+@pytest.mark.parametrize("fn", [
+    lambda h, nq, nkv: h // (nq // nkv),
+    lambda h, nq, nkv: h * nkv // nq,
+    lambda h, nq, nkv: int(h // (nq / nkv)),
+    lambda h, nq, nkv: torch.tensor(h // (nq // nkv)).numpy()[()],  # a NumPy integer
+], ids=["group", "scaled", "float-group", "numpy-int"])
+def test_kv_head_correct_variants_pass(fn):
+    assert check_kv_head(fn)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda h, nq, nkv: h % nkv, pt.MSG_KV_INTERLEAVED),
+    (lambda h, nq, nkv: h // nkv, pt.MSG_KV_DIV_NKV),
+    (lambda h, nq, nkv: min(nkv - 1, (h + 1) // (nq // nkv)), pt.MSG_KV_OTHER),
+], ids=["interleaved", "div-nkv", "other"])
+def test_kv_head_mistakes_are_diagnosed(fn, message):
+    _fails(check_kv_head, fn, message)
+
+
+def test_kv_head_float_and_non_int_get_a_sentence():
+    with pytest.raises(GradingError, match="use integer division"):
+        check_kv_head(lambda h, nq, nkv: h / (nq // nkv))
+    with pytest.raises(GradingError, match="return a Python int"):
+        check_kv_head(lambda h, nq, nkv: str(h))
+
+
+def test_kv_head_learner_exception_keeps_its_type():
+    with pytest.raises(ZeroDivisionError) as info:
+        check_kv_head(lambda h, nq, nkv: h // (nkv // nq))  # group size upside down
+    assert any("check_kv_head" in note for note in info.value.__notes__)
+
+
+# -- check_flash_forward: correct kernels ------------------------------------------
+def test_flash_forward_course_kernel_passes_quickly():
+    start = time.perf_counter()
+    assert check_flash_forward(forward.flash_attention_forward)
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize("make", [
+    lambda variant: mha(forward, block_m=32, block_n=32),
+    lambda variant: lambda q, k, v, causal=False: flash_attention(q, k, v, causal=causal),  # the GQA kernel
+    lambda variant: mha(variant("a_no_min", (A, "tl.minimum(N_size, (pid_m + 1) * BLOCK_M)", "(pid_m + 1) * BLOCK_M"))),
+    lambda variant: mha(variant("a_no_bound", (A, "kv_end = tl.minimum(N_size, (pid_m + 1) * BLOCK_M)", "kv_end = N_size"))),
+], ids=["blocks-32x32", "gqa-kernel", "bound-without-min", "no-bound-only-mask"])
+def test_flash_forward_correct_variants_pass(variant, make):
+    assert check_flash_forward(make(variant))
+
+
+# -- check_flash_forward: planted mistakes ---------------------------------------
+FORWARD_MISTAKES = {
+    "causal_ignored": ([(A, "keep = keep & (offs_m[:, None] >= offs_n[None, :])", "keep = keep"),
+                        (A, "kv_end = tl.minimum(N_size, (pid_m + 1) * BLOCK_M)", "kv_end = N_size")], pt.MSG_NO_CAUSAL),
+    "bound_but_no_mask": ([(A, "keep = keep & (offs_m[:, None] >= offs_n[None, :])", "keep = keep")],
+                          pt.MSG_DIAG_UNMASKED),
+    "mask_strict": ([(A, "offs_m[:, None] >= offs_n[None, :]", "offs_m[:, None] > offs_n[None, :]")], pt.MSG_CAUSAL_STRICT),
+    "mask_shifted": ([(A, "offs_m[:, None] >= offs_n[None, :]", "offs_m[:, None] + 1 >= offs_n[None, :]")],
+                     pt.MSG_CAUSAL_SHIFTED),
+    "bound_skips_diagonal": ([(A, "tl.minimum(N_size, (pid_m + 1) * BLOCK_M)", "tl.minimum(N_size, pid_m * BLOCK_M)")],
+                             pt.MSG_DIAG_SKIPPED),
+    "acc_not_rescaled": ([(A, "acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot")], pt.MSG_ACC_NOT_RESCALED),
+    "nothing_rescaled": ([(A, "acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"),
+                          (A, "l_i = l_i * alpha +", "l_i = l_i +")], pt.MSG_NOT_RESCALED),
+    "no_sm_scale": ([(LAUNCH_A, "1.0 / math.sqrt(D),", "1.0,")], pt.MSG_NO_SCALE),
+    "scaled_twice": ([(A, "s = tl.dot(q, k) * sm_scale", "s = tl.dot(q, k) * sm_scale * sm_scale")], pt.MSG_SCALE_TWICE),
+    "exp2_without_log2e": ([(A, "alpha = tl.exp(m_i", "alpha = tl.exp2(m_i"), (A, "p = tl.exp(s", "p = tl.exp2(s")],
+                           pt.MSG_EXP2_NO_LOG2E),
+    "tail_keys_unmasked": ([(A, "keep = n_ok[None, :]", "keep = offs_n[None, :] >= 0")], pt.MSG_TAIL_UNMASKED),
+    "v_load_unmasked": ([(A, "mask=n_ok[:, None] & d_ok[None, :], other=0.0,", "")], pt.MSG_OOB),
+    "o_with_q_strides": ([(A, "pid_z * stride_oz + pid_h * stride_oh", "pid_z * stride_qz + pid_h * stride_qh"),
+                          (A, "offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok",
+                           "offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk")], pt.MSG_O_STRIDES),
+    "head_dim_stride_ignored": ([(A, "offs_d[None, :] * stride_qk,", "offs_d[None, :],"),
+                                 (A, "offs_d[:, None] * stride_kk,", "offs_d[:, None],"),
+                                 (A, "offs_d[None, :] * stride_vk,", "offs_d[None, :],")], pt.MSG_D_STRIDE),
+}
+
+
+@pytest.mark.parametrize("name", list(FORWARD_MISTAKES))
+def test_flash_forward_mistakes_are_diagnosed(variant, name):
+    edits, message = FORWARD_MISTAKES[name]
+    _fails(check_flash_forward, mha(variant("a_" + name, *edits)), message)
+
+
+def test_block_size_is_named_in_the_diagnosis(variant):
+    edits, message = FORWARD_MISTAKES["acc_not_rescaled"]
+    module = variant("a_acc_not_rescaled", *edits)
+    assert "BLOCK_N = 32 fits" in _fails(check_flash_forward, mha(module, block_m=64, block_n=32), message)
+    assert "BLOCK_N = 16 fits" in _fails(check_flash_forward, mha(module, block_m=32, block_n=16), message)
+    edits, message = FORWARD_MISTAKES["bound_skips_diagonal"]
+    module = variant("a_bound_skips_diagonal", *edits)
+    assert "BLOCK_M = 32 fits" in _fails(check_flash_forward, mha(module, block_m=32, block_n=16), message)
+
+
+def test_a_failure_replays_with_its_seed(variant):
+    edits, message = FORWARD_MISTAKES["tail_keys_unmasked"]
+    fn = mha(variant("a_tail_keys_unmasked", *edits))
+    first = _fails(check_flash_forward, fn, message)
+    seed = int(first.split("seed=")[1].split(")")[0])
+    assert _fails(check_flash_forward, fn, message, seed=seed) == first
+
+
+def test_sdpa_is_not_a_triton_kernel():
+    def sdpa(q, k, v, causal=False):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    with pytest.raises(GradingError, match="no Triton kernel ran"):
+        check_flash_forward(sdpa)
+
+
+@triton.jit
+def _segfault_kernel(q_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(q_ptr + (1 << 40) + offs)  # mistake: 4 TiB past any allocation
+    tl.store(o_ptr + offs, x, mask=offs < n)
+
+
+@pytest.mark.skipif(course_utils.ENV.device == "cuda",
+                    reason="on a GPU the checks run in-process and a bad address is a CUDA error, not a crash")
+def test_segfaulting_kernel_is_reported_and_pytest_survives():
+    def crashing(q, k, v, causal=False):
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        _segfault_kernel[(triton.cdiv(o.numel(), 64),)](q, o, o.numel(), BLOCK=64)
+        return o
+
+    start = time.perf_counter()
+    with pytest.raises(GradingError, match="crashed the grading process"):
+        check_flash_forward(crashing)
+    assert time.perf_counter() - start < 60
+
+
+@pytest.mark.parametrize("fn, text", [
+    (lambda q, k, v, causal=False: forward.flash_attention_forward(q, k, v, causal=causal).half()
+     if q.dtype == torch.float32 else forward.flash_attention_forward(q, k, v, causal=causal).float(), "dtype"),
+    (lambda q, k, v, causal=False: forward.flash_attention_forward(q, k, v, causal=causal)[:, :, :-1], "shape"),
+    (lambda q, k, v, causal=False: forward.flash_attention_forward(q, k, v, causal=causal).cpu().numpy(), "torch tensor"),
+], ids=["dtype", "shape", "numpy"])
+def test_flash_forward_wrong_result_type_gets_a_sentence(fn, text):
+    with pytest.raises(GradingError, match=text):
+        check_flash_forward(fn)
+
+
+# -- check_flash_gqa: correct kernels ---------------------------------------------
+def test_flash_gqa_course_kernel_passes_quickly():
+    start = time.perf_counter()
+    assert check_flash_gqa(gqa(forward))
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize("make", [
+    lambda variant: gqa(variant(
+        "b_natural_exp",
+        (INNER, "alpha = tl.exp2(m_i - m_new)", "alpha = tl.exp(m_i - m_new)"),
+        (INNER, "p = tl.exp2(s - m_new[:, None])", "p = tl.exp(s - m_new[:, None])"),
+        (B, "qk_scale = sm_scale * 1.4426950408889634", "qk_scale = sm_scale"),
+        (B, "lse = (m_i + tl.log2(l_i)) * 0.6931471805599453", "lse = m_i + tl.log(l_i)"),
+    ), block_m=128, block_n=64),
+    lambda variant: gqa(variant("b_scaled_kv_head", (B, "kv_head = q_head // group_size",
+                                                      "kv_head = q_head * N_KV_HEADS // N_Q_HEADS")),
+                        block_m=32, block_n=16),
+    lambda variant: gqa(variant("b_one_masked_loop", (B, "mask_lo = start_m * BLOCK_M ", "mask_lo = 0 "))),
+], ids=["exp-blocks-128x64", "scaled-kv-head-blocks-32x16", "one-masked-loop"])
+def test_flash_gqa_correct_variants_pass(variant, make):
+    assert check_flash_gqa(make(variant))
+
+
+# -- check_flash_gqa: planted mistakes ---------------------------------------------
+GQA_MISTAKES = {
+    "kv_interleaved": ([(B, "kv_head = q_head // group_size", "kv_head = q_head % N_KV_HEADS")], pt.MSG_KV_INTERLEAVED),
+    "kv_div_n_kv_heads": ([(B, "kv_head = q_head // group_size", "kv_head = q_head // N_KV_HEADS")], pt.MSG_KV_DIV_NKV),
+    "causal_ignored": ([("flash_attention_gqa_forward", "IS_CAUSAL=bool(causal)", "IS_CAUSAL=False")], pt.MSG_NO_CAUSAL),
+    "no_mask_in_phase_2": ([(INNER, "keep = keep & (offs_m[:, None] >= offs_n[None, :])", "keep = keep")],
+                           pt.MSG_DIAG_UNMASKED),
+    "mask_strict": ([(INNER, "offs_m[:, None] >= offs_n[None, :]", "offs_m[:, None] > offs_n[None, :]")],
+                    pt.MSG_CAUSAL_STRICT),
+    "diagonal_unmasked": ([(B, "mask_lo = start_m * BLOCK_M ", "mask_lo = (start_m + 1) * BLOCK_M ")],
+                          pt.MSG_DIAG_UNMASKED),
+    "diagonal_twice": ([(B, "0, mask_lo, SEQ_LEN, qk_scale,", "0, mask_lo + BLOCK_M, SEQ_LEN, qk_scale,")],
+                       pt.MSG_DIAG_TWICE),
+    "diagonal_skipped": ([(B, "mask_hi = tl.minimum((start_m + 1) * BLOCK_M, SEQ_LEN)", "mask_hi = start_m * BLOCK_M")],
+                         pt.MSG_DIAG_SKIPPED),
+    "masked_phase_from_zero": ([(B, "mask_lo, mask_hi, SEQ_LEN, qk_scale,", "0, mask_hi, SEQ_LEN, qk_scale,")],
+                               pt.MSG_OVERLAP),
+    "acc_not_rescaled": ([(INNER, "acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot")], pt.MSG_ACC_NOT_RESCALED),
+    "no_sm_scale": ([(B, "qk_scale = sm_scale * 1.4426950408889634", "qk_scale = 1.4426950408889634")], pt.MSG_NO_SCALE),
+    "exp2_without_log2e": ([(B, "qk_scale = sm_scale * 1.4426950408889634", "qk_scale = sm_scale")],
+                           pt.MSG_EXP2_NO_LOG2E),
+    "lse_base2": ([(B, "lse = (m_i + tl.log2(l_i)) * 0.6931471805599453", "lse = m_i + tl.log2(l_i)")],
+                  pt.MSG_LSE_BASE2),
+    "lse_mixed_bases": ([(B, "lse = (m_i + tl.log2(l_i)) * 0.6931471805599453", "lse = m_i + tl.log(l_i)")],
+                        pt.MSG_LSE_MIXED),
+    "lse_without_max": ([(B, "lse = (m_i + tl.log2(l_i)) * 0.6931471805599453", "lse = tl.log(l_i)")],
+                        pt.MSG_LSE_NO_MAX),
+    "v_load_unmasked": ([(INNER, "mask=n_ok[:, None] & d_ok[None, :], other=0.0,", "")], pt.MSG_OOB),
+    "o_with_q_strides": ([(B, "batch * stride_ob + q_head * stride_oh", "batch * stride_qb + q_head * stride_qh"),
+                          (B, "offs_m[:, None] * stride_on + offs_d[None, :] * stride_od",
+                           "offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd")], pt.MSG_O_STRIDES),
+}
+
+
+@pytest.mark.parametrize("name", list(GQA_MISTAKES))
+def test_flash_gqa_mistakes_are_diagnosed(variant, name):
+    edits, message = GQA_MISTAKES[name]
+    _fails(check_flash_gqa, gqa(variant("b_" + name, *edits)), message)
+
+
+def test_wrong_kv_mapping_names_each_head(variant):
+    edits, message = GQA_MISTAKES["kv_interleaved"]
+    text = _fails(check_flash_gqa, gqa(variant("b_kv_interleaved", *edits)), message)
+    assert "0->0, 1->1, 2->2, 3->3, 4->0, 5->1, 6->2, 7->3" in text  # what was read
+    assert "expected 0->0, 1->0, 2->1, 3->1, 4->2, 5->2, 6->3, 7->3" in text
+
+
+def test_sdpa_with_gqa_is_not_a_triton_kernel():
+    def sdpa(q, k, v):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o, torch.zeros(q.shape[:3])
+
+    with pytest.raises(GradingError, match="no Triton kernel ran"):
+        check_flash_gqa(sdpa)
+
+
+@pytest.mark.parametrize("fn, text", [
+    (lambda q, k, v: forward.flash_attention_gqa_forward(q, k, v, causal=True)[0], "return the pair"),
+    (lambda q, k, v: (lambda o, lse: (o, lse.half()))(*forward.flash_attention_gqa_forward(q, k, v, causal=True)),
+     "lse is float32"),
+    (lambda q, k, v: (lambda o, lse: (o, lse[..., None]))(*forward.flash_attention_gqa_forward(q, k, v, causal=True)),
+     "lse has shape"),
+], ids=["no-lse", "lse-half", "lse-shape"])
+def test_flash_gqa_wrong_result_type_gets_a_sentence(fn, text):
+    with pytest.raises(GradingError, match=text):
+        check_flash_gqa(fn)

@@ -1,0 +1,224 @@
+"""The fast forward kernel (course_utils.kernels.fast) on the CPU.
+
+What can run here: the pure-Python parts (config pruning, ``is_supported``,
+the fallback routing) and the kernel itself in Triton's interpreter with a
+fixed configuration (``fast.launch``), host TMA descriptors included. The
+autotuned path needs a GPU; its numbers are in results/.
+"""
+
+import math
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+import numpy as np
+import pytest
+import torch
+
+from course_utils import references
+from course_utils.kernels import fast, forward
+
+
+def _inputs(b, hq, hkv, n, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, h, n, d, generator=g).to(dtype) for h in (hq, hkv, hkv)]
+
+
+def _ref(q, k, v, causal, scale=None):
+    return references.attention_lse(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=causal, scale=scale)
+
+
+def _assert_close(o, lse, ref, atol_o):
+    ro, rl = ref
+    np.testing.assert_allclose(o.double().numpy(), ro, atol=atol_o, rtol=0)
+    np.testing.assert_allclose(lse.double().numpy(), rl, atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------
+# Configuration pruning
+# ----------------------------------------------------------------------------
+def test_config_ok_needs_tiles_that_divide_n():
+    assert fast.config_ok(128, 64, 4, 1024, 128, causal=True)
+    assert not fast.config_ok(128, 64, 4, 192, 128, causal=True)  # 192 % 128
+    assert fast.config_ok(64, 64, 4, 192, 128, causal=True)
+
+
+def test_config_ok_causal_needs_block_m_multiple_of_block_n():
+    assert not fast.config_ok(64, 128, 8, 1024, 64, causal=True)
+    assert fast.config_ok(64, 128, 8, 1024, 64, causal=False) is False  # 8 warps on < 128x128
+    assert fast.config_ok(128, 128, 8, 1024, 64, causal=True)
+
+
+def test_config_ok_register_and_warp_rules():
+    # 128x128 scores + 128x128 accumulator on 4 warps would spill at D=128, not at D=64.
+    assert not fast.config_ok(128, 128, 4, 1024, 128, causal=False)
+    assert fast.config_ok(128, 128, 4, 1024, 64, causal=False)
+    # 8 warps only for tiles of at least 128x128.
+    assert not fast.config_ok(128, 64, 8, 1024, 128, causal=False)
+    assert fast.config_ok(128, 128, 8, 1024, 128, causal=False)
+
+
+def test_prune_configs_uses_named_args_and_never_returns_nothing():
+    configs = fast.make_configs()
+    kept = fast.prune_configs(configs, {"N_CTX": 1024}, HEAD_DIM=128, CAUSAL=True)
+    shapes = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept}
+    assert (128, 128, 4) not in shapes and (128, 64, 4) in shapes and (128, 128, 8) in shapes
+    only_64 = fast.prune_configs(configs, {"N_CTX": 64, "HEAD_DIM": 64, "CAUSAL": False})
+    assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in only_64} == {(64, 64)}
+    # Nothing fits N = 32: the smallest tile is returned rather than an empty list.
+    fallback = fast.prune_configs(configs, {"N_CTX": 32, "HEAD_DIM": 64, "CAUSAL": False})
+    assert len(fallback) == 1 and fallback[0].kwargs["BLOCK_M"] == 64
+
+
+def test_every_config_sets_its_descriptor_block_shapes():
+    q, k, v = _inputs(1, 2, 1, 128, 64)
+    o = torch.empty_like(q)
+    descs = fast._descriptors(q, k, v, o, 16, 16)
+    cfg = fast.make_configs()[2]
+    nargs = dict(zip(("desc_q", "desc_k", "desc_v", "desc_o"), descs), HEAD_DIM=64, **cfg.kwargs)
+    cfg.pre_hook(nargs)
+    bm, bn = cfg.kwargs["BLOCK_M"], cfg.kwargs["BLOCK_N"]
+    assert descs[0].block_shape == [bm, 64] and descs[3].block_shape == [bm, 64]
+    assert descs[1].block_shape == [bn, 64] and descs[2].block_shape == [bn, 64]
+
+
+# ----------------------------------------------------------------------------
+# is_supported / fallback routing
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "shape_q, shape_kv, dtype, words",
+    [
+        ((1, 4, 128, 64), (1, 4, 128, 64), torch.float32, "dtype"),
+        ((1, 4, 128, 32), (1, 4, 128, 32), torch.float16, "head dim"),
+        ((1, 4, 100, 64), (1, 4, 100, 64), torch.float16, "multiple of 64"),
+        ((1, 4, 128, 64), (1, 3, 128, 64), torch.float16, "multiple of the kv heads"),
+        ((1, 4, 128, 64), (1, 4, 256, 64), torch.float16, "[B, H_kv, N, D]"),
+        ((4, 128, 64), (4, 128, 64), torch.float16, "[B, H, N, D]"),
+    ],
+)
+def test_unsupported_reason_names_the_problem(shape_q, shape_kv, dtype, words):
+    q = torch.zeros(shape_q, dtype=dtype)
+    k = torch.zeros(shape_kv, dtype=dtype)
+    reason = fast.unsupported_reason(q, k, k)
+    assert reason is not None and words in reason
+    assert fast.is_supported(q, k, k) is False
+
+
+def test_good_shapes_are_refused_only_for_the_machine_here():
+    q, k, v = _inputs(1, 4, 2, 128, 64, torch.float16)
+    reason = fast.unsupported_reason(q, k, v)
+    assert reason is not None and ("interpreter" in reason or "CUDA" in reason)
+    assert fast.is_supported(q, k, v) is False
+    assert fast.is_supported("q", k, v) is False  # never raises
+
+
+def test_unsupported_inputs_fall_back_to_the_lesson_05_kernel(monkeypatch):
+    q, k, v = _inputs(1, 4, 2, 128, 32)
+    calls = []
+    real = forward.flash_attention_gqa_forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "flash_attention_gqa_forward", spy)
+    o, lse = fast.attention_forward_fast(q, k, v, causal=True)
+    assert calls == [{"causal": True}]
+    _assert_close(o, lse, _ref(q, k, v, True), 1e-5)
+
+
+def test_fallback_honours_sm_scale():
+    q, k, v = _inputs(1, 2, 1, 64, 32, seed=3)
+    o, lse = fast.attention_forward_fast(q, k, v, causal=False, sm_scale=0.37)
+    _assert_close(o, lse, _ref(q, k, v, False, scale=0.37), 1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tries_warp_specialisation_then_plain_autotune_then_a_safe_config(monkeypatch, causal):
+    q, k, v = _inputs(1, 2, 1, 128, 64)
+    monkeypatch.setattr(fast, "is_supported", lambda *a: True)
+    monkeypatch.setitem(fast._WS_STATE, "enabled", {True: True, False: True})
+    monkeypatch.setitem(fast._WS_STATE, "error", {})
+    monkeypatch.setitem(fast._TUNE_STATE, "error", None)
+    tried = []
+
+    def fake_tuned(kernel, *args):
+        tried.append("ws" if kernel is fast._tuned_kernel_ws else "plain")
+        raise RuntimeError("not on this compiler")
+
+    launched = []
+    monkeypatch.setattr(fast, "_launch_tuned", fake_tuned)
+    monkeypatch.setattr(fast, "launch", lambda *a, **kw: launched.append(kw) or ("o", "lse"))
+    assert fast.attention_forward_fast(q, k, v, causal=causal) == ("o", "lse")
+    assert tried == ["ws", "plain"]
+    # Only this mask's flag is switched off, with the reason kept.
+    assert fast._WS_STATE["enabled"] == {causal: False, not causal: True}
+    assert "RuntimeError" in fast._WS_STATE["error"][causal]
+    assert launched and launched[0]["block_m"] == fast.SAFE_CONFIG["block_m"]
+    assert "autotuning failed" in fast.best_config(causal)
+    tried.clear()
+    fast.attention_forward_fast(q, k, v, causal=causal)
+    assert tried == ["plain"]  # warp specialisation is not retried
+
+
+def test_ws_configs_only_with_eight_warps():
+    assert not fast.config_ok(128, 64, 4, 1024, 128, causal=False, warp_specialize=True)
+    assert fast.config_ok(128, 128, 8, 1024, 128, causal=False, warp_specialize=True)
+    assert all(w == 8 for _, _, w, _, _, ws in fast.WS_SPACE if ws)
+    configs = fast.make_configs(fast.WS_SPACE + fast.CONFIG_SPACE)
+    kept = fast.prune_configs(configs, {"N_CTX": 1024, "HEAD_DIM": 128, "CAUSAL": True})
+    assert all(c.num_warps == 8 for c in kept if c.kwargs["WARP_SPECIALIZE"])
+    assert {c.kwargs["ORDER"] for c in kept} == {fast.ORDER_M_MAJOR, fast.ORDER_LONGEST_FIRST}
+
+
+# ----------------------------------------------------------------------------
+# The kernel itself, in the interpreter (fixed configurations)
+# ----------------------------------------------------------------------------
+CASES = [
+    # b, hq, hkv, n, d, causal, dtype, launch options
+    (1, 2, 1, 128, 64, True, torch.float32, dict(use_tma=True)),
+    (1, 2, 1, 128, 64, False, torch.float32, dict(use_tma=True)),
+    (2, 4, 2, 128, 32, True, torch.float32, dict(use_tma=False)),
+    (1, 4, 1, 128, 64, True, torch.float16, dict(use_tma=True, order=fast.ORDER_M_MAJOR)),
+    (1, 2, 2, 128, 64, True, torch.float32, dict(use_tma=False, two_phase=False, exp2=False)),
+    (1, 2, 1, 128, 64, False, torch.float16, dict(use_tma=False, exp2=False)),
+]
+
+
+@pytest.mark.parametrize("b, hq, hkv, n, d, causal, dtype, opts", CASES)
+def test_launch_matches_the_reference(b, hq, hkv, n, d, causal, dtype, opts):
+    q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=hq + n)
+    o, lse = fast.launch(q, k, v, causal, block_m=64, block_n=32, **opts)
+    assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32
+    _assert_close(o, lse, _ref(q, k, v, causal), 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_lazy_rescale_is_exact_when_the_max_keeps_growing(causal):
+    # Keys scaled up along the sequence: later blocks have much larger scores,
+    # so the running max grows by more than 8 (log2) and the rescale branch runs.
+    q, k, v = _inputs(1, 2, 1, 128, 64, seed=5)
+    k = k * torch.linspace(0.1, 6.0, 128)[None, None, :, None]
+    o, lse = fast.launch(q, k, v, causal, block_m=64, block_n=32, lazy_rescale=True)
+    _assert_close(o, lse, _ref(q, k, v, causal), 1e-5)
+    assert float(lse.max()) > 8.0  # the scores really were large
+
+
+def test_launch_uses_sm_scale():
+    q, k, v = _inputs(1, 2, 1, 64, 32, seed=7)
+    o, lse = fast.launch(q, k, v, True, sm_scale=0.2, block_m=32, block_n=16, use_tma=False)
+    _assert_close(o, lse, _ref(q, k, v, True, scale=0.2), 1e-5)
+
+
+def test_launch_rejects_ragged_tiles():
+    q, k, v = _inputs(1, 2, 1, 96, 32)
+    with pytest.raises(ValueError, match="multiple"):
+        fast.launch(q, k, v, False, block_m=64, block_n=32)
+    q, k, v = _inputs(1, 2, 1, 128, 32)
+    with pytest.raises(ValueError, match="multiple"):
+        fast.launch(q, k, v, True, block_m=32, block_n=64)  # causal: BLOCK_M % BLOCK_N
+
+
+def test_lse_is_natural_log():
+    q, k, v = _inputs(1, 1, 1, 64, 32, seed=11)
+    _, lse = fast.launch(q, k, v, False, block_m=32, block_n=32, use_tma=False)
+    s = (q[0, 0].double() @ k[0, 0].double().T) / math.sqrt(32)
+    np.testing.assert_allclose(lse[0, 0].double().numpy(), torch.logsumexp(s, -1).numpy(), atol=1e-5)
