@@ -227,7 +227,7 @@ def tiled_attention(q, k, v, block_m: int, block_n: int, causal=False):
 # head in its group: the forward copies each kv head to group_size query
 # heads, and the chain rule through a copy adds the copies' gradients.
 
-__all__ += ["attention_backward", "tiled_attention_backward"]
+__all__ += ["attention_backward", "tiled_attention_backward", "sum_kv_groups"]
 
 
 def _group_size_of(q, k) -> int:
@@ -269,9 +269,6 @@ def sum_kv_groups(dx, group_size: int):
         return dx
     shape = dx.shape[:-3] + (dx.shape[-3] // group_size, group_size) + dx.shape[-2:]
     return dx.reshape(shape).sum(axis=-3)
-
-
-__all__ += ["sum_kv_groups"]
 
 
 def attention_backward(q, k, v, do, causal=False, scale=None):

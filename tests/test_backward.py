@@ -161,13 +161,16 @@ class _ReferenceForward(torch.autograd.Function):
         return (*bw.attention_backward(q, k, v, o, lse, do, causal=ctx.causal, config=bw.BackwardConfig(16, 16, 16, 16)), None)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_gradcheck_float64(causal):
-    q = _rand((1, 4, 21, 16), 7, torch.float64).requires_grad_()
-    k = _rand((1, 2, 21, 16), 8, torch.float64).requires_grad_()
-    v = _rand((1, 2, 21, 16), 9, torch.float64).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b, c: _ReferenceForward.apply(a, b, c, causal), (q, k, v),
-                                    eps=1e-6, atol=1e-5, rtol=1e-3, fast_mode=True)
+def test_gradcheck_float64():
+    # Slow mode on a tiny problem (one backward per output element): fast_mode
+    # was measured to pass a dK doubled by mistake at N=21, its projected
+    # tolerance being loose, while this rejects dK off by 1%. D=4 is padded
+    # to 16 inside the kernel; causal with GQA (2 query heads, 1 kv head).
+    q = _rand((1, 2, 5, 4), 7, torch.float64).requires_grad_()
+    k = _rand((1, 1, 5, 4), 8, torch.float64).requires_grad_()
+    v = _rand((1, 1, 5, 4), 9, torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b, c: _ReferenceForward.apply(a, b, c, True), (q, k, v),
+                                    eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
 def test_autograd_function_end_to_end():
@@ -200,6 +203,9 @@ def test_bad_input_raises_value_error():
         bw.attention_backward(big, big, big, big, torch.zeros(1, 2, 4), big)
     with pytest.raises(ValueError, match="4-d"):
         bw.attention_backward(q[0], k, k, q, torch.zeros(1, 4, 16), q)
+    with pytest.raises(ValueError, match="bfloat16"):
+        h = torch.zeros(1, 2, 16, 16, dtype=torch.bfloat16)
+        bw.attention_backward(h, h, h, h, torch.zeros(1, 2, 16), h)
     with pytest.raises(ValueError, match="multiple"):
         bw.BackwardConfig(32, 48, 64, 32)
 
@@ -217,18 +223,23 @@ def _strip(text):
 
 
 def _notebook_functions(path):
+    """Every ``@triton.jit`` function defined in the notebook's code cells, by name."""
     cells = json.loads(path.read_text())["cells"]
     found = {}
     for cell in cells:
         if cell["cell_type"] != "code":
             continue
-        src = _strip("".join(cell["source"]))
-        for match in re.finditer(r"^@triton\.jit\ndef (\w+)\(", src, flags=re.M):
-            name = match.group(1)
-            rest = src[match.start():]
-            end = re.search(r"\n(?=\S)(?!    )", rest[len("@triton.jit\n"):])
-            body = rest if end is None else rest[: len("@triton.jit\n") + end.start()]
-            found[name] = body.strip("\n")
+        lines = _strip("".join(cell["source"])).split("\n")
+        for i, line in enumerate(lines):
+            match = re.match(r"def (\w+)\(", lines[i + 1]) if line == "@triton.jit" and i + 1 < len(lines) else None
+            if not match:
+                continue
+            body = lines[i:i + 2]
+            for rest in lines[i + 2:]:  # the body: indented lines, blank lines, the signature's ")"
+                if rest and not rest.startswith((" ", "\t", ")")):
+                    break
+                body.append(rest)
+            found[match.group(1)] = "\n".join(body).strip("\n")
     return found
 
 

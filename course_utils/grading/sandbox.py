@@ -19,6 +19,7 @@ Two things the Triton checks need that the NumPy ones do not:
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import multiprocessing
 import os
@@ -50,6 +51,9 @@ def _learner_traceback(exc: BaseException) -> str:
 
 
 def _child(conn, check, fn, kwargs):
+    # A crash here is reported by the parent in words; Python's own fatal-error
+    # dump of the child (when faulthandler is on, as under pytest) is noise.
+    faulthandler.disable()
     # A parent that already ran a multi-threaded torch op (any op on more than
     # ~32k elements) leaves OpenMP's thread pool unusable in a forked child:
     # the child's next such op would wait forever for threads that were not
@@ -93,6 +97,7 @@ def _crash_message(exercise: str, exitcode: int) -> str:
 def isolated(check: Callable) -> Callable:
     """Run ``check(fn, **kwargs)`` in a forked process on the CPU.
 
+    Messages name the check by its public name (``_check_x`` -> ``check_x``).
     The wrapped check takes ``isolate=None`` (auto: on when there is no GPU
     and the OS can fork) and ``timeout_s``, the limit for the whole check.
     """
@@ -100,6 +105,7 @@ def isolated(check: Callable) -> Callable:
     @functools.wraps(check)
     def wrapper(fn, *, isolate: bool | None = None, timeout_s: float = 120.0, **kwargs):
         __tracebackhide__ = True
+        name = check.__name__.lstrip("_")
         if isolate is None:
             isolate = current().device == "cpu" and hasattr(os, "fork")
         if not isolate:
@@ -119,20 +125,20 @@ def isolated(check: Callable) -> Callable:
             proc.kill()
             proc.join()
             raise GradingError(
-                f"{check.__name__}: the check did not finish within {timeout_s:g} s and was "
+                f"{name}: the check did not finish within {timeout_s:g} s and was "
                 "stopped. Look for a loop that never ends, or a grid launching far more "
                 "programs than intended (in the interpreter each program runs one after another)."
             )
         proc.join(timeout=10)
         if outcome is None:
-            raise GradingError(_crash_message(check.__name__, proc.exitcode or -signal.SIGSEGV))
+            raise GradingError(_crash_message(name, proc.exitcode or -signal.SIGSEGV))
         kind, value = outcome
         if kind == "passed":
             return value
         if kind == "failed":
             raise GradingError(value)
         raise KernelError(
-            f"{check.__name__}: your code raised an error (it ran in a separate process; "
+            f"{name}: your code raised an error (it ran in a separate process; "
             f"its traceback follows).\n\n{value}"
         )
 

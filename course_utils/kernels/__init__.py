@@ -11,7 +11,8 @@ a GPU) or fp32, head dims 16 to 256. ``lse`` is float32 ``[B, Hq, N]``: the
 natural-log logsumexp of each query row's scaled scores. Bad input raises a
 ``ValueError`` of one sentence.
 
-Modules: :mod:`.forward` holds the lesson kernels (04's
+Modules: :mod:`.fast` holds the Hopper-tuned forward kernel (lesson 06),
+:mod:`.forward` holds the lesson kernels (04's
 ``flash_attention_kernel``, 05's ``_flash_attention_forward_gqa_kernel``)
 and their launchers. Both public functions go through :func:`_forward`, the
 one place that picks which forward kernel runs.
@@ -19,7 +20,7 @@ one place that picks which forward kernel runs.
 
 from __future__ import annotations
 
-from . import forward
+from . import fast, forward
 from .forward import flash_attention_forward, flash_attention_gqa_forward, validate
 
 __all__ = [
@@ -35,10 +36,13 @@ __all__ = [
 def _forward(q, k, v, causal: bool):
     """The dispatch point: run a forward kernel and return ``(o, lse)``.
 
-    Today this is the course's GQA kernel (lesson 05), which handles MHA, GQA
-    and MQA, causal or not. A faster kernel for some machines can be routed
-    in here without changing the public functions.
+    On a Hopper GPU, for the shapes it covers (bf16/fp16, D of 64 or 128, N a
+    multiple of 64), the autotuned kernel of :mod:`.fast` (lesson 06); for
+    everything else, and in the interpreter, the course's GQA kernel from
+    lesson 05, which handles MHA, GQA and MQA, causal or not.
     """
+    if fast.is_supported(q, k, v):
+        return fast.attention_forward_fast(q, k, v, causal=causal)
     return flash_attention_gqa_forward(q, k, v, causal=causal)
 
 

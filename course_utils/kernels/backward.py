@@ -22,9 +22,14 @@ Exponentials use ``exp2`` (one hardware instruction) with ``log2(e)`` folded
 into the scale: ``P = exp(s * sm_scale - lse) = exp2(s * sm_scale * log2(e) -
 lse * log2(e))``; ``lse`` stays a natural log everywhere outside the kernels.
 
-:class:`FlashAttentionFunction` wires the forward kernel
-(:func:`course_utils.kernels.forward.flash_attention_with_lse`) and this
-backward into ``torch.autograd``.
+:class:`FlashAttentionFunction` wires the package's forward
+(:func:`course_utils.kernels.flash_attention_with_lse`) and this backward
+into ``torch.autograd``.
+
+The ``@triton.jit`` functions here are the ones lesson 07
+(``solutions/07_backward.ipynb``) defines, with ``### BEGIN/END SOLUTION``
+lines around the learner's parts; ``tests/test_backward.py`` keeps the two
+identical. Edit both together.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ __all__ = [
     "check_backward_inputs",
 ]
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+# log2(e): exp(x) == exp2(x * LOG2E). The kernels write it out as a literal:
+# a @triton.jit function reads no Python global that is not a tl.constexpr.
+LOG2E = 1.4426950408889634
 
 
 # -----------------------------------------------------------------------------
@@ -105,6 +112,7 @@ def _attn_bwd_preprocess(
     do_ptrs = DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod
     o = _load_tile(o_ptrs, offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D).to(ACC)
     do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D).to(ACC)
+    # delta_i = sum over d of o[i, d] * do[i, d]: one number per query row.
     delta = tl.sum(o * do, axis=1)
     delta_ptrs = DELTA + b * stride_deltab + q_head * stride_deltah + offs_m
     if EVEN_M:
@@ -142,7 +150,11 @@ def _dkdv_inner(
             # lse = +inf on rows past the end makes their P exactly 0.
             lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
             delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
-        # P^T = exp(S^T * sm_scale - lse), in base 2 with log2(e) folded in.
+        # P^T = exp(sm_scale * K Q^T - lse) = exp2(qk_scale * K Q^T - lse * log2(e)),
+        # zeroed where key j > query i on the diagonal tiles (MASK). Then
+        # dV += P^T dO,  dP^T = V dO^T,  dS^T = P^T * (dP^T - delta),  dK += dS^T Q
+        # (sm_scale is applied to dK once, by the caller). The products take
+        # P^T and dS^T in the inputs' dtype; the sums stay in fp32.
         s_t = tl.dot(k, tl.trans(q))
         p_t = tl.math.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
         if MASK:  # tiles on the diagonal: key j is invisible to query i < j
@@ -194,11 +206,12 @@ def _attn_bwd_dkdv(
         do_base = DO + b * stride_dob + q_head * stride_doh
         lse_base = LSE + b * stride_lseb + q_head * stride_lseh
         delta_base = DELTA + b * stride_deltab + q_head * stride_deltah
+        # Causal: BLOCK_N is a multiple of BLOCK_M, so query blocks start at
+        # start_n: those before it see none of these keys (skipped), the ones in
+        # [start_n, start_n + BLOCK_N) cross the diagonal (masked), the rest,
+        # up to N_Q, see every key of the block (no mask work). Not causal:
+        # every query block, unmasked.
         if CAUSAL:
-            # BLOCK_N is a multiple of BLOCK_M, so query blocks start at start_n:
-            # those before it see none of these keys (skipped), the ones in
-            # [start_n, start_n + BLOCK_N) cross the diagonal (masked), the
-            # rest are fully visible (no mask work).
             diag_end = tl.minimum(start_n + BLOCK_N, N_Q)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                  stride_qn, stride_qd, stride_don, stride_dod,
@@ -214,7 +227,8 @@ def _attn_bwd_dkdv(
                                  offs_n, offs_d, 0, N_Q, N_Q, head_dim, qk_scale,
                                  BLOCK_M, EVEN_M, PAD_D, False)
 
-    dk *= sm_scale  # dK = sm_scale * dS^T Q: the scale is applied once, at the end
+    # dK = sm_scale * dS^T Q: the scale is applied once, here, not in every tile.
+    dk *= sm_scale
     _store_tile(DK + b * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
                 dk.to(DK.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
     _store_tile(DV + b * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
@@ -238,6 +252,10 @@ def _dq_inner(
                        offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
         v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                        offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        # P = exp2(qk_scale * Q K^T - lse2), zeroed where key j > query i on the
+        # diagonal tiles (MASK) and, when N_K is not a multiple of BLOCK_N, for
+        # the keys past the end (loaded as zeros, their score 0 is not -inf).
+        # Then dP = dO V^T,  dS = P * (dP - delta),  dq += dS K.
         s = tl.dot(q, tl.trans(k))
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASK:
@@ -294,10 +312,11 @@ def _attn_bwd_dq(
     k_base = K + b * stride_kb + kv_head * stride_kh
     v_base = V + b * stride_vb + kv_head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    # Causal: BLOCK_M is a multiple of BLOCK_N, so key blocks before start_m
+    # are fully visible (no mask), those in [start_m, start_m + BLOCK_M) cross
+    # the diagonal (masked), and later ones are skipped; clip both to N_K.
+    # Not causal: every key block, unmasked. Finally dQ = sm_scale * dS K.
     if CAUSAL:
-        # BLOCK_M is a multiple of BLOCK_N: key blocks before start_m are fully
-        # visible, those in [start_m, start_m + BLOCK_M) cross the diagonal,
-        # and later ones are skipped.
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_m, offs_d, 0, tl.minimum(start_m, N_K), N_K, head_dim, qk_scale,
                        BLOCK_N, EVEN_N, PAD_D, False)
@@ -308,7 +327,7 @@ def _attn_bwd_dq(
         dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                        offs_m, offs_d, 0, N_K, N_K, head_dim, qk_scale,
                        BLOCK_N, EVEN_N, PAD_D, False)
-    dq *= sm_scale  # dQ = sm_scale * dS K
+    dq *= sm_scale
     _store_tile(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
                 dq.to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
 
@@ -373,7 +392,7 @@ def check_backward_inputs(q, k, v, o, lse, do):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-d torch tensor [B, H, N, D]; got {getattr(t, 'shape', type(t))}")
         if t.dtype not in _FLOATS:
-            raise ValueError(f"{name} has dtype {t.dtype}; use float16, bfloat16 or float32")
+            raise ValueError(f"{name} has dtype {t.dtype}; use float16, bfloat16 or float32 (float64 for gradcheck)")
     B, n_q_heads, N_Q, D = q.shape
     Bk, n_kv_heads, N_K, Dk = k.shape
     if Bk != B or Dk != D or tuple(v.shape) != tuple(k.shape):
@@ -385,6 +404,8 @@ def check_backward_inputs(q, k, v, o, lse, do):
         raise ValueError(f"o and do must have q's shape {tuple(q.shape)}; got {tuple(o.shape)}, {tuple(do.shape)}")
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (B, n_q_heads, N_Q):
         raise ValueError(f"lse must be a [B, H_q, N] tensor {(B, n_q_heads, N_Q)}; got {getattr(lse, 'shape', type(lse))}")
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        raise ValueError("bfloat16 is computed wrongly by Triton's CPU interpreter: use float32 or float16 on the CPU")
     if not 1 <= D <= 256:
         raise ValueError(f"head dim {D} is not supported (1 to 256)")
     devices = {t.device for t in (q, k, v, o, lse, do)}
@@ -400,7 +421,11 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     ``lse``: ``[B, H_q, N_q]``, the natural-log logsumexp of each row's scaled
     scores, any float dtype. Any strides. ``causal`` is top-left aligned.
     ``sm_scale`` defaults to ``1/sqrt(D)``. The gradients have the inputs'
-    dtypes; every sum is accumulated in fp32.
+    dtypes; every sum is accumulated in fp32. float64 inputs (for
+    ``torch.autograd.gradcheck`` in the interpreter) are accumulated in
+    float64, but the scale and ``log2(e)`` reach the kernels as fp32
+    scalars, so they agree with exact gradients to about 1e-7, not 1e-15.
+    ``config`` overrides :func:`default_config`.
     """
     check_backward_inputs(q, k, v, o, lse, do)
     B, n_q_heads, N_Q, D = q.shape
@@ -420,6 +445,8 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if q.numel() == 0 or k.numel() == 0:  # nothing to launch; no query sees any key
+        return dq.zero_(), dk.zero_(), dv.zero_()
 
     pre_m = cfg.pre_block_m
     _attn_bwd_preprocess[(triton.cdiv(N_Q, pre_m), B * n_q_heads)](

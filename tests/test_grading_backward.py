@@ -1,0 +1,261 @@
+"""check_tiled_backward and check_flash_backward: planted mistakes get their diagnosis.
+
+NumPy: a tiled backward written the way lesson 07 teaches it, with exactly
+one mistake switched on at a time.
+
+Triton: each planted mistake is made by editing the text of the course's own
+kernels (course_utils/kernels/backward.py) in one place and loading the
+edited copy as a module, so every planted kernel is the real kernel with
+exactly one realistic bug. Correct answers written differently (other block
+sizes, per-query-head partial gradients summed afterwards, no tiling at all
+in NumPy) must pass; answers without Triton in the backward must not.
+"""
+
+import importlib.util
+import math
+import time
+from pathlib import Path
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+
+import numpy as np
+import pytest
+import torch
+
+from course_utils import references as ref
+from course_utils.grading import GradingError
+from course_utils.grading import part4_backward as p4
+from course_utils.grading.part4_backward import check_flash_backward, check_tiled_backward
+from course_utils.kernels import backward as bw
+from course_utils.kernels import flash_attention_with_lse
+
+LOG2E = 1.4426950408889634
+
+
+# -----------------------------------------------------------------------------
+# NumPy
+# -----------------------------------------------------------------------------
+def tiled_backward(q, k, v, o, lse, do, causal=False, *, block_m=16, block_n=8, mistake=None):
+    """A learner's tiled backward, with an optional planted mistake."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    if mistake == "delta_rowsum_do":
+        delta = do.sum(-1)
+    elif mistake == "delta_rowsum_do_v":
+        delta = (do * v).sum(-1)
+    elif mistake == "delta_missing":
+        delta = np.zeros(do.shape[:-1])
+    else:
+        delta = (do * o).sum(-1)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for j0 in range(0, n_k, block_n):
+        kj, vj = k[..., j0:j0 + block_n, :], v[..., j0:j0 + block_n, :]
+        cols = np.arange(j0, j0 + kj.shape[-2])
+        first = 0 if (not causal or mistake == "no_causal_mask") else (j0 // block_m) * block_m
+        for i0 in range(first, n_q, block_m):
+            qi, doi = q[..., i0:i0 + block_m, :], do[..., i0:i0 + block_m, :]
+            rows = np.arange(i0, i0 + qi.shape[-2])
+            s = scale * (qi @ np.swapaxes(kj, -1, -2))
+            li = lse[..., i0:i0 + block_m, None]
+            p = np.exp2(s * LOG2E - li) if mistake == "lse_base2" else np.exp(s - li)
+            if causal and mistake not in ("no_causal_mask", "diagonal_unmasked"):
+                p = np.where(cols[None, :] <= rows[:, None], p, 0.0)
+            dv[..., j0:j0 + block_n, :] += np.swapaxes(p, -1, -2) @ doi
+            ds = p * (doi @ np.swapaxes(vj, -1, -2) - delta[..., i0:i0 + block_m, None])
+            dq[..., i0:i0 + block_m, :] += (1.0 if mistake == "dq_no_scale" else scale) * (ds @ kj)
+            dk[..., j0:j0 + block_n, :] += (1.0 if mistake == "dk_no_scale" else scale) * (np.swapaxes(ds, -1, -2) @ qi)
+    return dq, dk, dv
+
+
+def backward_without_tiles(q, k, v, o, lse, do, causal=False):
+    # Correct and written differently: the whole matrix, P rebuilt from lse.
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    p = np.exp(scale * q @ np.swapaxes(k, -1, -2) - lse[..., None])
+    if causal:
+        p = np.tril(p)
+    ds = p * (do @ np.swapaxes(v, -1, -2) - np.einsum("...d,...d->...", do, o)[..., None])
+    return scale * ds @ k, scale * np.swapaxes(ds, -1, -2) @ q, np.swapaxes(p, -1, -2) @ do
+
+
+@pytest.mark.parametrize("blocks", [(16, 8), (1, 1), (5, 7), (64, 64)])
+def test_tiled_correct_answers_pass(blocks):
+    bm, bn = blocks
+    assert check_tiled_backward(lambda *a, causal=False: tiled_backward(*a, causal, block_m=bm, block_n=bn))
+    assert check_tiled_backward(lambda q, k, v, o, lse, do, causal=False:
+                                ref.tiled_attention_backward(q, k, v, o, lse, do, bm, bn, causal))
+
+
+def test_tiled_whole_matrix_answer_passes():
+    # np.tril is top-left aligned like the course's mask, also when Nq != Nk.
+    assert check_tiled_backward(backward_without_tiles)
+
+
+@pytest.mark.parametrize("mistake,message", [
+    ("delta_rowsum_do", p4.MSG_DELTA),
+    ("delta_rowsum_do_v", p4.MSG_DELTA),
+    ("delta_missing", p4.MSG_DELTA),
+    ("dq_no_scale", p4.MSG_DQ_SCALE),
+    ("dk_no_scale", p4.MSG_DK_SCALE),
+    ("no_causal_mask", p4.MSG_NO_CAUSAL),
+    ("diagonal_unmasked", p4.MSG_DIAGONAL_UNMASKED),
+    ("lse_base2", p4.MSG_LSE_BASE),
+])
+def test_tiled_planted_mistakes_are_diagnosed(mistake, message):
+    def fn(*a, causal=False):
+        # 4 x 4 tiles: on N=13 some tiles are skipped, so "diagonal not masked" differs from "no mask"
+        return tiled_backward(*a, causal, block_m=4, block_n=4, mistake=mistake)
+    with pytest.raises(GradingError) as info:
+        check_tiled_backward(fn)
+    assert message in str(info.value)
+    assert "reproduce with" in str(info.value)
+
+
+def test_tiled_wrong_return_type_is_explained():
+    with pytest.raises(GradingError, match="tuple"):
+        check_tiled_backward(lambda *a, causal=False: tiled_backward(*a, causal)[:2])
+    with pytest.raises(GradingError, match="shape"):
+        check_tiled_backward(lambda *a, causal=False: tuple(x.T for x in tiled_backward(*a, causal)))
+    with pytest.raises(TypeError):
+        check_tiled_backward("not a function")
+
+
+def test_tiled_seed_replays_the_same_cases():
+    seen = []
+
+    def spy(q, k, v, o, lse, do, causal=False):
+        seen.append((q.shape, causal, float(q.ravel()[0])))
+        return backward_without_tiles(q, k, v, o, lse, do, causal)
+
+    check_tiled_backward(spy, seed=123)
+    first, seen[:] = list(seen), []
+    check_tiled_backward(spy, seed=123)
+    assert seen == first
+    check_tiled_backward(spy, seed=124)
+    assert seen[-1] != first[-1]
+
+
+# -----------------------------------------------------------------------------
+# Triton
+# -----------------------------------------------------------------------------
+SOURCE = Path(bw.__file__).read_text()
+
+
+def planted(tmp_path, name, *edits):
+    """The course's backward module with ``edits`` (old, new) applied, loaded afresh."""
+    text = SOURCE
+    for old, new in edits:
+        assert text.count(old) >= 1, f"planting {name}: {old!r} not found in backward.py"
+        text = text.replace(old, new)
+    path = tmp_path / f"planted_{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(f"planted_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.flash_attention_differentiable
+
+
+PLANTS = {
+    "delta_rowsum_do": ([("delta = tl.sum(o * do, axis=1)", "delta = tl.sum(do, axis=1)")], p4.MSG_DELTA),
+    "delta_missing": ([("delta = tl.sum(o * do, axis=1)", "delta = tl.sum(o * do, axis=1) * 0.0")], p4.MSG_DELTA),
+    "dq_no_scale": ([("    dq *= sm_scale\n", "")], p4.MSG_DQ_SCALE),
+    "dk_no_scale": ([("    dk *= sm_scale\n", "")], p4.MSG_DK_SCALE),
+    "gqa_first_head_only": ([("for g in range(0, group_size):", "for g in range(0, 1):")], p4.MSG_GQA),
+    "gqa_last_head_only": ([("for g in range(0, group_size):", "for g in range(group_size - 1, group_size):")], p4.MSG_GQA),
+    "no_causal_mask": ([("CAUSAL=bool(causal),", "CAUSAL=False,")], p4.MSG_NO_CAUSAL),
+    "diagonal_unmasked": ([("        if MASK:", "        if False:")], p4.MSG_DIAGONAL_UNMASKED),
+    "lse_base2": ([("lse[None, :] * 1.4426950408889634", "lse[None, :]"),
+                   ("lse2 = lse * 1.4426950408889634", "lse2 = lse")], p4.MSG_LSE_BASE),
+}
+
+
+@pytest.mark.parametrize("name", list(PLANTS))
+def test_flash_planted_mistakes_are_diagnosed(tmp_path, name):
+    edits, message = PLANTS[name]
+    fn = planted(tmp_path, name, *edits)
+    start = time.perf_counter()
+    with pytest.raises(GradingError) as info:
+        check_flash_backward(fn)
+    assert message in str(info.value), str(info.value)
+    assert time.perf_counter() - start < 30
+
+
+def test_flash_reading_past_the_sequence_is_caught(tmp_path):
+    # A row mask that lets 16 rows too many through: the tiles of q, k, v and
+    # do then take in rows of their NaN padding, and the NaN reaches dk and dv.
+    fn = planted(tmp_path, "rows_past_the_end",
+                 ("tile = tl.load(ptrs, mask=offs_rows[:, None] < n_rows, other=0.0)",
+                  "tile = tl.load(ptrs, mask=offs_rows[:, None] < n_rows + 16, other=0.0)"))
+    with pytest.raises(GradingError, match="non-finite"):
+        check_flash_backward(fn)
+
+
+def test_flash_course_function_passes_within_30_s():
+    start = time.perf_counter()
+    assert check_flash_backward(bw.flash_attention_differentiable)
+    assert time.perf_counter() - start < 30
+
+
+class PerQueryHeadPartials(torch.autograd.Function):
+    """Correct, designed differently: dK, dV per query head (kv heads repeated), then summed.
+
+    Also other block sizes, and contiguous copies of every input.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        o, lse = flash_attention_with_lse(q.contiguous(), k.contiguous(), v.contiguous(), causal=causal)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal = causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        group = q.shape[1] // k.shape[1]
+        k_rep, v_rep = (t.repeat_interleave(group, 1).contiguous() for t in (k, v))
+        dq, dk_rep, dv_rep = bw.attention_backward(q, k_rep, v_rep, o, lse, do.contiguous(), causal=ctx.causal,
+                                                   config=bw.BackwardConfig(32, 32, 64, 32))
+        shape = (k.shape[0], k.shape[1], group) + tuple(k.shape[2:])
+        return dq, dk_rep.view(shape).sum(2), dv_rep.view(shape).sum(2), None
+
+
+def test_flash_correct_answer_written_differently_passes():
+    assert check_flash_backward(lambda q, k, v, causal=False: PerQueryHeadPartials.apply(q, k, v, causal))
+
+
+def _math_attention(q, k, v, causal=False):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+class TritonForwardTorchBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal):
+        o, _ = flash_attention_with_lse(q, k, v, causal=causal)
+        ctx.save_for_backward(q, k, v)
+        ctx.causal = causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            o = _math_attention(q.float(), k.float(), v.float(), ctx.causal)
+            dq, dk, dv = torch.autograd.grad(o, (q, k, v), do.float())
+        return dq, dk, dv, None
+
+
+def test_math_only_answers_are_rejected():
+    with pytest.raises(GradingError, match="no Triton kernel ran during the forward"):
+        check_flash_backward(_math_attention)
+    with pytest.raises(GradingError, match="no Triton kernel ran during backward"):
+        check_flash_backward(lambda q, k, v, causal=False: TritonForwardTorchBackward.apply(q, k, v, causal))
+
+
+def test_not_differentiable_output_is_explained():
+    with pytest.raises(GradingError, match="no grad_fn"):
+        check_flash_backward(lambda q, k, v, causal=False: flash_attention_with_lse(q, k, v, causal=causal)[0])
+
+
+def test_flash_bad_fn_raises_type_error():
+    with pytest.raises(TypeError):
+        check_flash_backward(42, isolate=False)
