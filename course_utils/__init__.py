@@ -18,7 +18,10 @@ from .environment import configure as _configure
 ENV = _configure()
 DEVICE = ENV.device
 
-__all__ = ["ENV", "DEVICE", "doctor", "require_implemented"]
+# The line the build tool puts where a solution was (course_utils.build uses it).
+STUB_LINE = "# YOUR CODE HERE"
+
+__all__ = ["ENV", "DEVICE", "doctor", "require_implemented", "STUB_LINE"]
 
 
 def doctor() -> None:
@@ -35,8 +38,6 @@ def require_implemented(*kernels) -> None:
     first: it looks for the ``# YOUR CODE HERE`` line that the build tool puts
     in place of the solution, and raises until the learner replaces it.
     """
-    from .build import STUB_LINE
-
     for kernel in kernels:
         src = getattr(kernel, "src", None)
         if src is None and getattr(kernel, "fn", None) is not None:

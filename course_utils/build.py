@@ -32,6 +32,8 @@ from pathlib import Path
 
 import nbformat
 
+from . import STUB_LINE
+
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 NOTEBOOKS = ROOT / "notebooks"
@@ -40,7 +42,6 @@ BEGIN_SOLUTION = "### BEGIN SOLUTION"
 END_SOLUTION = "### END SOLUTION"
 BEGIN_HIDDEN = "### BEGIN HIDDEN TESTS"
 END_HIDDEN = "### END HIDDEN TESTS"
-STUB_LINE = "# YOUR CODE HERE"
 MARKERS = (BEGIN_SOLUTION, END_SOLUTION, BEGIN_HIDDEN, END_HIDDEN)
 
 # Cells the build owns: it (re)writes them at the top of every notebook.

@@ -173,18 +173,31 @@ def test_gradcheck_float64():
                                     eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
-def test_autograd_function_end_to_end():
+@pytest.mark.parametrize("entry", ["flash_attention_differentiable", "kernels.flash_attention"])
+def test_autograd_function_end_to_end(entry):
+    from course_utils import kernels
+
     q = _rand((2, 4, 45, 32), 11).requires_grad_()
     k = _rand((2, 2, 45, 32), 12).requires_grad_()
     v = _rand((2, 2, 45, 32), 13).requires_grad_()
     do = _rand((2, 4, 45, 32), 14)
-    o = bw.flash_attention_differentiable(q, k, v, causal=True)
+    fn = bw.flash_attention_differentiable if entry == "flash_attention_differentiable" else kernels.flash_attention
+    o = fn(q, k, v, causal=True)
     assert o.grad_fn is not None and type(o.grad_fn).__name__.startswith("FlashAttentionFunction")
     o.backward(do)
     want = ref.attention_backward(_np(q), _np(k), _np(v), _np(do), causal=True)
     np.testing.assert_allclose(_np(o), ref.attention(_np(q), _np(k), _np(v), causal=True), atol=1e-5, rtol=1e-5)
     for leaf, w in zip((q, k, v), want):
         np.testing.assert_allclose(_np(leaf.grad), w, atol=2e-5, rtol=2e-5)
+
+
+def test_public_flash_attention_skips_autograd_when_no_grad_is_needed():
+    from course_utils import kernels
+
+    q, k, v = (_rand((1, 2, 40, 16), s) for s in (1, 2, 3))
+    assert kernels.flash_attention(q, k, v).grad_fn is None
+    with torch.no_grad():
+        assert kernels.flash_attention(q.requires_grad_(), k, v).grad_fn is None
 
 
 def test_bad_input_raises_value_error():

@@ -11,7 +11,8 @@ a GPU) or fp32, head dims 16 to 256. ``lse`` is float32 ``[B, Hq, N]``: the
 natural-log logsumexp of each query row's scaled scores. Bad input raises a
 ``ValueError`` of one sentence.
 
-Modules: :mod:`.fast` holds the Hopper-tuned forward kernel (lesson 06),
+Modules: :mod:`.backward` holds the backward kernels and the autograd
+wiring (lesson 07), :mod:`.fast` holds the Hopper-tuned forward kernel (lesson 06),
 :mod:`.forward` holds the lesson kernels (04's
 ``flash_attention_kernel``, 05's ``_flash_attention_forward_gqa_kernel``)
 and their launchers. Both public functions go through :func:`_forward`, the
@@ -19,6 +20,8 @@ one place that picks which forward kernel runs.
 """
 
 from __future__ import annotations
+
+import torch
 
 from . import fast, forward
 from .forward import flash_attention_forward, flash_attention_gqa_forward, validate
@@ -47,13 +50,19 @@ def _forward(q, k, v, causal: bool):
 
 
 def flash_attention(q, k, v, causal: bool = False):
-    """Attention ``softmax(q k^T / sqrt(D)) v`` per head, by a Triton kernel.
+    """Attention ``softmax(q k^T / sqrt(D)) v`` per head, by Triton kernels.
 
     ``q``: ``[B, Hq, N, D]``; ``k, v``: ``[B, Hkv, N, D]`` (``Hq`` a multiple
     of ``Hkv``). ``causal`` hides from each query the keys after it. Returns
-    ``o`` with ``q``'s shape and dtype.
+    ``o`` with ``q``'s shape and dtype. Differentiable: when an input requires
+    grad, the backward pass runs the Triton kernels of :mod:`.backward`
+    (lesson 07), which rebuild the softmax from the saved ``lse``.
     """
     validate(q, k, v)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        from .backward import FlashAttentionFunction
+
+        return FlashAttentionFunction.apply(q, k, v, bool(causal))
     return _forward(q, k, v, bool(causal))[0]
 
 
