@@ -204,3 +204,27 @@ def test_shipped_csv_and_markdown_agree_with_the_json():
 
 def test_recorded_results_are_found():
     assert bench.recorded_results_path() == RESULTS / "forward_bench.json"
+
+
+def test_training_flops_count_the_backward_as_two_and_a_half_forwards():
+    from course_utils import bench
+
+    fwd = bench.attention_flops(2, 4, 256, 64, causal=False)
+    assert bench.training_flops(2, 4, 256, 64, causal=False) == pytest.approx(3.5 * fwd)
+    assert bench.training_flops(2, 4, 256, 64, causal=True) == pytest.approx(3.5 * fwd / 2)
+
+
+def test_training_table_shows_ratios_and_failures():
+    from course_utils import bench
+
+    case = bench.Case("main", ns=(1024, 2048))
+    rows = []
+    for n, times in ((1024, {"sdpa_flash": 3.0, "sdpa_cudnn": 1.5, "course": 2.0}), (2048, {"sdpa_flash": 6.0, "sdpa_cudnn": None, "course": 4.0})):
+        for p, ms in times.items():
+            rows.append(dict(n=n, provider=p, ms=ms, tflops=100.0 if ms else None, status="ok" if ms else "error"))
+    md = bench.training_markdown(rows, case, {"gpu": "Fake GPU", "date": "today"})
+    line_1k = next(l for l in md.splitlines() if l.startswith("| 1024 |"))
+    assert line_1k.endswith("| 1.50x | 0.75x |")
+    line_2k = next(l for l in md.splitlines() if l.startswith("| 2048 |"))
+    assert "error" in line_2k and line_2k.endswith("| 1.50x | - |")
+    assert "Fake GPU" in md
