@@ -139,6 +139,14 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
         forward.validate(*(torch.randn(1, 2, 8, 16) for _ in range(3)))
 
 
+def test_gpus_before_sm80_are_known_to_lack_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    assert forward._gpu_without_bf16(torch.device("cuda")) == (7, 5)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert forward._gpu_without_bf16(torch.device("cuda")) is None
+    assert forward._gpu_without_bf16(torch.device("cpu")) is None
+
+
 def test_bf16_refused_by_the_interpreter_and_right_on_a_gpu():
     q, k, v = _inputs(1, 4, 2, 70, 64, torch.float32)
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))

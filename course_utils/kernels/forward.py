@@ -302,6 +302,14 @@ def _interpreted(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def _gpu_without_bf16(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA device older than sm_80 (no bf16, e.g. a T4), else None."""
+    if device.type != "cuda":
+        return None
+    capability = tuple(torch.cuda.get_device_capability(device))
+    return capability if capability < (8, 0) else None
+
+
 def validate(q, k, v) -> None:
     """Raise ``ValueError`` (one plain sentence) unless q, k, v can go to the kernels.
 
@@ -322,6 +330,9 @@ def validate(q, k, v) -> None:
         raise ValueError(f"dtype {q.dtype} is not supported: use float16, bfloat16 or float32.")
     if q.dtype == torch.bfloat16 and _interpreted(q.device):
         raise ValueError("bfloat16 is computed wrongly by Triton's CPU interpreter: use float32 or float16 on the CPU.")
+    if q.dtype == torch.bfloat16 and _gpu_without_bf16(q.device):
+        major, minor = _gpu_without_bf16(q.device)
+        raise ValueError(f"bfloat16 needs an sm_80 (Ampere) or newer GPU and this one is sm_{major}{minor}: use float16.")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, but they are {tuple(k.shape)} and {tuple(v.shape)}.")
     (b, hq, n, d), (bk, hkv, nk, dk) = q.shape, k.shape
