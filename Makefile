@@ -27,7 +27,7 @@ setup: $(VENV)/.installed
 lab: setup
 	$(PY) -m pip install -q $(PIP_C) -e ".[test,lab]"
 	$(PY) -m course_utils || true
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # The test command: unit tests (with the notebooks/ sync check) and nbval
 # over every solution notebook (in Triton's interpreter when there is no GPU).
