@@ -56,6 +56,8 @@ def numpy_checks():
         ("check_online_softmax", g.check_online_softmax, ref.online_softmax),
         ("check_tiled_attention", g.check_tiled_attention, ref.tiled_attention),
         ("check_tiled_backward", g.check_tiled_backward, tiled_backward),
+        ("check_attention_flops", g.check_attention_flops, lambda b, h, n, d, causal: 4 * b * h * n * n * d / (2 if causal else 1)),
+        ("check_roofline", g.check_roofline, lambda i, peak, bw: min(peak, i * bw / 1000)),
     ]
 
 
