@@ -147,6 +147,16 @@ def test_gpus_before_sm80_are_known_to_lack_bf16(monkeypatch):
     assert forward._gpu_without_bf16(torch.device("cpu")) is None
 
 
+def test_bf16_on_a_t4_is_refused_by_forward_and_backward(monkeypatch):
+    from course_utils.kernels import backward
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    problem = forward.bf16_problem(torch.bfloat16, torch.device("cuda"))
+    assert problem == "bfloat16 needs an sm_80 (Ampere) or newer GPU and this one is sm_75: use float16."
+    assert forward.bf16_problem(torch.float16, torch.device("cuda")) is None
+    assert backward.bf16_problem is forward.bf16_problem  # one rule for both launchers
+
+
 def test_bf16_refused_by_the_interpreter_and_right_on_a_gpu():
     q, k, v = _inputs(1, 4, 2, 70, 64, torch.float32)
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))

@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .forward import bf16_problem
+
 
 __all__ = [
     "attention_backward",
@@ -404,8 +406,9 @@ def check_backward_inputs(q, k, v, o, lse, do):
         raise ValueError(f"o and do must have q's shape {tuple(q.shape)}; got {tuple(o.shape)}, {tuple(do.shape)}")
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (B, n_q_heads, N_Q):
         raise ValueError(f"lse must be a [B, H_q, N] tensor {(B, n_q_heads, N_Q)}; got {getattr(lse, 'shape', type(lse))}")
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        raise ValueError("bfloat16 is computed wrongly by Triton's CPU interpreter: use float32 or float16 on the CPU")
+    problem = bf16_problem(q.dtype, q.device)
+    if problem:
+        raise ValueError(problem)
     if not 1 <= D <= 256:
         raise ValueError(f"head dim {D} is not supported (1 to 256)")
     devices = {t.device for t in (q, k, v, o, lse, do)}

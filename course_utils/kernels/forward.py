@@ -310,6 +310,22 @@ def _gpu_without_bf16(device: torch.device) -> tuple[int, int] | None:
     return capability if capability < (8, 0) else None
 
 
+def bf16_problem(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why bfloat16 cannot run on ``device`` (one sentence), or None.
+
+    The CPU interpreter computes bf16 silently wrong, and GPUs before sm_80
+    (Colab's T4) have no bf16. Shared by the forward and backward launchers.
+    """
+    if dtype != torch.bfloat16:
+        return None
+    if _interpreted(device):
+        return "bfloat16 is computed wrongly by Triton's CPU interpreter: use float32 or float16 on the CPU."
+    old = _gpu_without_bf16(device)
+    if old:
+        return f"bfloat16 needs an sm_80 (Ampere) or newer GPU and this one is sm_{old[0]}{old[1]}: use float16."
+    return None
+
+
 def validate(q, k, v) -> None:
     """Raise ``ValueError`` (one plain sentence) unless q, k, v can go to the kernels.
 
@@ -328,11 +344,9 @@ def validate(q, k, v) -> None:
         raise ValueError(f"q, k and v must have one dtype, but they have {q.dtype}, {k.dtype} and {v.dtype}.")
     if q.dtype not in _DTYPES:
         raise ValueError(f"dtype {q.dtype} is not supported: use float16, bfloat16 or float32.")
-    if q.dtype == torch.bfloat16 and _interpreted(q.device):
-        raise ValueError("bfloat16 is computed wrongly by Triton's CPU interpreter: use float32 or float16 on the CPU.")
-    if q.dtype == torch.bfloat16 and _gpu_without_bf16(q.device):
-        major, minor = _gpu_without_bf16(q.device)
-        raise ValueError(f"bfloat16 needs an sm_80 (Ampere) or newer GPU and this one is sm_{major}{minor}: use float16.")
+    problem = bf16_problem(q.dtype, q.device)
+    if problem:
+        raise ValueError(problem)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, but they are {tuple(k.shape)} and {tuple(v.shape)}.")
     (b, hq, n, d), (bk, hkv, nk, dk) = q.shape, k.shape
