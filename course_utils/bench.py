@@ -420,6 +420,7 @@ def _ladder_steps():
     from .kernels import fast, forward
 
     fixed = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    two_per_sm = dict(fixed, num_stages=2)
     return [
         ("05 as taught", "lesson-05 kernel, its default launch options",
          lambda q, k, v, c: forward.flash_attention_gqa_forward(q, k, v, causal=c)),
@@ -433,11 +434,17 @@ def _ladder_steps():
         ("+ longest rows first", "heads fastest in the grid, last query blocks first",
          lambda q, k, v, c: fast.launch(q, k, v, c, use_tma=False, order=fast.ORDER_LONGEST_FIRST, **fixed)),
         ("+ TMA descriptors", "tiles copied by the tensor memory accelerator",
-         lambda q, k, v, c: fast.launch(q, k, v, c, use_tma=True, **fixed)),
+         lambda q, k, v, c: fast.launch(q, k, v, c, use_tma=True, order=fast.ORDER_LONGEST_FIRST, **fixed)),
+        ("+ two programs per SM", "2 stages instead of 3: 96 KiB of shared memory, so two programs share an SM",
+         lambda q, k, v, c: fast.launch(q, k, v, c, order=fast.ORDER_LONGEST_FIRST, **two_per_sm)),
+        ("+ GQA groups side by side", "the query heads sharing a K/V head run next to each other (L2 reuse)",
+         lambda q, k, v, c: fast.launch(q, k, v, c, order=fast.ORDER_KV_GROUPED, **two_per_sm)),
         ("+ autotune", "best of fast.CONFIG_SPACE per (N, D, causal, dtype)",
          lambda q, k, v, c: fast.attention_forward_fast(q, k, v, causal=c)),
         ("lazy rescale (experiment)", "skip the acc rescale unless the max grew by > 2^8 (autotuned config)",
-         lambda q, k, v, c: fast.launch(q, k, v, c, lazy_rescale=True, **_tuned_or_fixed(fast, c, fixed))),
+         lambda q, k, v, c: fast.launch(q, k, v, c, lazy_rescale=True, **_tuned_or_fixed(fast, c, two_per_sm))),
+        ("QK^T pipelined by hand (experiment)", "issue the next block's Q K^T before this block's softmax (autotuned config)",
+         lambda q, k, v, c: fast.launch(q, k, v, c, pipeline_qk=True, **_tuned_or_fixed(fast, c, two_per_sm))),
     ]
 
 

@@ -166,7 +166,7 @@ def test_ws_configs_only_with_eight_warps():
     configs = fast.make_configs(fast.WS_SPACE + fast.CONFIG_SPACE)
     kept = fast.prune_configs(configs, {"N_CTX": 1024, "HEAD_DIM": 128, "CAUSAL": True})
     assert all(c.num_warps == 8 for c in kept if c.kwargs["WARP_SPECIALIZE"])
-    assert {c.kwargs["ORDER"] for c in kept} == {fast.ORDER_M_MAJOR, fast.ORDER_LONGEST_FIRST}
+    assert {c.kwargs["ORDER"] for c in kept} == {fast.ORDER_M_MAJOR, fast.ORDER_KV_GROUPED}
 
 
 # ----------------------------------------------------------------------------
@@ -180,6 +180,13 @@ CASES = [
     (1, 4, 1, 128, 64, True, torch.float16, dict(use_tma=True, order=fast.ORDER_M_MAJOR)),
     (1, 2, 2, 128, 64, True, torch.float32, dict(use_tma=False, two_phase=False, exp2=False)),
     (1, 2, 1, 128, 64, False, torch.float16, dict(use_tma=False, exp2=False)),
+    # the query heads of one kv head next to each other in the grid
+    (2, 4, 2, 128, 32, True, torch.float32, dict(use_tma=True, order=fast.ORDER_KV_GROUPED)),
+    (1, 6, 2, 128, 32, False, torch.float16, dict(use_tma=False, order=fast.ORDER_KV_GROUPED)),
+    # QK^T software-pipelined by hand: the loop's prologue/epilogue, with TMA and pointers
+    (1, 2, 1, 128, 64, True, torch.float32, dict(use_tma=True, pipeline_qk=True)),
+    (1, 4, 2, 128, 32, False, torch.float32, dict(use_tma=False, pipeline_qk=True)),
+    (1, 4, 1, 128, 64, True, torch.float16, dict(use_tma=False, pipeline_qk=True, order=fast.ORDER_M_MAJOR)),
 ]
 
 
@@ -189,6 +196,14 @@ def test_launch_matches_the_reference(b, hq, hkv, n, d, causal, dtype, opts):
     o, lse = fast.launch(q, k, v, causal, block_m=64, block_n=32, **opts)
     assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32
     _assert_close(o, lse, _ref(q, k, v, causal), 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_pipelined_loop_with_one_block_per_phase():
+    # BLOCK_M == BLOCK_N: query block 1's unmasked phase is a single key block,
+    # so the pipelined loop runs its prologue and epilogue but no iteration.
+    q, k, v = _inputs(1, 2, 1, 64, 32, seed=3)
+    o, lse = fast.launch(q, k, v, True, block_m=32, block_n=32, use_tma=False, pipeline_qk=True)
+    _assert_close(o, lse, _ref(q, k, v, True), 1e-5)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -15,19 +15,31 @@ the same algorithm with the changes lesson 06 measures one at a time:
    ``num_stages`` deep. We pass host-side ``TensorDescriptor`` objects (no
    allocator needed); ``tl.make_tensor_descriptor`` inside the kernel would do
    the same job but needs ``triton.set_allocator`` for its scratch memory.
-4. **Launch order.** With a causal mask the last query block does
-   ``N / BLOCK_N`` iterations, the first only one. ``ORDER_LONGEST_FIRST``
-   launches the grid head-major (``program_id(0)`` = batch*head) with the
-   query blocks in *reverse* order, so every SM starts on the longest work and
-   the short blocks fill the tail; neighbouring programs are the query heads
-   of one GQA group, reading the same K/V tiles while those are in L2.
-   ``ORDER_M_MAJOR`` is lesson 05's order. Neither wins everywhere on an H200,
-   so the order is one of the autotuner's choices.
-5. **Autotuning** over ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``,
+4. **Two programs per SM.** ``128 x 64`` tiles on one warpgroup (4 warps)
+   with 2 pipeline stages need 96 KiB of shared memory, so two programs fit
+   on one SM (228 KiB). The warp schedulers then interleave them: while one
+   program computes its softmax, the other's matrix products keep the tensor
+   cores busy. That is a hardware-scheduled version of FlashAttention-3's
+   "ping-pong" of two warpgroups, and it was the largest single gain here.
+5. **Launch order.** With a causal mask the last query block does
+   ``N / BLOCK_N`` iterations, the first only one. ``ORDER_KV_GROUPED``
+   puts the query heads of one GQA group next to each other in the grid
+   (they read the *same* K/V tiles, so those are still in L2 for the
+   neighbours), then the query blocks longest-first, so every SM starts on
+   long work and short blocks fill the tail. ``ORDER_LONGEST_FIRST`` (all
+   heads side by side) and ``ORDER_M_MAJOR`` (lesson 05's order) are the
+   steps of lesson 06's ladder that led there.
+6. **Autotuning** over ``BLOCK_M``/``BLOCK_N``/``num_warps``/``num_stages``,
    the launch order, and warp specialisation (a producer warp feeding the TMA
    copies to two consumer warpgroups), keyed on ``(N, D, causal)`` (and the
    dtype, which the autotuner adds), with configurations that cannot work
    pruned before anything is compiled.
+
+Two ideas that were measured and *not* adopted stay as options of
+:func:`launch` for the lesson's ladder: ``lazy_rescale`` (skip most
+rescales of the accumulator) and ``pipeline_qk`` (issue the next block's
+``Q K^T`` before this block's softmax, FlashAttention-3's intra-warpgroup
+overlap written by hand). Both lost on an H200 (results/NOTES.md).
 
 Public API (the lead routes :func:`course_utils.kernels.flash_attention` here
 on capable GPUs):
@@ -66,15 +78,37 @@ SEQ_MULTIPLE = 64  # N must be a multiple of this: no ragged tiles, so no bounds
 # Orders of the grid (see ``_program_tile``).
 ORDER_M_MAJOR = 0  # like lesson 05: query blocks fastest, in ascending order
 ORDER_LONGEST_FIRST = 1  # heads fastest, query blocks longest-row-first
+ORDER_KV_GROUPED = 2  # the query heads of one kv head fastest, then query blocks longest-first
+
+
+def grid_shape(order: int, batch: int, n_q_heads: int, n_kv_heads: int, n_m: int) -> tuple[int, int]:
+    """The launch grid for one of the orders above (``n_m`` query blocks per head)."""
+    if order == ORDER_KV_GROUPED:
+        return (n_q_heads // n_kv_heads * n_m, batch * n_kv_heads)
+    if order == ORDER_LONGEST_FIRST:
+        return (batch * n_q_heads, n_m)
+    return (n_m, batch * n_q_heads)
 
 
 # --------------------------------------------------------------------------- #
 # The kernel
 # --------------------------------------------------------------------------- #
 @triton.jit
-def _program_tile(N_CTX, BLOCK_M: tl.constexpr, ORDER: tl.constexpr, CAUSAL: tl.constexpr):
+def _program_tile(N_CTX, N_Q_HEADS, BLOCK_M: tl.constexpr, ORDER: tl.constexpr, CAUSAL: tl.constexpr,
+                  GROUP_SIZE: tl.constexpr):
     """Which (batch*head, query block) this program computes."""
-    if ORDER == 1:
+    if ORDER == 2:
+        # program_id(0) = member of the GQA group (fastest), then query block;
+        # program_id(1) = (batch, kv_head). Neighbours read the same K/V tiles.
+        n_m = tl.num_programs(0) // GROUP_SIZE
+        start_m = tl.program_id(0) // GROUP_SIZE
+        if CAUSAL:
+            start_m = n_m - 1 - start_m  # longest rows first
+        n_kv_heads = N_Q_HEADS // GROUP_SIZE
+        batch = tl.program_id(1) // n_kv_heads
+        q_head = (tl.program_id(1) % n_kv_heads) * GROUP_SIZE + tl.program_id(0) % GROUP_SIZE
+        bh = batch * N_Q_HEADS + q_head
+    elif ORDER == 1:
         bh = tl.program_id(0)
         start_m = tl.program_id(1)
         if CAUSAL:
@@ -197,6 +231,53 @@ def _attn_fwd_inner(
 
 
 @triton.jit
+def _softmax_step(acc, l_i, m_i, qk, v, qk_scale, EXP2: tl.constexpr):
+    """One unmasked online-softmax update with the scores ``qk`` of one key block."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = _exp(qk * qk_scale - m_new[:, None], EXP2)
+    alpha = _exp(m_i - m_new, EXP2)
+    l_ij = tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    l_i = l_i * alpha + l_ij
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_inner_pipelined(
+    acc, l_i, m_i, q,
+    desc_k, desc_v, K, V,
+    kv_row0, lo, hi, qk_scale,
+    offs_n, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, EXP2: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """The unmasked loop of :func:`_attn_fwd_inner`, software-pipelined by hand.
+
+    In the plain loop the tensor cores wait while the warps compute block
+    ``j``'s softmax (exp2, max, sum), and the warps wait while the tensor cores
+    compute ``Q K_j^T``. Here iteration ``j`` first *issues* ``Q K_{j+1}^T``,
+    then does block ``j``'s softmax and ``P_j V_j``: on Hopper the matmul runs
+    asynchronously, so the two overlap. The price is a second score tile kept
+    alive in registers. Key blocks ``[lo, hi)``; nothing happens when the
+    range is empty (the first query block's phase 1).
+    """
+    if hi > lo:
+        k = _load_k_transposed(desc_k, K, kv_row0 + lo, offs_n, offs_d, HEAD_DIM, USE_TMA)
+        qk = tl.dot(q, k)
+        for start_n in tl.range(lo + BLOCK_N, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            k = _load_k_transposed(desc_k, K, kv_row0 + start_n, offs_n, offs_d, HEAD_DIM, USE_TMA)
+            qk_next = tl.dot(q, k)  # next block's scores, in flight during this block's softmax
+            v = _load_v(desc_v, V, kv_row0 + start_n - BLOCK_N, offs_n, offs_d, HEAD_DIM, USE_TMA)
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, EXP2)
+            qk = qk_next
+        v = _load_v(desc_v, V, kv_row0 + hi - BLOCK_N, offs_n, offs_d, HEAD_DIM, USE_TMA)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, EXP2)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd_fast_kernel(
     Q, K, V, O, Lse,
     desc_q, desc_k, desc_v, desc_o,
@@ -212,6 +293,7 @@ def _attn_fwd_fast_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     TWO_PHASE: tl.constexpr,
     EXP2: tl.constexpr,
+    PIPELINE_QK: tl.constexpr,
 ):
     """One program: one query block of one (batch, query head).
 
@@ -222,7 +304,7 @@ def _attn_fwd_fast_kernel(
     """
     if CAUSAL:
         tl.static_assert(BLOCK_M % BLOCK_N == 0)
-    bh, start_m = _program_tile(N_CTX, BLOCK_M, ORDER, CAUSAL)
+    bh, start_m = _program_tile(N_CTX, N_Q_HEADS, BLOCK_M, ORDER, CAUSAL, GROUP_SIZE)
     batch = bh // N_Q_HEADS
     q_head = bh % N_Q_HEADS
     kv_head = q_head // GROUP_SIZE
@@ -249,7 +331,17 @@ def _attn_fwd_fast_kernel(
         q_rows = (q_row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         q = tl.load(Q + q_rows[:, None] * HEAD_DIM + offs_d[None, :])
 
-    if CAUSAL and TWO_PHASE:
+    if CAUSAL and TWO_PHASE and PIPELINE_QK:
+        acc, l_i, m_i = _attn_fwd_inner_pipelined(
+            acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, 0, start_m * BLOCK_M, qk_scale,
+            offs_n, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, EXP2, WARP_SPECIALIZE,
+        )
+        acc, l_i, m_i = _attn_fwd_inner(
+            acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, start_m, qk_scale, N_CTX,
+            offs_m, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM,
+            2, USE_TMA, False, False, EXP2,
+        )
+    elif CAUSAL and TWO_PHASE:
         # Phase 1: full blocks left of the diagonal, no mask.
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, start_m, qk_scale, N_CTX,
@@ -268,6 +360,11 @@ def _attn_fwd_fast_kernel(
             acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, start_m, qk_scale, N_CTX,
             offs_m, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM,
             3, USE_TMA, False, False, EXP2,
+        )
+    elif PIPELINE_QK:
+        acc, l_i, m_i = _attn_fwd_inner_pipelined(
+            acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, 0, N_CTX, qk_scale,
+            offs_n, offs_d, BLOCK_N, HEAD_DIM, USE_TMA, EXP2, WARP_SPECIALIZE,
         )
     else:
         acc, l_i, m_i = _attn_fwd_inner(
@@ -311,14 +408,20 @@ def _set_block_shapes(nargs):
 # The search space: (BLOCK_M, BLOCK_N, num_warps, num_stages, ORDER, WARP_SPECIALIZE).
 # A short list on purpose: every entry costs a compile (about a second) per
 # (D, causal, dtype, group size) on first use, and a timing per N.
+# ``benchmarks/tune_fast.py`` times a wider set side by side; its results on an
+# H200 chose these (results/NOTES.md).
 CONFIG_SPACE = [
-    (128, 128, 8, 2, ORDER_LONGEST_FIRST, False),
-    (128, 128, 8, 3, ORDER_LONGEST_FIRST, False),
+    # 128 x 64 on one warpgroup with 2 stages needs 96 KiB of shared memory, so
+    # *two* programs share an SM and the scheduler interleaves them: one's
+    # softmax runs while the other's matrix products hold the tensor cores.
+    (128, 64, 4, 2, ORDER_KV_GROUPED, False),
+    (128, 64, 4, 2, ORDER_M_MAJOR, False),
+    (128, 64, 4, 3, ORDER_KV_GROUPED, False),
+    (128, 128, 8, 2, ORDER_KV_GROUPED, False),
+    (128, 128, 8, 3, ORDER_KV_GROUPED, False),
     (128, 128, 8, 3, ORDER_M_MAJOR, False),
-    (128, 64, 4, 3, ORDER_LONGEST_FIRST, False),
-    (128, 64, 4, 4, ORDER_LONGEST_FIRST, False),
-    (128, 128, 4, 2, ORDER_LONGEST_FIRST, False),
-    (64, 64, 4, 3, ORDER_LONGEST_FIRST, False),
+    (128, 128, 4, 2, ORDER_KV_GROUPED, False),  # D <= 64 only (see config_ok)
+    (64, 64, 4, 3, ORDER_KV_GROUPED, False),
     (64, 64, 4, 3, ORDER_M_MAJOR, False),
 ]
 # Warp specialisation: Triton splits the loop into a producer warp issuing the
@@ -326,8 +429,7 @@ CONFIG_SPACE = [
 # Hopper with Triton 3.6 it compiled for 8-warp configs only (the 4-warp one
 # failed in the NVGPUWarpSpecialization pass), so only those are offered.
 WS_SPACE = [
-    (128, 128, 8, 2, ORDER_LONGEST_FIRST, True),
-    (128, 128, 8, 3, ORDER_LONGEST_FIRST, True),
+    (128, 128, 8, 3, ORDER_KV_GROUPED, True),
 ]
 
 
@@ -474,10 +576,15 @@ def _prepare(q, k, v, sm_scale):
     return q, k, v, o, lse, scale
 
 
+# The compiled kernel of the last :func:`launch` (its ``n_regs``, ``n_spills``
+# and ``metadata.shared`` explain occupancy; ``None`` in the interpreter).
+LAST_LAUNCH = {"compiled": None}
+
+
 def launch(
-    q, k, v, causal=False, sm_scale=None, *, block_m=128, block_n=64, num_warps=4, num_stages=3,
-    use_tma=True, order=ORDER_LONGEST_FIRST, lazy_rescale=False, warp_specialize=False,
-    two_phase=True, exp2=True,
+    q, k, v, causal=False, sm_scale=None, *, block_m=128, block_n=64, num_warps=4, num_stages=2,
+    use_tma=True, order=ORDER_KV_GROUPED, lazy_rescale=False, warp_specialize=False,
+    two_phase=True, exp2=True, pipeline_qk=False,
 ):
     """Run the kernel with one fixed configuration (no autotuning): ``(o, lse)``.
 
@@ -491,15 +598,16 @@ def launch(
         raise ValueError(f"N={n} must be a multiple of BLOCK_M={block_m} and BLOCK_N={block_n}")
     descs = _descriptors(q, k, v, o, block_m, block_n) if use_tma else (None,) * 4
     n_m = n // block_m
-    grid = (b * hq, n_m) if order == ORDER_LONGEST_FIRST else (n_m, b * hq)
-    _attn_fwd_fast_kernel[grid](
+    grid = grid_shape(order, b, hq, k.shape[1], n_m)
+    compiled = _attn_fwd_fast_kernel[grid](
         q, k, v, o, lse, *descs, scale, n, hq,
         GROUP_SIZE=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal),
         BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, ORDER=order,
         LAZY_RESCALE=lazy_rescale, WARP_SPECIALIZE=warp_specialize,
-        TWO_PHASE=two_phase, EXP2=exp2,
+        TWO_PHASE=two_phase, EXP2=exp2, PIPELINE_QK=pipeline_qk,
         num_warps=num_warps, num_stages=num_stages,
     )
+    LAST_LAUNCH["compiled"] = compiled
     return o, lse
 
 
@@ -509,13 +617,12 @@ def _launch_tuned(kernel, q, k, v, o, lse, scale, causal, lazy_rescale):
     descs = _descriptors(q, k, v, o, 64, 64)
 
     def grid(meta):
-        n_m = n // meta["BLOCK_M"]
-        return (b * hq, n_m) if meta["ORDER"] == ORDER_LONGEST_FIRST else (n_m, b * hq)
+        return grid_shape(meta["ORDER"], b, hq, k.shape[1], n // meta["BLOCK_M"])
 
     kernel[grid](
         q, k, v, o, lse, *descs, scale, n, hq,
         GROUP_SIZE=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal),
-        USE_TMA=True, LAZY_RESCALE=lazy_rescale, TWO_PHASE=True, EXP2=True,
+        USE_TMA=True, LAZY_RESCALE=lazy_rescale, TWO_PHASE=True, EXP2=True, PIPELINE_QK=False,
     )
 
 
@@ -566,7 +673,8 @@ def best_config(causal: bool) -> str | None:
     if opts is None:
         return None
     ws = ", warp-specialized" if opts["warp_specialize"] else ""
-    order = "" if opts["order"] == ORDER_LONGEST_FIRST else ", query blocks in order"
+    order = {ORDER_M_MAJOR: ", query blocks in order", ORDER_LONGEST_FIRST: ", heads side by side, longest rows first",
+             ORDER_KV_GROUPED: ", GQA groups side by side, longest rows first"}[opts["order"]]
     return (f"BLOCK_M={opts['block_m']}, BLOCK_N={opts['block_n']}, num_warps={opts['num_warps']}, "
             f"num_stages={opts['num_stages']}{ws}{order}")
 
