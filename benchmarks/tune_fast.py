@@ -47,6 +47,7 @@ CANDIDATES = [
     (128, 64, 4, 2, MM, False, False),
     (128, 64, 4, 3, KV, False, False),
     (128, 32, 4, 3, KV, False, False),
+    (64, 32, 4, 2, KV, False, False),  # 48 KiB, 139 registers: three programs per SM
     (64, 64, 4, 2, KV, False, False),
     (64, 64, 4, 3, KV, False, False),
     (64, 64, 4, 3, MM, False, False),
