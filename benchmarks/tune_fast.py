@@ -63,6 +63,9 @@ CANDIDATES = [
 VARIANTS = [
     ((128, 64, 4, 2, KV, False, False), dict(lazy_rescale=True)),
     ((128, 64, 4, 2, KV, False, False), dict(use_tma=False)),
+    # registers capped so that more programs fit on an SM (shared memory allows it):
+    ((128, 64, 8, 2, KV, False, False), dict(maxnreg=128)),  # two 8-warp programs
+    ((128, 32, 4, 2, KV, False, False), dict(maxnreg=168)),  # three 4-warp programs
 ]
 
 

@@ -584,7 +584,7 @@ LAST_LAUNCH = {"compiled": None}
 def launch(
     q, k, v, causal=False, sm_scale=None, *, block_m=128, block_n=64, num_warps=4, num_stages=2,
     use_tma=True, order=ORDER_KV_GROUPED, lazy_rescale=False, warp_specialize=False,
-    two_phase=True, exp2=True, pipeline_qk=False,
+    two_phase=True, exp2=True, pipeline_qk=False, maxnreg=None,
 ):
     """Run the kernel with one fixed configuration (no autotuning): ``(o, lse)``.
 
@@ -599,13 +599,16 @@ def launch(
     descs = _descriptors(q, k, v, o, block_m, block_n) if use_tma else (None,) * 4
     n_m = n // block_m
     grid = grid_shape(order, b, hq, k.shape[1], n_m)
+    # A cap on registers per thread (a compile option of the NVIDIA backend):
+    # fewer registers can let more programs share an SM, at the risk of spills.
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     compiled = _attn_fwd_fast_kernel[grid](
         q, k, v, o, lse, *descs, scale, n, hq,
         GROUP_SIZE=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal),
         BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, ORDER=order,
         LAZY_RESCALE=lazy_rescale, WARP_SPECIALIZE=warp_specialize,
         TWO_PHASE=two_phase, EXP2=exp2, PIPELINE_QK=pipeline_qk,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
     LAST_LAUNCH["compiled"] = compiled
     return o, lse
