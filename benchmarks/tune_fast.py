@@ -115,6 +115,7 @@ def main(argv=None) -> int:
                 ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
                 t = bench.tflops(flops, ms)
                 found[name] = t
+                info = f"{info}, err {rel:.1e}" if info else f"err {rel:.1e}"
                 rows.append(dict(n=n, name=name, tflops=t, info=info))
             except Exception as exc:  # one configuration failing must not stop the sweep
                 msg = str(exc).strip().splitlines()[0][:150] if str(exc).strip() else ""
