@@ -80,6 +80,12 @@ MSG_RESCALE_BACKWARDS = (
     "the running sum is rescaled by exp(m_new - m_old); the factor is exp(m_old - m_new) "
     "(at most 1: the old terms shrink when the max grows)."
 )
+MSG_NOT_STREAMING = (
+    "your values are right, but your function reduced a whole row at once (a max or a sum over "
+    "all N entries of the last axis), so it is not an online softmax. Read the row one block at a "
+    "time (x[..., start:start + block_size]), keep a running max m and a running sum l, rescale l "
+    "by exp(m_old - m_new) when the max grows, and only at the end write exp(x - m) / l."
+)
 MSG_TAIL_DROPPED = (
     "the last, partial block was dropped: when N is not a multiple of the block size, loop "
     "with range(0, N, block) and slice x[start:start + block] (NumPy clips the end)."
@@ -487,19 +493,69 @@ def _online_cases(rng):
     yield f"random #5: shape {shape}, block_size={block}, values around +-1000", x, block, True
 
 
+class _RowWatcher(np.ndarray):
+    """The learner's ``x``: an ordinary array that notes reductions over a whole row.
+
+    A max, sum or logaddexp reduced along an axis as long as the row (``N``
+    entries), applied to ``x`` or to anything computed element-wise from it,
+    means the row was not streamed. Slices keep watching, and so do
+    element-wise results; reductions hand back plain arrays. Code that
+    converts with ``np.asarray`` or leaves NumPy is not watched (not flagged).
+    """
+
+    _REDUCTIONS = (np.maximum, np.fmax, np.add, np.logaddexp)
+
+    def __array_finalize__(self, obj):
+        self._log = getattr(obj, "_log", None)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        log = next((i._log for i in inputs if isinstance(i, _RowWatcher) and i._log is not None), None)
+        plain = [i.view(np.ndarray) if isinstance(i, _RowWatcher) else i for i in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, _RowWatcher) else o for o in kwargs["out"])
+        if log is not None and log["active"] and method == "reduce" and ufunc in self._REDUCTIONS:
+            arr = np.asarray(plain[0])
+            axis = kwargs.get("axis", 0)
+            axes = range(arr.ndim) if axis is None else np.atleast_1d(axis)
+            if any(arr.ndim and arr.shape[int(a)] == log["n"] for a in axes):
+                log["whole_row"] = True
+        result = getattr(ufunc, method)(*plain, **kwargs)
+        if method == "__call__" and log is not None and isinstance(result, np.ndarray):
+            result = result.view(_RowWatcher)
+            result._log = log
+        return result
+
+
+def _watched(x: np.ndarray, block: int) -> tuple[np.ndarray, dict]:
+    """``x`` as a :class:`_RowWatcher`, and the log it writes to (off until the call)."""
+    log = {"n": x.shape[-1], "active": False, "whole_row": False}
+    w = x.copy().view(_RowWatcher)
+    w._log = log
+    return w, log
+
+
 def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
     """Grade ``fn(x, block_size)``: softmax over the last axis in one streaming pass over blocks.
 
-    Only the values are graded (a grader cannot see how they were computed);
-    the cases make the usual streaming mistakes visible: a max that grows
-    from block to block, lengths that are not multiples of ``block_size``,
-    and values around 1000.
+    The values are graded first; the cases make the usual streaming mistakes
+    visible: a max that grows from block to block, lengths that are not
+    multiples of ``block_size``, and values around 1000. Then the way they
+    were computed: ``x`` is handed over as a :class:`_RowWatcher`, and right
+    values from a max or a sum over a whole row (when the row is longer than
+    one block) fail with :data:`MSG_NOT_STREAMING`.
     """
     __tracebackhide__ = True
     run = Run("check_online_softmax", seed, time_limit_s=time_limit_s)
     for case, x, block, large in _online_cases(run.rng):
         expected = ref.online_softmax(x, block)
-        out = run.call(fn, x.copy(), block, case=case)
+        x_in, log = _watched(x, block)
+        log["active"] = True
+        try:
+            out = run.call(fn, x_in, block, case=case)
+        finally:
+            log["active"] = False
+        if isinstance(out, _RowWatcher):
+            out = out.view(np.ndarray)
         got = run.array(out, expected_shape=x.shape, case=case)
         diagnoses = [
             Diagnosis(MSG_NO_RESCALE, when=_like(lambda: _variant_online_softmax(x, block, rescale="none"))),
@@ -510,6 +566,8 @@ def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
         if large:
             diagnoses.append(Diagnosis(MSG_OVERFLOW, when=_not_finite))
         run.compare(got, expected, case=case, what="the online softmax", atol=ATOL, rtol=RTOL, diagnoses=diagnoses)
+        if log["whole_row"] and x.shape[-1] > block:
+            raise run.fail(MSG_NOT_STREAMING, case)
     return run.passed()
 
 
