@@ -127,6 +127,15 @@ def _unstable(x_ptr, y_ptr, x_row_stride, y_row_stride, n_cols, BLOCK: tl.conste
 
 
 @triton.jit
+def _no_store_mask(x_ptr, y_ptr, x_row_stride, y_row_stride, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(y_ptr + row * y_row_stride + cols, (e / tl.sum(e, axis=0)).to(y_ptr.dtype.element_ty))  # mistake
+
+
+@triton.jit
 def _segfault(x_ptr, y_ptr, x_row_stride, y_row_stride, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -161,6 +170,38 @@ def _fails_with(fn, text, **kwargs):
 def test_missing_mask_is_diagnosed():
     msg = _fails_with(_launch(_no_load_mask), pb.MSG_MISSING_MASK)
     assert "tail" in msg  # reported on the first case with a tail, before the strided ones
+
+
+@pytest.mark.parametrize("allocate", [
+    lambda x: torch.empty_like(x),
+    lambda x: torch.zeros_like(x),
+    lambda x: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+    lambda x: torch.zeros(*x.shape, dtype=x.dtype),
+], ids=["empty_like", "zeros_like", "empty", "zeros"])
+def test_missing_store_mask_is_caught_by_the_guard_zone(allocate):
+    # In the interpreter the programs run in order, so each row's overrun into the next row
+    # is overwritten and the values come out right; only the guard after the last row sees it.
+    def fn(x):
+        y = allocate(x)
+        _no_store_mask[(x.shape[0],)](x, y, x.stride(0), y.stride(0), x.shape[1],
+                                      BLOCK=triton.next_power_of_2(x.shape[1]))
+        return y
+    msg = _fails_with(fn, pb.MSG_STORE_PAST_END)
+    assert "5 rows x 100 columns" in msg  # the first case with a tail
+
+
+def test_guard_zone_hands_out_ordinary_tensors_and_restores_torch():
+    x = torch.randn(3, 5)
+    originals = [torch.empty_like, torch.zeros_like, torch.empty, torch.zeros]
+    with pb._GuardedOutputs(x) as guard:
+        y = torch.empty_like(x)
+        other = torch.empty(4, 5)  # another shape: torch's own allocation
+        y.copy_(x)
+    assert y.is_contiguous() and y.shape == x.shape and torch.equal(y, x)
+    assert len(guard.zones) == 1 and other.shape == (4, 5) and not guard.overrun()
+    y.view(-1).as_strided((16,), (1,))[15] = 1.0  # one element past the end
+    assert guard.overrun()
+    assert [torch.empty_like, torch.zeros_like, torch.empty, torch.zeros] == originals
 
 
 def test_other_zero_is_diagnosed_with_the_padding_count():

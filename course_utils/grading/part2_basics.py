@@ -12,6 +12,10 @@ built to expose the usual first-kernel mistakes one at a time:
   columns, NaN between the rows), so a kernel that steps from row to row by
   ``n_cols`` instead of the row stride reads NaN or the wrong numbers;
 - rows around +-1000, where ``exp`` without the max subtracted overflows;
+- the output the learner allocates (``torch.empty_like(x)``, ``torch.empty``,
+  ``torch.zeros_like``, ``torch.zeros`` with ``x``'s shape) is followed by a
+  guard zone, so a ``tl.store`` without ``mask=`` that writes past the end of
+  the last row is caught, not left to corrupt a neighbouring tensor;
 - float32 and float16 everywhere, bfloat16 too on a GPU (the interpreter's
   bf16 is unreliable, so it is not used on the CPU).
 
@@ -58,6 +62,12 @@ MSG_MISSING_MASK = (
     "the row (the columns from n_cols up to BLOCK). Here the memory after each row is filled "
     "with NaN; in real memory it is garbage from a neighbouring tensor. Load with "
     "`mask=cols < n_cols` (and store with the same mask)."
+)
+MSG_STORE_PAST_END = (
+    "your kernel wrote past the end of the output: a `tl.store` without `mask=cols < n_cols` "
+    "writes all BLOCK lanes of each row, and the last row's extra lanes land in the memory after "
+    "the tensor. The grader put a guard zone there and found it changed; in a real program it "
+    "is another tensor, silently corrupted (or a crash). Store with the same mask as the load."
 )
 MSG_ROW_STRIDE = (
     "the rows were located with `row * n_cols`, as if they were packed one after another. "
@@ -225,6 +235,74 @@ def _cases(rng, device):
     return cases
 
 
+_GUARD = 4096  # elements after each guarded output: more than any block can overrun
+_GUARD_VALUE = -7777.0
+
+
+class _GuardedOutputs:
+    """While the learner's function runs, outputs it allocates with ``x``'s shape get a guard zone.
+
+    ``torch.empty_like``, ``torch.zeros_like``, ``torch.empty`` and
+    ``torch.zeros`` are replaced, for calls asking for ``x``'s shape, by a
+    view of the start of a longer buffer whose tail holds a known value.
+    Every other call goes to torch unchanged. :meth:`overrun` says whether a
+    tail changed.
+    """
+
+    _NAMES = ("empty_like", "zeros_like", "empty", "zeros")
+
+    def __init__(self, x):
+        self.shape = tuple(x.shape)
+        self.zones = []
+
+    def _allocate(self, shape, dtype, device, zero):
+        n = math.prod(shape)
+        buf = self._torch["empty"](n + _GUARD, dtype=dtype, device=device)
+        if zero:
+            buf[:n] = 0.0
+        buf[n:] = _GUARD_VALUE
+        self.zones.append((buf, n, buf[n:].clone()))
+        return buf[:n].view(shape)
+
+    def _like(self, name, zero):
+        def allocate_like(t, *args, **kwargs):
+            if args or set(kwargs) - {"dtype", "device"} or tuple(t.shape) != self.shape:
+                return self._torch[name](t, *args, **kwargs)
+            return self._allocate(self.shape, kwargs.get("dtype") or t.dtype, kwargs.get("device") or t.device, zero)
+        return allocate_like
+
+    def _new(self, name, zero):
+        import torch
+
+        def allocate(*size, **kwargs):
+            shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+            if shape != self.shape or set(kwargs) - {"dtype", "device"}:
+                return self._torch[name](*size, **kwargs)
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            return self._allocate(self.shape, dtype, kwargs.get("device") or "cpu", zero)
+        return allocate
+
+    def __enter__(self):
+        import torch
+
+        self._torch = {name: getattr(torch, name) for name in self._NAMES}
+        torch.empty_like, torch.zeros_like = self._like("empty_like", False), self._like("zeros_like", True)
+        torch.empty, torch.zeros = self._new("empty", False), self._new("zeros", True)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        for name, fn in self._torch.items():
+            setattr(torch, name, fn)
+        return False
+
+    def overrun(self) -> bool:
+        import torch
+
+        return any(not torch.equal(buf[n:], before) for buf, n, before in self.zones)
+
+
 def _check_result(run, out, x, case):
     """A plain sentence for a result that is not a tensor like ``x``."""
     import torch
@@ -252,10 +330,12 @@ def _check_triton_softmax(fn, *, seed=None):
     for desc, rows, cols, dtype, strided, scale, offsets in _cases(run.rng, device):
         x = _make_input(run.rng, rows, cols, dtype, device, strided=strided, scale=scale, offsets=offsets)
         x64 = x.detach().cpu().double().numpy()  # the values the kernel sees, after rounding to dtype
-        with sandbox.count_launches() as launched:
+        with sandbox.count_launches() as launched, _GuardedOutputs(x) as guard:
             out = run.call(fn, x, case=desc)
         if not launched:
             raise run.fail(MSG_NO_KERNEL, desc)
+        if guard.overrun():
+            raise run.fail(MSG_STORE_PAST_END, desc)
         _check_result(run, out, x, desc)
         got = out.detach().cpu().double().numpy()
         expected = ref.softmax(x64, axis=-1)
