@@ -526,7 +526,7 @@ class _RowWatcher(np.ndarray):
         return result
 
 
-def _watched(x: np.ndarray, block: int) -> tuple[np.ndarray, dict]:
+def _watched(x: np.ndarray) -> tuple[np.ndarray, dict]:
     """``x`` as a :class:`_RowWatcher`, and the log it writes to (off until the call)."""
     log = {"n": x.shape[-1], "active": False, "whole_row": False}
     w = x.copy().view(_RowWatcher)
@@ -548,7 +548,7 @@ def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
     run = Run("check_online_softmax", seed, time_limit_s=time_limit_s)
     for case, x, block, large in _online_cases(run.rng):
         expected = ref.online_softmax(x, block)
-        x_in, log = _watched(x, block)
+        x_in, log = _watched(x)
         log["active"] = True
         try:
             out = run.call(fn, x_in, block, case=case)

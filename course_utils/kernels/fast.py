@@ -213,32 +213,35 @@ def _attn_fwd_inner(
             l_i = l_i + tl.sum(p, 1)
             acc = tl.dot(p.to(v.dtype), v, acc)
         else:
-            # Scale after the max (one multiply per row, not per score), then
-            # scale-and-subtract in a single FMA per score.
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            qk = qk * qk_scale - m_new[:, None]
+            qk, m_new = _shift_unmasked(qk, m_i, qk_scale)
         if MODE >= 2 or not LAZY_RESCALE:
-            p = _exp(qk, EXP2)
-            alpha = _exp(m_i - m_new, EXP2)  # 1 where the max did not move
-            l_ij = tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = _load_v(desc_v, V, kv_row0 + start_n, offs_n, offs_d, HEAD_DIM, USE_TMA)
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            # Updating l_i and m_i last keeps fewer values alive across the dots.
-            l_i = l_i * alpha + l_ij
-            m_i = m_new
+            acc, l_i, m_i = _online_update(acc, l_i, m_i, qk, m_new, desc_v, V, kv_row0 + start_n,
+                                           offs_n, offs_d, HEAD_DIM, USE_TMA, EXP2)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, qk, v, qk_scale, EXP2: tl.constexpr):
-    """One unmasked online-softmax update with the scores ``qk`` of one key block."""
+def _shift_unmasked(qk, m_i, qk_scale):
+    """Scores of an unmasked block, scaled and shifted by the new running max: ``(qk, m_new)``.
+
+    Scale after the max (one multiply per row, not per score), then
+    scale-and-subtract in a single FMA per score.
+    """
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    p = _exp(qk * qk_scale - m_new[:, None], EXP2)
-    alpha = _exp(m_i - m_new, EXP2)
+    return qk * qk_scale - m_new[:, None], m_new
+
+
+@triton.jit
+def _online_update(acc, l_i, m_i, qk, m_new, desc_v, V, v_row, offs_n, offs_d,
+                   HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, EXP2: tl.constexpr):
+    """Fold one key block into ``(acc, l_i, m_i)``; ``qk`` is already shifted by ``m_new``."""
+    p = _exp(qk, EXP2)
+    alpha = _exp(m_i - m_new, EXP2)  # 1 where the max did not move
     l_ij = tl.sum(p, 1)
     acc = acc * alpha[:, None]
+    v = _load_v(desc_v, V, v_row, offs_n, offs_d, HEAD_DIM, USE_TMA)
     acc = tl.dot(p.to(v.dtype), v, acc)
+    # Updating l_i and m_i last keeps fewer values alive across the dots.
     l_i = l_i * alpha + l_ij
     return acc, l_i, m_new
 
@@ -269,11 +272,13 @@ def _attn_fwd_inner_pipelined(
             start_n = tl.multiple_of(start_n, BLOCK_N)
             k = _load_k_transposed(desc_k, K, kv_row0 + start_n, offs_n, offs_d, HEAD_DIM, USE_TMA)
             qk_next = tl.dot(q, k)  # next block's scores, in flight during this block's softmax
-            v = _load_v(desc_v, V, kv_row0 + start_n - BLOCK_N, offs_n, offs_d, HEAD_DIM, USE_TMA)
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, EXP2)
+            qk, m_new = _shift_unmasked(qk, m_i, qk_scale)
+            acc, l_i, m_i = _online_update(acc, l_i, m_i, qk, m_new, desc_v, V, kv_row0 + start_n - BLOCK_N,
+                                           offs_n, offs_d, HEAD_DIM, USE_TMA, EXP2)
             qk = qk_next
-        v = _load_v(desc_v, V, kv_row0 + hi - BLOCK_N, offs_n, offs_d, HEAD_DIM, USE_TMA)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, qk_scale, EXP2)
+        qk, m_new = _shift_unmasked(qk, m_i, qk_scale)
+        acc, l_i, m_i = _online_update(acc, l_i, m_i, qk, m_new, desc_v, V, kv_row0 + hi - BLOCK_N,
+                                       offs_n, offs_d, HEAD_DIM, USE_TMA, EXP2)
     return acc, l_i, m_i
 
 
