@@ -12,20 +12,27 @@ PY := $(VENV)/bin/python
 # build brings the triton it was built with.
 CONSTRAINTS ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,constraints/ci.txt)
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+# On PyPI itself, torch==2.13.0 for Linux is the CUDA build (several GB). On a
+# machine without a GPU, `make setup TORCH_CPU=1` (or lab/test) takes PyTorch's
+# CPU build from PyTorch's own wheel index instead (about 200 MB).
+TORCH_CPU ?=
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_INDEX := $(if $(TORCH_CPU),--extra-index-url $(TORCH_INDEX),)
 
 .PHONY: setup lab test notebooks solutions doctor
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(PIP_C) -e ".[test]"
+	@echo "Installing the course and its dependencies (torch and triton are large: this takes minutes)..."
+	$(PY) -m pip install --progress-bar on $(PIP_INDEX) $(PIP_C) -e ".[test]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 
 setup: $(VENV)/.installed
 
 lab: setup
-	$(PY) -m pip install -q $(PIP_C) -e ".[test,lab]"
+	$(PY) -m pip install -q $(PIP_INDEX) $(PIP_C) -e ".[test,lab]"
 	$(PY) -m course_utils || true
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root,)
 

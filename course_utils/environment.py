@@ -73,11 +73,19 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _cuda_available() -> bool:
+def _torch_importable() -> bool:
     try:
-        import torch
+        import torch  # noqa: F401
     except ImportError:
         return False
+    return True
+
+
+def _cuda_available() -> bool:
+    if not _torch_importable():
+        return False
+    import torch
+
     return torch.cuda.is_available()
 
 
@@ -94,7 +102,7 @@ def configure() -> Environment:
     triton_was_imported = "triton" in sys.modules
     has_gpu = _cuda_available()
     too_early = False
-    if not has_gpu:
+    if not has_gpu and os.environ.get(INTERPRET_VAR) != "0":  # "0": asked for the compiler (targets.py)
         if os.environ.get(INTERPRET_VAR) != "1":
             if triton_was_imported:
                 too_early = True
@@ -132,6 +140,12 @@ def known_problems(env: Environment | None = None) -> list[str]:
     """Combinations of versions and settings known to break the course."""
     env = env or current()
     problems = []
+    if not _torch_importable():
+        problems.append(
+            "PyTorch is not installed (or does not import): run `make setup` in the course "
+            "folder, or `pip install -e .` (without a GPU, `make setup TORCH_CPU=1` takes "
+            "PyTorch's small CPU build)."
+        )
     triton_v = _version("triton")
     numpy_v = _version("numpy")
     if env.triton_imported_too_early:
@@ -169,15 +183,18 @@ def report(env: Environment | None = None) -> str:
     env = env or current()
     lines = ["FlashAttention course - environment check"]
     lines.append(f"  python        {platform.python_version()} ({platform.system()})")
+    has_torch = _torch_importable()
     for pkg in ("torch", "triton", "numpy", "matplotlib", "ipywidgets"):
-        lines.append(f"  {pkg:<13} {_version(pkg) or 'not installed'}")
+        version = _version(pkg) if pkg != "torch" or has_torch else None
+        lines.append(f"  {pkg:<13} {version or 'not installed'}")
     if env.device == "cuda":
         major, minor = env.capability
         lines.append(f"  GPU           {env.gpu_name} (compute capability {major}.{minor})")
     else:
         lines.append("  GPU           none: Triton kernels run in the interpreter on the CPU")
     lines.append(f"  interpreter   {'on' if env.interpreter else 'off'} ({INTERPRET_VAR}={os.environ.get(INTERPRET_VAR, '')!r})")
-    lines.append(f"  default dtype {str(env.dtype).replace('torch.', '')}")
+    if has_torch:
+        lines.append(f"  default dtype {str(env.dtype).replace('torch.', '')}")
     lines.append(f"  default N     {env.seq_len}")
     problems = known_problems(env)
     if problems:
@@ -191,4 +208,4 @@ def report(env: Environment | None = None) -> str:
 def main() -> int:
     """Entry point of ``python -m course_utils`` and ``course-doctor``."""
     print(report())
-    return 1 if current().triton_imported_too_early else 0
+    return 1 if current().triton_imported_too_early or not _torch_importable() else 0

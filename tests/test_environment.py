@@ -10,7 +10,9 @@ from course_utils.environment import Environment
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh Python that sees no GPU (as on a laptop), on either machine."""
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -45,6 +47,14 @@ def test_triton_imported_first_gets_one_sentence_and_the_doctor_flags_it():
     doctor = _python("import triton, sys\nfrom course_utils.environment import main\nsys.exit(main())")
     assert doctor.returncode == 1
     assert "import course_utils first" in doctor.stdout
+
+
+def test_doctor_without_torch_says_how_to_install_it():
+    # sys.modules["torch"] = None makes `import torch` fail, as in a Python without it.
+    out = _python("import sys; sys.modules['torch'] = None\nfrom course_utils.environment import main\nsys.exit(main())")
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "torch         not installed" in out.stdout and "pip install" in out.stdout
+    assert out.returncode == 1
 
 
 def test_doctor_command_reports_versions_and_interpreter():

@@ -11,7 +11,9 @@ import triton
 import triton.language as tl
 
 from course_utils.grading.core import Diagnosis, GradingError, Run
-from course_utils.grading.sandbox import KernelError, count_launches, isolated, nan_padded
+from course_utils.grading.sandbox import KernelError, check_on_cpu, count_launches, isolated, nan_padded
+
+from conftest import DEVICE, ON_GPU
 
 
 def test_compare_names_case_seed_index_and_diagnosis():
@@ -113,12 +115,12 @@ def _broken_copy(x):
 @isolated
 def _check_copy(fn, *, seed=None):
     run = Run("_check_copy", seed)
-    x = torch.randn(100)
+    x = torch.randn(100, device=DEVICE)
     with count_launches() as launched:
         out = run.call(fn, x, case="n=100")
     if not launched:
         raise run.fail("No Triton kernel ran.", "n=100")
-    run.compare(run.array(out, expected_shape=(100,), case="n=100"), x.numpy(), case="n=100", what="copy", atol=0, rtol=0)
+    run.compare(run.array(out, expected_shape=(100,), case="n=100"), x.cpu().numpy(), case="n=100", what="copy", atol=0, rtol=0)
     return run.passed()
 
 
@@ -131,10 +133,29 @@ def test_isolated_check_rejects_an_answer_without_triton():
         _check_copy(lambda x: x.clone())
 
 
-def test_segfaulting_kernel_is_reported_and_this_process_survives():
-    with pytest.raises(GradingError, match=r"crashed the grading process \(SIG(SEGV|BUS)\).*mask="):
+def test_faulting_kernel_is_reported_and_this_process_survives():
+    # CPU: the interpreter segfaults the forked child. GPU: the kernel faults
+    # CUDA in the worker process, whose context is lost, not ours.
+    expected = r"made the GPU fault.*mask=.*Your notebook is fine" if ON_GPU else r"crashed the grading process \(SIG(SEGV|BUS)\).*mask="
+    with pytest.raises(GradingError, match=expected):
         _check_copy(_wild_copy)
-    assert _check_copy(_triton_copy)  # still alive
+    assert _check_copy(_triton_copy)  # a correct kernel right after it passes
+    assert torch.ones(3, device=DEVICE).sum().item() == 3  # and this process's device works
+
+
+def test_a_check_runs_in_a_worker_process_on_either_machine():
+    # The GPU's path (a spawned worker, the kernels sent by value) also runs on the CPU.
+    assert _check_copy(_triton_copy, isolate="worker")
+    with pytest.raises(GradingError, match="No Triton kernel ran"):
+        _check_copy(lambda x: x.clone(), isolate="worker")
+    with pytest.raises(KernelError, match="my own bug"):
+        _check_copy(_broken_copy, isolate="worker")
+
+
+def test_check_on_cpu_runs_the_kernel_in_the_interpreter():
+    assert check_on_cpu(_check_copy, _triton_copy)
+    with pytest.raises(GradingError, match=r"crashed the grading process \(SIG(SEGV|BUS|ABRT)\)"):
+        check_on_cpu(_check_copy, _wild_copy)
 
 
 def test_learner_error_in_the_child_shows_their_traceback_without_grader_frames():
@@ -145,25 +166,27 @@ def test_learner_error_in_the_child_shows_their_traceback_without_grader_frames(
     assert "grading/sandbox.py" not in text and "grading/core.py" not in text
 
 
-def test_isolated_hang_is_stopped():
+@pytest.mark.parametrize("isolate", [None, "worker"])
+def test_isolated_hang_is_stopped(isolate):
+    if isolate == "worker":
+        _check_copy(_triton_copy, isolate="worker")  # the worker is started and warm
     start = time.monotonic()
     with pytest.raises(GradingError, match="did not finish within 2 s"):
-        _check_copy(lambda x: time.sleep(60), timeout_s=2)
+        _check_copy(lambda x: time.sleep(60), timeout_s=2, isolate=isolate)
     assert time.monotonic() - start < 15
 
 
 def test_count_launches_names_kernels_and_restores_run():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    before = InterpretedFunction.run
+    kernel_class = type(_copy_kernel)  # InterpretedFunction or JITFunction
+    before = kernel_class.run
     with count_launches() as launched:
-        _triton_copy(torch.zeros(10))
+        _triton_copy(torch.zeros(10, device=DEVICE))
     assert launched == ["_copy_kernel"]
-    assert InterpretedFunction.run is before
+    assert kernel_class.run is before
 
 
 def test_nan_padded_views_hold_the_data_and_nan_around_it():
-    t = torch.randn(2, 3, 5, 4)
+    t = torch.randn(2, 3, 5, 4, device=DEVICE)
     for transpose in (False, True):
         v = nan_padded(t, transpose_heads=transpose)
         assert torch.equal(v, t) and not v.is_contiguous()

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from course_utils.kernels.forward import bf16_problem  # absolute: tests load copies of this file
+from course_utils.kernels.forward import _capability, bf16_problem  # absolute: tests load copies of this file
 
 
 __all__ = [
@@ -362,7 +362,7 @@ class BackwardConfig:
                 f"dq {self.dq_block_m}x{self.dq_block_n} w{self.dq_warps} s{self.dq_stages})")
 
 
-def default_config(head_dim: int, device_type: str) -> BackwardConfig:
+def default_config(head_dim: int, device_type: str, capability: tuple[int, int] | None = None) -> BackwardConfig:
     """Small blocks in the CPU interpreter; blocks tuned for Hopper on a GPU.
 
     The GPU choice follows the usual FlashAttention-2 split: the dK/dV kernel
@@ -371,6 +371,10 @@ def default_config(head_dim: int, device_type: str) -> BackwardConfig:
     """
     if device_type != "cuda":
         return BackwardConfig(32, 64, 64, 32, 4, 1, 4, 1)
+    if capability is not None and capability < (8, 0):
+        # Turing (Colab's T4): 64 KiB of shared memory, no asynchronous copies: one
+        # stage and small tiles (checked by compiling for sm_75, kernels/targets.py).
+        return BackwardConfig(32, 64, 64, 32, 4, 1, 4, 1) if head_dim <= 64 else BackwardConfig(16, 32, 32, 16, 4, 1, 4, 1)
     if head_dim <= 64:  # not measured for speed: half of D=128's accumulators, so 4 warps
         return BackwardConfig(32, 128, 128, 32, 4, 3, 4, 3)
     if head_dim <= 128:
@@ -435,7 +439,8 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     n_kv_heads, N_K = k.shape[1], k.shape[2]
     group_size = n_q_heads // n_kv_heads
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    cfg = config or default_config(D, q.device.type)
+    capability = _capability(q.device)
+    cfg = config or default_config(D, "cuda" if capability else q.device.type, capability)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     PAD_D = BLOCK_D != D
     # fp32 statistics and accumulators, except for float64 inputs (gradcheck),

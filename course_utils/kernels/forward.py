@@ -302,12 +302,18 @@ def _interpreted(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _gpu_without_bf16(device: torch.device) -> tuple[int, int] | None:
-    """The compute capability of a CUDA device older than sm_80 (no bf16, e.g. a T4), else None."""
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """``(major, minor)`` of a CUDA device; None on the CPU. (course_utils.kernels.targets
+    replaces it to compile for a GPU that is not here.)"""
     if device.type != "cuda":
         return None
-    capability = tuple(torch.cuda.get_device_capability(device))
-    return capability if capability < (8, 0) else None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def _gpu_without_bf16(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA device older than sm_80 (no bf16, e.g. a T4), else None."""
+    capability = _capability(device)
+    return capability if capability is not None and capability < (8, 0) else None
 
 
 def bf16_problem(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -382,6 +388,14 @@ def block_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dic
     if _interpreted(device):
         return dict(BLOCK_M=64, BLOCK_N=32)
     d_pad = triton.next_power_of_2(head_dim)
+    capability = _capability(device)
+    if capability is not None and capability < (8, 0):
+        # Turing (Colab's T4): 64 KiB of shared memory per block and no asynchronous
+        # copies, so no multi-stage pipeline; smaller tiles (checked by compiling for
+        # sm_75: python -m course_utils.kernels.targets).
+        if d_pad <= 64 and dtype != torch.float32:
+            return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         if d_pad <= 64:
             return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)

@@ -1,0 +1,255 @@
+"""Compile the lesson kernels for a GPU you do not have, and check that they fit it.
+
+Colab's free T4 (sm_75) has 64 KiB of shared memory per block and no bf16; an
+A100 (sm_80) has 163 KiB; every NVIDIA GPU gives a thread at most 255
+registers. A kernel whose tiles are too big for a chip fails there with
+"out of resource: shared memory" at its first launch. Triton can compile for
+a target you name, so we can find that out on a laptop:
+
+    TRITON_INTERPRET=0 python -m course_utils.kernels.targets          # sm_75 and sm_80
+    TRITON_INTERPRET=0 python -m course_utils.kernels.targets --sm 75
+
+Each lesson kernel is compiled with the configuration its launcher would
+choose on that GPU (the same launcher code, with the launch itself captured
+instead of run), and its shared memory, registers and spills are read from
+the compiled binary (``cuobjdump --dump-resource-usage``, which ships with
+Triton). ``TRITON_INTERPRET=0`` must be set before anything imports Triton,
+since the interpreter would replace the compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+# Per-block shared memory a kernel may use (opt-in maximum) and the chips' names.
+TARGETS = {
+    75: ("Tesla T4 (Colab's free GPU)", 64 * 1024),
+    80: ("A100", 163 * 1024),
+    86: ("RTX 30xx / A10", 99 * 1024),
+    89: ("RTX 40xx / L4", 99 * 1024),
+    90: ("H100 / H200", 227 * 1024),
+}
+MAX_REGISTERS = 255
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What one kernel needs from a chip, read from its compiled binary."""
+
+    kernel: str
+    case: str
+    sm: int
+    shared_bytes: int
+    registers: int
+    spill_bytes: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_bytes <= TARGETS[self.sm][1] and self.registers <= MAX_REGISTERS
+
+    def __str__(self) -> str:
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        regs = f", {self.registers:3d} registers, {self.spill_bytes} bytes spilled" if self.registers >= 0 else ""
+        return (f"sm_{self.sm} {self.kernel:<30} {self.case:<26} warps {self.num_warps} stages {self.num_stages}: "
+                f"shared {self.shared_bytes / 1024:5.1f} KiB of {TARGETS[self.sm][1] // 1024}{regs} -> {verdict}")
+
+
+@contextlib.contextmanager
+def _captured_launches():
+    """Record ``(kernel, args, kwargs)`` of each Triton launch in the block instead of running it."""
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = run
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+@contextlib.contextmanager
+def _as_if_on_a_gpu(sm: int):
+    """Let the launchers pick their configurations for GPU ``sm_<sm>``, given CPU tensors (nothing runs)."""
+    from . import backward, forward
+
+    saved = forward._interpreted, forward._capability, backward._capability, os.environ.get("TRITON_INTERPRET")
+    forward._interpreted = lambda device: False
+    forward._capability = backward._capability = lambda device: (sm // 10, sm % 10)
+    os.environ["TRITON_INTERPRET"] = "1"  # validate()'s "CPU tensors need the interpreter" guard
+    try:
+        yield
+    finally:
+        forward._interpreted, forward._capability, backward._capability = saved[:3]
+        if saved[3] is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved[3]
+
+
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def _signature(kernel, args, kwargs):
+    """Triton's signature and constexprs for one captured launch."""
+    import triton.language as tl
+
+    values = dict(zip(kernel.arg_names, args))
+    values.update({k: v for k, v in kwargs.items() if k in kernel.arg_names})
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        elif isinstance(value, tl.dtype):
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        else:
+            raise TypeError(f"{kernel.__name__}: argument {param.name} of type {type(value).__name__}")
+    return signature, constexprs
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
+    """``(registers, shared bytes, spill bytes)`` of a cubin, by cuobjdump."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+    reg = int(re.search(r"REG:(\d+)", text).group(1))
+    shared = int(re.search(r"SHARED:(\d+)", text).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", text).group(1))
+    return reg, shared, local
+
+
+class _StopBeforeMachineCode(Exception):
+    def __init__(self, metadata):
+        self.metadata = metadata
+
+
+@contextlib.contextmanager
+def _without_ptxas():
+    """Stop Triton's pipeline after the PTX: ptxas is what takes tens of seconds."""
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    original = CUDABackend.make_cubin
+
+    def stop(self, src, metadata, *args, **kwargs):
+        raise _StopBeforeMachineCode(metadata)
+
+    CUDABackend.make_cubin = stop
+    try:
+        yield
+    finally:
+        CUDABackend.make_cubin = original
+
+
+def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool = True) -> Compiled:
+    """Compile one captured launch for ``sm_<sm>`` and read what it needs.
+
+    Shared memory is known once Triton has laid out its tiles (before PTX);
+    registers and spills only after ``ptxas`` made machine code, which takes
+    tens of seconds per kernel: ``registers=False`` skips it (reported as -1).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = _signature(kernel, args, kwargs)
+    options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
+    source = ASTSource(kernel, signature, constexprs)
+    target = GPUTarget("cuda", sm, 32)
+    if not registers:
+        try:
+            with _without_ptxas():
+                compiled = triton.compile(source, target=target, options=options)  # from Triton's cache
+        except _StopBeforeMachineCode as stopped:
+            meta = stopped.metadata
+            return Compiled(kernel.__name__, case, sm, int(meta["shared"]), -1, -1,
+                            meta["num_warps"], meta["num_stages"])
+    else:
+        compiled = triton.compile(source, target=target, options=options)
+    n_regs, static_shared, spills = _resource_usage(compiled.asm["cubin"])
+    # Triton's dynamic shared memory (tiles, pipeline buffers) is in its metadata.
+    shared = max(int(compiled.metadata.shared), static_shared)
+    return Compiled(kernel.__name__, case, sm, shared, n_regs, spills,
+                    compiled.metadata.num_warps, compiled.metadata.num_stages)
+
+
+def lesson_launches(sm: int, head_dim: int, causal: bool = True):
+    """The launches the lesson launchers make on a GPU of compute capability ``sm``.
+
+    Yields ``(kernel, args, kwargs, case)``: kernel A (lesson 04), kernel B
+    (lesson 05), and the three backward kernels (lesson 07), in fp16 below
+    sm_80 (no bf16 there) and bf16 from sm_80 on, for a GQA problem.
+    """
+    from . import backward, forward
+
+    dtype = torch.float16 if sm < 80 else torch.bfloat16
+    B, hq, hkv, n = 1, 4, 2, 256
+    q = torch.zeros(B, hq, n, head_dim, dtype=dtype)
+    k = torch.zeros(B, hkv, n, head_dim, dtype=dtype)
+    case = f"{str(dtype).replace('torch.', '')} D={head_dim} causal={causal}"
+    with _as_if_on_a_gpu(sm), _captured_launches() as launches:
+        forward.flash_attention_forward(q, q, q, causal)
+        forward.flash_attention_gqa_forward(q, k, k, causal)
+        backward.attention_backward(q, k, k, q, torch.zeros(B, hq, n), q, causal)
+    for kernel, args, kwargs in launches:
+        yield kernel, args, kwargs, case
+
+
+def check_targets(sms=(75, 80), head_dims=(64, 128), *, registers: bool = True) -> list[Compiled]:
+    """Compile every lesson kernel for each target and head dim; the list of results."""
+    results = []
+    for sm in sms:
+        for d in head_dims:
+            for kernel, args, kwargs, case in lesson_launches(sm, d):
+                results.append(compile_launch(kernel, args, kwargs, sm, case, registers=registers))
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sm", type=int, nargs="*", default=[75, 80], choices=sorted(TARGETS))
+    parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
+    parser.add_argument("--no-registers", action="store_true", help="skip ptxas (fast: shared memory only)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("Triton's interpreter is on: run with TRITON_INTERPRET=0 to compile for a GPU.")
+        return 2
+    results = check_targets(args.sm, args.head_dims, registers=not args.no_registers)
+    for r in results:
+        print(r)
+    bad = [r for r in results if not r.fits]
+    print(f"{len(results) - len(bad)} of {len(results)} kernels fit their target.")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

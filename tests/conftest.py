@@ -1,0 +1,58 @@
+"""What every test file shares: where tensors live, and which machine a test belongs to.
+
+The suite runs on a machine without a GPU (Triton's interpreter, CI) and on a
+machine with one (kernels compiled for it): ``make test`` on both. A test that
+only makes sense on one of them says so with a marker and a reason:
+
+- ``@pytest.mark.interpreter("why")``: needs Triton's CPU interpreter (for
+  example a kernel that segfaults the interpreter, or the interpreter switch
+  itself). Skipped, with its reason, where kernels run compiled on a GPU.
+- ``@pytest.mark.gpu("why")``: needs a CUDA GPU. Skipped, with its reason,
+  where there is none. (``tests/test_gpu_fast.py`` further needs Hopper.)
+
+Everything else runs on both, with tensors on :data:`DEVICE`.
+"""
+
+import course_utils  # first: switches Triton's interpreter on when there is no GPU
+import pytest
+
+DEVICE = course_utils.DEVICE
+ON_GPU = DEVICE == "cuda"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreter(reason): needs Triton's CPU interpreter")
+    config.addinivalue_line("markers", "gpu(reason): needs a CUDA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name, wrong_machine, where in (
+            ("interpreter", ON_GPU, "on a GPU machine (kernels compile for the GPU)"),
+            ("gpu", not ON_GPU, "without a GPU"),
+        ):
+            marker = item.get_closest_marker(name)
+            if marker is not None and wrong_machine:
+                reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
+                item.add_marker(pytest.mark.skip(reason=f"not run {where}: {reason}"))
+
+
+@pytest.fixture
+def device():
+    """The device the course's kernels run on here: ``"cuda"`` or ``"cpu"``."""
+    return DEVICE
+
+
+def tolerance(dtype) -> float:
+    """An absolute and relative tolerance for a kernel's result in ``dtype`` here.
+
+    fp32 ``tl.dot`` is exact in the interpreter but tf32 (10-bit mantissa) on a
+    GPU; fp16/bf16 inputs are rounded on both.
+    """
+    import torch
+
+    if dtype == torch.float64:
+        return 1e-9
+    if dtype == torch.float32:
+        return 1e-2 if ON_GPU else 2e-5
+    return 3e-2 if dtype == torch.bfloat16 else 1e-2
