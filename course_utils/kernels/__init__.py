@@ -25,6 +25,8 @@ import torch
 
 from . import fast, forward
 from .forward import flash_attention_forward, flash_attention_gqa_forward, validate
+from . import decode
+from .decode import decode_attention
 
 __all__ = [
     "flash_attention",
@@ -33,6 +35,8 @@ __all__ = [
     "flash_attention_gqa_forward",
     "validate",
     "forward",
+    "decode_attention",
+    "decode",
 ]
 
 
