@@ -115,17 +115,9 @@ def test_num_splits_heuristic():
     assert 1 <= decode.pick_num_splits(1, 8, 1, 256, cpu, 32) <= 4
     assert decode.pick_num_splits(1, 8, 1, 16, cpu, 32) == 1
 
-    class FakeGPU:
-        type = "cuda"
-
-    real = decode._sm_count
-    decode._sm_count = lambda device: 132
-    try:
-        few = decode.pick_num_splits(1, 8, 1, 16384, FakeGPU(), 64)
-        many = decode.pick_num_splits(64, 8, 1, 16384, FakeGPU(), 64)
-        short = decode.pick_num_splits(1, 8, 1, 256, FakeGPU(), 64)
-    finally:
-        decode._sm_count = real
+    few = decode.pick_num_splits(1, 8, 1, 16384, cpu, 64, sm_count=132)
+    many = decode.pick_num_splits(64, 8, 1, 16384, cpu, 64, sm_count=132)
+    short = decode.pick_num_splits(1, 8, 1, 256, cpu, 64, sm_count=132)
     assert many == 1  # 512 programs already fill 132 SMs
     assert 8 <= few <= decode.MAX_SPLITS  # 8 programs alone would leave most SMs idle
     assert short == 1  # 4 blocks: too short to split

@@ -101,7 +101,7 @@ def _decode_split_kernel(
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )
 
-    # The keys of this split, and each query row's position in its sequence.
+    # lo, hi: the keys of this split; pos: each row's position in its sequence.
     ### BEGIN SOLUTION
     chunk = tl.cdiv(seq_len, num_splits)
     lo = pid_s * chunk
@@ -129,6 +129,7 @@ def _decode_split_kernel(
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :] * stride_vd,
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        # keep: True where row r may see key offs_n (inside this split, at or before the row's position).
         ### BEGIN SOLUTION
         keep = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
         ### END SOLUTION
@@ -179,6 +180,7 @@ def _decode_combine_kernel(
         O_PART + (row.to(tl.int64) * num_splits + offs_s)[:, None] * D + offs_d[None, :],
         mask=s_ok[:, None] & d_ok[None, :], other=0.0,
     )
+    # o [D_PAD]: the parts merged by their lse (float32).
     ### BEGIN SOLUTION
     m = tl.max(lse, axis=0)  # every row has a split that sees a key, so m is finite
     w = tl.exp(lse - m)
@@ -219,7 +221,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> di
 
 
 def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, device: torch.device,
-                    block_n: int = 64) -> int:
+                    block_n: int = 64, sm_count: int | None = None) -> int:
     """How many splits of the keys: enough programs to fill the GPU, no more.
 
     ``batch * n_kv_heads * m_blocks`` programs already run without splitting.
@@ -230,13 +232,14 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     partial). ``max_len`` is the caches' capacity, not ``cache_seqlens``:
     reading the lengths would stall the GPU to copy them to the host every
     step. On the CPU (the interpreter runs programs one after another) a
-    small count, so the combine still runs in the lessons.
+    small count, so the combine still runs in the lessons. ``sm_count``
+    answers for a GPU of that many SMs, whatever ``device`` is.
     """
     n_blocks = max(1, triton.cdiv(max_len, block_n))
-    if device.type != "cuda":
+    if sm_count is None and device.type != "cuda":
         return max(1, min(2, n_blocks // 2))
     programs = batch * n_kv_heads * m_blocks
-    slots = 2 * _sm_count(device)
+    slots = 2 * (_sm_count(device) if sm_count is None else sm_count)
     max_splits = max(1, min(MAX_SPLITS, n_blocks // 4))
     if programs >= 0.8 * slots or max_splits == 1:
         return 1
