@@ -114,8 +114,13 @@ def _make_stream_kernel():
     return stream_cache_kernel
 
 
-def read_ceiling(k, v, chunk: int = 1024, block_n: int = 64):
-    """Stream contiguous ``k`` and ``v`` ``[B, Hkv, L, D]`` once; returns the per-program sums."""
+def read_ceiling(k, v, chunk: int | None = None, block_n: int = 64):
+    """Stream contiguous ``k`` and ``v`` ``[B, Hkv, L, D]`` once; returns the per-program sums.
+
+    ``chunk`` (tokens per program) defaults to what gives every SM several
+    programs: ``B * Hkv * L / (4 * SMs)`` rounded down to a power of two,
+    between ``block_n`` and 2048.
+    """
     import torch
     import triton
 
@@ -123,6 +128,10 @@ def read_ceiling(k, v, chunk: int = 1024, block_n: int = 64):
     if _stream_kernel is None:
         _stream_kernel = _make_stream_kernel()
     B, H, L, D = k.shape
+    if chunk is None:
+        sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 4
+        want = max(1, B * H * L // (4 * sms))
+        chunk = min(2048, max(block_n, 1 << (want.bit_length() - 1)))
     n_chunks = triton.cdiv(L, chunk)
     out = torch.empty((B * H, n_chunks), dtype=torch.float32, device=k.device)
     _stream_kernel[(n_chunks, B * H)](k, v, out, L, chunk, D=D, BLOCK_N=block_n, num_warps=4, num_stages=4)

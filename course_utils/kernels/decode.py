@@ -30,6 +30,7 @@ aside). The launcher is :func:`decode_attention`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -199,7 +200,12 @@ def _decode_combine_kernel(
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
@@ -213,11 +219,17 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> di
     """
     if _interpreted(device):
         return dict(BLOCK_N=32)
-    d_pad = triton.next_power_of_2(max(head_dim, 16))
-    big_smem = torch.cuda.get_device_capability(device) >= (8, 0)
-    if dtype == torch.float32 or d_pad > 128:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=3 if big_smem else 2)
-    return dict(BLOCK_N=64, num_warps=4, num_stages=3 if big_smem else 2)
+    return dict(_gpu_config(triton.next_power_of_2(max(head_dim, 16)), dtype.itemsize,
+                            torch.cuda.get_device_capability(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_config(d_pad: int, itemsize: int, capability: tuple) -> tuple:
+    if capability < (8, 0):  # sm_75 (a T4): 64 KiB of shared memory per program
+        return (("BLOCK_N", 32 if d_pad > 64 or itemsize > 2 else 64), ("num_warps", 4), ("num_stages", 2))
+    if itemsize > 2 or d_pad > 128:
+        return (("BLOCK_N", 32), ("num_warps", 4), ("num_stages", 3))
+    return (("BLOCK_N", 64), ("num_warps", 4), ("num_stages", 3))
 
 
 def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, device: torch.device,
