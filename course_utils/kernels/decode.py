@@ -390,6 +390,8 @@ def _decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=Non
         num_splits = pick_num_splits(B, Hkv, m_blocks, capacity, q.device,
                                      decode_config(D, q.dtype, q.device)["BLOCK_N"])
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
     if num_splits == 1:
         return decode_split(q, k_cache, v_cache, cache_seqlens, 1, block_table, out=out)[0]
     o_parts, lse_parts = decode_split(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
