@@ -34,10 +34,8 @@ Without a GPU the command says so in one sentence and exits 0.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path

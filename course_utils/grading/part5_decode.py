@@ -303,9 +303,9 @@ def _split_models(c: _DecodeCase, q, k, v):
 class _Model(Diagnosis):
     """A diagnosis whose expected answer is one part of a lazily computed model's output."""
 
-    def __init__(self, message, predict, index, slack):
+    def __init__(self, message, predict, index, right, slack=_SLACK):
         super().__init__(message)
-        self.predict, self.index, self.slack = predict, index, slack
+        self.predict, self.index, self.right, self.slack = predict, index, right, slack
         self._cache = None
 
     def matches(self, actual, atol, rtol):
@@ -316,7 +316,7 @@ class _Model(Diagnosis):
             wrong = _finite_lse(wrong)
         if wrong.shape != actual.shape or not np.isfinite(actual).all():
             return False
-        if np.allclose(actual, self._expected, atol=atol * self.slack, rtol=rtol * self.slack):
+        if np.allclose(actual, self.right, atol=atol * self.slack, rtol=rtol * self.slack):
             return False
         return bool(np.allclose(actual, wrong, atol=atol * self.slack, rtol=rtol * self.slack))
 
@@ -365,9 +365,7 @@ def _run_split_case(run, fn, c: _DecodeCase):
             found.append(Diagnosis(MSG_EMPTY_ROW, when=empty_row_wrong))
         found.append(Diagnosis(MSG_PAST_SEQLEN, when=lambda a: np.isnan(a).any()))
         for message, predict in models:
-            d = _Model(message, predict, index, _SLACK)
-            d._expected = expected
-            found.append(d)
+            found.append(_Model(message, predict, index, expected))
         return found
 
     run.compare(got_o, expected_o, case=c.desc, what="o_parts", atol=atol, rtol=rtol,
