@@ -154,24 +154,30 @@ def test_split_correct_variants_pass(variant, name):
     assert check_decode_split(SPLIT_CORRECT[name](variant))
 
 
-SPLIT_MISTAKES = {
+SPLIT_MISTAKES = {  # name: (edit, message, words naming the kind of mistake)
     "past-seqlen": (("hi = tl.minimum(lo + chunk, seq_len)", "hi = tl.minimum(lo + chunk, n_cap)"),
-                    p5.MSG_PAST_SEQLEN),
-    "top-left": (("pos = seq_len - T + t", "pos = t"), p5.MSG_CAUSAL_OFFSET),
-    "no-causal": (("pos = seq_len - T + t", "pos = seq_len - 1 + 0 * t"), p5.MSG_CAUSAL_OFFSET),
-    "causal-plus-one": (("pos = seq_len - T + t", "pos = seq_len - T + t + 1"), p5.MSG_CAUSAL_OFFSET),
+                    p5.MSG_PAST_SEQLEN, "past cache_seqlens"),
+    "top-left": (("pos = seq_len - T + t", "pos = t"), p5.MSG_CAUSAL_OFFSET, "top-left"),
+    "no-causal": (("pos = seq_len - T + t", "pos = seq_len - 1 + 0 * t"), p5.MSG_CAUSAL_OFFSET,
+                  "no mask among the new tokens"),
+    "causal-plus-one": (("pos = seq_len - T + t", "pos = seq_len - T + t + 1"), p5.MSG_CAUSAL_OFFSET,
+                        "also sees the next one"),
+    "packed-row-position": (("pos = seq_len - T + t", "pos = seq_len - T + rows"), p5.MSG_CAUSAL_OFFSET,
+                            "packed row"),
     "split-short": (("hi = tl.minimum(lo + chunk, seq_len)", "hi = tl.minimum(lo + chunk - 1, seq_len)"),
-                    p5.MSG_SPLIT_DROPS),
-    "chunk-floor": (("chunk = tl.cdiv(seq_len, num_splits)", "chunk = seq_len // num_splits"), p5.MSG_SPLIT_DROPS),
+                    p5.MSG_SPLIT_DROPS, "stops one key short"),
+    "chunk-floor": (("chunk = tl.cdiv(seq_len, num_splits)", "chunk = seq_len // num_splits"), p5.MSG_SPLIT_DROPS,
+                    "rounds down"),
     "empty-row-nan": (("m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)", "m_use = m_new"),
-                      p5.MSG_EMPTY_ROW),
+                      p5.MSG_EMPTY_ROW, "sees no key of its split"),
 }
 
 
 @pytest.mark.parametrize("name", list(SPLIT_MISTAKES))
 def test_split_mistakes_are_diagnosed(variant, name):
-    edit, message = SPLIT_MISTAKES[name]
-    _fails(check_decode_split, split(variant(name, edit)), message)
+    edit, message, kind = SPLIT_MISTAKES[name]
+    text = _fails(check_decode_split, split(variant(name, edit)), message)
+    assert kind in text.split("Likely cause: ", 1)[1], text
 
 
 def test_split_without_a_kernel_fails():

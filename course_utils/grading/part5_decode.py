@@ -259,7 +259,7 @@ def _partials_model(q, k, v, lengths, num_splits, *, pos_of=None, range_of=None)
             if hi <= lo:
                 continue
             sc = sm_scale * (q[b] @ np.swapaxes(kk[:, lo:hi], -1, -2))
-            sc = np.where(np.arange(lo, hi)[None, :] <= pos[:, None], sc, -np.inf)
+            sc = np.where(np.arange(lo, hi) <= np.asarray(pos)[..., None], sc, -np.inf)  # pos: [T] or [Hq, T]
             m = np.max(sc, axis=-1, keepdims=True)
             ok = np.isfinite(m)
             p = np.exp(sc - np.where(ok, m, 0.0))
@@ -282,6 +282,8 @@ def _split_models(c: _DecodeCase, q, k, v):
         ("off by one: each new token also sees the next one",
          lambda L, T: np.minimum(L - T + np.arange(T) + 1, L - 1)),
         ("off by one: each new token does not see itself", lambda L, T: L - T + np.arange(T) - 1),
+        ("the position uses the packed row r = g * T + t, not the new token t = r % T",
+         lambda L, T: L - T + (np.arange(c.hq) % (c.hq // c.hkv))[:, None] * T + np.arange(T)[None, :]),
     ]
     for kind, pos_of in offsets:
         models.append((MSG_CAUSAL_OFFSET.format(kind=kind),
