@@ -48,8 +48,10 @@ N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 BATCHES = (1, 4, 16, 64)
 CONTEXTS = (1024, 4096, 16384, 65536, 131072)
 SDPA_BACKENDS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
-PROVIDERS = ("course",) + SDPA_BACKENDS + ("flex", "ceiling")
-LABELS = {"course": "course", "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN",
+PROVIDERS = ("course", "course_paged") + SDPA_BACKENDS + ("flex", "ceiling")
+PAGE_SIZE = 16  # vLLM's default
+PAGED_MAX_GIB = 4.0  # the paged copy doubles the memory: only points with caches up to this size
+LABELS = {"course": "course", "course_paged": "course, paged", "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN",
           "sdpa_efficient": "SDPA mem-efficient", "flex": "FlexAttention", "ceiling": "read ceiling"}
 TOLERANCE = 2e-2  # relative error (norm) allowed against the float32 reference
 NO_GPU_MESSAGE = (
@@ -160,6 +162,15 @@ def make_provider(name: str, q, k, v, seqlens):
                                         decode.decode_config(D, q.dtype, q.device)["BLOCK_N"])
         del out
         return (lambda: decode._decode(q, k, v, seqlens)), f"num_splits={splits}"
+    if name == "course_paged":
+        from .kernels import decode
+
+        if cache_bytes(k.shape[0], k.shape[2], element_size=k.element_size()) > PAGED_MAX_GIB * 2**30:
+            raise RuntimeError(f"caches over {PAGED_MAX_GIB:g} GiB are not copied into pages")
+        k_pages, v_pages, table = paged_copy(k, v, PAGE_SIZE)
+        decode.decode_attention(q, k_pages, v_pages, seqlens, block_table=table)  # the checked call
+        return (lambda: decode._decode(q, k_pages, v_pages, seqlens, block_table=table)), \
+            f"pages of {PAGE_SIZE}, shuffled"
     if name in SDPA_BACKENDS:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -189,6 +200,22 @@ def make_provider(name: str, q, k, v, seqlens):
     raise ValueError(f"unknown provider {name!r}")
 
 
+def paged_copy(k, v, page_size: int, seed: int = 0):
+    """``k``, ``v`` ``[B, Hkv, L, D]`` dealt into shuffled pages ``[B * L / page_size, Hkv, page_size, D]``, and the table."""
+    import torch
+
+    B, H, L, D = k.shape
+    n = L // page_size
+    g = torch.Generator(device=k.device).manual_seed(seed)
+    where = torch.randperm(B * n, device=k.device, generator=g)  # page p of sequence b goes to slot where[b * n + p]
+    pages = []
+    for t in (k, v):
+        paged = torch.empty((B * n, H, page_size, D), dtype=t.dtype, device=t.device)
+        paged[where] = t.view(B, H, n, page_size, D).permute(0, 2, 1, 3, 4).reshape(B * n, H, page_size, D)
+        pages.append(paged)
+    return pages[0], pages[1], where.view(B, n).to(torch.int32)
+
+
 def reference(q, k, v, b: int):
     """Float32 attention of sequence ``b``'s new token over its whole cache: ``[Hq, 1, D]``."""
     import torch
@@ -211,19 +238,20 @@ def rel_error(o, refs) -> float:
     return worst if math.isfinite(worst) else float("inf")
 
 
-def measure_point(batch: int, context: int, providers=PROVIDERS, log=print, rep_ms: int = 60) -> list[dict]:
-    """Check, then time, every provider at one (batch, context) point."""
+def measure_point(batch: int, context: int, providers=PROVIDERS, log=print, rep_ms: int = 60,
+                  device: str = "cuda", dtype=None) -> list[dict]:
+    """Check, then time, every provider at one (batch, context) point (bf16 on the GPU by default)."""
     import torch
     import triton
 
-    g = torch.Generator(device="cuda").manual_seed(batch * 1_000_003 + context)
-    dt = torch.bfloat16
-    q = torch.randn(batch, N_Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=dt, generator=g)
-    k = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=dt, generator=g)
-    v = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device="cuda", dtype=dt, generator=g)
-    seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device=device).manual_seed(batch * 1_000_003 + context)
+    dt = torch.bfloat16 if dtype is None else dtype
+    q = torch.randn(batch, N_Q_HEADS, 1, HEAD_DIM, device=device, dtype=dt, generator=g)
+    k = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
+    v = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
     refs = {b: reference(q, k, v, b) for b in sorted({0, batch - 1})}
-    nbytes = cache_bytes(batch, context)
+    nbytes = cache_bytes(batch, context, element_size=q.element_size())
     rows = []
     for name in providers:
         if name == "flex" and _flex_seconds[0] > FLEX_BUDGET_S:
@@ -245,13 +273,15 @@ def measure_point(batch: int, context: int, providers=PROVIDERS, log=print, rep_
         except Exception as exc:  # a backend that refuses the shape, or no FlexAttention here
             row["status"] = "skip"
             row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
         if name == "flex":
             _flex_seconds[0] += time.perf_counter() - t0
         rows.append(row)
         log(format_row(row))
     del q, k, v
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -280,7 +310,8 @@ def summarise(rows: list[dict]) -> list[dict]:
         sdpa = {p: gbps(p) for p in SDPA_BACKENDS if gbps(p)}
         best = max(sdpa, key=sdpa.get) if sdpa else None
         course, ceiling = gbps("course"), gbps("ceiling")
-        line = dict(batch=b, context=n, course=course, flex=gbps("flex"), ceiling=ceiling,
+        line = dict(batch=b, context=n, course=course, course_paged=gbps("course_paged"), flex=gbps("flex"),
+                    ceiling=ceiling,
                     sdpa_best=sdpa.get(best), sdpa_best_backend=best,
                     num_splits=(by.get("course") or {}).get("note", ""), **{p: sdpa.get(p) for p in SDPA_BACKENDS})
         line["course_vs_sdpa"] = course / line["sdpa_best"] if course and line["sdpa_best"] else None
@@ -306,8 +337,8 @@ def markdown(rows: list[dict], info: dict) -> str:
         "each output checked against a float32 reference first. `python -m course_utils.bench_decode`.",
         "",
         "| B | context | course GB/s | SDPA best GB/s (backend) | FlexAttention GB/s | read ceiling GB/s "
-        "| course / SDPA best | course / ceiling | course / Flex | splits |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| course / SDPA best | course / ceiling | course / Flex | splits | course, paged GB/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for ln in lines:
         backend = LABELS.get(ln["sdpa_best_backend"], "—") if ln["sdpa_best_backend"] else "—"
@@ -315,7 +346,7 @@ def markdown(rows: list[dict], info: dict) -> str:
             f"| {ln['batch']} | {ln['context']} | {_f(ln['course'], '.0f')} | {_f(ln['sdpa_best'], '.0f')} ({backend}) "
             f"| {_f(ln['flex'], '.0f')} | {_f(ln['ceiling'], '.0f')} | {_f(ln['course_vs_sdpa'], '.2f')}× "
             f"| {_f(ln['course_vs_ceiling'], '.0%')} | {_f(ln['course_vs_flex'], '.2f')}× "
-            f"| {ln['num_splits'].replace('num_splits=', '')} |"
+            f"| {ln['num_splits'].replace('num_splits=', '')} | {_f(ln['course_paged'], '.0f')} |"
         )
     out += ["", "Every SDPA backend, GB/s:", "",
             "| B | context | " + " | ".join(LABELS[p] for p in SDPA_BACKENDS) + " |",

@@ -52,3 +52,37 @@ def test_read_ceiling_reads_every_element():
     sums = bd.read_ceiling(k, v, chunk=96, block_n=32)  # 3 chunks, the last one partial
     assert sums.shape == (6, 3)
     torch.testing.assert_close(sums.sum(1).cpu(), (k + v).sum((2, 3)).reshape(6).cpu(), rtol=1e-4, atol=1e-3)
+
+
+def test_paged_copy_is_the_same_cache():
+    from course_utils import references as ref
+
+    k = torch.randn(2, 3, 64, 16)
+    v = torch.randn(2, 3, 64, 16)
+    k_pages, v_pages, table = bd.paged_copy(k, v, 16)
+    assert k_pages.shape == (8, 3, 16, 16) and table.shape == (2, 4) and table.dtype == torch.int32
+    assert sorted(table.flatten().tolist()) == list(range(8))
+    for paged, whole in ((k_pages, k), (v_pages, v)):
+        back = ref.gather_pages(paged.numpy(), table.numpy(), 64)
+        assert (back == whole.numpy()).all()
+
+
+def test_one_point_end_to_end_in_the_interpreter(monkeypatch, tmp_path):
+    """The whole pipeline on a tiny point (fp32, the timer faked): check, time, summarise, write."""
+    import triton.testing
+
+    if course_utils.DEVICE != "cpu":
+        return  # on a GPU the real command runs (python -m course_utils.bench_decode)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.5)[1])
+    log = []
+    rows = bd.measure_point(1, 64, ("course", "course_paged", "sdpa_flash", "sdpa_cudnn", "ceiling"), log=log.append,
+                            device="cpu", dtype=torch.float32)
+    by = {r["provider"]: r for r in rows}
+    assert by["course"]["status"] == "ok" and by["course"]["rel_err"] < 1e-5
+    assert by["course_paged"]["status"] == "ok" and by["course_paged"]["rel_err"] < 1e-5
+    assert by["sdpa_flash"]["status"] == "ok" and by["sdpa_flash"]["rel_err"] < 1e-5  # torch's CPU flash
+    assert by["sdpa_cudnn"]["status"] == "skip" and by["sdpa_cudnn"]["ms"] is None  # none on a CPU: reported
+    assert by["ceiling"]["gbps"] == bd.gb_per_s(bd.cache_bytes(1, 64, element_size=4), 0.5)
+    assert len(log) == 5
+    text = bd.write_results(rows, tmp_path, {"gpu": "none"})["md"].read_text()
+    assert "| 1 | 64 |" in text
