@@ -10,9 +10,11 @@ out), and writes ``results/decode_bench.md`` and ``results/decode_bench.json``
 Providers, all on the same inputs:
 
 - ``course``: :func:`course_utils.kernels.decode_attention`'s kernels, with its
-  own choice of ``num_splits`` (timed without the launcher's input checks,
-  whose check of ``cache_seqlens`` copies two numbers to the host each call;
-  the checked call is the one verified against the reference);
+  own choice of ``num_splits``, timed through ``decode.launch_decode`` (the
+  kernels without the input checks, whose check of ``cache_seqlens`` copies
+  two numbers to the host each call) after the checked call was verified
+  against the reference; ``course_paged`` the same over a copy of the cache
+  in shuffled pages of 16 tokens (points up to 4 GiB of cache);
 - ``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``: PyTorch's
   ``scaled_dot_product_attention`` pinned to each backend, ``enable_gqa=True``
   (a backend that refuses the shape is reported, not timed); ``SDPA best``
@@ -161,7 +163,7 @@ def make_provider(name: str, q, k, v, seqlens):
         splits = decode.pick_num_splits(B, k.shape[1], m_blocks, capacity, q.device,
                                         decode.decode_config(D, q.dtype, q.device)["BLOCK_N"])
         del out
-        return (lambda: decode._decode(q, k, v, seqlens)), f"num_splits={splits}"
+        return (lambda: decode.launch_decode(q, k, v, seqlens)), f"num_splits={splits}"
     if name == "course_paged":
         from .kernels import decode
 
@@ -169,7 +171,7 @@ def make_provider(name: str, q, k, v, seqlens):
             raise RuntimeError(f"caches over {PAGED_MAX_GIB:g} GiB are not copied into pages")
         k_pages, v_pages, table = paged_copy(k, v, PAGE_SIZE)
         decode.decode_attention(q, k_pages, v_pages, seqlens, block_table=table)  # the checked call
-        return (lambda: decode._decode(q, k_pages, v_pages, seqlens, block_table=table)), \
+        return (lambda: decode.launch_decode(q, k_pages, v_pages, seqlens, block_table=table)), \
             f"pages of {PAGE_SIZE}, shuffled"
     if name in SDPA_BACKENDS:
         from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -41,6 +41,7 @@ from .forward import _DTYPES, _interpreted, bf16_problem
 
 __all__ = [
     "decode_attention",
+    "launch_decode",
     "decode_split",
     "decode_combine",
     "pick_num_splits",
@@ -380,8 +381,14 @@ def decode_combine(o_parts, lse_parts, out, *, kernel=None):
     return out
 
 
-def _decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None):
-    """:func:`decode_attention` without the checks (no device-to-host copy)."""
+def launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None):
+    """:func:`decode_attention` without its input checks: nothing copied from the device.
+
+    The checks of :func:`decode_attention` read ``cache_seqlens`` on the host,
+    which makes the CPU wait for the GPU at every call; an inference engine
+    that knows its inputs are right (and the benchmark, once it has checked
+    them) launches the kernels with this instead.
+    """
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     if num_splits is None:
@@ -414,4 +421,4 @@ def decode_attention(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, blo
     sentence; checking the lengths copies two numbers from the device.
     """
     validate_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
-    return _decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
+    return launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
