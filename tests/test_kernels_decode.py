@@ -166,3 +166,16 @@ def test_notebook_kernels_are_the_module_kernels():
         module_src = inspect.getsource(getattr(decode, name).fn)
         assert _strip(taught[name]) == _strip(module_src), f"09_decoding: {name} differs from decode.py"
         assert "### BEGIN SOLUTION" in taught[name]
+
+
+# -- compiled on a GPU: realistic shapes in bf16, the automatic split count --------------
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 and long caches need the compiled kernels (a GPU)")
+@pytest.mark.parametrize("t,page_size", [(1, None), (4, None), (1, 16), (3, 64)])
+def test_gpu_bf16_long_ragged_caches(t, page_size):
+    b, hq, hkv, d, n_max = 3, 32, 8, 128, 5000
+    lengths = [5000, 1234, t + 1]
+    dtype = torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0) else torch.float16
+    (q, k, v, seqlens, table), (want_o, _) = make_cache(b, hq, hkv, t, n_max, d, lengths, dtype,
+                                                        page_size=page_size)
+    o = decode_attention(q, k, v, seqlens, block_table=table)
+    np.testing.assert_allclose(o.double().cpu().numpy(), want_o, atol=3e-2, rtol=3e-2)
