@@ -58,6 +58,7 @@ def numpy_checks():
         ("check_tiled_backward", g.check_tiled_backward, tiled_backward),
         ("check_attention_flops", g.check_attention_flops, lambda b, h, n, d, causal: 4 * b * h * n * n * d / (2 if causal else 1)),
         ("check_roofline", g.check_roofline, lambda i, peak, bw: min(peak, i * bw / 1000)),
+        ("check_merge_partials", g.check_merge_partials, ref.merge_partials),
     ]
 
 
@@ -70,7 +71,24 @@ def triton_checks():
         ("check_flash_forward", grading.check_flash_forward, kernels.flash_attention_forward),
         ("check_flash_gqa", grading.check_flash_gqa, lambda q, k, v: kernels.flash_attention_with_lse(q, k, v, causal=True)),
         ("check_flash_backward", grading.check_flash_backward, kernels.flash_attention),
+        ("check_decode_split", grading.check_decode_split, _decode_split),
+        ("check_decode_combine", grading.check_decode_combine, _decode_combine),
     ]
+
+
+def _decode_split(q, k_cache, v_cache, cache_seqlens, num_splits):
+    from course_utils.kernels import decode
+
+    return decode.decode_split(q, k_cache, v_cache, cache_seqlens, num_splits)
+
+
+def _decode_combine(o_parts, lse_parts):
+    import torch
+
+    from course_utils.kernels import decode
+
+    out = torch.empty(o_parts.shape[:3] + o_parts.shape[4:], dtype=torch.float32, device=o_parts.device)
+    return decode.decode_combine(o_parts, lse_parts, out)
 
 
 def measure(check, solution, repeats: int) -> list[float]:

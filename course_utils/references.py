@@ -351,3 +351,105 @@ def tiled_attention_backward(q, k, v, o, lse, do, block_m: int, block_n: int, ca
         dk[..., k_start:k_end, :] = dk_blk
         dv[..., k_start:k_end, :] = dv_blk
     return dq, sum_kv_groups(dk, group_size), sum_kv_groups(dv, group_size)
+
+
+# =============================================================================
+# Part 5: decoding with a KV cache (lesson 09)
+# =============================================================================
+# ``q`` is ``[B, Hq, T, d]``: T new tokens per sequence. ``k``, ``v`` are the
+# caches ``[B, Hkv, N_max, d]``; ``cache_seqlens[b]`` counts the valid tokens
+# of sequence b, the new ones included, so new token t sits at position
+# ``cache_seqlens[b] - T + t`` and sees the keys j <= that position (the
+# bottom-right alignment of the causal mask). Entries past a sequence's
+# length are never read (they may be NaN). Split s of a sequence of length L
+# covers the keys ``[s * chunk, min((s + 1) * chunk, L))``, ``chunk =
+# ceil(L / num_splits)``; a row that sees no key of its split has lse = -inf
+# and o = 0.
+
+__all__ += ["decode_attention", "decode_partials", "merge_partials", "gather_pages"]
+
+
+def _decode_range(q, k, v, seq_len: int, lo: int, hi: int, scale=None):
+    """``(o, lse)`` of one sequence's new queries ``[..., T, d]`` over its keys ``[lo, hi)``."""
+    t = q.shape[-2]
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    k, v = repeat_kv_heads(q, k[..., lo:hi, :], v[..., lo:hi, :])
+    pos = seq_len - t + np.arange(t)
+    keep = np.arange(lo, hi)[None, :] <= pos[:, None]
+    s = np.where(keep, sm_scale * (q @ np.swapaxes(k, -1, -2)), -np.inf)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m_safe)
+    l = np.sum(p, axis=-1, keepdims=True)
+    o = np.where(l > 0, (p @ v) / np.where(l > 0, l, 1.0), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf)[..., 0]
+    return o, lse
+
+
+def decode_partials(q, k, v, cache_seqlens, num_splits: int, scale=None):
+    """The partial results of split-KV decoding: ``o_parts [B, Hq, T, S, d]``, ``lse_parts [B, Hq, T, S]``.
+
+    Each partial is normalised by its own sum (``o_s = sum_j p_j v_j / sum_j
+    p_j`` over the split's visible keys) and ``lse_s`` is its natural-log
+    logsumexp; ``merge_partials`` of them is :func:`decode_attention`.
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    B, Hq, T, d = q.shape
+    o_parts = np.zeros((B, Hq, T, num_splits, v.shape[-1]))
+    lse_parts = np.full((B, Hq, T, num_splits), -np.inf)
+    for b in range(B):
+        L = int(cache_seqlens[b])
+        chunk = -(-L // num_splits)
+        for s in range(num_splits):
+            lo, hi = min(s * chunk, L), min((s + 1) * chunk, L)
+            o_parts[b, :, :, s], lse_parts[b, :, :, s] = _decode_range(q[b], k[b], v[b], L, lo, hi, scale)
+    return o_parts, lse_parts
+
+
+def merge_partials(o_parts, lse_parts):
+    """Merge partial attention results by their logsumexp: ``(o [..., d], lse [...])``.
+
+    ``o_parts [..., S, d]`` are the partial outputs (each normalised by its own
+    sum) and ``lse_parts [..., S]`` their logsumexps. The whole row's lse is
+    ``m + log(sum_s exp(lse_s - m))`` with ``m = max_s lse_s`` (the shift keeps
+    every exponent <= 0), and ``o = sum_s exp(lse_s - lse) o_s``: each part
+    weighted by its share of the row's total sum. Parts with ``lse = -inf``
+    (no key) weigh nothing.
+    """
+    o_parts = np.asarray(o_parts, dtype=np.float64)
+    lse_parts = np.asarray(lse_parts, dtype=np.float64)
+    m = np.max(lse_parts, axis=-1, keepdims=True)
+    w = np.exp(lse_parts - m)
+    total = np.sum(w, axis=-1, keepdims=True)
+    lse = (m + np.log(total))[..., 0]
+    o = np.sum((w / total)[..., None] * o_parts, axis=-2)
+    return o, lse
+
+
+def gather_pages(cache, block_table, n_tokens: int):
+    """A paged cache ``[num_pages, H, page_size, d]`` as a contiguous ``[B, H, n_tokens, d]``.
+
+    Page ``block_table[b, p]`` holds tokens ``p * page_size .. (p + 1) *
+    page_size - 1`` of sequence b (vLLM's layout).
+    """
+    cache = np.asarray(cache)
+    block_table = np.asarray(block_table)
+    page_size = cache.shape[2]
+    n_pages = -(-n_tokens // page_size)
+    pages = cache[block_table[:, :n_pages]]  # [B, n_pages, H, page_size, d]
+    B, _, H, _, d = pages.shape
+    return pages.transpose(0, 2, 1, 3, 4).reshape(B, H, n_pages * page_size, d)[:, :, :n_tokens]
+
+
+def decode_attention(q, k, v, cache_seqlens, block_table=None, scale=None):
+    """Decoding attention over a KV cache, float64: ``(o [B, Hq, T, d], lse [B, Hq, T])``.
+
+    ``k``/``v`` are ``[B, Hkv, N_max, d]``, or paged ``[num_pages, Hkv,
+    page_size, d]`` with ``block_table [B, max_pages]``.
+    """
+    if block_table is not None:
+        n = int(np.max(np.asarray(cache_seqlens)))
+        k, v = gather_pages(k, block_table, n), gather_pages(v, block_table, n)
+    o, lse = decode_partials(q, k, v, cache_seqlens, 1, scale)
+    return o[:, :, :, 0], lse[..., 0]

@@ -17,6 +17,7 @@ from .part2_triton import check_kv_head, check_flash_forward, check_flash_gqa
 from .part3_performance import check_attention_flops, check_roofline
 from .part4_backward import check_tiled_backward, check_flash_backward
 from .sandbox import check_on_cpu
+from .part5_decode import check_merge_partials, check_decode_split, check_decode_combine
 
 __all__ = [
     "GradingError",
@@ -35,4 +36,7 @@ __all__ = [
     "check_tiled_backward",
     "check_flash_backward",
     "check_on_cpu",
+    "check_merge_partials",
+    "check_decode_split",
+    "check_decode_combine",
 ]

@@ -11,6 +11,11 @@ a GPU) or fp32, head dims 16 to 256. ``lse`` is float32 ``[B, Hq, N]``: the
 natural-log logsumexp of each query row's scaled scores. Bad input raises a
 ``ValueError`` of one sentence.
 
+Decoding over a KV cache (lesson 09; :mod:`.decode`, split-KV with a paged
+variant)::
+
+    o = decode_attention(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, block_table=None)
+
 Modules: :mod:`.backward` holds the backward kernels and the autograd
 wiring (lesson 07), :mod:`.fast` holds the Hopper-tuned forward kernel (lesson 06),
 :mod:`.forward` holds the lesson kernels (04's
@@ -25,6 +30,8 @@ import torch
 
 from . import fast, forward
 from .forward import flash_attention_forward, flash_attention_gqa_forward, validate
+from . import decode
+from .decode import decode_attention
 
 __all__ = [
     "flash_attention",
@@ -33,6 +40,8 @@ __all__ = [
     "flash_attention_gqa_forward",
     "validate",
     "forward",
+    "decode_attention",
+    "decode",
 ]
 
 

@@ -1,0 +1,439 @@
+"""The decoding benchmark (lesson 09): GB/s of KV cache read, against a ceiling measured in the same run.
+
+``python -m course_utils.bench_decode`` (GPU only) times one decoding step,
+bf16, 32 query heads sharing 8 kv heads, D = 128, one new token per sequence
+(T = 1), over a grid of batch sizes (1 to 64) and context lengths (1k to
+128k; points whose K + V caches would pass ``--max-cache-gib`` are left
+out), and writes ``results/decode_bench.md`` and ``results/decode_bench.json``
+(or into ``--out DIR``).
+
+Providers, all on the same inputs:
+
+- ``course``: :func:`course_utils.kernels.decode_attention`'s kernels, with its
+  own choice of ``num_splits``, timed through ``decode.launch_decode`` (the
+  kernels without the input checks, whose check of ``cache_seqlens`` copies
+  two numbers to the host each call) after the checked call was verified
+  against the reference; ``course_paged`` the same over a copy of the cache
+  in shuffled pages of 16 tokens (points up to 4 GiB of cache);
+- ``sdpa_flash``, ``sdpa_cudnn``, ``sdpa_efficient``: PyTorch's
+  ``scaled_dot_product_attention`` pinned to each backend, ``enable_gqa=True``
+  (a backend that refuses the shape is reported, not timed); ``SDPA best``
+  is the fastest of them at each point;
+- ``flex``: ``torch.nn.attention.flex_attention`` compiled (its decoding path
+  for short queries), with ``enable_gqa=True``, where it runs;
+- ``ceiling``: a Triton kernel that only streams K and V (it sums them) with
+  plenty of programs: the bandwidth a decode kernel could reach here.
+
+How we measure: every output is first compared with a float32 reference for
+the first and last sequences of the batch (a wrong provider is reported, not
+timed); time is the median of ``triton.testing.do_bench`` (it flushes the L2
+cache between calls, so even small caches come from HBM); ``GB/s = bytes of
+K and V cache read / time`` (``2 * B * Hkv * L * D * 2`` bytes), the same
+count for every provider. The run takes about two minutes on an H200.
+Without a GPU the command says so in one sentence and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "results"
+STEM = "decode_bench"
+
+N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
+BATCHES = (1, 4, 16, 64)
+CONTEXTS = (1024, 4096, 16384, 65536, 131072)
+SDPA_BACKENDS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient")
+PROVIDERS = ("course", "course_paged") + SDPA_BACKENDS + ("flex", "ceiling")
+PAGE_SIZE = 16  # vLLM's default
+PAGED_MAX_GIB = 4.0  # the paged copy doubles the memory: only points with caches up to this size
+LABELS = {"course": "course", "course_paged": "course, paged", "sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN",
+          "sdpa_efficient": "SDPA mem-efficient", "flex": "FlexAttention", "ceiling": "read ceiling"}
+TOLERANCE = 2e-2  # relative error (norm) allowed against the float32 reference
+NO_GPU_MESSAGE = (
+    "No CUDA GPU here, so there is nothing to time: run `python -m course_utils.bench_decode` "
+    "on a GPU machine (the recorded results are in results/decode_bench.md)."
+)
+
+
+def cache_bytes(batch: int, context: int, n_kv_heads: int = N_KV_HEADS, head_dim: int = HEAD_DIM,
+                element_size: int = 2) -> int:
+    """Bytes of K and V cache one decoding step reads: ``2 * B * Hkv * L * D * element_size``."""
+    return 2 * batch * n_kv_heads * context * head_dim * element_size
+
+
+def gb_per_s(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def grid(max_cache_gib: float, batches=BATCHES, contexts=CONTEXTS) -> list[tuple[int, int]]:
+    """The (batch, context) points whose caches fit in ``max_cache_gib``."""
+    return [(b, n) for b in batches for n in contexts if cache_bytes(b, n) <= max_cache_gib * 2**30]
+
+
+def gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------- #
+# The read-only ceiling: a kernel that streams K and V and does nothing else
+# --------------------------------------------------------------------------- #
+_stream_kernel = None
+
+
+def _make_stream_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stream_cache_kernel(K, V, OUT, n_tokens, chunk, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Sum the K and V rows of one chunk of one (batch, kv head): every byte read once."""
+        pid_c = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        base = pid_bh.to(tl.int64) * n_tokens * D
+        offs_d = tl.arange(0, D)
+        acc = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+        lo = pid_c * chunk
+        hi = tl.minimum(lo + chunk, n_tokens)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            ok = (offs_n < hi)[:, None]
+            ptr = base + offs_n.to(tl.int64)[:, None] * D + offs_d[None, :]
+            acc += tl.load(K + ptr, mask=ok, other=0.0).to(tl.float32)
+            acc += tl.load(V + ptr, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + pid_bh * tl.num_programs(0) + pid_c, tl.sum(acc))
+
+    return stream_cache_kernel
+
+
+def read_ceiling(k, v, chunk: int | None = None, block_n: int = 64):
+    """Stream contiguous ``k`` and ``v`` ``[B, Hkv, L, D]`` once; returns the per-program sums.
+
+    ``chunk`` (tokens per program) defaults to what gives every SM several
+    programs: ``B * Hkv * L / (4 * SMs)`` rounded down to a power of two,
+    between ``block_n`` and 2048.
+    """
+    import torch
+    import triton
+
+    global _stream_kernel
+    if _stream_kernel is None:
+        _stream_kernel = _make_stream_kernel()
+    B, H, L, D = k.shape
+    if chunk is None:
+        sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 4
+        want = max(1, B * H * L // (4 * sms))
+        chunk = min(2048, max(block_n, 1 << (want.bit_length() - 1)))
+    n_chunks = triton.cdiv(L, chunk)
+    out = torch.empty((B * H, n_chunks), dtype=torch.float32, device=k.device)
+    _stream_kernel[(n_chunks, B * H)](k, v, out, L, chunk, D=D, BLOCK_N=block_n, num_warps=4, num_stages=4)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Providers
+# --------------------------------------------------------------------------- #
+_flex_compiled = None
+_flex_seconds = [0.0]  # time spent in FlexAttention (mostly compiling)
+FLEX_BUDGET_S = 60.0
+
+
+def make_provider(name: str, q, k, v, seqlens):
+    """A zero-argument callable for provider ``name`` (returns ``o``), and a note. Raises if it cannot run."""
+    import torch
+    import torch.nn.functional as F
+
+    if name == "course":
+        from .kernels import decode
+
+        out = decode.decode_attention(q, k, v, seqlens)  # the checked call (raises on bad input)
+        B, Hq, T, D = q.shape
+        capacity = k.shape[2]
+        m_blocks = 1
+        splits = decode.pick_num_splits(B, k.shape[1], m_blocks, capacity, q.device,
+                                        decode.decode_config(D, q.dtype, q.device)["BLOCK_N"])
+        del out
+        return (lambda: decode.launch_decode(q, k, v, seqlens)), f"num_splits={splits}"
+    if name == "course_paged":
+        from .kernels import decode
+
+        if cache_bytes(k.shape[0], k.shape[2], element_size=k.element_size()) > PAGED_MAX_GIB * 2**30:
+            raise RuntimeError(f"caches over {PAGED_MAX_GIB:g} GiB are not copied into pages")
+        k_pages, v_pages, table = paged_copy(k, v, PAGE_SIZE)
+        decode.decode_attention(q, k_pages, v_pages, seqlens, block_table=table)  # the checked call
+        return (lambda: decode.launch_decode(q, k_pages, v_pages, seqlens, block_table=table)), \
+            f"pages of {PAGE_SIZE}, shuffled"
+    if name in SDPA_BACKENDS:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+        run()
+        return run, ""
+    if name == "flex":
+        global _flex_compiled
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if _flex_compiled is None:  # dynamic shapes: one compilation for the whole grid, not one per point
+            _flex_compiled = torch.compile(flex_attention, dynamic=True)
+
+        def run():
+            return _flex_compiled(q, k, v, enable_gqa=True)
+
+        run()
+        return run, ""
+    if name == "ceiling":
+        return (lambda: read_ceiling(k, v)), "streams K and V only"
+    raise ValueError(f"unknown provider {name!r}")
+
+
+def paged_copy(k, v, page_size: int, seed: int = 0):
+    """``k``, ``v`` ``[B, Hkv, L, D]`` dealt into shuffled pages ``[B * L / page_size, Hkv, page_size, D]``, and the table."""
+    import torch
+
+    B, H, L, D = k.shape
+    n = L // page_size
+    g = torch.Generator(device=k.device).manual_seed(seed)
+    where = torch.randperm(B * n, device=k.device, generator=g)  # page p of sequence b goes to slot where[b * n + p]
+    pages = []
+    for t in (k, v):
+        paged = torch.empty((B * n, H, page_size, D), dtype=t.dtype, device=t.device)
+        paged[where] = t.view(B, H, n, page_size, D).permute(0, 2, 1, 3, 4).reshape(B * n, H, page_size, D)
+        pages.append(paged)
+    return pages[0], pages[1], where.view(B, n).to(torch.int32)
+
+
+def reference(q, k, v, b: int):
+    """Float32 attention of sequence ``b``'s new token over its whole cache: ``[Hq, 1, D]``."""
+    import torch
+
+    group = q.shape[1] // k.shape[1]
+    qs = q[b].float().reshape(k.shape[1], group, q.shape[-1])  # [Hkv, group, D]
+    s = qs @ k[b].float().transpose(-1, -2) / math.sqrt(q.shape[-1])  # [Hkv, group, L]
+    o = torch.softmax(s, dim=-1) @ v[b].float()
+    return o.reshape(q.shape[1], 1, q.shape[-1])
+
+
+def rel_error(o, refs) -> float:
+    import torch
+
+    errs = []
+    for b, want in refs.items():
+        got = o[b].float()
+        errs.append((torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)).item())
+    worst = max(errs)
+    return worst if math.isfinite(worst) else float("inf")
+
+
+def measure_point(batch: int, context: int, providers=PROVIDERS, log=print, rep_ms: int = 60,
+                  device: str = "cuda", dtype=None) -> list[dict]:
+    """Check, then time, every provider at one (batch, context) point (bf16 on the GPU by default)."""
+    import torch
+    import triton
+
+    g = torch.Generator(device=device).manual_seed(batch * 1_000_003 + context)
+    dt = torch.bfloat16 if dtype is None else dtype
+    q = torch.randn(batch, N_Q_HEADS, 1, HEAD_DIM, device=device, dtype=dt, generator=g)
+    k = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
+    v = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    refs = {b: reference(q, k, v, b) for b in sorted({0, batch - 1})}
+    nbytes = cache_bytes(batch, context, element_size=q.element_size())
+    rows = []
+    for name in providers:
+        if name == "flex" and _flex_seconds[0] > FLEX_BUDGET_S:
+            rows.append(dict(batch=batch, context=context, provider=name, ms=None, gbps=None, status="skip",
+                             rel_err=None, note=f"FlexAttention's compilations passed {FLEX_BUDGET_S} s"))
+            continue
+        t0 = time.perf_counter()
+        row = dict(batch=batch, context=context, provider=name, ms=None, gbps=None, status="ok",
+                   rel_err=None, note="")
+        try:
+            fn, row["note"] = make_provider(name, q, k, v, seqlens)
+            if name != "ceiling":
+                row["rel_err"] = rel_error(fn(), refs)
+                if not row["rel_err"] <= TOLERANCE:
+                    row["status"] = "wrong"
+            if row["status"] == "ok":
+                row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+                row["gbps"] = gb_per_s(nbytes, row["ms"])
+        except Exception as exc:  # a backend that refuses the shape, or no FlexAttention here
+            row["status"] = "skip"
+            row["note"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        if name == "flex":
+            _flex_seconds[0] += time.perf_counter() - t0
+        rows.append(row)
+        log(format_row(row))
+    del q, k, v
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_row(row: dict) -> str:
+    head = f"B={row['batch']:>3} L={row['context']:>6} {row['provider']:<15}"
+    if row["status"] != "ok":
+        return f"{head} {row['status']}: {row['note']}"
+    err = "" if row["rel_err"] is None else f" (rel err {row['rel_err']:.1e})"
+    return f"{head} {row['ms']:.4f} ms {row['gbps']:7.0f} GB/s{err} {row['note']}"
+
+
+# --------------------------------------------------------------------------- #
+# Tables
+# --------------------------------------------------------------------------- #
+def summarise(rows: list[dict]) -> list[dict]:
+    """One line per point: each provider's GB/s, the best SDPA backend, the ratios."""
+    points = {}
+    for r in rows:
+        points.setdefault((r["batch"], r["context"]), {})[r["provider"]] = r
+    lines = []
+    for (b, n), by in sorted(points.items()):
+        def gbps(p):
+            r = by.get(p)
+            return r["gbps"] if r and r["status"] == "ok" else None
+
+        sdpa = {p: gbps(p) for p in SDPA_BACKENDS if gbps(p)}
+        best = max(sdpa, key=sdpa.get) if sdpa else None
+        course, ceiling = gbps("course"), gbps("ceiling")
+        line = dict(batch=b, context=n, course=course, course_paged=gbps("course_paged"), flex=gbps("flex"),
+                    ceiling=ceiling,
+                    sdpa_best=sdpa.get(best), sdpa_best_backend=best,
+                    num_splits=(by.get("course") or {}).get("note", ""), **{p: sdpa.get(p) for p in SDPA_BACKENDS})
+        line["course_vs_sdpa"] = course / line["sdpa_best"] if course and line["sdpa_best"] else None
+        line["course_vs_ceiling"] = course / ceiling if course and ceiling else None
+        line["course_vs_flex"] = course / line["flex"] if course and line["flex"] else None
+        lines.append(line)
+    return lines
+
+
+def _f(x, fmt):
+    return "—" if x is None else format(x, fmt)
+
+
+def markdown(rows: list[dict], info: dict) -> str:
+    lines = summarise(rows)
+    out = [
+        "# Decoding benchmark: GB/s of KV cache read",
+        "",
+        f"{info.get('gpu', '?')} (torch {info.get('torch', '?')}, triton {info.get('triton', '?')}, "
+        f"cuDNN {info.get('cudnn', '?')}, {info.get('date', '?')}); bf16, {N_Q_HEADS} query heads / "
+        f"{N_KV_HEADS} kv heads, D = {HEAD_DIM}, one new token per sequence, every sequence at the full "
+        "context. GB/s = bytes of K and V cache read / median time (`triton.testing.do_bench`, L2 flushed); "
+        "each output checked against a float32 reference first. `python -m course_utils.bench_decode`.",
+        "",
+        "| B | context | course GB/s | SDPA best GB/s (backend) | FlexAttention GB/s | read ceiling GB/s "
+        "| course / SDPA best | course / ceiling | course / Flex | splits | course, paged GB/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for ln in lines:
+        backend = LABELS.get(ln["sdpa_best_backend"], "—") if ln["sdpa_best_backend"] else "—"
+        out.append(
+            f"| {ln['batch']} | {ln['context']} | {_f(ln['course'], '.0f')} | {_f(ln['sdpa_best'], '.0f')} ({backend}) "
+            f"| {_f(ln['flex'], '.0f')} | {_f(ln['ceiling'], '.0f')} | {_f(ln['course_vs_sdpa'], '.2f')}× "
+            f"| {_f(ln['course_vs_ceiling'], '.0%')} | {_f(ln['course_vs_flex'], '.2f')}× "
+            f"| {ln['num_splits'].replace('num_splits=', '')} | {_f(ln['course_paged'], '.0f')} |"
+        )
+    out += ["", "Every SDPA backend, GB/s:", "",
+            "| B | context | " + " | ".join(LABELS[p] for p in SDPA_BACKENDS) + " |",
+            "|---:|---:|" + "---:|" * len(SDPA_BACKENDS)]
+    for ln in lines:
+        out.append(f"| {ln['batch']} | {ln['context']} | " + " | ".join(_f(ln[p], ".0f") for p in SDPA_BACKENDS) + " |")
+    skipped = [r for r in rows if r["status"] != "ok"]
+    if skipped:
+        out += ["", "Not timed:", ""]
+        out += [f"- B={r['batch']}, L={r['context']}, {LABELS[r['provider']]}: {r['status']} ({r['note']})"
+                for r in skipped]
+    out += ["", "Targets (issue 14): at least the best SDPA backend everywhere; >= 1.3× it at B = 1 with "
+            "contexts <= 16k; >= 90% of the read ceiling at B >= 16.", ""]
+    checks = target_checks(lines)
+    out += [f"- {c}" for c in checks] + [""]
+    return "\n".join(out)
+
+
+def target_checks(lines: list[dict]) -> list[str]:
+    """The issue's targets, stated with the measured ratios."""
+    def ok(x, bar):
+        return x is not None and x >= bar
+
+    vs = [ln["course_vs_sdpa"] for ln in lines if ln["course_vs_sdpa"] is not None]
+    small = [ln["course_vs_sdpa"] for ln in lines if ln["batch"] == 1 and ln["context"] <= 16384
+             and ln["course_vs_sdpa"] is not None]
+    big = [ln["course_vs_ceiling"] for ln in lines if ln["batch"] >= 16 and ln["course_vs_ceiling"] is not None]
+    res = []
+    if vs:
+        res.append(f"course / SDPA best: {min(vs):.2f}× to {max(vs):.2f}× "
+                   f"({'met' if all(ok(x, 1.0) for x in vs) else 'NOT met'} at every point)")
+    if small:
+        res.append(f"B = 1, context <= 16k: {min(small):.2f}× to {max(small):.2f}× SDPA best "
+                   f"({'met' if all(ok(x, 1.3) for x in small) else 'NOT met'}: target 1.3×)")
+    if big:
+        res.append(f"B >= 16: {min(big):.0%} to {max(big):.0%} of the read ceiling "
+                   f"({'met' if all(ok(x, 0.9) for x in big) else 'NOT met'}: target 90%)")
+    return res
+
+
+def environment_info() -> dict:
+    from .bench import environment_info as info
+
+    return info()
+
+
+def write_results(rows, out_dir: Path, info: dict) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{STEM}.json", "md": out_dir / f"{STEM}.md"}
+    paths["json"].write_text(json.dumps({"info": info, "rows": rows, "summary": summarise(rows)}, indent=1))
+    paths["md"].write_text(markdown(rows, info))
+    return paths
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m course_utils.bench_decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where to write decode_bench.{md,json}")
+    p.add_argument("--max-cache-gib", type=float, default=16.0,
+                   help="leave out points whose K + V caches pass this size (default 16)")
+    p.add_argument("--quick", action="store_true", help="four points only")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per shape)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if not gpu_available():
+        print(NO_GPU_MESSAGE)
+        return 0
+    import course_utils  # noqa: F401  (configures the environment before triton)
+
+    providers = tuple(p for p in PROVIDERS if not (args.no_flex and p == "flex"))
+    points = grid(args.max_cache_gib, (1, 16) if args.quick else BATCHES, (4096, 16384) if args.quick else CONTEXTS)
+    start = time.perf_counter()
+    rows = []
+    for batch, context in points:
+        rows += measure_point(batch, context, providers)
+    info = environment_info()
+    info["seconds"] = round(time.perf_counter() - start, 1)
+    paths = write_results(rows, args.out, info)
+    print(markdown(rows, info))
+    print(f"wrote {paths['md']} and {paths['json']} in {info['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

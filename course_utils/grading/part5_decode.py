@@ -1,0 +1,496 @@
+"""Checks for lesson 09: decoding with a KV cache, split-KV (flash-decoding).
+
+- :func:`check_merge_partials` grades a NumPy warm-up, ``fn(o_parts,
+  lse_parts) -> (o, lse)``: merging partial attention results by their
+  logsumexp.
+- :func:`check_decode_split` grades ``fn(q, k_cache, v_cache, cache_seqlens,
+  num_splits) -> (o_parts, lse_parts)``: the split kernel's partial results.
+- :func:`check_decode_combine` grades ``fn(o_parts, lse_parts) -> o``: the
+  combine kernel.
+
+The references are :func:`course_utils.references.decode_partials` and
+:func:`~course_utils.references.merge_partials` in float64. The caches hold
+NaN past each sequence's length (and the tensors sit in NaN-filled buffers),
+so a kernel that reads past ``cache_seqlens`` shows NaN. Lengths are ragged,
+``T`` goes up to 4, the query heads come in groups (MHA, GQA, MQA), and some
+splits see no key. Each known mistake is recognised by computing, in NumPy,
+what the mistaken code would output on the same inputs: merging without the
+max shift, weights not renormalised, reading past ``cache_seqlens``, a wrong
+causal offset for ``T > 1``, a split boundary dropping a token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .. import references as ref
+from ..environment import current
+from . import sandbox
+from .core import Diagnosis, Run
+from .part2_triton import MSG_NO_KERNEL, _tensor_like
+
+__all__ = ["check_merge_partials", "check_decode_split", "check_decode_combine"]
+
+# -- messages: one plain sentence or two each; the tests look for these texts --
+MSG_NO_SHIFT = (
+    "the merge overflows: exp(lse_s) is inf once lse_s > 709 in float64 (88 in float32), "
+    "and 0 below -745, so the weights become inf/inf or 0/0. Subtract the largest lse first: "
+    "w_s = exp(lse_s - m) with m = max_s lse_s."
+)
+MSG_NOT_RENORMALISED = (
+    "the weights are not renormalised: exp(lse_s - m) are relative weights, not shares. "
+    "Divide them by their sum (w_s = exp(lse_s - m) / sum_s exp(lse_s - m)), i.e. use "
+    "exp(lse_s - lse) with the merged lse."
+)
+MSG_PLAIN_AVERAGE = (
+    "the parts are averaged with equal weights: each part counts in proportion to its "
+    "softmax sum, exp(lse_s), so weight part s by exp(lse_s - lse)."
+)
+MSG_LSE_NO_MAX = "the merged lse is missing the max: lse = m + log(sum_s exp(lse_s - m))."
+MSG_LSE_MAX_ONLY = (
+    "the merged lse is the largest part's lse: add log(sum_s exp(lse_s - m)), the "
+    "contribution of every part."
+)
+MSG_PAST_SEQLEN = (
+    "the result holds NaN although every valid input is finite: the kernel reads cache entries "
+    "past cache_seqlens[b] (they are NaN in this check, garbage in a real cache). Mask every K "
+    "and V load with the sequence's (or the split's) end, `offs_n < hi`, with other=0: a -inf "
+    "score is not enough, because 0 * NaN is NaN in p @ v."
+)
+MSG_CAUSAL_OFFSET = (
+    "the causal mask among the new tokens is wrong ({kind}): new token t sits at position "
+    "cache_seqlens[b] - T + t and sees the keys j <= that position (the mask is aligned to the "
+    "bottom right, the end of the cache)."
+)
+MSG_SPLIT_DROPS = (
+    "a split boundary drops a token ({kind}): the splits must tile the keys exactly, "
+    "split s covering [s * chunk, min((s + 1) * chunk, L)) with chunk = cdiv(L, num_splits) "
+    "and the mask offs_n < hi."
+)
+MSG_EMPTY_ROW = (
+    "a row that sees no key of its split must come out as lse = -inf and o = 0 (its weight in "
+    "the merge is then exp(-inf) = 0); guard the division by l_i = 0 and the max of an all--inf row."
+)
+MSG_PAD_LANES = (
+    "the padding lanes of the lse load (splits past num_splits) were loaded as 0, not -inf: "
+    "they then count as parts with weight exp(0 - m). Load with other=float('-inf')."
+)
+
+_TOL = {  # (atol, rtol) for o; lse atol
+    ("cpu", "float32"): (2e-5, 2e-5, 2e-5),
+    ("cuda", "float32"): (3e-3, 3e-3, 3e-3),
+    ("cpu", "float16"): (1e-2, 1e-2, 1e-2),
+    ("cuda", "float16"): (1e-2, 1e-2, 1e-2),
+    ("cuda", "bfloat16"): (3e-2, 3e-2, 3e-2),
+}
+_SLACK = 4.0
+NEG = -1e4  # where -inf lse are compared: a finite stand-in, far from any real lse
+
+
+def _finite_lse(lse):
+    return np.where(np.isneginf(lse), NEG, lse)
+
+
+def _model_nonfinite(actual) -> bool:
+    return not np.isfinite(actual).all()
+
+
+# =============================================================================
+# check_merge_partials (NumPy)
+# =============================================================================
+def _merge_cases(rng):
+    """(description, o_parts, lse_parts): fixed cases first, each adding one difficulty."""
+    cases = []
+    o = rng.standard_normal((1, 2, 4))
+    cases.append(("two parts, one row", o, np.array([[0.3, -0.5]])))
+    cases.append(("equal lse", rng.standard_normal((3, 3, 8)), np.zeros((3, 3))))
+    o = rng.standard_normal((2, 4, 8))
+    o[0, 2] = 0.0
+    lse = rng.uniform(-2, 2, (2, 4))
+    lse[0, 2] = -np.inf
+    cases.append(("a part with no key (lse = -inf, o = 0)", o, lse))
+    cases.append(("one part only", rng.standard_normal((4, 1, 8)), rng.uniform(-3, 3, (4, 1))))
+    cases.append(("large lse (about 1000)", rng.standard_normal((2, 3, 8)), 1000.0 + rng.uniform(-3, 3, (2, 3))))
+    cases.append(("very negative lse (about -1000)", rng.standard_normal((2, 3, 8)),
+                  -1000.0 + rng.uniform(-3, 3, (2, 3))))
+    cases.append(("batch and head axes [2, 3, N, S, d]", rng.standard_normal((2, 3, 5, 4, 16)),
+                  rng.uniform(-4, 4, (2, 3, 5, 4))))
+    for i in range(3):
+        shape = tuple(int(x) for x in rng.integers(1, 5, size=int(rng.integers(1, 3))))
+        s, d = int(rng.integers(1, 9)), int(rng.integers(1, 33))
+        lse = rng.uniform(-6, 6, shape + (s,)) + rng.uniform(-900, 900)
+        cases.append((f"random #{i + 1} (shape {shape + (s, d)})", rng.standard_normal(shape + (s, d)), lse))
+    return cases
+
+
+def _merge_diagnoses(o_parts, lse_parts, large: bool):
+    with np.errstate(all="ignore"):
+        m = np.max(lse_parts, axis=-1, keepdims=True)
+        w = np.exp(lse_parts - m)
+        total = np.sum(w, axis=-1, keepdims=True)
+        unnormalised = np.sum(w[..., None] * o_parts, axis=-2)
+        raw = np.sum(np.exp(lse_parts)[..., None] * o_parts, axis=-2)
+        average = np.mean(o_parts, axis=-2)
+        lse_no_max = np.log(total)[..., 0]
+        lse_max = m[..., 0]
+    o_diag = [
+        Diagnosis(MSG_NO_SHIFT, when=lambda a: large and _model_nonfinite(a)),
+        Diagnosis(MSG_NOT_RENORMALISED, expected=unnormalised),
+        Diagnosis(MSG_NOT_RENORMALISED, expected=raw),
+        Diagnosis(MSG_PLAIN_AVERAGE, expected=average),
+    ]
+    lse_diag = [
+        Diagnosis(MSG_NO_SHIFT, when=lambda a: large and _model_nonfinite(a)),
+        Diagnosis(MSG_LSE_NO_MAX, expected=lse_no_max),
+        Diagnosis(MSG_LSE_MAX_ONLY, expected=lse_max),
+    ]
+    return o_diag, lse_diag
+
+
+def check_merge_partials(fn, *, seed=None):
+    """Grade ``fn(o_parts, lse_parts) -> (o, lse)`` (NumPy).
+
+    ``o_parts [..., S, d]`` holds S partial attention outputs of each row, each
+    normalised by its own softmax sum, and ``lse_parts [..., S]`` their
+    natural-log logsumexps (``-inf`` for a part that saw no key). Return the
+    merged ``o [..., d]`` and ``lse [...]``. Cases: equal and very unequal
+    parts, an empty part, one part, lse near +-1000, batch axes, and fresh
+    random ones.
+    """
+    __tracebackhide__ = True
+    run = Run("check_merge_partials", seed)
+    for desc, o_parts, lse_parts in _merge_cases(run.rng):
+        expected_o, expected_lse = ref.merge_partials(o_parts, lse_parts)
+        out = run.call(fn, o_parts.copy(), lse_parts.copy(), case=desc)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise run.fail(f"your function returned a {type(out).__name__}; return the pair (o, lse).", desc)
+        o = run.array(out[0], expected_shape=expected_o.shape, case=desc, name="o")
+        lse = run.array(out[1], expected_shape=expected_lse.shape, case=desc, name="lse")
+        large = bool(np.max(np.abs(lse_parts[np.isfinite(lse_parts)])) > 80)
+        o_diag, lse_diag = _merge_diagnoses(o_parts, lse_parts, large)
+        run.compare(o, expected_o, case=desc, what="o", atol=1e-9, rtol=1e-9, diagnoses=o_diag)
+        run.compare(lse, expected_lse, case=desc, what="lse", atol=1e-9, rtol=1e-12, diagnoses=lse_diag)
+    return run.passed()
+
+
+# =============================================================================
+# check_decode_split (Triton)
+# =============================================================================
+@dataclasses.dataclass
+class _DecodeCase:
+    b: int
+    hq: int
+    hkv: int
+    t: int
+    n_max: int
+    d: int
+    lengths: tuple
+    num_splits: int
+    dtype: str = "float32"
+    what: str = ""
+
+    @property
+    def desc(self) -> str:
+        kind = "MHA" if self.hq == self.hkv else ("MQA" if self.hkv == 1 else f"GQA {self.hq}/{self.hkv}")
+        head = f"{self.what}: " if self.what else ""
+        return (f"{head}B={self.b}, {kind}, T={self.t}, cache_seqlens={list(self.lengths)} of N_max={self.n_max}, "
+                f"D={self.d}, num_splits={self.num_splits}, {self.dtype}")
+
+
+def _split_cases(rng, device: str) -> list[_DecodeCase]:
+    half = "float16"
+    cases = [
+        _DecodeCase(1, 2, 2, 1, 64, 32, (64,), 2, what="two splits, a full cache"),
+        _DecodeCase(1, 2, 2, 1, 64, 32, (50,), 1, what="one split"),
+        _DecodeCase(2, 2, 2, 1, 80, 32, (80, 37), 3, what="ragged lengths, NaN past each"),
+        _DecodeCase(2, 4, 2, 1, 64, 32, (50, 64), 2, what="GQA: two query heads per kv head"),
+        _DecodeCase(2, 4, 2, 3, 64, 32, (64, 21), 2, what="T = 3 new tokens"),
+        _DecodeCase(2, 4, 1, 4, 48, 16, (48, 13), 7, what="MQA, T = 4, splits that see no key"),
+        _DecodeCase(2, 2, 1, 2, 48, 32, (47, 30), 3, half, what="float16"),
+    ]
+    for i in range(2):
+        hkv = int(rng.integers(1, 3))
+        hq = hkv * int(rng.choice([1, 2, 4]))
+        t = int(rng.integers(1, 5))
+        n_max = int(rng.integers(24, 97))
+        lengths = tuple(int(x) for x in rng.integers(t, n_max + 1, size=2))
+        d = int(rng.choice([16, 32, 64]))
+        cases.append(_DecodeCase(2, hq, hkv, t, n_max, d, lengths, int(rng.integers(1, 6)),
+                                 what=f"random #{i + 1}"))
+    if device == "cuda":
+        cases.append(_DecodeCase(2, 4, 2, 3, 64, 32, (64, 21), 3, "bfloat16", what="bfloat16"))
+    return cases
+
+
+def _decode_inputs(rng, c: _DecodeCase, device: str):
+    """Torch q and caches (NaN past each length, in NaN-padded buffers), lengths, and float64 copies."""
+    import torch
+
+    dtype = getattr(torch, c.dtype)
+    q = rng.standard_normal((c.b, c.hq, c.t, c.d))
+    k = rng.standard_normal((c.b, c.hkv, c.n_max, c.d))
+    v = rng.standard_normal((c.b, c.hkv, c.n_max, c.d))
+    tensors = [torch.from_numpy(x).to(device=device, dtype=dtype) for x in (q, k, v)]
+    q64, k64, v64 = (t.double().cpu().numpy() for t in tensors)  # the values the kernel sees
+    qt, kt, vt = (sandbox.nan_padded(t) for t in tensors)
+    for i, n in enumerate(c.lengths):
+        kt[i, :, n:] = float("nan")
+        vt[i, :, n:] = float("nan")
+    seqlens = torch.tensor(c.lengths, dtype=torch.int32, device=device)
+    return (qt, kt, vt, seqlens), (q64, k64, v64)
+
+
+def _partials_model(q, k, v, lengths, num_splits, *, pos_of=None, range_of=None):
+    """What a split kernel returns, with the query positions or the split ranges replaced."""
+    B, Hq, T, d = q.shape
+    o_parts = np.zeros((B, Hq, T, num_splits, d))
+    lse_parts = np.full((B, Hq, T, num_splits), -np.inf)
+    sm_scale = 1.0 / math.sqrt(d)
+    for b in range(B):
+        L = int(lengths[b])
+        pos = (L - T + np.arange(T)) if pos_of is None else pos_of(L, T)
+        kk, vv = ref.repeat_kv_heads(q[b], k[b], v[b])
+        chunk = -(-L // num_splits)
+        for s in range(num_splits):
+            lo, hi = (min(s * chunk, L), min((s + 1) * chunk, L)) if range_of is None else range_of(L, num_splits, s)
+            if hi <= lo:
+                continue
+            sc = sm_scale * (q[b] @ np.swapaxes(kk[:, lo:hi], -1, -2))
+            sc = np.where(np.arange(lo, hi) <= np.asarray(pos)[..., None], sc, -np.inf)  # pos: [T] or [Hq, T]
+            m = np.max(sc, axis=-1, keepdims=True)
+            ok = np.isfinite(m)
+            p = np.exp(sc - np.where(ok, m, 0.0))
+            l_sum = np.sum(p, axis=-1, keepdims=True)
+            o_parts[b, :, :, s] = np.where(ok, (p @ vv[:, lo:hi]) / np.where(ok, l_sum, 1.0), 0.0)
+            with np.errstate(divide="ignore"):
+                lse_parts[b, :, :, s] = np.where(ok, np.where(ok, m, 0.0) + np.log(np.where(ok, l_sum, 1.0)),
+                                                 -np.inf)[..., 0]
+    return o_parts, lse_parts
+
+
+def _split_models(c: _DecodeCase, q, k, v):
+    """(message, (o_parts, lse_parts)) for each known mistake of the split kernel, computed lazily."""
+    lengths, S = c.lengths, c.num_splits
+    models = []
+    # With T = 1 these differ from the right answer too (the prefill mask puts the query at 0).
+    offsets = [
+        ("query t placed at position t, as in prefill's top-left mask", lambda L, T: np.arange(T)),
+        ("no mask among the new tokens: each sees all of them", lambda L, T: np.full(T, L - 1)),
+        ("off by one: each new token also sees the next one",
+         lambda L, T: np.minimum(L - T + np.arange(T) + 1, L - 1)),
+        ("off by one: each new token does not see itself", lambda L, T: L - T + np.arange(T) - 1),
+        ("the position uses the packed row r = g * T + t, not the new token t = r % T",
+         lambda L, T: L - T + (np.arange(c.hq) % (c.hq // c.hkv))[:, None] * T + np.arange(T)[None, :]),
+    ]
+    for kind, pos_of in offsets:
+        models.append((MSG_CAUSAL_OFFSET.format(kind=kind),
+                       lambda pos_of=pos_of: _partials_model(q, k, v, lengths, S, pos_of=pos_of)))
+    ranges = [
+        ("each split stops one key short of its end",
+         lambda L, S, s: (min(s * -(-L // S), L), max(min((s + 1) * -(-L // S), L) - 1, min(s * -(-L // S), L)))),
+        ("each split starts one key late",
+         lambda L, S, s: (min(s * -(-L // S) + 1, L), min((s + 1) * -(-L // S), L))),
+        ("chunk = L // num_splits rounds down, so the last keys belong to no split",
+         lambda L, S, s: (min(s * (L // S), L), min((s + 1) * (L // S), L))),
+    ]
+    for kind, range_of in ranges:
+        models.append((MSG_SPLIT_DROPS.format(kind=kind),
+                       lambda range_of=range_of: _partials_model(q, k, v, lengths, S, range_of=range_of)))
+    return models
+
+
+class _Model(Diagnosis):
+    """A diagnosis whose expected answer is one part of a lazily computed model's output."""
+
+    def __init__(self, message, predict, index, right, slack=_SLACK):
+        super().__init__(message)
+        self.predict, self.index, self.right, self.slack = predict, index, right, slack
+        self._cache = None
+
+    def matches(self, actual, atol, rtol):
+        if self._cache is None:
+            self._cache = self.predict()
+        wrong = self._cache[self.index]
+        if self.index == 1:
+            wrong = _finite_lse(wrong)
+        if wrong.shape != actual.shape or not np.isfinite(actual).all():
+            return False
+        if np.allclose(actual, self.right, atol=atol * self.slack, rtol=rtol * self.slack):
+            return False
+        return bool(np.allclose(actual, wrong, atol=atol * self.slack, rtol=rtol * self.slack))
+
+
+def _tolerance(dtype: str):
+    return _TOL[(current().device, dtype)]
+
+
+def _run_split_case(run, fn, c: _DecodeCase):
+    import torch
+
+    device = current().device
+    (q, k, v, seqlens), (q64, k64, v64) = _decode_inputs(run.rng, c, device)
+    with sandbox.count_launches() as launched:
+        out = run.call(fn, q, k, v, seqlens, c.num_splits, case=c.desc)
+    if not launched:
+        raise run.fail(MSG_NO_KERNEL, c.desc)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise run.fail(f"your function returned a {type(out).__name__}; return the pair (o_parts, lse_parts).",
+                       c.desc)
+    o_parts, lse_parts = out
+    shape = (c.b, c.hq, c.t, c.num_splits)
+    _tensor_like(run, o_parts, "o_parts", shape + (c.d,), torch.float32, q.device, c.desc,
+                 hint=" o_parts is float32 [B, Hq, T, num_splits, D].")
+    _tensor_like(run, lse_parts, "lse_parts", shape, torch.float32, q.device, c.desc,
+                 hint=" lse_parts is float32 [B, Hq, T, num_splits].")
+    expected_o, expected_lse = ref.decode_partials(q64, k64, v64, np.array(c.lengths), c.num_splits)
+    atol, rtol, lse_atol = _tolerance(c.dtype)
+    got_o = o_parts.detach().cpu().double().numpy()
+    got_lse = lse_parts.detach().cpu().double().numpy()
+    empty = np.isneginf(expected_lse)
+    models = _split_models(c, q64, k64, v64)
+    axes = ("batch", "q_head", "t", "split", "col")
+
+    def diagnoses(index, expected):
+        found = []
+        if empty.any():  # first: bad values in the rows that see no key of their split, and only there
+            def empty_row_wrong(a, i=index):
+                rows, others = a[empty], a[~empty]  # o: [n, D]; lse: [n]
+                if not np.isfinite(others).all():
+                    return False
+                if i == 0:
+                    return not np.isfinite(rows).all() or bool(np.abs(rows).max() > 0)
+                return not np.isfinite(rows).all() or bool((rows > NEG / 2).any())
+
+            found.append(Diagnosis(MSG_EMPTY_ROW, when=empty_row_wrong))
+        found.append(Diagnosis(MSG_PAST_SEQLEN, when=lambda a: np.isnan(a).any()))
+        for message, predict in models:
+            found.append(_Model(message, predict, index, expected))
+        return found
+
+    run.compare(got_o, expected_o, case=c.desc, what="o_parts", atol=atol, rtol=rtol,
+                diagnoses=diagnoses(0, expected_o), axes=axes)
+    run.compare(_finite_lse(got_lse), _finite_lse(expected_lse), case=c.desc, what="lse_parts (-inf shown as -1e4)",
+                atol=lse_atol, rtol=0.0, diagnoses=diagnoses(1, _finite_lse(expected_lse)), axes=axes[:4])
+
+
+def _check_decode_split(fn, *, seed=None):
+    run = Run("check_decode_split", seed, time_limit_s=60.0)
+    for c in _split_cases(run.rng, current().device):
+        _run_split_case(run, fn, c)
+    return run.passed()
+
+
+_isolated_split = sandbox.isolated(_check_decode_split)
+
+
+def check_decode_split(fn, *, seed=None, isolate=None, timeout_s=240.0):
+    """Grade ``fn(q, k_cache, v_cache, cache_seqlens, num_splits) -> (o_parts, lse_parts)``: the split kernel.
+
+    ``q`` is ``[B, Hq, T, D]``, the caches ``[B, Hkv, N_max, D]`` (Hq a
+    multiple of Hkv), ``cache_seqlens`` int32 ``[B]`` (the new tokens
+    included: token t at position ``cache_seqlens[b] - T + t``). Split s of
+    sequence b covers the keys ``[s * chunk, min((s + 1) * chunk, L))``,
+    ``chunk = cdiv(L, num_splits)``. Return float32 ``o_parts [B, Hq, T,
+    num_splits, D]`` (each normalised by its own sum) and ``lse_parts [B, Hq,
+    T, num_splits]`` (natural log; ``-inf`` and ``o = 0`` where a row sees no
+    key of the split). Entries past each length are NaN. Isolated on the CPU.
+    """
+    __tracebackhide__ = True
+    return _isolated_split(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)
+
+
+# =============================================================================
+# check_decode_combine (Triton)
+# =============================================================================
+def _combine_cases(rng):
+    """(description, B, Hq, T, S, D, lse maker)."""
+    cases = [
+        ("two splits", 1, 2, 1, 2, 32, lambda shape: rng.uniform(-2, 2, shape)),
+        ("ragged: some splits saw no key (lse = -inf, o = 0)", 2, 2, 3, 5, 32, "empty"),
+        ("one split", 2, 2, 1, 1, 32, lambda shape: rng.uniform(-2, 2, shape)),
+        ("lse about 200: exp overflows float32 without the max shift", 1, 4, 2, 3, 16,
+         lambda shape: 200.0 + rng.uniform(-3, 3, shape)),
+        ("lse about -200: exp underflows float32 without the max shift", 1, 4, 2, 3, 16,
+         lambda shape: -200.0 + rng.uniform(-3, 3, shape)),
+        ("many splits (19), D = 48", 1, 2, 2, 19, 48, lambda shape: rng.uniform(-8, 8, shape)),
+    ]
+    for i in range(2):
+        b, hq, t, s = (int(x) for x in rng.integers(1, 4, size=4))
+        s += int(rng.integers(0, 8))
+        d = int(rng.choice([16, 32, 64]))
+        cases.append((f"random #{i + 1}", b, hq, t, s, d, lambda shape: rng.uniform(-6, 6, shape) + rng.uniform(-50, 50)))
+    return cases
+
+
+def _guarded(t):
+    """A contiguous copy of ``t`` followed in memory by NaN (read past the end: NaN)."""
+    import torch
+
+    flat = torch.full((t.numel() + 256,), float("nan"), dtype=t.dtype, device=t.device)
+    flat[: t.numel()] = t.reshape(-1)
+    return flat[: t.numel()].view(t.shape)
+
+
+def _combine_diagnoses(o_parts, lse_parts, large):
+    import triton
+
+    s = lse_parts.shape[-1]
+    s_pad = triton.next_power_of_2(s)
+    o_diag, _ = _merge_diagnoses(o_parts, lse_parts, large)
+    if s_pad > s:
+        pad = s_pad - s
+        o_pad = np.concatenate([o_parts, np.zeros(o_parts.shape[:-2] + (pad, o_parts.shape[-1]))], axis=-2)
+        lse_pad = np.concatenate([lse_parts, np.zeros(lse_parts.shape[:-1] + (pad,))], axis=-1)
+        o_diag.append(Diagnosis(MSG_PAD_LANES, expected=lambda: ref.merge_partials(o_pad, lse_pad)[0]))
+    return o_diag
+
+
+def _check_decode_combine(fn, *, seed=None):
+    import torch
+
+    run = Run("check_decode_combine", seed, time_limit_s=60.0)
+    device = current().device
+    for desc, b, hq, t, s, d, make_lse in _combine_cases(run.rng):
+        shape = (b, hq, t, s)
+        if make_lse == "empty":
+            lse = run.rng.uniform(-3, 3, shape)
+            lse[..., 1::2] = -np.inf  # every other split is empty; split 0 never is
+        else:
+            lse = make_lse(shape)
+        o_parts = run.rng.standard_normal(shape + (d,))
+        o_parts[np.isneginf(lse)] = 0.0
+        o32 = torch.from_numpy(o_parts).to(device=device, dtype=torch.float32)
+        l32 = torch.from_numpy(lse).to(device=device, dtype=torch.float32)
+        o64, lse64 = o32.double().cpu().numpy(), l32.double().cpu().numpy()
+        expected, _ = ref.merge_partials(o64, lse64)
+        with sandbox.count_launches() as launched:
+            out = run.call(fn, _guarded(o32), _guarded(l32), case=desc)
+        if not launched:
+            raise run.fail(MSG_NO_KERNEL, desc)
+        _tensor_like(run, out, "o", (b, hq, t, d), torch.float32, o32.device, desc,
+                     hint=" o is float32 [B, Hq, T, D].")
+        got = out.detach().cpu().double().numpy()
+        large = bool(np.max(np.abs(lse64[np.isfinite(lse64)])) > 80)
+        run.compare(got, expected, case=desc, what="o", atol=2e-5, rtol=2e-5,
+                    diagnoses=_combine_diagnoses(o64, lse64, large), axes=("batch", "q_head", "t", "col"))
+    return run.passed()
+
+
+_isolated_combine = sandbox.isolated(_check_decode_combine)
+
+
+def check_decode_combine(fn, *, seed=None, isolate=None, timeout_s=180.0):
+    """Grade ``fn(o_parts, lse_parts) -> o``: the combine kernel of split-KV decoding.
+
+    ``o_parts`` is float32 ``[B, Hq, T, S, D]`` and ``lse_parts`` float32
+    ``[B, Hq, T, S]``, both contiguous and followed in memory by NaN. Return
+    float32 ``o [B, Hq, T, D]``, the parts merged by their lse. Cases: one
+    split, empty splits (lse = -inf), lse near +-200 (float32's exp overflows
+    at 88), a split count that is not a power of two, fresh random ones.
+    Isolated on the CPU; ``seed`` replays a call.
+    """
+    __tracebackhide__ = True
+    return _isolated_combine(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)

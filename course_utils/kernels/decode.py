@@ -1,0 +1,424 @@
+"""Decoding attention with a KV cache: split-KV (flash-decoding), ragged lengths, paged caches.
+
+Lesson 09. At inference time each step brings ``T`` new queries per sequence
+(``T = 1`` in plain generation, a few with speculative decoding) against a
+cache of thousands of keys. One program per (batch element, query head) would
+leave most of a GPU's SMs idle, so the keys of each sequence are cut into
+``num_splits`` ranges, one program per range, and the partial results are
+merged by their logsumexp, the rule of the online softmax one level up:
+
+- :func:`_decode_split_kernel`: one program per (split, block of packed query
+  rows, batch element x kv head). The ``group_size * T`` query rows that share
+  a kv head are packed into one tile, so each K/V tile is loaded once for the
+  whole group (GQA packing). It writes each row's partial output (normalised by
+  its own sum) and partial ``lse`` (natural log; ``-inf`` and ``o = 0`` for a
+  row that sees no key of its split). With one split it writes the final
+  output directly and no combine runs.
+- :func:`_decode_combine_kernel`: one program per (batch, query head, new
+  token): ``o = sum_s w_s o_s`` with ``w_s = exp(lse_s - m) / sum exp(lse - m)``
+  and ``m`` the largest ``lse_s``.
+
+Split ``s`` of sequence ``b`` covers the keys ``[s * chunk, min((s + 1) *
+chunk, L))`` with ``L = cache_seqlens[b]`` and ``chunk = cdiv(L, num_splits)``
+(the grader of lesson 09 uses the same ranges). The ``T`` queries sit at
+positions ``L - T .. L - 1``: query ``t`` sees the keys ``j <= L - T + t``.
+
+One copy: ``solutions/09_decoding.ipynb`` defines these same ``@triton.jit``
+functions (``tests/test_kernels_decode.py`` compares them, marker lines
+aside). The launcher is :func:`decode_attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .forward import _DTYPES, _interpreted, bf16_problem
+
+__all__ = [
+    "decode_attention",
+    "launch_decode",
+    "decode_split",
+    "decode_combine",
+    "pick_num_splits",
+    "validate_decode",
+    "decode_config",
+    "_decode_split_kernel",
+    "_decode_combine_kernel",
+]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_T = 16  # new tokens per sequence the launcher accepts
+MAX_SPLITS = 128
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART, O,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_tb, stride_tp,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    n_q_heads, n_kv_heads, T, n_cap, page_size, num_splits, qk_scale,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Attention of the packed query rows of one kv head over one split of the cache.
+
+    Row ``r`` of the tile is query head ``kv_head * group_size + r // T``,
+    new token ``t = r % T``. ``K``/``V`` are ``[B, Hkv, N_max, D]``, or with
+    ``PAGED`` ``[num_pages, Hkv, page_size, D]`` addressed through
+    ``BLOCK_TABLE`` ``[B, max_pages]``. ``O_PART`` (float32 ``[B, Hq, T,
+    num_splits, D]``) and ``LSE_PART`` (``[B, Hq, T, num_splits]``) are
+    contiguous; without ``SPLIT`` the normalised result goes straight to ``O``.
+    """
+    pid_s = tl.program_id(0)  # which split of the keys
+    pid_m = tl.program_id(1)  # which block of packed query rows
+    pid_bh = tl.program_id(2)  # which (batch element, kv head)
+    b = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    group_size = n_q_heads // n_kv_heads
+
+    seq_len = tl.minimum(tl.load(SEQLENS + b), n_cap)  # valid keys of this sequence, new ones included
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < group_size * T
+    q_head = kv_head * group_size + rows // T
+    t = rows % T
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh + t[:, None] * stride_qt
+        + offs_d[None, :] * stride_qd,
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+
+    # lo, hi: the keys of this split; pos: each row's position in its sequence.
+    ### BEGIN SOLUTION
+    chunk = tl.cdiv(seq_len, num_splits)
+    lo = pid_s * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    pos = seq_len - T + t
+    ### END SOLUTION
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
+    k_head = K + kv_head.to(tl.int64) * stride_kh
+    v_head = V + kv_head.to(tl.int64) * stride_vh
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi  # never past this split, so never past seq_len
+        if PAGED:  # token j lives in page block_table[b, j // page_size], row j % page_size
+            page = tl.load(BLOCK_TABLE + b * stride_tb + (offs_n // page_size) * stride_tp, mask=n_ok, other=0)
+            k_rows = page.to(tl.int64) * stride_kb + (offs_n % page_size) * stride_kn
+            v_rows = page.to(tl.int64) * stride_vb + (offs_n % page_size) * stride_vn
+        else:
+            k_rows = b.to(tl.int64) * stride_kb + offs_n.to(tl.int64) * stride_kn
+            v_rows = b.to(tl.int64) * stride_vb + offs_n.to(tl.int64) * stride_vn
+        k = tl.load(k_head + k_rows[None, :] + offs_d[:, None] * stride_kd,
+                    mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        # keep: True where row r may see key offs_n (inside this split, at or before the row's position).
+        ### BEGIN SOLUTION
+        keep = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        ### END SOLUTION
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf) = 0, not NaN
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0.0  # False for a row that sees no key of this split
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SPLIT:
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        part = ((b * n_q_heads + q_head) * T + t) * num_splits + pid_s
+        tl.store(O_PART + part.to(tl.int64)[:, None] * D + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE_PART + part, lse, mask=row_ok)
+    else:
+        tl.store(
+            O + b.to(tl.int64) * stride_ob + q_head[:, None] * stride_oh + t[:, None] * stride_ot
+            + offs_d[None, :] * stride_od,
+            o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _decode_combine_kernel(
+    O_PART, LSE_PART, O,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    n_q_heads, T, num_splits,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    """Merge the ``num_splits`` partial results of one (batch, query head, new token) row by their lse."""
+    row = tl.program_id(0)  # ((b * n_q_heads + q_head) * T + t)
+    t = row % T
+    q_head = (row // T) % n_q_heads
+    b = row // (T * n_q_heads)
+    offs_s = tl.arange(0, S_PAD)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    lse = tl.load(LSE_PART + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
+    o_parts = tl.load(
+        O_PART + (row.to(tl.int64) * num_splits + offs_s)[:, None] * D + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    # o [D_PAD]: the parts merged by their lse (float32).
+    ### BEGIN SOLUTION
+    m = tl.max(lse, axis=0)  # every row has a split that sees a key, so m is finite
+    w = tl.exp(lse - m)
+    w = w / tl.sum(w, axis=0)
+    o = tl.sum(w[:, None] * o_parts, axis=0)
+    ### END SOLUTION
+    tl.store(
+        O + b.to(tl.int64) * stride_ob + q_head * stride_oh + t * stride_ot + offs_d * stride_od,
+        o.to(O.dtype.element_ty), mask=d_ok,
+    )
+
+
+# -----------------------------------------------------------------------------
+# Launchers
+# -----------------------------------------------------------------------------
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """``BLOCK_N`` and launch options of the split kernel for a head dim and dtype.
+
+    In the interpreter each K/V step costs about the same whatever its size,
+    so the blocks are large enough for few steps and small enough that the
+    course's short caches still span several blocks and splits. On a GPU the
+    K and V tiles of ``num_stages`` steps in flight must fit in shared memory
+    (smaller on sm_75); sensible defaults, not tuned optima.
+    """
+    if _interpreted(device):
+        return dict(BLOCK_N=32)
+    return dict(_gpu_config(triton.next_power_of_2(max(head_dim, 16)), dtype.itemsize,
+                            torch.cuda.get_device_capability(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_config(d_pad: int, itemsize: int, capability: tuple) -> tuple:
+    if capability < (8, 0):  # sm_75 (a T4): 64 KiB of shared memory per program
+        return (("BLOCK_N", 32 if d_pad > 64 or itemsize > 2 else 64), ("num_warps", 4), ("num_stages", 2))
+    if itemsize > 2 or d_pad > 128:
+        return (("BLOCK_N", 32), ("num_warps", 4), ("num_stages", 3))
+    return (("BLOCK_N", 64), ("num_warps", 4), ("num_stages", 3))
+
+
+def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, device: torch.device,
+                    block_n: int = 64, sm_count: int | None = None) -> int:
+    """How many splits of the keys: enough programs to fill the GPU, no more.
+
+    ``batch * n_kv_heads * m_blocks`` programs already run without splitting.
+    On a GPU we count two resident programs per SM as the machine's slots and
+    pick, like FlashAttention-2's heuristic, the smallest split count whose
+    last wave is nearly as full as the best one's, never making a split shorter
+    than four K/V blocks (each split reloads the query tile and writes a
+    partial). ``max_len`` is the caches' capacity, not ``cache_seqlens``:
+    reading the lengths would stall the GPU to copy them to the host every
+    step. On the CPU (the interpreter runs programs one after another) a
+    small count, so the combine still runs in the lessons. ``sm_count``
+    answers for a GPU of that many SMs, whatever ``device`` is.
+    """
+    n_blocks = max(1, triton.cdiv(max_len, block_n))
+    if sm_count is None and device.type != "cuda":
+        return max(1, min(2, n_blocks // 2))
+    programs = batch * n_kv_heads * m_blocks
+    slots = 2 * (_sm_count(device) if sm_count is None else sm_count)
+    max_splits = max(1, min(MAX_SPLITS, n_blocks // 4))
+    if programs >= 0.8 * slots or max_splits == 1:
+        return 1
+    eff = []
+    for s in range(1, max_splits + 1):
+        waves = programs * s / slots
+        eff.append(waves / math.ceil(waves))
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+
+
+def validate_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None,
+                    check_lengths: bool = True) -> None:
+    """Raise ``ValueError`` (one plain sentence) unless the inputs fit :func:`decode_attention`.
+
+    With ``check_lengths`` the lengths are checked against the caches'
+    capacity and against ``T`` (one copy of two numbers from the device).
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch tensor, not {type(t).__name__}.")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions, but it has {t.dim()} (shape {tuple(t.shape)}).")
+    if not (q.device == k_cache.device == v_cache.device == cache_seqlens.device):
+        raise ValueError("q, k_cache, v_cache and cache_seqlens must be on one device.")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache and v_cache must have one dtype, but they have {q.dtype}, {k_cache.dtype} and {v_cache.dtype}.")
+    if q.dtype not in _DTYPES:
+        raise ValueError(f"dtype {q.dtype} is not supported: use float16, bfloat16 or float32.")
+    problem = bf16_problem(q.dtype, q.device)
+    if problem:
+        raise ValueError(problem)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, but they are {tuple(k_cache.shape)} and {tuple(v_cache.shape)}.")
+    (b, hq, t, d), (_, hkv, _, dk) = q.shape, k_cache.shape
+    if not 1 <= t <= MAX_T:
+        raise ValueError(f"q holds {t} new tokens per sequence; decoding takes 1 to {MAX_T}.")
+    if d != dk:
+        raise ValueError(f"q has head dim {d} but the caches have {dk}.")
+    if not 16 <= d <= 256:
+        raise ValueError(f"head dim {d} is not supported: it must be between 16 and 256.")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hkv}).")
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (b,):
+        raise ValueError(f"cache_seqlens must be an int32 tensor of shape ({b},), but it is {cache_seqlens.dtype} of shape {tuple(cache_seqlens.shape)}.")
+    if block_table is None:
+        if k_cache.shape[0] != b:
+            raise ValueError(f"q has batch size {b} but the caches have {k_cache.shape[0]}.")
+        capacity = k_cache.shape[2]
+    else:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+                or block_table.shape[0] != b or block_table.device != q.device:
+            raise ValueError(f"block_table must be an int32 tensor [B, max_pages] with B = {b} on q's device.")
+        capacity = block_table.shape[1] * k_cache.shape[2]
+    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an int from 1 to {MAX_SPLITS}, or None, not {num_splits!r}.")
+    if q.device.type == "cpu":
+        import os
+
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the tensors are on the CPU but Triton's interpreter is off: move them to the GPU "
+                             "(or import course_utils before triton on a machine without one).")
+    if check_lengths and b > 0:
+        lo, hi = torch.stack([cache_seqlens.min(), cache_seqlens.max()]).tolist()
+        if hi > capacity:
+            raise ValueError(f"cache_seqlens holds {hi}, more than the {capacity} tokens the cache can hold.")
+        if lo < t:
+            raise ValueError(f"cache_seqlens holds {lo}, fewer than the {t} new tokens, which are part of the cache.")
+
+
+def _rows_per_block(group_size: int, t: int) -> int:
+    """``BLOCK_M``: the packed rows ``group_size * T``, padded to a power of two (16 to 64)."""
+    return min(64, max(16, triton.next_power_of_2(group_size * t)))
+
+
+def decode_split(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_table=None, *, BLOCK_N=None,
+                 out=None, kernel=None):
+    """Launch the split kernel: ``(o_parts, lse_parts)``, float32 ``[B, Hq, T, S, D]`` and ``[B, Hq, T, S]``.
+
+    With ``out`` given and one split, the result goes to ``out`` instead and
+    ``(out, None)`` is returned. ``kernel`` replaces the module's kernel (the
+    lesson passes its own).
+    """
+    kernel = _decode_split_kernel if kernel is None else kernel
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    paged = block_table is not None
+    cfg = decode_config(D, q.dtype, q.device)
+    if BLOCK_N is not None:
+        cfg["BLOCK_N"] = BLOCK_N
+    block_m = _rows_per_block(Hq // Hkv, T)
+    m_blocks = triton.cdiv((Hq // Hkv) * T, block_m)
+    direct = out is not None and num_splits == 1
+    if direct:
+        o_parts = lse_parts = out  # unused by the kernel
+    else:
+        o_parts = torch.empty((B, Hq, T, num_splits, D), dtype=torch.float32, device=q.device)
+        lse_parts = torch.empty((B, Hq, T, num_splits), dtype=torch.float32, device=q.device)
+    o = out if direct else o_parts
+    if paged:
+        table, stride_tb, stride_tp = block_table, block_table.stride(0), block_table.stride(1)
+        page_size, capacity = k_cache.shape[2], block_table.shape[1] * k_cache.shape[2]
+    else:
+        table, stride_tb, stride_tp = cache_seqlens, 0, 0  # never read
+        page_size, capacity = k_cache.shape[2], k_cache.shape[2]
+    grid = (num_splits, m_blocks, B * Hkv)
+    kernel[grid](
+        q, k_cache, v_cache, cache_seqlens, table, o_parts, lse_parts, o,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), stride_tb, stride_tp,
+        *(o.stride() if direct else (0, 0, 0, 0)),
+        Hq, Hkv, T, capacity, page_size, num_splits, LOG2E / math.sqrt(D),
+        D=D, D_PAD=triton.next_power_of_2(max(D, 16)), BLOCK_M=block_m, PAGED=paged, SPLIT=not direct, **cfg,
+    )
+    return (out, None) if direct else (o_parts, lse_parts)
+
+
+def decode_combine(o_parts, lse_parts, out, *, kernel=None):
+    """Launch the combine kernel: merge ``o_parts``/``lse_parts`` into ``out`` ``[B, Hq, T, D]``; returns ``out``."""
+    kernel = _decode_combine_kernel if kernel is None else kernel
+    B, Hq, T, S, D = o_parts.shape
+    kernel[(B * Hq * T,)](
+        o_parts, lse_parts, out, *out.stride(), Hq, T, S,
+        D=D, D_PAD=triton.next_power_of_2(max(D, 16)), S_PAD=triton.next_power_of_2(S),
+    )
+    return out
+
+
+def launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None):
+    """:func:`decode_attention` without its input checks: nothing copied from the device.
+
+    The checks of :func:`decode_attention` read ``cache_seqlens`` on the host,
+    which makes the CPU wait for the GPU at every call; an inference engine
+    that knows its inputs are right (and the benchmark, once it has checked
+    them) launches the kernels with this instead.
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    if num_splits is None:
+        capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
+        m_blocks = triton.cdiv((Hq // Hkv) * T, _rows_per_block(Hq // Hkv, T))
+        num_splits = pick_num_splits(B, Hkv, m_blocks, capacity, q.device,
+                                     decode_config(D, q.dtype, q.device)["BLOCK_N"])
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    if num_splits == 1:
+        return decode_split(q, k_cache, v_cache, cache_seqlens, 1, block_table, out=out)[0]
+    o_parts, lse_parts = decode_split(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
+    return decode_combine(o_parts, lse_parts, out)
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, block_table=None):
+    """Attention of ``T`` new queries per sequence over a KV cache (flash-decoding).
+
+    ``q``: ``[B, Hq, T, D]``, ``1 <= T <= 16``. ``k_cache``, ``v_cache``:
+    ``[B, Hkv, N_max, D]``, or paged ``[num_pages, Hkv, page_size, D]`` with
+    ``block_table`` int32 ``[B, max_pages]`` (page ``block_table[b, p]`` holds
+    tokens ``p * page_size .. (p + 1) * page_size - 1`` of sequence ``b``).
+    ``cache_seqlens``: int32 ``[B]``, the valid tokens of each sequence, the
+    new ones included: query ``t`` sits at position ``cache_seqlens[b] - T +
+    t`` and sees the keys up to it. Entries past a sequence's length are never
+    read. ``Hq`` a multiple of ``Hkv`` (MHA, GQA, MQA). ``num_splits=None``
+    picks the split count (:func:`pick_num_splits`). Returns ``o`` with
+    ``q``'s shape and dtype. Bad input raises a ``ValueError`` of one
+    sentence; checking the lengths copies two numbers from the device.
+    """
+    validate_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
+    return launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)

@@ -1,0 +1,211 @@
+"""check_merge_partials, check_decode_split, check_decode_combine: planted mistakes get their diagnosis.
+
+The planted kernels are the course's own (course_utils/kernels/decode.py) with
+exactly one mistake each: the test copies decode.py's source, replaces one line
+(which must occur exactly once, so a change to decode.py that would make a
+mutant meaningless fails loudly), writes it to a temporary module and imports
+it. Correct answers written differently (other block sizes, natural-log
+exponentials, NumPy's logaddexp) must pass.
+"""
+
+import importlib.util
+import inspect
+import sys
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+
+import numpy as np
+import pytest
+import torch
+
+from course_utils import references as ref
+from course_utils.grading import GradingError, check_decode_combine, check_decode_split, check_merge_partials
+from course_utils.grading import part5_decode as p5
+from course_utils.kernels import decode
+
+_made: dict = {}
+
+
+@pytest.fixture(scope="module")
+def variant(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("decode_variants")
+    source = inspect.getsource(decode).replace("from .forward import", "from course_utils.kernels.forward import")
+
+    def make(name, *edits):
+        """decode.py with each ``(old, new)`` edit applied, as a module."""
+        if name in _made:
+            return _made[name]
+        src = source
+        for old, new in edits:
+            assert src.count(old) == 1, f"{name}: {old!r} occurs {src.count(old)} times in decode.py"
+            src = src.replace(old, new)
+        path = folder / f"decode_variant_{name}.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(f"decode_variant_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _made[name] = module
+        return module
+
+    return make
+
+
+def split(module, **kw):
+    return lambda q, k, v, seqlens, num_splits: module.decode_split(q, k, v, seqlens, num_splits, **kw)
+
+
+def combine(module):
+    def fn(o_parts, lse_parts):
+        out = torch.empty(o_parts.shape[:3] + o_parts.shape[4:], dtype=torch.float32, device=o_parts.device)
+        return module.decode_combine(o_parts, lse_parts, out)
+
+    return fn
+
+
+def _fails(check, fn, message):
+    """``check(fn)`` fails, naming ``message`` as the likely cause."""
+    with pytest.raises(GradingError) as info:
+        check(fn)
+    text = str(info.value)
+    fixed = message.split("{")[0][1:60]
+    assert "Likely cause: " in text and fixed in text.split("Likely cause: ", 1)[1], text
+    return text
+
+
+# -- check_merge_partials ---------------------------------------------------------
+def _merge_logaddexp(o_parts, lse_parts):
+    lse = np.logaddexp.reduce(lse_parts, axis=-1)
+    return np.einsum("...s,...sd->...d", np.exp(lse_parts - lse[..., None]), o_parts), lse
+
+
+def _merge_pairwise(o_parts, lse_parts):  # fold the parts in one at a time, like the online softmax
+    o, lse = o_parts[..., 0, :], lse_parts[..., 0]
+    for s in range(1, lse_parts.shape[-1]):
+        new = np.logaddexp(lse, lse_parts[..., s])
+        o = np.exp(lse - new)[..., None] * o + np.exp(lse_parts[..., s] - new)[..., None] * o_parts[..., s, :]
+        lse = new
+    return o, lse
+
+
+def _merge_torch(o_parts, lse_parts):
+    o, l = torch.from_numpy(o_parts), torch.from_numpy(lse_parts)
+    w = torch.softmax(l, dim=-1)
+    return (w[..., None] * o).sum(-2).numpy(), torch.logsumexp(l, dim=-1).numpy()
+
+
+@pytest.mark.parametrize("fn", [ref.merge_partials, _merge_logaddexp, _merge_pairwise, _merge_torch],
+                         ids=["reference", "logaddexp", "pairwise", "torch-softmax"])
+def test_merge_correct_variants_pass(fn):
+    assert check_merge_partials(fn)
+
+
+def _merge_no_shift(o_parts, lse_parts):
+    w = np.exp(lse_parts)
+    return np.sum((w / w.sum(-1, keepdims=True))[..., None] * o_parts, axis=-2), np.log(w.sum(-1))
+
+
+def _merge_not_renormalised(o_parts, lse_parts):
+    m = lse_parts.max(-1, keepdims=True)
+    w = np.exp(lse_parts - m)
+    return np.sum(w[..., None] * o_parts, axis=-2), (m + np.log(w.sum(-1, keepdims=True)))[..., 0]
+
+
+def _merge_average(o_parts, lse_parts):
+    return o_parts.mean(-2), ref.merge_partials(o_parts, lse_parts)[1]
+
+
+def _merge_lse_no_max(o_parts, lse_parts):
+    m = lse_parts.max(-1, keepdims=True)
+    return ref.merge_partials(o_parts, lse_parts)[0], np.log(np.exp(lse_parts - m).sum(-1))
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_merge_no_shift, p5.MSG_NO_SHIFT),
+    (_merge_not_renormalised, p5.MSG_NOT_RENORMALISED),
+    (_merge_average, p5.MSG_PLAIN_AVERAGE),
+    (_merge_lse_no_max, p5.MSG_LSE_NO_MAX),
+], ids=["no-shift", "not-renormalised", "average", "lse-no-max"])
+def test_merge_mistakes_are_diagnosed(fn, message):
+    with np.errstate(all="ignore"):
+        _fails(check_merge_partials, fn, message)
+
+
+def test_merge_wrong_return_gets_a_sentence():
+    with pytest.raises(GradingError, match="return the pair"):
+        check_merge_partials(lambda o, l: ref.merge_partials(o, l)[0])
+
+
+# -- check_decode_split -------------------------------------------------------------
+SPLIT_CORRECT = {
+    "block-16": lambda variant: split(decode, BLOCK_N=16),
+    "natural-exp-block-64": lambda variant: split(variant("natural_exp", (
+        "s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units",
+        "s = tl.dot(q, k) * (qk_scale * 0.6931471805599453)"), (
+        "alpha = tl.exp2(m_i - m_use)", "alpha = tl.exp(m_i - m_use)"), (
+        "p = tl.exp2(s - m_use[:, None])", "p = tl.exp(s - m_use[:, None])"), (
+        "lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float(\"-inf\"))",
+        "lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float(\"-inf\"))")), BLOCK_N=64),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CORRECT))
+def test_split_correct_variants_pass(variant, name):
+    assert check_decode_split(SPLIT_CORRECT[name](variant))
+
+
+SPLIT_MISTAKES = {  # name: (edit, message, words naming the kind of mistake)
+    "past-seqlen": (("hi = tl.minimum(lo + chunk, seq_len)", "hi = tl.minimum(lo + chunk, n_cap)"),
+                    p5.MSG_PAST_SEQLEN, "past cache_seqlens"),
+    "top-left": (("pos = seq_len - T + t", "pos = t"), p5.MSG_CAUSAL_OFFSET, "top-left"),
+    "no-causal": (("pos = seq_len - T + t", "pos = seq_len - 1 + 0 * t"), p5.MSG_CAUSAL_OFFSET,
+                  "no mask among the new tokens"),
+    "causal-plus-one": (("pos = seq_len - T + t", "pos = seq_len - T + t + 1"), p5.MSG_CAUSAL_OFFSET,
+                        "also sees the next one"),
+    "packed-row-position": (("pos = seq_len - T + t", "pos = seq_len - T + rows"), p5.MSG_CAUSAL_OFFSET,
+                            "packed row"),
+    "split-short": (("hi = tl.minimum(lo + chunk, seq_len)", "hi = tl.minimum(lo + chunk - 1, seq_len)"),
+                    p5.MSG_SPLIT_DROPS, "stops one key short"),
+    "chunk-floor": (("chunk = tl.cdiv(seq_len, num_splits)", "chunk = seq_len // num_splits"), p5.MSG_SPLIT_DROPS,
+                    "rounds down"),
+    "empty-row-nan": (("m_use = tl.where(m_new == float(\"-inf\"), 0.0, m_new)", "m_use = m_new"),
+                      p5.MSG_EMPTY_ROW, "sees no key of its split"),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_MISTAKES))
+def test_split_mistakes_are_diagnosed(variant, name):
+    edit, message, kind = SPLIT_MISTAKES[name]
+    text = _fails(check_decode_split, split(variant(name, edit)), message)
+    assert kind in text.split("Likely cause: ", 1)[1], text
+
+
+def test_split_without_a_kernel_fails():
+    def no_kernel(q, k, v, seqlens, num_splits):
+        o, lse = ref.decode_partials(*(x.double().nan_to_num().cpu().numpy() for x in (q, k, v)),
+                                     seqlens.cpu().numpy(), num_splits)
+        return torch.from_numpy(o).float(), torch.from_numpy(lse).float()
+
+    with pytest.raises(GradingError, match="no Triton kernel ran"):
+        check_decode_split(no_kernel)
+
+
+# -- check_decode_combine -------------------------------------------------------------
+def test_combine_correct_variants_pass(variant):
+    assert check_decode_combine(combine(decode))
+    exp2 = variant("combine_exp2", ("w = tl.exp(lse - m)", "w = tl.exp2((lse - m) * 1.4426950408889634)"))
+    assert check_decode_combine(combine(exp2))
+
+
+COMBINE_MISTAKES = {
+    "no-shift": (("m = tl.max(lse, axis=0)  # every row has a split that sees a key, so m is finite",
+                  "m = 0.0"), p5.MSG_NO_SHIFT),
+    "not-renormalised": (("w = w / tl.sum(w, axis=0)", "w = w"), p5.MSG_NOT_RENORMALISED),
+    "pad-lanes": (("mask=s_ok, other=float(\"-inf\"))", "mask=s_ok, other=0.0)"), p5.MSG_PAD_LANES),
+}
+
+
+@pytest.mark.parametrize("name", list(COMBINE_MISTAKES))
+def test_combine_mistakes_are_diagnosed(variant, name):
+    edit, message = COMBINE_MISTAKES[name]
+    _fails(check_decode_combine, combine(variant(name, edit)), message)

@@ -1,0 +1,181 @@
+"""The decoding kernels (course_utils.kernels.decode) against the float64 references.
+
+Contiguous and paged caches (block tables shuffled, unused pages NaN), ragged
+lengths with NaN past each sequence's length, T in {1, 3, 16}, MHA/GQA/MQA,
+one split to more splits than blocks, fp32 and fp16. Bad input raises a
+ValueError of one sentence. And the one-copy rule with lesson 09's notebook.
+"""
+
+import inspect
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+
+import numpy as np
+import pytest
+import torch
+
+from course_utils import references as ref
+from course_utils.kernels import decode, decode_attention
+from test_kernels_forward import _notebook_jit_functions, _strip
+
+DEVICE = course_utils.ENV.device
+TOL = {torch.float32: (1e-5, 1e-5) if DEVICE == "cpu" else (3e-3, 3e-3),
+       torch.float16: (1e-2, 1e-2), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def make_cache(b, hq, hkv, t, n_max, d, lengths, dtype, *, page_size=None, seed=0):
+    """q, the caches (NaN past each length), cache_seqlens, block_table, and float64 copies.
+
+    With ``page_size`` the caches are paged: pages dealt out in a shuffled
+    order, two spare pages and every unused slot NaN.
+    """
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, t, d, generator=g)
+    k = torch.randn(b, hkv, n_max, d, generator=g)
+    v = torch.randn(b, hkv, n_max, d, generator=g)
+    k, v = k.to(dtype), v.to(dtype)
+    q = q.to(dtype)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    for i, n in enumerate(lengths):
+        k[i, :, n:] = float("nan")
+        v[i, :, n:] = float("nan")
+    table = None
+    if page_size is not None:
+        max_pages = -(-n_max // page_size)
+        n_pages = b * max_pages + 2
+        order = torch.randperm(n_pages, generator=g)[: b * max_pages].reshape(b, max_pages)
+        kp = torch.full((n_pages, hkv, page_size, d), float("nan"), dtype=dtype)
+        vp = kp.clone()
+        for i in range(b):
+            for p in range(max_pages):
+                lo, hi = p * page_size, min((p + 1) * page_size, n_max)
+                kp[order[i, p], :, : hi - lo] = k[i, :, lo:hi]
+                vp[order[i, p], :, : hi - lo] = v[i, :, lo:hi]
+        table = order.to(torch.int32).to(DEVICE)
+        k_dev, v_dev = kp, vp
+    else:
+        k_dev, v_dev = k, v
+    want_o, want_lse = ref.decode_attention(*(x.double().numpy() for x in (q, k, v)), seqlens.numpy())
+    return (q.to(DEVICE), k_dev.to(DEVICE), v_dev.to(DEVICE), seqlens.to(DEVICE), table), (want_o, want_lse)
+
+
+CASES = [
+    # b, hq, hkv, t, n_max, d, lengths, dtype, page_size, num_splits
+    (1, 2, 2, 1, 64, 32, [64], torch.float32, None, 1),  # MHA, one split: the direct path
+    (3, 4, 2, 1, 100, 32, [100, 37, 1], torch.float32, None, 3),  # GQA, ragged, a length-1 sequence
+    (2, 4, 1, 3, 90, 16, [90, 41], torch.float32, None, 2),  # MQA, T = 3
+    (2, 2, 1, 16, 80, 32, [80, 16], torch.float32, None, 5),  # T = 16, a cache of only the new tokens
+    (2, 4, 2, 3, 70, 64, [70, 9], torch.float32, None, 16),  # more splits than keys: empty splits
+    (2, 4, 2, 1, 96, 48, [96, 50], torch.float16, None, 2),  # fp16, D not a power of two
+    (2, 4, 2, 3, 100, 32, [100, 45], torch.float32, 16, 3),  # paged, shuffled table
+    (2, 8, 1, 2, 64, 32, [64, 23], torch.float16, 8, 1),  # paged fp16 MQA, pages smaller than a block
+    (1, 2, 2, 1, 96, 32, [77], torch.float32, 64, None),  # paged, pages larger than a block, auto splits
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,t,n_max,d,lengths,dtype,page_size,num_splits", CASES)
+def test_decode_matches_reference(b, hq, hkv, t, n_max, d, lengths, dtype, page_size, num_splits):
+    (q, k, v, seqlens, table), (want_o, _) = make_cache(b, hq, hkv, t, n_max, d, lengths, dtype,
+                                                        page_size=page_size)
+    o = decode_attention(q, k, v, seqlens, num_splits=num_splits, block_table=table)
+    assert o.shape == q.shape and o.dtype == q.dtype and o.device == q.device
+    atol, rtol = TOL[dtype]
+    np.testing.assert_allclose(o.double().cpu().numpy(), want_o, atol=atol, rtol=rtol)
+
+
+def test_partials_are_the_reference_partials_and_merge_to_the_result():
+    (q, k, v, seqlens, _), (want_o, want_lse) = make_cache(2, 4, 2, 3, 40, 32, [40, 30], torch.float32, seed=1)
+    o_parts, lse_parts = decode.decode_split(q, k, v, seqlens, 15)
+    q64, k64, v64 = (x.double().cpu().numpy() for x in (q, k, v))
+    ref_o, ref_lse = ref.decode_partials(q64, np.nan_to_num(k64), np.nan_to_num(v64), seqlens.cpu().numpy(), 15)
+    lse = lse_parts.double().cpu().numpy()
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))  # the same rows see no key
+    assert np.isneginf(lse).any()  # chunk 2: split [28, 30) is after query 0 (position 27)
+    atol, rtol = TOL[torch.float32]
+    np.testing.assert_allclose(np.where(np.isneginf(lse), 0, lse), np.where(np.isneginf(ref_lse), 0, ref_lse),
+                               atol=atol, rtol=0)
+    np.testing.assert_allclose(o_parts.double().cpu().numpy(), ref_o, atol=atol, rtol=rtol)
+    merged_o, merged_lse = ref.merge_partials(ref_o, ref_lse)
+    np.testing.assert_allclose(merged_o, want_o, atol=1e-12)
+    np.testing.assert_allclose(merged_lse, want_lse, atol=1e-12)
+    out = torch.empty_like(q)
+    decode.decode_combine(o_parts, lse_parts, out)
+    np.testing.assert_allclose(out.double().cpu().numpy(), want_o, atol=atol, rtol=rtol)
+
+
+def test_strided_query_and_output_dtype():
+    (q, k, v, seqlens, _), (want_o, _) = make_cache(2, 4, 2, 2, 40, 32, [40, 20], torch.float32, seed=2)
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, T, H, D] memory
+    assert not q_strided.is_contiguous()
+    o = decode_attention(q_strided, k, v, seqlens, num_splits=2)
+    np.testing.assert_allclose(o.double().cpu().numpy(), want_o, atol=TOL[torch.float32][0], rtol=TOL[torch.float32][1])
+
+
+def test_num_splits_heuristic():
+    cpu = torch.device("cpu")
+    assert 1 <= decode.pick_num_splits(1, 8, 1, 256, cpu, 32) <= 4
+    assert decode.pick_num_splits(1, 8, 1, 16, cpu, 32) == 1
+
+    few = decode.pick_num_splits(1, 8, 1, 16384, cpu, 64, sm_count=132)
+    many = decode.pick_num_splits(64, 8, 1, 16384, cpu, 64, sm_count=132)
+    short = decode.pick_num_splits(1, 8, 1, 256, cpu, 64, sm_count=132)
+    assert many == 1  # 512 programs already fill 132 SMs
+    assert 8 <= few <= decode.MAX_SPLITS  # 8 programs alone would leave most SMs idle
+    assert short == 1  # 4 blocks: too short to split
+
+
+BAD = [
+    (dict(q=(2, 4, 17, 32)), "1 to 16"),
+    (dict(k=(2, 3, 64, 32)), "multiple"),
+    (dict(seqlens=[65, 10]), "can hold"),
+    (dict(seqlens=[64, 1], t=3), "fewer than the 3 new tokens"),
+    (dict(seqlens_dtype=torch.int64), "int32"),
+    (dict(k=(3, 2, 64, 32)), "batch size"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(v=(2, 2, 64, 16)), "same shape"),
+]
+
+
+@pytest.mark.parametrize("change,words", BAD)
+def test_bad_input_gets_one_sentence(change, words):
+    t = change.get("t", 1)
+    q = torch.zeros(change.get("q", (2, 4, t, 32)), device=DEVICE)
+    k = torch.zeros(change.get("k", (2, 2, 64, 32)), device=DEVICE)
+    v = torch.zeros(change.get("v", k.shape), device=DEVICE)
+    seqlens = torch.tensor(change.get("seqlens", [64, 10]), dtype=change.get("seqlens_dtype", torch.int32),
+                           device=DEVICE)
+    with pytest.raises(ValueError, match=words) as info:
+        decode_attention(q, k, v, seqlens, num_splits=change.get("num_splits"))
+    message = str(info.value)
+    assert message.count(". ") == 0 and message.endswith("."), message
+
+
+def test_paged_table_must_be_int32():
+    q = torch.zeros(1, 2, 1, 32, device=DEVICE)
+    pages = torch.zeros(4, 2, 16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="block_table"):
+        decode_attention(q, pages, pages, torch.tensor([20], dtype=torch.int32, device=DEVICE),
+                         block_table=torch.tensor([[0, 1]], device=DEVICE))
+
+
+def test_notebook_kernels_are_the_module_kernels():
+    taught = _notebook_jit_functions("09_decoding.ipynb")
+    kernels = ["_decode_split_kernel", "_decode_combine_kernel"]
+    assert set(kernels) <= set(taught), f"09_decoding does not define {set(kernels) - set(taught)}"
+    for name in kernels:
+        module_src = inspect.getsource(getattr(decode, name).fn)
+        assert _strip(taught[name]) == _strip(module_src), f"09_decoding: {name} differs from decode.py"
+        assert "### BEGIN SOLUTION" in taught[name]
+
+
+# -- compiled on a GPU: realistic shapes in bf16, the automatic split count --------------
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 and long caches need the compiled kernels (a GPU)")
+@pytest.mark.parametrize("t,page_size", [(1, None), (4, None), (1, 16), (3, 64)])
+def test_gpu_bf16_long_ragged_caches(t, page_size):
+    b, hq, hkv, d, n_max = 3, 32, 8, 128, 5000
+    lengths = [5000, 1234, t + 1]
+    dtype = torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0) else torch.float16
+    (q, k, v, seqlens, table), (want_o, _) = make_cache(b, hq, hkv, t, n_max, d, lengths, dtype,
+                                                        page_size=page_size)
+    o = decode_attention(q, k, v, seqlens, block_table=table)
+    np.testing.assert_allclose(o.double().cpu().numpy(), want_o, atol=3e-2, rtol=3e-2)
