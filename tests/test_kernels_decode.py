@@ -19,7 +19,7 @@ from course_utils.kernels import decode, decode_attention
 from test_kernels_forward import _notebook_jit_functions, _strip
 
 DEVICE = course_utils.ENV.device
-TOL = {torch.float32: (1e-5, 1e-5) if DEVICE == "cpu" else (3e-3, 3e-3),
+TOL = {torch.float32: (1e-5, 1e-5) if DEVICE == "cpu" else (1e-2, 1e-2),  # tf32 dots on a GPU
        torch.float16: (1e-2, 1e-2), torch.bfloat16: (3e-2, 3e-2)}
 
 

@@ -38,7 +38,8 @@ def _assert_close(o, lse, ref, atol_o):
     if ON_GPU:
         atol_o = max(atol_o, tolerance(o.dtype))
     np.testing.assert_allclose(_np(o), ro, atol=atol_o, rtol=0)
-    np.testing.assert_allclose(_np(lse), rl, atol=1e-2 if ON_GPU else 1e-4, rtol=0)
+    # tf32 scores are off by about 1e-3 of their size, and so is lse (large in some tests)
+    np.testing.assert_allclose(_np(lse), rl, atol=1e-2 if ON_GPU else 1e-4, rtol=2e-3 if ON_GPU else 0)
 
 
 # ----------------------------------------------------------------------------
