@@ -1,0 +1,253 @@
+"""Lesson 08's kernels: sliding-window attention with sinks, forward and backward.
+
+Against the float64 references (course_utils.references with window_size and
+sink_size): MHA/GQA/MQA, non-contiguous layouts, N not a multiple of the
+blocks, window 1, a window longer than N, more sinks than N, fp32 and fp16 on
+the CPU (bf16 too on a GPU). The tile bounds against a brute-force mask, the
+public keywords' ValueErrors, and the one-copy rule for the lesson notebook.
+"""
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+
+import numpy as np
+import pytest
+import torch
+
+from course_utils import references as ref
+from course_utils.kernels import backward as bw
+from course_utils.kernels import flash_attention, flash_attention_with_lse, forward
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = course_utils.ENV.device
+
+# (atol, rtol) for o and the gradients, atol for lse.
+TOL = {torch.float32: (2e-5, 2e-5, 1e-5) if DEVICE == "cpu" else (1e-2, 1e-2, 3e-3),
+       torch.float16: (1e-2, 1e-2, 1e-3), torch.bfloat16: (6e-2, 6e-2, 1e-2)}
+
+
+def _inputs(b, hq, hkv, n, d, dtype, layout="contiguous", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(b, h, n, d, generator=g).to(DEVICE, dtype) for h in (hq, hkv, hkv, hq))
+    if layout == "bnhd":  # [B, N, H, D] memory viewed as [B, H, N, D]
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        assert not q.is_contiguous()
+    elif layout == "sliced":  # a head-dim stride of 2
+        q, k, v = (torch.stack([t, t], dim=-1)[..., 0] for t in (q, k, v))
+        assert q.stride(-1) == 2
+    return q, k, v, do
+
+
+def _np(t):
+    return t.detach().double().cpu().numpy()
+
+
+FORWARD_CASES = [
+    # b, hq, hkv, n, d, dtype, layout, window_size, sink_size
+    (1, 2, 2, 100, 32, torch.float32, "contiguous", 1, 0),  # window 1: each query sees only itself
+    (1, 4, 2, 77, 48, torch.float16, "bnhd", 20, 3),  # GQA, partial sink tile, D padded, transposed
+    (2, 3, 1, 130, 16, torch.float32, "sliced", 33, 40),  # MQA, sinks past the first tile, window not a tile
+    (1, 2, 1, 90, 32, torch.float32, "contiguous", 500, 0),  # window > N: plain causal
+    (1, 2, 2, 70, 32, torch.float16, "contiguous", 5, 200),  # sinks > N: plain causal again
+    (1, 2, 1, 256, 32, torch.float32, "contiguous", 64, 32),  # N, window and sinks multiples of the tiles
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,n,d,dtype,layout,window_size,sink_size", FORWARD_CASES)
+def test_window_forward_matches_reference(b, hq, hkv, n, d, dtype, layout, window_size, sink_size):
+    q, k, v, _ = _inputs(b, hq, hkv, n, d, dtype, layout)
+    o, lse = flash_attention_with_lse(q, k, v, causal=True, window_size=window_size, sink_size=sink_size)
+    want_o, want_lse = ref.attention_lse(_np(q), _np(k), _np(v), causal=True,
+                                         window_size=window_size, sink_size=sink_size)
+    atol, rtol, lse_atol = TOL[dtype]
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.dtype == torch.float32
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all()
+    np.testing.assert_allclose(_np(o), want_o, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(_np(lse), want_lse, atol=lse_atol, rtol=0)
+    # The output-only entry point runs the same kernel.
+    torch.testing.assert_close(flash_attention(q, k, v, True, window_size=window_size, sink_size=sink_size), o)
+
+
+def test_window_changes_the_answer():
+    """Guards the tests above: the window really masks (the plain causal answer is far off)."""
+    q, k, v, _ = _inputs(1, 2, 2, 64, 16, torch.float32)
+    windowed = flash_attention(q, k, v, causal=True, window_size=8)
+    plain = flash_attention(q, k, v, causal=True)
+    assert (windowed - plain).abs().max() > 0.1
+
+
+def test_window_as_long_as_n_is_plain_causal():
+    q, k, v, _ = _inputs(1, 2, 1, 80, 32, torch.float32, seed=3)
+    torch.testing.assert_close(flash_attention(q, k, v, True, window_size=80),
+                               flash_attention(q, k, v, True), atol=1e-5, rtol=1e-5)
+
+
+BACKWARD_CASES = [
+    # b, hq, hkv, n, d, dtype, layout, window_size, sink_size
+    (1, 2, 2, 100, 32, torch.float32, "contiguous", 1, 0),
+    (1, 4, 2, 77, 24, torch.float32, "bnhd", 20, 3),  # GQA: dK/dV summed over the group, sinks
+    (1, 3, 1, 90, 16, torch.float16, "contiguous", 17, 70),  # MQA, sinks across tiles
+    (1, 2, 1, 60, 32, torch.float32, "sliced", 300, 0),  # window > N
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,n,d,dtype,layout,window_size,sink_size", BACKWARD_CASES)
+def test_window_backward_matches_reference(b, hq, hkv, n, d, dtype, layout, window_size, sink_size):
+    q, k, v, do = _inputs(b, hq, hkv, n, d, dtype, layout, seed=1)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    o = flash_attention(*leaves, causal=True, window_size=window_size, sink_size=sink_size)
+    o.backward(do)
+    want = ref.attention_backward(_np(q), _np(k), _np(v), _np(do), causal=True,
+                                  window_size=window_size, sink_size=sink_size)
+    atol, rtol, _ = TOL[dtype]
+    if dtype == torch.float16:
+        atol = rtol = 2e-2
+    for name, leaf, w in zip(("dq", "dk", "dv"), leaves, want):
+        assert leaf.grad.dtype == dtype and leaf.grad.shape == leaf.shape, name
+        np.testing.assert_allclose(_np(leaf.grad), w, atol=atol, rtol=rtol, err_msg=name)
+
+
+def test_sink_keys_collect_gradients_from_every_query():
+    """dV of a sink key is the sum of P over ALL later queries, not only those within the window."""
+    q, k, v, do = _inputs(1, 1, 1, 96, 16, torch.float32, seed=2)
+    do = torch.ones_like(do)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    flash_attention(*leaves, causal=True, window_size=4, sink_size=1).backward(do)
+    want_dv = ref.attention_backward(_np(q), _np(k), _np(v), _np(do), causal=True, window_size=4, sink_size=1)[2]
+    np.testing.assert_allclose(_np(leaves[2].grad)[0, 0, 0], want_dv[0, 0, 0], atol=2e-5, rtol=2e-5)
+    # Queries 4.. see key 0 only as a sink: their share of dV[0] must be there.
+    only_window = ref.attention_backward(_np(q), _np(k), _np(v), _np(do), causal=True, window_size=4)[2]
+    assert abs(want_dv[0, 0, 0] - only_window[0, 0, 0]).max() > 1.0
+
+
+def test_backward_launcher_with_other_blocks():
+    q, k, v, do = _inputs(1, 4, 2, 75, 16, torch.float32, seed=4)
+    o, lse = ref.attention_lse(_np(q), _np(k), _np(v), causal=True, window_size=9, sink_size=2)
+    got = bw.attention_backward(q, k, v, torch.from_numpy(o).float(), torch.from_numpy(lse).float(), do,
+                                causal=True, window_size=9, sink_size=2, config=bw.BackwardConfig(16, 32, 32, 16))
+    want = ref.attention_backward(_np(q), _np(k), _np(v), _np(do), causal=True, window_size=9, sink_size=2)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(_np(g), w, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------------------
+# The visible-tile bounds
+# ---------------------------------------------------------------------------
+def _visible_tiles(start_m, block_m, block_n, n, window_size, sink_size):
+    """Brute force: the K/V tiles holding at least one key some row of the query block sees."""
+    mask = ref.window_mask(n, n, window_size, sink_size)[start_m * block_m:(start_m + 1) * block_m]
+    return {j // block_n for j in np.flatnonzero(mask.any(axis=0))}
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 32), (32, 32), (128, 64), (16, 16)])
+def test_tile_bounds_visit_exactly_the_visible_tiles(block_m, block_n):
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 400))
+        window_size = int(rng.integers(1, 2 * n + 2))
+        sink_size = int(rng.choice([0, 1, 4, int(rng.integers(0, n + 40))]))
+        for start_m in range(-(-n // block_m)):
+            sink_end, band_start, band_end = forward.window_tile_bounds(
+                start_m, block_m, block_n, n, window_size, sink_size)
+            assert sink_end % block_n == 0 and band_start % block_n == 0 and sink_end <= band_start < band_end
+            visited = set(range(0, sink_end // block_n)) | set(range(band_start // block_n, -(-band_end // block_n)))
+            assert visited == _visible_tiles(start_m, block_m, block_n, n, window_size, sink_size), \
+                (n, window_size, sink_size, start_m)
+
+
+def test_tile_bounds_cost_grows_like_n_times_w():
+    """At a fixed window the number of visited tiles per query block stays constant as N grows."""
+    def tiles(n):
+        total = 0
+        for start_m in range(n // 128):
+            sink_end, lo, hi = forward.window_tile_bounds(start_m, 128, 64, n, 1024, 4)
+            total += sink_end // 64 + -(-hi // 64) - lo // 64
+        return total
+    assert tiles(65536) / tiles(32768) < 2.05
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(causal=False, window_size=8), "causal=True"),
+    (dict(causal=True, window_size=0), "at least 1"),
+    (dict(causal=True, window_size=2.5), "integer"),
+    (dict(causal=True, window_size=True), "integer"),
+    (dict(causal=True, window_size=8, sink_size=-1), "0 or more"),
+    (dict(causal=True, window_size=8, sink_size=1.0), "integer"),
+    (dict(causal=True, sink_size=4), "needs a window_size"),
+])
+def test_bad_window_values_get_one_sentence(kwargs, words):
+    q, k, v, _ = _inputs(1, 1, 1, 16, 16, torch.float32)
+    for fn in (flash_attention, flash_attention_with_lse):
+        with pytest.raises(ValueError, match=re.escape(words)) as info:
+            fn(q, k, v, **kwargs)
+        message = str(info.value)
+        assert message.endswith(".") and message.count(". ") == 0, message
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(causal=False, window_size=8), "causal=True"),
+    (dict(causal=True, sink_size=4), "needs a window_size"),
+])
+def test_references_refuse_what_the_kernels_refuse(kwargs, words):
+    x = np.zeros((4, 8))
+    for fn in (ref.attention, ref.attention_lse):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            fn(x, x, x, **kwargs)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ref.attention_backward(x, x, x, x, **kwargs)
+
+
+def test_numpy_integers_are_accepted():
+    q, k, v, _ = _inputs(1, 1, 1, 40, 16, torch.float32)
+    a = flash_attention(q, k, v, True, window_size=np.int64(7), sink_size=np.int32(2))
+    b = flash_attention(q, k, v, True, window_size=7, sink_size=2)
+    torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------
+# One copy: the lesson notebook's kernels are the package's kernels
+# ---------------------------------------------------------------------------
+def _strip(src: str) -> str:
+    lines = [line.rstrip() for line in src.strip("\n").splitlines()
+             if line.strip() not in ("### BEGIN SOLUTION", "### END SOLUTION")]
+    return "\n".join(lines)
+
+
+def _notebook_jit_functions(path):
+    import nbformat
+
+    found = {}
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code":
+            continue
+        source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                found[node.name] = ast.get_source_segment(source, node, padded=True)
+                start = node.decorator_list[0].lineno - 1
+                found[node.name] = "\n".join(source.splitlines()[start:node.end_lineno])
+    return found
+
+
+def test_notebook_kernels_are_the_package_kernels():
+    path = ROOT / "solutions" / "08_sliding_window_and_sinks.ipynb"
+    taught = _notebook_jit_functions(path)
+    expected = {"_window_keep": forward, "_window_bounds": forward, "_attn_fwd_inner_window": forward,
+                "_flash_attention_forward_window_kernel": forward,
+                "_dkdv_inner_window": bw, "_attn_bwd_dkdv_window": bw}
+    assert set(expected) <= set(taught), f"the notebook does not define {set(expected) - set(taught)}"
+    for name, src in taught.items():
+        module = expected.get(name, forward if hasattr(forward, name) else bw)
+        package = inspect.getsource(getattr(module, name).fn)
+        assert _strip(src) == _strip(package), f"{name} differs between the notebook and {module.__name__}"
