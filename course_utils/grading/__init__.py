@@ -16,6 +16,7 @@ from .part2_basics import check_triton_softmax
 from .part2_triton import check_kv_head, check_flash_forward, check_flash_gqa
 from .part3_performance import check_attention_flops, check_roofline
 from .part4_backward import check_tiled_backward, check_flash_backward
+from .part5_window import check_window_tile_bounds, check_window_forward, check_window_backward
 
 __all__ = [
     "GradingError",
@@ -33,4 +34,7 @@ __all__ = [
     "check_roofline",
     "check_tiled_backward",
     "check_flash_backward",
+    "check_window_tile_bounds",
+    "check_window_forward",
+    "check_window_backward",
 ]
