@@ -68,7 +68,7 @@ def _fake_rows():
     return rows
 
 
-def test_writers(tmp_path):
+def test_writers(tmp_path, monkeypatch):
     rows = _fake_rows()
     paths = bench_window.write_results(rows, tmp_path, {"gpu": "test GPU"})
     text = paths["md"].read_text()
@@ -76,6 +76,7 @@ def test_writers(tmp_path):
     saved = json.loads(paths["json"].read_text())
     assert saved["rows"] == rows and all(r["course_over_flex"] == pytest.approx(420 / 320) for r in saved["ratios"])
     assert paths["png"].stat().st_size > 1000
+    monkeypatch.setattr(bench_window, "plot", lambda rows, path: path.write_bytes(b"png"))  # drawn once is enough
     assert bench_window.main(["--replot", str(paths["json"]), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "window_bench.md").read_text() == text
 

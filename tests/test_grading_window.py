@@ -220,11 +220,9 @@ def differentiable(module, config=None):
 
 BACKWARD_MISTAKES = {
     "sinks_not_accumulated": (p5.MSG_BWD_SINKS, [(
-        "_attn_bwd_dkdv_window", "        if start_n < SINK_SIZE:\n            q_end = N_Q",
-        "        if start_n < 0:\n            q_end = N_Q")]),
+        "_attn_bwd_dkdv_window", "q_end = tl.where(start_n < SINK_SIZE, N_Q, q_end)", "")]),
     "sinks_ignored_in_dkdv": (p5.MSG_BWD_SINKS, [(
-        "_attn_bwd_dkdv_window", "    if HAS_SINKS:\n        if start_n + BLOCK_N", "    if not HAS_SINKS:\n"
-        "        if start_n + BLOCK_N")]),
+        "_attn_bwd_dkdv_window", "    if HAS_SINKS:\n        full_end", "    if not HAS_SINKS:\n        full_end")]),
     "window_off_by_one": (p5.MSG_WINDOW_OFF_BY_ONE, [(
         "_dkdv_inner_window", "N_Q, WINDOW_SIZE, SINK_SIZE, HAS_SINKS)", "N_Q, WINDOW_SIZE + 1, SINK_SIZE, HAS_SINKS)")]),
     "sinks_in_the_future": (p5.MSG_SINKS_FUTURE, [(

@@ -414,10 +414,8 @@ def _attn_bwd_dkdv_window(
     full_end = tl.minimum(tl.maximum((start_n + WINDOW_SIZE) // BLOCK_M * BLOCK_M, diag_end), N_Q)
     q_end = tl.minimum(start_n + BLOCK_N + WINDOW_SIZE - 1, N_Q)
     if HAS_SINKS:
-        if start_n + BLOCK_N <= SINK_SIZE:
-            full_end = N_Q
-        if start_n < SINK_SIZE:
-            q_end = N_Q
+        full_end = tl.where(start_n + BLOCK_N <= SINK_SIZE, N_Q, full_end)
+        q_end = tl.where(start_n < SINK_SIZE, N_Q, q_end)
     ### END SOLUTION
     for g in range(0, group_size):
         q_head = kv_head * group_size + g
