@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+import course_utils.plots
 
 import numpy as np
 import pytest
@@ -261,3 +262,80 @@ def test_notebook_kernels_are_the_package_kernels():
         module = expected.get(name, forward if hasattr(forward, name) else bw)
         package = inspect.getsource(getattr(module, name).fn)
         assert _strip(src) == _strip(package), f"{name} differs between the notebook and {module.__name__}"
+
+
+# ---------------------------------------------------------------------------
+# Tile skipping, observed: the loops' (lo, hi) recorded in the interpreter
+# ---------------------------------------------------------------------------
+def _recorded(monkeypatch, module, helpers, rows_arg, lo_arg):
+    """Replace ``module``'s jit helpers by wrappers that record (first row/key, lo, hi, masked) per call."""
+    calls = []
+
+    def value(x):
+        return int(np.asarray(x.handle.data).reshape(-1)[0]) if hasattr(x, "handle") else int(x)
+
+    for name, masked in helpers.items():
+        original = getattr(module, name)
+
+        def wrapper(*args, _original=original, _masked=masked, **kwargs):
+            calls.append((value(args[rows_arg]), value(args[lo_arg]), value(args[lo_arg + 1]), _masked))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+    return calls
+
+
+def _tiles(calls, step):
+    """{(block start, tile start): masked?} from recorded loop calls; a tile visited twice fails."""
+    seen = {}
+    for first, lo, hi, masked in calls:
+        for start in range(lo, hi, step):
+            assert (first, start) not in seen, f"tile {start} visited twice by the block starting at {first}"
+            seen[(first, start)] = masked
+    return seen
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="records the loops in Triton's interpreter")
+@pytest.mark.parametrize("n,w,s", [(200, 40, 5), (150, 1, 0), (130, 100, 70)])
+def test_forward_and_dq_visit_exactly_the_visible_tiles(monkeypatch, n, w, s):
+    """Every tile holding a visible pair is visited once, no other; only full tiles skip the mask."""
+    block_m, block_n = 64, 32
+    states = course_utils.plots.window_tile_states(n, block_m, block_n, w, s)
+    want = {(bi * block_m, bj * block_n): states[bi, bj] for bi, bj in zip(*np.nonzero(states))}
+    q, k, v, do = _inputs(1, 1, 1, n, 16, torch.float32)
+    calls = _recorded(monkeypatch, forward, {"_attn_fwd_inner": False, "_attn_fwd_inner_window": True}, 10, 13)
+    o, lse = forward.flash_attention_window_forward(q, k, v, window_size=w, sink_size=s,
+                                                    block_m=block_m, block_n=block_n)
+    got = _tiles(calls, block_n)
+    assert set(got) == set(want)
+    assert all(got[t] or want[t] == course_utils.plots.FULL for t in got), "a partial tile was computed without the mask"
+    # The dQ kernel runs the same phases with its own blocks.
+    calls = _recorded(monkeypatch, bw, {"_dq_inner": False, "_dq_inner_window": True}, 11, 13)
+    bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=w, sink_size=s,
+                          config=bw.BackwardConfig(16, 32, 64, 32))
+    states = course_utils.plots.window_tile_states(n, 64, 32, w, s)
+    want = {(bi * 64, bj * 32): states[bi, bj] for bi, bj in zip(*np.nonzero(states))}
+    got = _tiles(calls, 32)
+    assert set(got) == set(want)
+    assert all(got[t] or want[t] == course_utils.plots.FULL for t in got)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="records the loops in Triton's interpreter")
+@pytest.mark.parametrize("n,w,s", [(200, 40, 5), (130, 9, 70)])
+def test_dkdv_visits_exactly_the_query_blocks_that_see_its_keys(monkeypatch, n, w, s):
+    block_m, block_n = 16, 32  # the dK/dV kernel: key blocks of 32, query blocks of 16
+    mask = ref.window_mask(n, n, w, s)
+    want = {}
+    for bj in range(0, n, block_n):
+        for bi in range(0, n, block_m):
+            tile = mask[bi:bi + block_m, bj:bj + block_n]
+            if tile.any():
+                want[(bj, bi)] = bool(tile.all())
+    q, k, v, do = _inputs(1, 1, 1, n, 16, torch.float32)
+    o, lse = forward.flash_attention_window_forward(q, k, v, window_size=w, sink_size=s)
+    calls = _recorded(monkeypatch, bw, {"_dkdv_inner": False, "_dkdv_inner_window": True}, 12, 14)
+    bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=w, sink_size=s,
+                          config=bw.BackwardConfig(block_m, block_n, 32, 16))
+    got = _tiles(calls, block_m)
+    assert set(got) == set(want), "the dK/dV loop visits query blocks that see none of its keys, or misses some"
+    assert all(masked or want[t] for t, masked in got.items()), "a partial tile was computed without the mask"
