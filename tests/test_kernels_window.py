@@ -339,3 +339,21 @@ def test_dkdv_visits_exactly_the_query_blocks_that_see_its_keys(monkeypatch, n, 
     got = _tiles(calls, block_m)
     assert set(got) == set(want), "the dK/dV loop visits query blocks that see none of its keys, or misses some"
     assert all(masked or want[t] for t, masked in got.items()), "a partial tile was computed without the mask"
+
+
+def test_tile_picture_and_widget_build_headless():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from course_utils import plots, widgets
+
+    states = plots.window_tile_states(256, 64, 32, 100, 4)
+    # Block 3 (rows 192..255) sees keys 93..255 and the sinks 0..3: the sink tile partial, tile 32..63
+    # skipped, 64..159 partial (row 255 starts at 156), 160..191 full, the diagonal partial.
+    assert list(states[3]) == [plots.DIAGONAL, plots.SKIPPED, plots.DIAGONAL, plots.DIAGONAL,
+                               plots.DIAGONAL, plots.FULL, plots.DIAGONAL, plots.DIAGONAL]
+    ax = plots.plot_window_tiles(128, 64, 32, 5, 0)
+    assert "16 partial" not in ax.get_title() and "skipped" in ax.get_title()
+    matplotlib.pyplot.close(ax.figure)
+    widget = widgets.window_explorer(n=64, block_m=32, block_n=16, window_size=8, sink_size=2)
+    assert [c.description for c in widget.children[:2]] == ["window W", "sinks S"]
