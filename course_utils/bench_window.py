@@ -102,11 +102,27 @@ def window_flops(n: int, window_size: int | None, sink_size: int = 0, *, batch=B
 # --------------------------------------------------------------------------- #
 # Providers (GPU)
 # --------------------------------------------------------------------------- #
-def _mask_mod(window_size, sink_size):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & ((q_idx - kv_idx < window_size) | (kv_idx < sink_size))
+_MASK_MODS = {}
 
-    return mask_mod
+
+def _mask_mod(window_size, sink_size, device):
+    """FlexAttention's mask_mod for the window and sinks, one per (W, S).
+
+    W and S are captured as 0-d tensors, not Python ints, so that dynamo
+    does not specialise (and recompile) on their values.
+    """
+    import torch
+
+    key = (window_size, sink_size, str(device))
+    if key not in _MASK_MODS:
+        w = torch.tensor(window_size, device=device)
+        s = torch.tensor(sink_size, device=device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & ((q_idx - kv_idx < w) | (kv_idx < s))
+
+        _MASK_MODS[key] = mask_mod
+    return _MASK_MODS[key]
 
 
 _FLEX = {}
@@ -147,7 +163,7 @@ def make_forward(name: str, q, k, v, case: WindowCase):
     if name == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        block_mask = create_block_mask(_mask_mod(w, s), B=None, H=None, Q_LEN=n, KV_LEN=n, device=q.device)
+        block_mask = create_block_mask(_mask_mod(w, s, q.device), B=None, H=None, Q_LEN=n, KV_LEN=n, device=q.device)
         flex = _flex_compiled()
         return lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
     if name == "sdpa_mask":
@@ -155,7 +171,13 @@ def make_forward(name: str, q, k, v, case: WindowCase):
             raise MemoryError(f"not attempted above N = {SDPA_MAX_N} (the [N, N] mask)")
         i = torch.arange(n, device=q.device)
         mask = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < w) | (i[None, :] < s))
-        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        if q.requires_grad:  # training: K/V expanded inside the step, so that gradients reach k and v
+            return lambda: F.scaled_dot_product_attention(
+                q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
+        # The backends that take an arbitrary mask do not all take GQA: K/V expanded once, outside the timing.
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return lambda: F.scaled_dot_product_attention(q, ke, ve, attn_mask=mask)
     raise ValueError(f"unknown provider {name!r}")
 
 
@@ -510,6 +532,16 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _key(row):
+    return row["provider"], row["mode"], row["window_size"], row["sink_size"], row["n"]
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with every row that ``new`` measures again replaced, then the rest of ``new``."""
+    fresh = {_key(r) for r in new}
+    return [r for r in old if _key(r) not in fresh] + list(new)
+
+
 def write_results(rows: list[dict], out_dir: Path, info: dict | None = None) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -529,6 +561,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ns", type=int, nargs="+", default=None)
     parser.add_argument("--forward-only", action="store_true", help="skip forward + backward")
     parser.add_argument("--replot", type=Path, default=None, help="re-render md/png from a saved window_bench.json")
+    parser.add_argument("--append", action="store_true",
+                        help="merge into the existing window_bench.json (a sweep split over several runs)")
     args = parser.parse_args(argv)
     if args.replot:
         saved = json.loads(Path(args.replot).read_text())
@@ -543,6 +577,9 @@ def main(argv=None) -> int:
     ns = tuple(args.ns or base["ns"])
     warmup, rep = (10, 40) if args.quick else (25, 100)
     rows = run(windows, sinks, ns, training=not args.forward_only, warmup=warmup, rep=rep)
+    saved = Path(args.out) / f"{STEM}.json"
+    if args.append and saved.exists():
+        rows = merge_rows(json.loads(saved.read_text())["rows"], rows)
     info = environment_info()
     paths = write_results(rows, args.out, info)
     print(markdown(rows, info))

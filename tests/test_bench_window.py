@@ -99,3 +99,19 @@ def test_reference_slice_and_error_on_cpu_tensors():
                                          causal=True, window_size=7, sink_size=3)
     for g, w in zip(got[1:], want):
         np.testing.assert_allclose(g.numpy(), w[0], atol=1e-4)
+
+
+def test_split_runs_merge():
+    rows = _fake_rows()
+    again = [dict(rows[1], tflops=999.0)]
+    merged = bench_window.merge_rows(rows, again)
+    assert len(merged) == len(rows) and merged[-1]["tflops"] == 999.0
+    assert sum(r["tflops"] == 999.0 for r in merged) == 1
+
+
+def test_flex_mask_mod_matches_the_reference():
+    mask_mod = bench_window._mask_mod(5, 2, "cpu")
+    i = torch.arange(40)
+    got = mask_mod(0, 0, i[:, None], i[None, :])
+    assert torch.equal(got, torch.from_numpy(references.window_mask(40, 40, 5, 2)))
+    assert bench_window._mask_mod(5, 2, "cpu") is mask_mod  # one per (W, S): no recompilation
