@@ -22,6 +22,8 @@ __all__ = [
     "tile_states",
     "plot_tiles",
     "plot_online_softmax",
+    "window_tile_states",
+    "plot_window_tiles",
     "SKIPPED",
     "FULL",
     "DIAGONAL",
@@ -175,6 +177,59 @@ def plot_tiles(n_q, n_k, block_m, block_n, causal=False, *, ax=None):
     handles = [Patch(color=colours[FULL], label="computed")]
     if causal:
         handles += [Patch(color=colours[DIAGONAL], label="computed + mask"), Patch(color=colours[SKIPPED], label="skipped")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    return ax
+
+
+# -- sliding window and sinks (lesson 08) -----------------------------------------
+def window_tile_states(n, block_m, block_n, window_size=None, sink_size=0):
+    """Each tile's state under the window/sink mask: ``SKIPPED``, ``FULL`` or ``DIAGONAL`` (= partial).
+
+    Read off the mask itself (:func:`course_utils.references.window_mask`):
+    a tile is skipped when no query of its block sees any of its keys, full
+    when every query sees every key (no mask work), partial otherwise.
+    """
+    mask = ref.window_mask(n, n, window_size, sink_size)
+    states = np.empty((math.ceil(n / block_m), math.ceil(n / block_n)), dtype=int)
+    for bi in range(states.shape[0]):
+        for bj in range(states.shape[1]):
+            tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
+            states[bi, bj] = FULL if tile.all() else DIAGONAL if tile.any() else SKIPPED
+    return states
+
+
+def plot_window_tiles(n, block_m, block_n, window_size=None, sink_size=0, *, ax=None):
+    """The tiles of a causal launch with a sliding window and sinks, over the mask.
+
+    Skipped tiles grey, full tiles light blue, partial tiles (the mask runs
+    through them) dark blue; the visible (query, key) pairs are drawn on
+    top in orange. The title counts the tiles and the visible share.
+    """
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch, Rectangle
+
+    states = window_tile_states(n, block_m, block_n, window_size, sink_size)
+    colours = {FULL: "#9ecae1", DIAGONAL: "#2171b5", SKIPPED: "#e8e8e8"}
+    ax = _axes(ax, (5.6, 4.6))
+    for bi in range(states.shape[0]):
+        for bj in range(states.shape[1]):
+            x, y = bj * block_n, bi * block_m
+            w, h = min(block_n, n - x), min(block_m, n - y)
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=colours[states[bi, bj]], edgecolor="white", lw=1.0))
+    mask = ref.window_mask(n, n, window_size, sink_size)
+    ax.imshow(np.ma.masked_where(~mask, mask), cmap=ListedColormap(["#f16913"]), alpha=0.55,
+              extent=(0, n, n, 0), interpolation="nearest", zorder=2)
+    ax.set_xlim(0, n)
+    ax.set_ylim(n, 0)
+    ax.set_aspect("equal")
+    ax.set_xlabel(f"key j (block_n = {block_n})")
+    ax.set_ylabel(f"query i (block_m = {block_m})")
+    counts = {s: int((states == s).sum()) for s in (FULL, DIAGONAL, SKIPPED)}
+    ax.set_title(f"window {window_size}, {sink_size} sinks: {counts[FULL]} full, {counts[DIAGONAL]} partial, "
+                 f"{counts[SKIPPED]} skipped tiles\n{mask.sum() / (n * (n + 1) / 2):.0%} of the causal pairs visible",
+                 fontsize=9)
+    handles = [Patch(color=colours[FULL], label="full (no mask)"), Patch(color=colours[DIAGONAL], label="partial (mask)"),
+               Patch(color=colours[SKIPPED], label="skipped"), Patch(color="#f16913", alpha=0.55, label="visible pair")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     return ax
 

@@ -37,6 +37,7 @@ __all__ = [
     # Part 1: attention and the online softmax (NumPy)
     "softmax",
     "causal_mask",
+    "window_mask",
     "repeat_kv_heads",
     "attention",
     "attention_lse",
@@ -75,6 +76,33 @@ def causal_mask(n_q: int, n_k: int) -> np.ndarray:
     return np.arange(n_k)[None, :] <= np.arange(n_q)[:, None]
 
 
+def window_mask(n_q: int, n_k: int, window_size=None, sink_size: int = 0) -> np.ndarray:
+    """Boolean ``[n_q, n_k]`` array for causal attention with a sliding window and sinks (lesson 08).
+
+    Query ``i`` may see key ``j`` iff ``j <= i and (i - j < window_size or
+    j < sink_size)``: the last ``window_size`` keys up to and including
+    itself, plus the first ``sink_size`` keys of the sequence (never one
+    after the query). ``window_size=None`` is no window (plain
+    :func:`causal_mask`); ``sink_size=0`` is no sinks.
+    """
+    i = np.arange(n_q)[:, None]
+    j = np.arange(n_k)[None, :]
+    if window_size is None:
+        return j <= i
+    return (j <= i) & ((i - j < window_size) | (j < sink_size))
+
+
+def _score_mask(n_q, n_k, causal, window_size, sink_size):
+    """The boolean mask attention applies, or None; a window without causal is refused."""
+    if window_size is None and not sink_size:
+        return causal_mask(n_q, n_k) if causal else None
+    if not causal:
+        raise ValueError("window_size and sink_size need causal=True: a sliding window here looks back only.")
+    if window_size is None:
+        raise ValueError("sink_size needs a window_size: without a window every earlier key is visible already.")
+    return window_mask(n_q, n_k, window_size, sink_size)
+
+
 def repeat_kv_heads(q, k, v):
     """``k`` and ``v`` with their heads repeated to match ``q``'s (for GQA).
 
@@ -97,7 +125,7 @@ def repeat_kv_heads(q, k, v):
     return np.repeat(k, group_size, axis=-3), np.repeat(v, group_size, axis=-3)
 
 
-def attention_lse(q, k, v, causal=False, scale=None):
+def attention_lse(q, k, v, causal=False, scale=None, *, window_size=None, sink_size=0):
     """Scaled dot-product attention and the logsumexp of each query row.
 
     ``q [..., Nq, d]``, ``k``/``v [..., Nk, d]`` (``v`` may have its own last
@@ -105,13 +133,16 @@ def attention_lse(q, k, v, causal=False, scale=None):
     ``lse`` being the natural-log logsumexp of the row's scaled, masked
     scores. ``scale`` defaults to ``1/sqrt(d)``; ``causal`` is top-left
     aligned; fewer kv heads than query heads means GQA (module docstring).
+    ``window_size`` and ``sink_size`` (with ``causal=True``) apply
+    :func:`window_mask` instead of the causal mask.
     """
     q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
     k, v = repeat_kv_heads(q, k, v)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     s = sm_scale * (q @ np.swapaxes(k, -1, -2))
-    if causal:
-        s = np.where(causal_mask(q.shape[-2], k.shape[-2]), s, -np.inf)
+    mask = _score_mask(q.shape[-2], k.shape[-2], causal, window_size, sink_size)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
     p = np.exp(s - m)
     l = np.sum(p, axis=-1, keepdims=True)
@@ -120,12 +151,12 @@ def attention_lse(q, k, v, causal=False, scale=None):
     return o, lse
 
 
-def attention(q, k, v, causal=False, scale=None):
+def attention(q, k, v, causal=False, scale=None, *, window_size=None, sink_size=0):
     """Scaled dot-product attention ``softmax(scale * q k^T) v``: the output only.
 
     Same arguments and conventions as :func:`attention_lse`.
     """
-    return attention_lse(q, k, v, causal=causal, scale=scale)[0]
+    return attention_lse(q, k, v, causal=causal, scale=scale, window_size=window_size, sink_size=sink_size)[0]
 
 
 def online_softmax(x, block_size: int):
@@ -271,7 +302,7 @@ def sum_kv_groups(dx, group_size: int):
     return dx.reshape(shape).sum(axis=-3)
 
 
-def attention_backward(q, k, v, do, causal=False, scale=None):
+def attention_backward(q, k, v, do, causal=False, scale=None, *, window_size=None, sink_size=0):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` for an upstream ``do``.
 
     The textbook chain rule, with the whole score matrix in memory (fine at
@@ -285,14 +316,16 @@ def attention_backward(q, k, v, do, causal=False, scale=None):
     ``D`` comes from the softmax's Jacobian: ``dS_ij = P_ij (dP_ij - sum_k
     P_ik dP_ik)``, and ``sum_k P_ik dP_ik = dO_i . (sum_k P_ik V_k) = dO_i . O_i``.
     With GQA, dK and dV are summed over each group's query heads.
+    ``window_size``/``sink_size`` mask as in :func:`attention_lse`.
     """
     q, k, v, do = (np.asarray(t, dtype=np.float64) for t in (q, k, v, do))
     group_size = _check_backward_shapes(q, k, v, do)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     k_rep, v_rep = repeat_kv_heads(q, k, v)
     s = sm_scale * (q @ np.swapaxes(k_rep, -1, -2))
-    if causal:
-        s = np.where(causal_mask(q.shape[-2], k.shape[-2]), s, -np.inf)
+    mask = _score_mask(q.shape[-2], k.shape[-2], causal, window_size, sink_size)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
     p = softmax(s, axis=-1)
     o = p @ v_rep
     dv = np.swapaxes(p, -1, -2) @ do

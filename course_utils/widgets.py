@@ -16,7 +16,7 @@ import numpy as np
 from . import plots
 from . import references as ref
 
-__all__ = ["attention_explorer", "online_softmax_stepper"]
+__all__ = ["attention_explorer", "online_softmax_stepper", "window_explorer"]
 
 
 def _show(fig):
@@ -76,3 +76,22 @@ def online_softmax_stepper(x, block_size):
         _show(axes[0].figure)
 
     return interactive(show, step=IntSlider(value=1, min=1, max=n_blocks, description="blocks read"))
+
+
+def window_explorer(n=256, block_m=64, block_n=32, *, window_size=100, sink_size=4):
+    """Pick a window and a number of sinks; see which tiles are skipped, partial or full.
+
+    The picture is :func:`course_utils.plots.plot_window_tiles` for a causal
+    sequence of ``n`` tokens cut into ``block_m x block_n`` tiles.
+    """
+    from ipywidgets import IntSlider, interactive
+
+    def show(window_size, sink_size):
+        ax = plots.plot_window_tiles(n, block_m, block_n, window_size, sink_size)
+        _show(ax.figure)
+
+    return interactive(
+        show,
+        window_size=IntSlider(value=window_size, min=1, max=n, description="window W"),
+        sink_size=IntSlider(value=sink_size, min=0, max=n // 2, description="sinks S"),
+    )

@@ -18,6 +18,7 @@ from .part3_performance import check_attention_flops, check_roofline
 from .part4_backward import check_tiled_backward, check_flash_backward
 from .sandbox import check_on_cpu
 from .part5_decode import check_merge_partials, check_decode_split, check_decode_combine
+from .part5_window import check_window_tile_bounds, check_window_forward, check_window_backward
 
 __all__ = [
     "GradingError",
@@ -39,4 +40,7 @@ __all__ = [
     "check_merge_partials",
     "check_decode_split",
     "check_decode_combine",
+    "check_window_tile_bounds",
+    "check_window_forward",
+    "check_window_backward",
 ]

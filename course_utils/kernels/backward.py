@@ -40,7 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from course_utils.kernels.forward import _capability, bf16_problem  # absolute: tests load copies of this file
+from course_utils.kernels.forward import (  # absolute: tests load copies of this file
+    _capability, _window_bounds, _window_keep, bf16_problem, validate_window,
+)
 
 
 __all__ = [
@@ -335,6 +337,195 @@ def _attn_bwd_dq(
 
 
 # -----------------------------------------------------------------------------
+# 4. Lesson 08: the same two kernels with a sliding window and attention sinks.
+# Key j is visible from query i iff j <= i and (i - j < WINDOW_SIZE or j < SINK_SIZE).
+# Full tiles reuse the helpers above with MASK=False; partial tiles go through
+# the masked helpers below, which share the mask (_window_keep) with the forward.
+# -----------------------------------------------------------------------------
+@triton.jit
+def _dkdv_inner_window(
+    dk, dv, k, v,
+    q_base, do_base, lse_base, delta_base,
+    stride_qn, stride_qd, stride_don, stride_dod,
+    offs_n, offs_d, start_m_lo, start_m_hi, N_Q, head_dim, qk_scale, WINDOW_SIZE, SINK_SIZE,
+    BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, PAD_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """:func:`_dkdv_inner` on partial tiles: P^T is zeroed where the window/sink mask hides key j from query i."""
+    for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                       offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+        do = _load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                        offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+        lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
+        s_t = tl.dot(k, tl.trans(q))
+        p_t = tl.math.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
+        ### BEGIN SOLUTION
+        keep = _window_keep(offs_m[None, :], offs_n[:, None], N_Q, WINDOW_SIZE, SINK_SIZE, HAS_SINKS)
+        p_t = tl.where(keep, p_t, 0.0)
+        ### END SOLUTION
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_window(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lseb, stride_lseh,
+    stride_deltab, stride_deltah,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    n_kv_heads, group_size, N_Q, N_K, head_dim, sm_scale, WINDOW_SIZE, SINK_SIZE,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """dK, dV of one key block with the window and sinks (same grid as :func:`_attn_bwd_dkdv`)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    k = _load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    v = _load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+
+    # Which query blocks see these keys? [start_n, diag_end): the diagonal, partial;
+    # [diag_end, full_end): every row sees every key of the block; [full_end, q_end):
+    # partial again (the window's far edge). A block holding sink keys is seen by every
+    # later query: q_end = N_Q, and full_end = N_Q too if ALL its keys are sinks.
+    ### BEGIN SOLUTION
+    diag_end = tl.minimum(start_n + BLOCK_N, N_Q)
+    full_end = tl.minimum(tl.maximum((start_n + WINDOW_SIZE) // BLOCK_M * BLOCK_M, diag_end), N_Q)
+    q_end = tl.minimum(start_n + BLOCK_N + WINDOW_SIZE - 1, N_Q)
+    if HAS_SINKS:
+        full_end = tl.where(start_n + BLOCK_N <= SINK_SIZE, N_Q, full_end)
+        q_end = tl.where(start_n < SINK_SIZE, N_Q, q_end)
+    ### END SOLUTION
+    for g in range(0, group_size):
+        q_head = kv_head * group_size + g
+        q_base = Q + b * stride_qb + q_head * stride_qh
+        do_base = DO + b * stride_dob + q_head * stride_doh
+        lse_base = LSE + b * stride_lseb + q_head * stride_lseh
+        delta_base = DELTA + b * stride_deltab + q_head * stride_deltah
+        dk, dv = _dkdv_inner_window(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                    stride_qn, stride_qd, stride_don, stride_dod,
+                                    offs_n, offs_d, start_n, diag_end, N_Q, head_dim, qk_scale,
+                                    WINDOW_SIZE, SINK_SIZE, BLOCK_M, EVEN_M, PAD_D, HAS_SINKS)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                             stride_qn, stride_qd, stride_don, stride_dod,
+                             offs_n, offs_d, diag_end, full_end, N_Q, head_dim, qk_scale,
+                             BLOCK_M, EVEN_M, PAD_D, False)
+        dk, dv = _dkdv_inner_window(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                    stride_qn, stride_qd, stride_don, stride_dod,
+                                    offs_n, offs_d, full_end, q_end, N_Q, head_dim, qk_scale,
+                                    WINDOW_SIZE, SINK_SIZE, BLOCK_M, EVEN_M, PAD_D, HAS_SINKS)
+
+    dk *= sm_scale
+    _store_tile(DK + b * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+                dk.to(DK.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    _store_tile(DV + b * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+                dv.to(DV.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+
+
+@triton.jit
+def _dq_inner_window(
+    dq, q, do, lse2, delta,
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, start_n_lo, start_n_hi, N_K, head_dim, qk_scale, WINDOW_SIZE, SINK_SIZE,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """:func:`_dq_inner` on partial tiles: P is zeroed where the window/sink mask hides key j from query i."""
+    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        s = tl.dot(q, tl.trans(k))
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        keep = _window_keep(offs_m[:, None], offs_n[None, :], N_K, WINDOW_SIZE, SINK_SIZE, HAS_SINKS)
+        p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_window(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lseb, stride_lseh,
+    stride_deltab, stride_deltah,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    n_q_heads, group_size, N_Q, N_K, head_dim, sm_scale, WINDOW_SIZE, SINK_SIZE,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """dQ of one query block with the window and sinks: the forward's five phases (:func:`_window_bounds`)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_q_heads
+    q_head = pid_bh % n_q_heads
+    kv_head = q_head // group_size
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    q = _load_tile(Q + b * stride_qb + q_head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                   offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    do = _load_tile(DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                    offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    lse = tl.load(LSE + b * stride_lseb + q_head * stride_lseh + offs_m, mask=offs_m < N_Q, other=0.0)
+    delta = tl.load(DELTA + b * stride_deltab + q_head * stride_deltah + offs_m, mask=offs_m < N_Q, other=0.0)
+    lse2 = lse * 1.4426950408889634
+
+    k_base = K + b * stride_kb + kv_head * stride_kh
+    v_base = V + b * stride_vb + kv_head * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    sink_full, sink_end, band_start, full_start, band_end = _window_bounds(
+        start_m, N_K, WINDOW_SIZE, SINK_SIZE, BLOCK_M, BLOCK_N)
+    if HAS_SINKS:
+        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_m, offs_d, 0, sink_full, N_K, head_dim, qk_scale, BLOCK_N, EVEN_N, PAD_D, False)
+        dq = _dq_inner_window(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                              offs_m, offs_d, sink_full, sink_end, N_K, head_dim, qk_scale, WINDOW_SIZE, SINK_SIZE,
+                              BLOCK_N, EVEN_N, PAD_D, HAS_SINKS)
+    dq = _dq_inner_window(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                          offs_m, offs_d, band_start, full_start, N_K, head_dim, qk_scale, WINDOW_SIZE, SINK_SIZE,
+                          BLOCK_N, EVEN_N, PAD_D, HAS_SINKS)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   offs_m, offs_d, full_start, start_m, N_K, head_dim, qk_scale, BLOCK_N, EVEN_N, PAD_D, False)
+    dq = _dq_inner_window(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                          offs_m, offs_d, start_m, band_end, N_K, head_dim, qk_scale, WINDOW_SIZE, SINK_SIZE,
+                          BLOCK_N, EVEN_N, PAD_D, HAS_SINKS)
+    dq *= sm_scale
+    _store_tile(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+                dq.to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+
+
+# -----------------------------------------------------------------------------
 # Launch configuration
 # -----------------------------------------------------------------------------
 class BackwardConfig:
@@ -420,7 +611,8 @@ def check_backward_inputs(q, k, v, o, lse, do):
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, config: BackwardConfig | None = None):
+def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, config: BackwardConfig | None = None,
+                       window_size=None, sink_size=0):
     """``(dq, dk, dv)`` of FlashAttention from what the forward saved, in Triton.
 
     ``q``, ``o``, ``do``: ``[B, H_q, N_q, D]``; ``k``, ``v``: ``[B, H_kv, N_k, D]``
@@ -432,9 +624,13 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     ``torch.autograd.gradcheck`` in the interpreter) are accumulated in
     float64, but the scale and ``log2(e)`` reach the kernels as fp32
     scalars, so they agree with exact gradients to about 1e-7, not 1e-15.
-    ``config`` overrides :func:`default_config`.
+    ``config`` overrides :func:`default_config`. ``window_size`` and
+    ``sink_size`` (with ``causal=True``, lesson 08) run the window kernels:
+    key ``j`` is visible from query ``i`` iff ``j <= i and (i - j <
+    window_size or j < sink_size)``.
     """
     check_backward_inputs(q, k, v, o, lse, do)
+    validate_window(causal, window_size, sink_size)
     B, n_q_heads, N_Q, D = q.shape
     n_kv_heads, N_K = k.shape[1], k.shape[2]
     group_size = n_q_heads // n_kv_heads
@@ -465,6 +661,10 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     )
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
               lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+    if window_size is not None:
+        _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_size, sm_scale,
+                         min(int(window_size), N_Q), min(int(sink_size), N_Q), BLOCK_D, PAD_D, ACC)
+        return dq, dk, dv
     bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
     _attn_bwd_dkdv[(triton.cdiv(N_K, bn), B * n_kv_heads)](
         q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
@@ -484,6 +684,31 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     return dq, dk, dv
 
 
+def _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_size, sm_scale,
+                     window_size, sink_size, BLOCK_D, PAD_D, ACC):
+    """Launch lesson 08's dK/dV and dQ kernels (the window and sinks) into ``dq, dk, dv``."""
+    B, n_q_heads, N_Q, D = q.shape
+    n_kv_heads, N_K = k.shape[1], k.shape[2]
+    if N_Q != N_K:
+        raise ValueError(f"a window needs as many queries as keys, but there are {N_Q} queries and {N_K} keys.")
+    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    _attn_bwd_dkdv_window[(triton.cdiv(N_K, bn), B * n_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
+        n_kv_heads, group_size, N_Q, N_K, D, sm_scale, window_size, sink_size,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=sink_size > 0,
+        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )
+    bm, bn = cfg.dq_block_m, cfg.dq_block_n
+    _attn_bwd_dq_window[(triton.cdiv(N_Q, bm), B * n_q_heads)](
+        q, k, v, do, lse, delta, dq, *common, *dq.stride(),
+        n_q_heads, group_size, N_Q, N_K, D, sm_scale, window_size, sink_size,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=sink_size > 0,
+        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )
+
+
 # -----------------------------------------------------------------------------
 # torch.autograd wiring
 # -----------------------------------------------------------------------------
@@ -496,19 +721,22 @@ class FlashAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False):
+    def forward(ctx, q, k, v, causal=False, window_size=None, sink_size=0):
         from course_utils.kernels import flash_attention_with_lse  # the package's forward dispatch point
 
-        o, lse = flash_attention_with_lse(q, k, v, causal=causal)
+        o, lse = flash_attention_with_lse(q, k, v, causal=causal, window_size=window_size, sink_size=sink_size)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = bool(causal)
+        ctx.window = (window_size, sink_size)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, o, lse, do, causal=ctx.causal)
-        return dq, dk, dv, None
+        window_size, sink_size = ctx.window
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do, causal=ctx.causal,
+                                        window_size=window_size, sink_size=sink_size)
+        return dq, dk, dv, None, None, None
 
 
 def flash_attention_differentiable(q, k, v, causal=False):

@@ -34,6 +34,7 @@ next one inside the kernel and masked), and reject bad input with a
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -47,6 +48,10 @@ __all__ = [
     "flash_attention_forward",
     "flash_attention_gqa_forward",
     "validate",
+    "validate_window",
+    "window_tile_bounds",
+    "_flash_attention_forward_window_kernel",
+    "flash_attention_window_forward",
     "block_config",
     "LOG2E",
 ]
@@ -292,6 +297,200 @@ def _flash_attention_forward_gqa_kernel(
 
 
 # -----------------------------------------------------------------------------
+# Kernel C (lesson 08): causal GQA with a sliding window and attention sinks.
+# -----------------------------------------------------------------------------
+def window_tile_bounds(start_m, block_m, block_n, seq_len, window_size, sink_size=0):
+    """The K/V tiles query block ``start_m`` visits: ``(sink_end, band_start, band_end)``.
+
+    Query block ``start_m`` holds rows ``start_m * block_m`` to
+    ``min((start_m + 1) * block_m, seq_len) - 1``. Key ``j`` is visible from
+    query ``i`` iff ``j <= i and (i - j < window_size or j < sink_size)``.
+    The block visits the sink tiles ``[0, sink_end)`` and the band
+    ``[band_start, band_end)``: ``band_start`` is the first row's oldest
+    window key rounded DOWN to a multiple of ``block_n``, ``band_end`` the
+    last row + 1 (the diagonal), and ``sink_end`` the sink keys rounded UP
+    to a multiple of ``block_n`` but never past ``band_start`` (tiles the
+    band visits anyway are not visited twice). Every other tile is skipped.
+    """
+    q_first = start_m * block_m
+    band_end = min(q_first + block_m, seq_len)
+    band_start = max(q_first - window_size + 1, 0) // block_n * block_n
+    sink_end = min(-(-sink_size // block_n) * block_n, band_start)
+    return sink_end, band_start, band_end
+
+
+@triton.jit
+def _window_keep(i, j, SEQ_LEN, WINDOW_SIZE, SINK_SIZE, HAS_SINKS: tl.constexpr):
+    """True where query ``i`` may see key ``j`` (both broadcast): causal, in the window or a sink, a real key."""
+    keep = (j <= i) & (j < SEQ_LEN)
+    if HAS_SINKS:
+        keep = keep & ((i - j < WINDOW_SIZE) | (j < SINK_SIZE))
+    else:
+        keep = keep & (i - j < WINDOW_SIZE)
+    return keep
+
+
+@triton.jit
+def _window_bounds(q_first, SEQ_LEN, WINDOW_SIZE, SINK_SIZE, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The five K/V offsets that split one query block's loop into its phases.
+
+    ``[0, sink_full)`` sink tiles every row sees whole, ``[sink_full,
+    sink_end)`` the last, partial sink tile, ``[band_start, full_start)`` the
+    band's partial lower edge, ``[full_start, q_first)`` the band's full
+    tiles, ``[q_first, band_end)`` the diagonal. :func:`window_tile_bounds`
+    computes ``sink_end, band_start, band_end`` the same way in Python.
+    """
+    ### BEGIN SOLUTION
+    band_end = tl.minimum(q_first + BLOCK_M, SEQ_LEN)
+    band_start = tl.maximum(q_first - WINDOW_SIZE + 1, 0) // BLOCK_N * BLOCK_N
+    sink_end = tl.minimum((SINK_SIZE + BLOCK_N - 1) // BLOCK_N * BLOCK_N, band_start)
+    ### END SOLUTION
+    sink_full = tl.minimum(SINK_SIZE // BLOCK_N * BLOCK_N, sink_end)
+    # The block's LAST row sees keys from q_first + BLOCK_M - WINDOW_SIZE on: tiles from there
+    # (rounded up to a tile) to the diagonal are seen whole by every row.
+    full_start = (tl.maximum(q_first + BLOCK_M - WINDOW_SIZE, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    full_start = tl.minimum(tl.maximum(full_start, band_start), q_first)
+    return sink_full, sink_end, band_start, full_start, band_end
+
+
+@triton.jit
+def _attn_fwd_inner_window(
+    acc, l_i, m_i, q,
+    k_base, v_base,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, d_ok,
+    lo, hi, SEQ_LEN, qk_scale, WINDOW_SIZE, SINK_SIZE,
+    HAS_SINKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Fold the PARTIAL K/V blocks ``lo, lo + BLOCK_N, ...`` (below ``hi``) into the state.
+
+    The window/sink mask is applied, and a row that has seen no key yet (all
+    of its scores so far -inf) stays at ``m_i = -inf, l_i = 0, acc = 0``
+    instead of turning into NaN. Full blocks go through lesson 05's
+    :func:`_attn_fwd_inner` with ``MASK=False``.
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < SEQ_LEN
+        k = tl.load(
+            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        ### BEGIN SOLUTION
+        keep = _window_keep(offs_m[:, None], offs_n[None, :], SEQ_LEN, WINDOW_SIZE, SINK_SIZE, HAS_SINKS)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row that has seen no key yet has m_new = -inf, and exp2(-inf - (-inf)) is NaN:
+        # shift such rows by 0 instead; their p and alpha are then exp2(-inf) = 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        ### END SOLUTION
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_attention_forward_window_kernel(
+    Q_ptr, K_ptr, V_ptr, O_ptr, LSE_ptr,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    sm_scale, SEQ_LEN, N_Q_HEADS, N_KV_HEADS, WINDOW_SIZE, SINK_SIZE,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Causal GQA forward with a sliding window of ``WINDOW_SIZE`` keys and ``SINK_SIZE`` sinks.
+
+    Same tensors, strides and grid as :func:`_flash_attention_forward_gqa_kernel`.
+    Key ``j`` is visible from query ``i`` iff ``j <= i and (i - j <
+    WINDOW_SIZE or j < SINK_SIZE)``. Each query block visits only the sink
+    tiles and the tiles of its band, in five phases (:func:`_window_bounds`):
+    full tiles without any mask (lesson 05's ``_attn_fwd_inner``), partial
+    ones with the mask (:func:`_attn_fwd_inner_window`).
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal phase starts on a tile boundary
+    start_m = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // N_Q_HEADS
+    q_head = batch_head % N_Q_HEADS
+    kv_head = q_head // (N_Q_HEADS // N_KV_HEADS)
+
+    q_base = Q_ptr + batch * stride_qb + q_head * stride_qh
+    k_base = K_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = V_ptr + batch * stride_vb + kv_head * stride_vh
+    o_base = O_ptr + batch * stride_ob + q_head * stride_oh
+
+    q_first = start_m * BLOCK_M
+    offs_m = q_first + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < SEQ_LEN
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        mask=m_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    sink_full, sink_end, band_start, full_start, band_end = _window_bounds(
+        q_first, SEQ_LEN, WINDOW_SIZE, SINK_SIZE, BLOCK_M, BLOCK_N)
+    if HAS_SINKS:
+        acc, l_i, m_i = _attn_fwd_inner(  # 1. sink tiles every row sees whole
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_d, d_ok, 0, sink_full, SEQ_LEN, qk_scale,
+            MASK=False, IS_CAUSAL=True, BLOCK_N=BLOCK_N,
+        )
+        acc, l_i, m_i = _attn_fwd_inner_window(  # 2. the last, partial sink tile
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_d, d_ok, sink_full, sink_end, SEQ_LEN, qk_scale, WINDOW_SIZE, SINK_SIZE,
+            HAS_SINKS=HAS_SINKS, BLOCK_N=BLOCK_N,
+        )
+    acc, l_i, m_i = _attn_fwd_inner_window(  # 3. the band's lower edge: partial tiles
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, d_ok, band_start, full_start, SEQ_LEN, qk_scale, WINDOW_SIZE, SINK_SIZE,
+        HAS_SINKS=HAS_SINKS, BLOCK_N=BLOCK_N,
+    )
+    acc, l_i, m_i = _attn_fwd_inner(  # 4. the band's full tiles: no mask
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, d_ok, full_start, q_first, SEQ_LEN, qk_scale,
+        MASK=False, IS_CAUSAL=True, BLOCK_N=BLOCK_N,
+    )
+    acc, l_i, m_i = _attn_fwd_inner_window(  # 5. the diagonal
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, d_ok, q_first, band_end, SEQ_LEN, qk_scale, WINDOW_SIZE, SINK_SIZE,
+        HAS_SINKS=HAS_SINKS, BLOCK_N=BLOCK_N,
+    )
+
+    # Every real row sees at least itself, so l_i > 0 there; rows past the end may see
+    # nothing (l_i = 0): give them 1 so that they compute no NaN (they are not stored).
+    l_i = tl.where(m_ok, l_i, 1.0)
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    tl.store(LSE_ptr + batch * stride_lb + q_head * stride_lh + offs_m * stride_ln, lse, mask=m_ok)
+    acc = acc / l_i[:, None]
+    tl.store(
+        o_base + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        acc.to(O_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+
+
+# -----------------------------------------------------------------------------
 # Launchers
 # -----------------------------------------------------------------------------
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -477,6 +676,56 @@ def flash_attention_gqa_forward(q, k, v, causal: bool = False, *, block_m: int |
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         1.0 / math.sqrt(D), N, Hq, Hkv,
         HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), IS_CAUSAL=bool(causal),
+        **cfg,
+    )
+    return o, lse
+
+
+def validate_window(causal, window_size, sink_size) -> None:
+    """Raise ``ValueError`` (one sentence) unless the window and sink settings make sense.
+
+    ``window_size``: None (no window) or an integer >= 1, only with
+    ``causal=True``; ``sink_size``: an integer >= 0, above 0 only with a window.
+    """
+    if window_size is not None:
+        if isinstance(window_size, bool) or not isinstance(window_size, numbers.Integral):
+            raise ValueError(f"window_size must be an integer or None, not {window_size!r}.")
+        if window_size < 1:
+            raise ValueError(f"window_size must be at least 1 (each query sees itself), not {window_size}.")
+        if not causal:
+            raise ValueError("a window_size needs causal=True: the sliding window of this course only looks back.")
+    if isinstance(sink_size, bool) or not isinstance(sink_size, numbers.Integral):
+        raise ValueError(f"sink_size must be an integer, not {sink_size!r}.")
+    if sink_size < 0:
+        raise ValueError(f"sink_size must be 0 or more, not {sink_size}.")
+    if sink_size and window_size is None:
+        raise ValueError("sink_size needs a window_size: without a window every earlier key is visible already.")
+
+
+def flash_attention_window_forward(q, k, v, *, window_size, sink_size=0,
+                                   block_m: int | None = None, block_n: int | None = None):
+    """Causal GQA attention with a sliding window and sinks, by :func:`_flash_attention_forward_window_kernel`.
+
+    Tensors as in :func:`flash_attention_gqa_forward`; returns ``(o, lse)``.
+    Key ``j`` is visible from query ``i`` iff ``j <= i and (i - j <
+    window_size or j < sink_size)``.
+    """
+    validate(q, k, v)
+    validate_window(True, window_size, sink_size)
+    B, Hq, N, D = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    cfg = _config(q, block_m, block_n)
+    if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
+        raise ValueError(f"block_m ({cfg['BLOCK_M']}) must be a multiple of block_n ({cfg['BLOCK_N']}).")
+    grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * Hq)
+    _flash_attention_forward_window_kernel[grid](
+        q, k, v, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+        1.0 / math.sqrt(D), N, Hq, k.shape[1], min(int(window_size), N), min(int(sink_size), N),
+        HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), HAS_SINKS=bool(sink_size),
         **cfg,
     )
     return o, lse

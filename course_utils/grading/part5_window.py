@@ -1,0 +1,599 @@
+"""Checks for lesson 08: sliding-window attention with attention sinks.
+
+Key ``j`` is visible from query ``i`` iff ``j <= i and (i - j < window_size
+or j < sink_size)`` (:func:`course_utils.references.window_mask`).
+
+- :func:`check_window_tile_bounds` grades a plain Python function
+  ``fn(start_m, block_m, block_n, seq_len, window_size, sink_size) ->
+  (sink_end, band_start, band_end)``: the K/V tiles one query block visits.
+- :func:`check_window_forward` grades a Triton forward
+  ``fn(q, k, v, *, window_size, sink_size) -> (o, lse)`` (torch ``[B, H, N,
+  D]``, GQA, causal), in a separate process on the CPU, with NaN-padded,
+  strided inputs and a proof that a Triton kernel ran.
+- :func:`check_window_backward` grades a differentiable
+  ``fn(q, k, v, *, window_size, sink_size) -> o`` whose backward runs Triton
+  kernels: ``dv``, then ``dk``, then ``dq`` against float64 references.
+
+Mistakes are recognised by re-enacting them in float64 on the same inputs.
+Mask mistakes (the window off by one, sinks visible before their time) change
+which pairs are visible. Loop mistakes (a band start not rounded down to a
+tile, sink tiles skipped, sink tiles visited twice, no guard for rows whose
+first visited tile is fully masked) are re-enacted by :func:`_visits`, which
+runs the kernel's five phases tile by tile for each block size a kernel might
+use and counts how often each (query, key) pair is folded in.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+
+from .. import references as ref
+from ..environment import current
+from ..kernels.forward import window_tile_bounds
+from . import sandbox
+from .core import Diagnosis, Run
+
+__all__ = ["check_window_tile_bounds", "check_window_forward", "check_window_backward"]
+
+# One plain sentence (or two) per diagnosis; the tests look for these texts.
+MSG_NOT_ALIGNED = (
+    "the band's first tile is not aligned: band_start must be a multiple of block_n (round "
+    "max(q_first - window_size + 1, 0) DOWN to one), or the tiles of the band straddle two "
+    "blocks and the phases overlap."
+)
+MSG_BOUNDS_OFF_BY_ONE = (
+    "the window is off by one at its lower edge: the block's first row q_first sees keys "
+    "q_first - window_size + 1 to q_first (window_size keys, itself included), so the band starts at the "
+    "tile holding key max(q_first - window_size + 1, 0)."
+)
+MSG_SINKS_SKIPPED = (
+    "the sink tiles are skipped: the first sink_size keys are visible from every later query, so "
+    "the tiles [0, sink_end) must be visited too, sink_end being sink_size rounded UP to a multiple "
+    "of block_n (but not past band_start)."
+)
+MSG_SINK_ROUNDED_DOWN = (
+    "the last, partial sink tile is skipped: sink_end must be sink_size rounded UP to a multiple "
+    "of block_n, not down (a tile holding even one sink key must be visited)."
+)
+MSG_SINKS_TWICE = (
+    "sink tiles are visited twice: when the band already starts at or below the sinks' last "
+    "tile, sink_end must stop at band_start (sink_end = min(round_up(sink_size), band_start))."
+)
+MSG_BAND_END = (
+    "the band does not end at the diagonal: band_end is the block's last row + 1, "
+    "min((start_m + 1) * block_m, seq_len); keys after it are in the future of every row."
+)
+MSG_WINDOW_OFF_BY_ONE = (
+    "the window is off by one: query i sees window_size keys, i - window_size + 1 to i, "
+    "so keep i - j < window_size (not <=, and not < window_size - 1)."
+)
+MSG_SINKS_FUTURE = (
+    "sinks are visible in the future: a sink key j < sink_size is visible only from queries "
+    "i >= j. Keep (j <= i) AND (i - j < window_size OR j < sink_size), with the causal test "
+    "outside the OR."
+)
+MSG_NAN_EMPTY_TILE = (
+    "rows whose first visited tile is fully masked come out as NaN: their running max is still "
+    "-inf after that tile, and exp2(-inf - (-inf)) is NaN. Where m_new is -inf, shift by 0 "
+    "instead (m_shift = tl.where(m_new == -inf, 0, m_new)), so that alpha and p are exp2(-inf) = 0."
+)
+MSG_BWD_SINKS = (
+    "dK/dV of the sink keys are not accumulated over every query: a key block holding sink keys "
+    "is seen by EVERY later query, so its loop over query blocks must run to the end of the "
+    "sequence (q_end = N), not stop at the window's far edge."
+)
+MSG_NO_TRITON = (
+    "no Triton kernel ran: compute the attention with your Triton kernel (lesson 08's "
+    "_flash_attention_forward_window_kernel), not with torch or NumPy."
+)
+MSG_NO_TRITON_BACKWARD = (
+    "no Triton kernel ran during the backward pass: the gradients must come from your Triton "
+    "backward kernels (attention_backward with window_size and sink_size), not from torch."
+)
+MSG_NOT_DIFFERENTIABLE = (
+    "o has no grad_fn: return the output of a torch.autograd.Function's apply, and do not detach it."
+)
+
+# Block sizes (block_m, block_n) a kernel might use: the models try each.
+_BLOCK_PAIRS = [(bm, bn) for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128) if bm % bn == 0]
+# The dK/dV kernel's pairs: its BLOCK_N is a multiple of its BLOCK_M.
+_DKDV_PAIRS = [(bm, bn) for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128) if bn % bm == 0]
+
+# Same tolerances as the lesson 05 and 07 checks.
+_FWD_TOL = {("cpu", "float32"): (2e-4, 2e-4, 2e-4), ("cuda", "float32"): (3e-3, 3e-3, 1e-2),
+            ("cpu", "float16"): (1e-2, 1e-2, 1e-2), ("cuda", "float16"): (1e-2, 1e-2, 1e-2),
+            ("cuda", "bfloat16"): (3e-2, 3e-2, 3e-2)}
+_BWD_TOL = {"float32": (3e-3, 3e-3), "float16": (2e-2, 2e-2), "bfloat16": (6e-2, 6e-2)}
+_BWD_TOL_GPU_FP32 = (1e-2, 1e-2)
+_SLACK = 4.0  # models are matched within this many times the tolerance
+
+
+# =============================================================================
+# check_window_tile_bounds
+# =============================================================================
+def _bounds_variant(start_m, block_m, block_n, seq_len, window_size, sink_size, mistake):
+    q_first = start_m * block_m
+    band_end = min(q_first + block_m, seq_len)
+    low = max(q_first - window_size + 1, 0)
+    band_start = low // block_n * block_n
+    sink_end = -(-sink_size // block_n) * block_n
+    if mistake == "unaligned":
+        band_start = low
+    elif mistake == "lower_minus_one":
+        band_start = max(q_first - window_size, 0) // block_n * block_n
+    elif mistake == "lower_plus_one":
+        band_start = max(q_first - window_size + 2, 0) // block_n * block_n
+    elif mistake == "band_end_block":
+        band_end = q_first + block_m
+    elif mistake == "band_end_plus_one":
+        band_end = min(q_first + block_m + 1, seq_len)
+    if mistake == "sinks_skipped":
+        sink_end = 0
+    elif mistake == "sink_rounded_down":
+        sink_end = sink_size // block_n * block_n
+    if mistake != "sinks_twice":
+        sink_end = min(sink_end, band_start)
+    return sink_end, band_start, band_end
+
+
+_BOUNDS_DIAGNOSES = [
+    ("sinks_skipped", MSG_SINKS_SKIPPED),
+    ("sink_rounded_down", MSG_SINK_ROUNDED_DOWN),
+    ("sinks_twice", MSG_SINKS_TWICE),
+    ("unaligned", MSG_NOT_ALIGNED),
+    ("lower_minus_one", MSG_BOUNDS_OFF_BY_ONE),
+    ("lower_plus_one", MSG_BOUNDS_OFF_BY_ONE),
+    ("band_end_block", MSG_BAND_END),
+    ("band_end_plus_one", MSG_BAND_END),
+]
+
+
+def _bounds_cases(rng):
+    """(block_m, block_n, seq_len, window_size, sink_size): fixed ones, then random ones."""
+    cases = [
+        (64, 32, 250, 97, 40), (64, 32, 256, 1, 0), (64, 32, 256, 33, 0), (64, 32, 256, 64, 4),
+        (128, 64, 1000, 256, 4), (64, 64, 300, 500, 0), (32, 16, 100, 17, 200), (16, 16, 64, 16, 16),
+        (128, 32, 700, 129, 33), (64, 16, 200, 65, 1),
+    ]
+    for _ in range(8):
+        block_n = int(rng.choice([16, 32, 64]))
+        block_m = block_n * int(rng.choice([1, 2, 4]))
+        seq_len = int(rng.integers(1, 600))
+        window_size = int(rng.integers(1, seq_len + 80))
+        sink_size = int(rng.choice([0, 4, int(rng.integers(0, seq_len + 1))]))
+        cases.append((block_m, block_n, seq_len, window_size, sink_size))
+    return cases
+
+
+def check_window_tile_bounds(fn, *, seed=None):
+    """Grade ``fn(start_m, block_m, block_n, seq_len, window_size, sink_size) -> (sink_end, band_start, band_end)``.
+
+    Query block ``start_m`` (rows ``start_m * block_m`` up to ``(start_m + 1)
+    * block_m``, at most ``seq_len``) visits K/V tiles ``[0, sink_end)`` and
+    ``[band_start, band_end)``; ``sink_end`` and ``band_start`` are multiples
+    of ``block_n``. The answer must be exact: every tile holding a key some
+    row of the block sees, and no other tile. Every query block of fixed and
+    fresh random settings is tried.
+    """
+    __tracebackhide__ = True
+    run = Run("check_window_tile_bounds", seed, time_limit_s=10.0)
+    for block_m, block_n, seq_len, window_size, sink_size in _bounds_cases(run.rng):
+        case = (f"block_m={block_m}, block_n={block_n}, seq_len={seq_len}, window_size={window_size}, "
+                f"sink_size={sink_size}")
+        got = []
+        n_blocks = -(-seq_len // block_m)
+        for start_m in range(n_blocks):
+            out = run.call(fn, start_m, block_m, block_n, seq_len, window_size, sink_size,
+                           case=f"{case}, start_m={start_m}")
+            try:
+                values = tuple(operator.index(x) for x in out)
+            except TypeError:
+                raise run.fail(f"your function returned {out!r} for start_m={start_m}; return three Python "
+                               "ints (sink_end, band_start, band_end).", case) from None
+            if len(values) != 3:
+                raise run.fail(f"your function returned {len(values)} values for start_m={start_m}; return "
+                               "three: (sink_end, band_start, band_end).", case)
+            got.append(values)
+        got = np.array(got, dtype=np.float64)
+        blocks = range(n_blocks)
+        expected = np.array([window_tile_bounds(m, block_m, block_n, seq_len, window_size, sink_size)
+                             for m in blocks], dtype=np.float64)
+        diagnoses = [Diagnosis(message, expected=np.array(
+            [_bounds_variant(m, block_m, block_n, seq_len, window_size, sink_size, mistake) for m in blocks],
+            dtype=np.float64)) for mistake, message in _BOUNDS_DIAGNOSES]
+        run.compare(got, expected, case=case, what="(sink_end, band_start, band_end)", atol=0.0, rtol=0.0,
+                    diagnoses=diagnoses, axes=("start_m", "bound"))
+    return run.passed()
+
+
+# =============================================================================
+# Models of the kernel's loops
+# =============================================================================
+def _variant_mask(n, window_size, sink_size, mistake=None):
+    i = np.arange(n)[:, None]
+    j = np.arange(n)[None, :]
+    if mistake == "window_plus_one":
+        return (j <= i) & ((i - j <= window_size) | (j < sink_size))
+    if mistake == "window_minus_one":
+        return (j <= i) & ((i - j < window_size - 1) | (j < sink_size))
+    if mistake == "no_sinks":
+        return ref.window_mask(n, n, window_size, 0)
+    if mistake == "sinks_future":
+        return ((j <= i) & (i - j < window_size)) | (j < sink_size)
+    return ref.window_mask(n, n, window_size, sink_size)
+
+
+def _phases(q_first, block_m, block_n, n, window_size, sink_size, bounds):
+    """The kernel's five (lo, hi, masked) phases for one query block (``_window_bounds`` in Python)."""
+    if bounds == "unaligned":
+        band_end = min(q_first + block_m, n)
+        band_start = max(q_first - window_size + 1, 0)
+        sink_end = min(-(-sink_size // block_n) * block_n, band_start)
+    else:
+        sink_end, band_start, band_end = _bounds_variant(
+            q_first // block_m, block_m, block_n, n, window_size, sink_size, bounds)
+    sink_full = min(sink_size // block_n * block_n, sink_end)
+    full_start = -(-max(q_first + block_m - window_size, 0) // block_n) * block_n
+    full_start = min(max(full_start, band_start), q_first)
+    return [(0, sink_full, False), (sink_full, sink_end, True), (band_start, full_start, True),
+            (full_start, q_first, False), (q_first, band_end, True)]
+
+
+def _visits(n, block_m, block_n, window_size, sink_size, *, bounds=None, mask_mistake=None, guard=True):
+    """``(count, nan_rows)``: how often the kernel's loops fold key j into row i, and NaN rows.
+
+    ``bounds`` names a mistake in the tile bounds, ``mask_mistake`` one in the
+    mask of the partial tiles; ``guard=False`` re-enacts a kernel without the
+    -inf guard: a row meeting a masked tile in which it sees nothing, before
+    it has seen any key, turns NaN.
+    """
+    mask = _variant_mask(n, window_size, sink_size, mask_mistake)
+    count = np.zeros((n, n))
+    nan_rows = np.zeros(n, dtype=bool)
+    for q_first in range(0, n, block_m):
+        rows = slice(q_first, min(q_first + block_m, n))
+        seen = np.zeros(rows.stop - rows.start, dtype=bool)
+        for lo, hi, masked in _phases(q_first, block_m, block_n, n, window_size, sink_size, bounds):
+            for start in range(lo, hi, block_n):
+                cols = slice(start, min(start + block_n, n))
+                if cols.start >= cols.stop:
+                    continue
+                visible = mask[rows, cols] if masked else np.ones((seen.size, cols.stop - cols.start), bool)
+                if not guard and masked:
+                    nan_rows[rows] |= ~seen & ~visible.any(axis=1)
+                count[rows, cols] += visible
+                seen |= visible.any(axis=1)
+    return count, nan_rows
+
+
+def _weighted_attention(s, v, weights):
+    """``(o, lse)`` of scores ``s`` where pair (i, j) counts ``weights[i, j]`` times (0 = masked)."""
+    s = np.where(weights > 0, s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    with np.errstate(all="ignore"):
+        p = weights * np.exp(s - m)
+        l_sum = p.sum(-1, keepdims=True)
+        o = (p / l_sum) @ v
+        lse = (m + np.log(l_sum))[..., 0]
+    return o, lse
+
+
+class _LoopModel(Diagnosis):
+    """A loop mistake, re-enacted for each block size pair; matched on the output ``o``."""
+
+    def __init__(self, message, predict):
+        super().__init__(message)
+        self.predict = predict
+
+    def matches(self, actual, atol, rtol):
+        for block_m, block_n in _BLOCK_PAIRS:
+            wrong = self.predict(block_m, block_n)
+            if wrong is None:
+                continue
+            bad = ~np.isfinite(wrong)
+            if bad.all() or (bad != ~np.isfinite(actual)).any():
+                continue
+            if np.allclose(actual[~bad], wrong[~bad], atol=atol * _SLACK, rtol=rtol * _SLACK):
+                return True
+        return False
+
+
+class _NanRows(Diagnosis):
+    """NaN exactly in (some of) the rows an unguarded kernel would turn NaN, for some block sizes."""
+
+    def __init__(self, message, n, window_size, sink_size):
+        super().__init__(message)
+        self.args = (n, window_size, sink_size)
+
+    def matches(self, actual, atol, rtol):
+        nan_rows = ~np.isfinite(actual).reshape(-1, actual.shape[-2], actual.shape[-1]).all(axis=(0, 2))
+        if not nan_rows.any():
+            return False
+        n, window_size, sink_size = self.args
+        for block_m, block_n in _BLOCK_PAIRS:
+            predicted = _visits(n, block_m, block_n, window_size, sink_size, guard=False)[1]
+            if predicted.any() and not (nan_rows & ~predicted).any():
+                return True
+        return False
+
+
+# =============================================================================
+# check_window_forward (Triton)
+# =============================================================================
+class _Case:
+    def __init__(self, name, B, n_q_heads, n_kv_heads, N, D, window_size, sink_size, dtype, transpose):
+        self.name, self.B, self.n_q_heads, self.n_kv_heads = name, B, n_q_heads, n_kv_heads
+        self.N, self.D, self.window_size, self.sink_size = N, D, window_size, sink_size
+        self.dtype, self.transpose = dtype, transpose
+
+
+def _forward_cases(rng, device):
+    """Small on purpose: in the CPU interpreter every (program, K/V tile) costs milliseconds."""
+    cases = [
+        _Case("fixed: MHA, N=100, window 5, no sinks (rows with an empty first tile)", 1, 2, 2, 100, 16, 5, 0,
+              "float32", False),
+        _Case("fixed: MQA 2/1, N=130, window 20, 70 sinks (sinks over several tiles)", 1, 2, 1, 130, 16, 20, 70,
+              "float32", False),
+        _Case("fixed: GQA 4/2, N=80, window 40, 4 sinks", 1, 4, 2, 80, 16, 40, 4, "float32", True),
+        _Case("fixed: one head, N=90, window 1, 3 sinks, fp16", 1, 1, 1, 90, 16, 1, 3, "float16", True),
+        _Case("fixed: GQA 2/1, N=50, window 200 (> N), no sinks", 2, 2, 1, 50, 32, 200, 0, "float32", False),
+    ]
+    n_kv = int(rng.integers(1, 3))
+    group = 3 - n_kv
+    n = int(rng.integers(40, 131))
+    if n % 16 == 0:
+        n += 1
+    window_size = int(rng.integers(1, n))
+    sink_size = int(rng.choice([0, 1, 4, int(rng.integers(1, n))]))
+    dtype = "float16" if rng.random() < 0.3 else "float32"
+    cases.append(_Case(f"random: {n_kv * group} q heads / {n_kv} kv heads, N={n}, window {window_size}, "
+                       f"{sink_size} sinks, {dtype}", 1, n_kv * group, n_kv, n, 16, window_size, sink_size, dtype,
+                       bool(rng.random() < 0.5)))
+    if device == "cuda" and current().bf16_ok:
+        cases.append(_Case("fixed: GQA 4/2, N=300, window 64, 4 sinks, bf16", 1, 4, 2, 300, 64, 64, 4,
+                           "bfloat16", False))
+    return cases
+
+
+def _inputs(run, c: _Case, device):
+    import torch
+
+    dtype = getattr(torch, c.dtype)
+    raw = [run.rng.standard_normal((c.B, h, c.N, c.D)) for h in (c.n_q_heads, c.n_kv_heads, c.n_kv_heads)]
+    # Use the values rounded to the test dtype in the references: only the kernel's arithmetic is graded.
+    q64, k64, v64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
+    q, k, v = (sandbox.nan_padded(torch.from_numpy(a).to(dtype).to(device), transpose_heads=c.transpose and i == 1)
+               for i, a in enumerate((q64, k64, v64)))
+    return (q64, k64, v64), (q, k, v)
+
+
+def _forward_diagnoses(c: _Case, q64, k64, v64):
+    k_rep, v_rep = ref.repeat_kv_heads(q64, k64, v64)
+    s = (q64 @ np.swapaxes(k_rep, -1, -2)) / math.sqrt(c.D)
+    n, w, sinks = c.N, c.window_size, c.sink_size
+
+    def loops(bounds=None, mask_mistake=None):
+        def predict(block_m, block_n):
+            count = _visits(n, block_m, block_n, w, sinks, bounds=bounds, mask_mistake=mask_mistake)[0]
+            return _weighted_attention(s, v_rep, count)[0]
+        return predict
+
+    diagnoses = [_NanRows(MSG_NAN_EMPTY_TILE, n, w, sinks)]
+    if w < n:
+        diagnoses += [_LoopModel(MSG_WINDOW_OFF_BY_ONE, loops(mask_mistake="window_plus_one"))]
+        if w > 1:
+            diagnoses += [_LoopModel(MSG_WINDOW_OFF_BY_ONE, loops(mask_mistake="window_minus_one"))]
+    if sinks:
+        diagnoses += [_LoopModel(MSG_SINKS_FUTURE, loops(mask_mistake="sinks_future")),
+                      _LoopModel(MSG_SINKS_SKIPPED, loops("sinks_skipped")),
+                      _LoopModel(MSG_SINK_ROUNDED_DOWN, loops("sink_rounded_down")),
+                      _LoopModel(MSG_SINKS_TWICE, loops("sinks_twice"))]
+    diagnoses += [_LoopModel(MSG_NOT_ALIGNED, loops("unaligned"))]
+    return diagnoses
+
+
+def _tensor_out(run, out, name, shape, case):
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        raise run.fail(f"{name} is a {type(out).__name__}; return torch tensors (o, lse).", case)
+    if tuple(out.shape) != tuple(shape):
+        raise run.fail(f"{name} has shape {tuple(out.shape)}, expected {tuple(shape)}.", case)
+    return out.detach().double().cpu().numpy()
+
+
+@sandbox.isolated
+def check_window_forward(fn, *, seed=None):
+    """Grade ``fn(q, k, v, *, window_size, sink_size) -> (o, lse)``: causal GQA with a window and sinks.
+
+    ``q [B, Hq, N, D]``, ``k``/``v [B, Hkv, N, D]``; ``o`` like ``q``, ``lse``
+    float32 ``[B, Hq, N]`` (natural log). Inputs are NaN-padded views with
+    unusual strides, N is never a multiple of 16; windows of 1 and longer
+    than N, sinks inside one tile, over several tiles, none; fp32 and fp16
+    on the CPU (bf16 too on a GPU that has it); fresh random cases per call.
+    A Triton kernel must run.
+    """
+    __tracebackhide__ = True
+    if not callable(fn):
+        raise TypeError(f"check_window_forward needs your function, got {type(fn).__name__}")
+    env = current()
+    run = Run("check_window_forward", seed, time_limit_s=30.0)
+    for c in _forward_cases(run.rng, env.device):
+        (q64, k64, v64), (q, k, v) = _inputs(run, c, env.device)
+        with sandbox.count_launches() as launches:
+            out = run.call(fn, q, k, v, window_size=c.window_size, sink_size=c.sink_size, case=c.name)
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise run.fail(f"your function returned a {type(out).__name__}; return a pair (o, lse).", c.name)
+        o = _tensor_out(run, out[0], "o", q.shape, c.name)
+        lse = _tensor_out(run, out[1], "lse", q.shape[:3], c.name)
+        want_o, want_lse = ref.attention_lse(q64, k64, v64, causal=True, window_size=c.window_size,
+                                             sink_size=c.sink_size)
+        atol, rtol, lse_atol = _FWD_TOL[(env.device, c.dtype)]
+        run.compare(o, want_o, case=c.name, what="the output o", atol=atol, rtol=rtol,
+                    axes=("b", "q_head", "i", "d"), diagnoses=_forward_diagnoses(c, q64, k64, v64))
+        if not launches:
+            raise run.fail(MSG_NO_TRITON, c.name)
+        run.compare(lse, want_lse, case=c.name, what="lse", atol=lse_atol, rtol=0.0, axes=("b", "q_head", "i"))
+    return run.passed()
+
+
+# =============================================================================
+# check_window_backward (Triton, through torch.autograd)
+# =============================================================================
+def _grads_with(q64, k64, v64, do64, weights, window_size, sink_size):
+    """dq, dk, dv of the right forward when the backward folds pair (i, j) in ``weights[i, j]`` times."""
+    k_rep, v_rep = ref.repeat_kv_heads(q64, k64, v64)
+    group = q64.shape[1] // k64.shape[1]
+    scale = 1.0 / math.sqrt(q64.shape[-1])
+    s = scale * (q64 @ np.swapaxes(k_rep, -1, -2))
+    n = s.shape[-1]
+    right = np.broadcast_to(ref.window_mask(n, n, window_size, sink_size), s.shape)
+    lse = _weighted_attention(s, v_rep, right.astype(float))[1]
+    p_right = np.where(right, np.exp(s - lse[..., None]), 0.0)
+    o = p_right @ v_rep
+    p = np.where(weights > 0, weights * np.exp(np.minimum(s - lse[..., None], 50.0)), 0.0)
+    dv = np.swapaxes(p, -1, -2) @ do64
+    ds = p * (do64 @ np.swapaxes(v_rep, -1, -2) - np.sum(do64 * o, axis=-1, keepdims=True))
+    dq = scale * ds @ k_rep
+    dk = scale * np.swapaxes(ds, -1, -2) @ q64
+    return dq, ref.sum_kv_groups(dk, group), ref.sum_kv_groups(dv, group)
+
+
+def _dkdv_coverage(n, block_m, block_n, window_size, sink_size):
+    """Which (i, j) a dK/dV loop that ignores the sinks (q_end at the window's edge) still folds in."""
+    i = np.arange(n)[:, None]
+    j = np.arange(n)[None, :]
+    q_end = np.minimum(j // block_n * block_n + block_n + window_size - 1, n)
+    q_end = -(-q_end // block_m) * block_m  # the loop runs whole query blocks
+    return ref.window_mask(n, n, window_size, sink_size) & (i < q_end)
+
+
+class _GradModel(Diagnosis):
+    """A backward mistake, re-enacted in float64 (for each block size pair when ``per_block``)."""
+
+    def __init__(self, message, predict, which, per_block=False):
+        super().__init__(message)
+        self.predict, self.which, self.per_block = predict, which, per_block
+
+    def matches(self, actual, atol, rtol):
+        for blocks in (_DKDV_PAIRS if self.per_block else [None]):
+            wrong = self.predict(blocks)[self.which]
+            if np.allclose(actual, wrong, atol=atol * _SLACK, rtol=rtol * _SLACK):
+                return True
+        return False
+
+
+def _backward_diagnoses(c, q64, k64, v64, do64, which):
+    n, w, sinks = c.N, c.window_size, c.sink_size
+    cache = {}
+
+    def with_mask(mistake):
+        def predict(_):
+            if mistake not in cache:
+                weights = _variant_mask(n, w, sinks, mistake).astype(float)
+                cache[mistake] = _grads_with(q64, k64, v64, do64, weights, w, sinks)
+            return cache[mistake]
+        return predict
+
+    def sinks_cut(blocks):
+        key = ("cut",) + blocks
+        if key not in cache:
+            cover = _dkdv_coverage(n, *blocks, w, sinks).astype(float)
+            cache[key] = _grads_with(q64, k64, v64, do64, cover, w, sinks)
+        return cache[key]
+
+    diagnoses = []
+    if sinks and which > 0:
+        diagnoses.append(_GradModel(MSG_BWD_SINKS, with_mask("no_sinks"), which))
+        diagnoses.append(_GradModel(MSG_BWD_SINKS, sinks_cut, which, per_block=True))
+    if w < n:
+        diagnoses.append(_GradModel(MSG_WINDOW_OFF_BY_ONE, with_mask("window_plus_one"), which))
+        if w > 1:
+            diagnoses.append(_GradModel(MSG_WINDOW_OFF_BY_ONE, with_mask("window_minus_one"), which))
+    if sinks:
+        diagnoses.append(_GradModel(MSG_SINKS_FUTURE, with_mask("sinks_future"), which))
+    return diagnoses
+
+
+def _backward_cases(rng, device):
+    cases = [
+        _Case("fixed: GQA 2/1, N=70, window 20, 3 sinks", 1, 2, 1, 70, 16, 20, 3, "float32", True),
+        _Case("fixed: one head, N=100, window 9, 40 sinks (sinks over two tiles)", 1, 1, 1, 100, 16, 9, 40,
+              "float32", False),
+        _Case("fixed: one head, N=50, window 1, no sinks, fp16", 1, 1, 1, 50, 16, 1, 0, "float16", True),
+    ]
+    n = int(rng.integers(40, 90))
+    if n % 16 == 0:
+        n += 1
+    w = int(rng.integers(1, n))
+    s = int(rng.choice([0, 2, int(rng.integers(1, n))]))
+    cases.append(_Case(f"random: GQA 2/1, N={n}, window {w}, {s} sinks", 1, 2, 1, n, 16, w, s,
+                       "float32", bool(rng.random() < 0.5)))
+    if device == "cuda" and current().bf16_ok:
+        cases.append(_Case("fixed: GQA 4/2, N=300, window 64, 4 sinks, bf16", 1, 4, 2, 300, 64, 64, 4,
+                           "bfloat16", False))
+    return cases
+
+
+def _leaf_view(t, transpose_heads):
+    padded = sandbox.nan_padded(t, transpose_heads=transpose_heads)
+    base = padded._base.detach().requires_grad_(True)
+    return base.as_strided(padded.size(), padded.stride(), padded.storage_offset())
+
+
+@sandbox.isolated
+def check_window_backward(fn, *, seed=None):
+    """Grade ``fn(q, k, v, *, window_size, sink_size) -> o``, differentiable, Triton in both passes.
+
+    For each case the check calls ``fn``, then ``torch.autograd.grad(o, (q,
+    k, v), do)``, and compares ``o``, ``dv``, ``dk``, ``dq`` with float64
+    references (:func:`course_utils.references.attention_backward` with the
+    window and sinks). NaN-padded strided inputs, GQA and MQA, sinks over
+    several tiles, fresh random cases per call.
+    """
+    __tracebackhide__ = True
+    import torch
+
+    if not callable(fn):
+        raise TypeError(f"check_window_backward needs your function, got {type(fn).__name__}")
+    env = current()
+    run = Run("check_window_backward", seed, time_limit_s=60.0)
+    for c in _backward_cases(run.rng, env.device):
+        dtype = getattr(torch, c.dtype)
+        atol, rtol = _BWD_TOL_GPU_FP32 if (c.dtype == "float32" and env.device == "cuda") else _BWD_TOL[c.dtype]
+        raw = [run.rng.standard_normal((c.B, h, c.N, c.D)) for h in (c.n_q_heads, c.n_kv_heads, c.n_kv_heads,
+                                                                      c.n_q_heads)]
+        q64, k64, v64, do64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
+        q, k, v = (_leaf_view(torch.from_numpy(a).to(dtype).to(env.device), c.transpose and i == 1)
+                   for i, a in enumerate((q64, k64, v64)))
+        do = sandbox.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
+        with sandbox.count_launches() as forward_launches:
+            o = run.call(fn, q, k, v, window_size=c.window_size, sink_size=c.sink_size, case=c.name)
+        if not isinstance(o, torch.Tensor):
+            raise run.fail(f"your function returned a {type(o).__name__}; return the output tensor o.", c.name)
+        o_right = ref.attention(q64, k64, v64, causal=True, window_size=c.window_size, sink_size=c.sink_size)
+        got_o = run.array(o, expected_shape=o_right.shape, case=c.name, name="o")
+        run.compare(got_o, o_right, case=c.name, what="the forward output o", atol=atol, rtol=rtol,
+                    axes=("b", "q_head", "i", "d"))
+        if not forward_launches:
+            raise run.fail(MSG_NO_TRITON, c.name)
+        if o.grad_fn is None:
+            raise run.fail(MSG_NOT_DIFFERENTIABLE, c.name)
+        with sandbox.count_launches() as backward_launches:
+            grads = run.call(torch.autograd.grad, o, (q, k, v), do, allow_unused=True, case=c.name + " (backward)")
+        run.cases -= 1  # the forward and the backward of one case count once
+        if not backward_launches:
+            raise run.fail(MSG_NO_TRITON_BACKWARD, c.name)
+        right = ref.attention_backward(q64, k64, v64, do64, causal=True, window_size=c.window_size,
+                                       sink_size=c.sink_size)
+        for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):
+            if grads[which] is None:
+                raise run.fail(f"{label} is None: your backward must return a gradient for {label[1:]}.", c.name)
+            got = run.array(grads[which], expected_shape=tuple(shape), case=c.name, name=label)
+            run.compare(got, right[which], case=c.name, what=label, atol=atol, rtol=rtol,
+                        axes=("b", "kv_head" if which else "q_head", "i" if which == 0 else "j", "d"),
+                        diagnoses=_backward_diagnoses(c, q64, k64, v64, do64, which))
+    return run.passed()
