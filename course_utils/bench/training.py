@@ -10,7 +10,8 @@ from .providers import _sdpa_backend
 TRAIN_STEM = "training_bench"
 TRAIN_PROVIDERS = ("sdpa_flash", "sdpa_cudnn", "course")
 TRAIN_LABELS = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "course": "course (kernels.flash_attention)"}
-BACKWARD_FLOP_FACTOR = 2.5  # the backward does 5 matmuls to the forward's 2
+BACKWARD_FLOP_FACTOR = 2.5  # a convention: the one-pass backward does 5 matmuls to the forward's 2
+# (the course's two-pass backward does 7, about 3.5 forwards; every provider is counted alike)
 
 
 def training_flops(batch: int, n_heads: int, n: int, head_dim: int, causal: bool) -> float:
@@ -104,7 +105,8 @@ def training_markdown(rows: list[dict], case: Case, info: dict | None = None) ->
         "",
         f"Measured on {info.get('gpu', '?')} ({info.get('date', '?')}): torch {info.get('torch', '?')}, "
         f"triton {info.get('triton', '?')}. Median of `triton.testing.do_bench` over forward + backward; "
-        f"TFLOP/s counts the backward as {BACKWARD_FLOP_FACTOR}x the forward, halved when causal. Outputs and "
+        f"TFLOP/s counts the backward as {BACKWARD_FLOP_FACTOR}x the forward (a convention, the one-pass "
+        "algorithm's 5 matmuls to the forward's 2; the course's two-pass backward does 7), halved when causal. Outputs and "
         "gradients checked against SDPA flash's before timing.",
         "",
         "| N | B | " + " | ".join(f"{TRAIN_LABELS[p]} ms (TFLOP/s)" for p in TRAIN_PROVIDERS)
