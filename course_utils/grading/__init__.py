@@ -14,7 +14,8 @@ from .core import Diagnosis, GradingError, Passed
 from .part1_numpy import check_softmax, check_naive_attention, check_online_softmax, check_tiled_attention
 from .part2_basics import check_triton_softmax
 from .part2_triton import check_kv_head, check_flash_forward, check_flash_gqa
-from .part3_performance import check_attention_flops, check_roofline
+from .part2_debug import check_flaw_hunt
+from .part3_performance import check_attention_flops, check_programs_per_sm, check_roofline
 from .part4_backward import check_tiled_backward, check_flash_backward
 
 __all__ = [
@@ -29,8 +30,10 @@ __all__ = [
     "check_kv_head",
     "check_flash_forward",
     "check_flash_gqa",
+    "check_flaw_hunt",
     "check_attention_flops",
     "check_roofline",
+    "check_programs_per_sm",
     "check_tiled_backward",
     "check_flash_backward",
 ]
