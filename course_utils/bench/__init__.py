@@ -59,7 +59,7 @@ from .measure import (  # noqa: F401
     check_output, format_row, is_oom, measure, measure_ceilings, peak_memory_mib, reference_slice, run_case,
 )
 from .ladder import (  # noqa: F401
-    COURSE_LAUNCH_GRID, LADDER_NS, _course_with, _ladder_steps, _tuned_or_fixed, tuning_ladder,
+    COURSE_LAUNCH_GRID, LADDER_NS, _course_with, course_with_options, _ladder_steps, _tuned_or_fixed, tuning_ladder,
 )
 from .report import (  # noqa: F401
     _cell, environment_info, ladder_markdown, load_results, markdown_tables, ratio_table, read_csv,
