@@ -237,9 +237,10 @@ def plot_online_softmax(x, block_size, step=None, *, axes=None):
 def plot_program_tiles(n, block_m, block_n, causal=True, *, n_heads=2, ax=None):
     """Which program owns which tiles in the forward kernel (lesson 04).
 
-    The grid is ``(ceil(n / block_m), batch * heads)``: program ``(pid_m, pid_bh)``
-    owns query block ``pid_m`` of one (batch, head), loops over the key blocks
-    of its row, and is the only one to write those rows of ``o``. Drawn for
+    One program per query block and (batch, head), however the grid spells it
+    (lesson 04: ``(pid_m, head, batch)``; lesson 05: ``(pid_m, batch x head)``):
+    it owns query block ``pid_m`` of one head, loops over the key blocks of its
+    row, and is the only one to write those rows of ``o``. Drawn for
     ``n_heads`` heads side by side; each program's tiles get its own colour,
     skipped tiles (causal) stay grey.
     """
@@ -268,7 +269,7 @@ def plot_program_tiles(n, block_m, block_n, causal=True, *, n_heads=2, ax=None):
     ax.set_ylim(n, -n * 0.12)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_title(f"one program per (query block, batch x head): pid = (pid_m, pid_bh); block_m = {block_m}, "
+    ax.set_title(f"one program per (query block, head), labelled (query block, head); block_m = {block_m}, "
                  f"block_n = {block_n}" + (", hatched = masked, grey = skipped" if causal else ""), fontsize=9)
     return ax
 

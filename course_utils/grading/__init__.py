@@ -13,6 +13,7 @@ NaN-padded inputs for the Triton checks).
 from .core import Diagnosis, GradingError, Passed
 from .part1_numpy import check_softmax, check_naive_attention, check_online_softmax, check_tiled_attention
 from .part2_basics import check_triton_softmax
+from .part2_tiles import check_tile_copy
 from .part2_triton import check_kv_head, check_flash_forward, check_flash_gqa
 from .part2_debug import check_flaw_hunt
 from .part3_performance import check_attention_flops, check_programs_per_sm, check_roofline
@@ -27,6 +28,7 @@ __all__ = [
     "check_online_softmax",
     "check_tiled_attention",
     "check_triton_softmax",
+    "check_tile_copy",
     "check_kv_head",
     "check_flash_forward",
     "check_flash_gqa",
