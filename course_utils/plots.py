@@ -27,6 +27,12 @@ __all__ = [
     "SKIPPED",
     "FULL",
     "DIAGONAL",
+    "plot_program_tiles",
+    "plot_gqa_groups",
+    "backward_owners",
+    "plot_backward_passes",
+    "tile_addresses",
+    "plot_tile_addresses",
 ]
 
 
@@ -280,3 +286,189 @@ def plot_online_softmax(x, block_size, step=None, *, axes=None):
     lines = bottom.get_lines() + twin.get_lines()
     bottom.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper left")
     return axes
+
+
+# -- who owns what (lessons 04, 05, 07) -----------------------------------------------
+def plot_program_tiles(n, block_m, block_n, causal=True, *, n_heads=2, ax=None):
+    """Which program owns which tiles in the forward kernel (lesson 04).
+
+    One program per query block and (batch, head), however the grid spells it
+    (lesson 04: ``(pid_m, head, batch)``; lesson 05: ``(pid_m, batch x head)``):
+    it owns query block ``pid_m`` of one head, loops over the key blocks of its
+    row, and is the only one to write those rows of ``o``. Drawn for
+    ``n_heads`` heads side by side; each program's tiles get its own colour,
+    skipped tiles (causal) stay grey.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    states = tile_states(n, n, block_m, block_n, causal)
+    n_blocks = states.shape[0]
+    ax = _axes(ax, (4.2 * n_heads, 4.0))
+    cmap = plt.get_cmap("tab20")
+    gap = n * 0.08
+    for h in range(n_heads):
+        x0 = h * (n + gap)
+        for bi in range(n_blocks):
+            colour = cmap((h * n_blocks + bi) % 20)
+            for bj in range(states.shape[1]):
+                x, y = bj * block_n, bi * block_m
+                w, hgt = min(block_n, n - x), min(block_m, n - y)
+                skipped = states[bi, bj] == SKIPPED
+                ax.add_patch(Rectangle((x0 + x, y), w, hgt, facecolor="#e8e8e8" if skipped else colour,
+                                       edgecolor="white", lw=1.2, hatch="//" if states[bi, bj] == DIAGONAL else None))
+            ax.text(x0 - gap * 0.15, bi * block_m + min(block_m, n - bi * block_m) / 2, f"({bi}, {h})",
+                    ha="right", va="center", fontsize=7)
+        ax.text(x0 + n / 2, -n * 0.04, f"head {h}: Q K^T, keys across", ha="center", va="bottom", fontsize=8)
+    ax.set_xlim(-gap * 1.6, n_heads * (n + gap))
+    ax.set_ylim(n, -n * 0.12)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"one program per (query block, head), labelled (query block, head); block_m = {block_m}, "
+                 f"block_n = {block_n}" + (", hatched = masked, grey = skipped" if causal else ""), fontsize=9)
+    return ax
+
+
+def plot_gqa_groups(n_q_heads, n_kv_heads, *, ax=None):
+    """The query-head -> kv-head map of grouped-query attention (lesson 05).
+
+    Query head ``q_head`` reads kv head ``q_head // group_size`` with
+    ``group_size = n_q_heads // n_kv_heads``: consecutive query heads share one
+    K/V head. Drawn as two rows of boxes joined by lines, one colour per group.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    if n_q_heads % n_kv_heads:
+        raise ValueError("n_q_heads must be a multiple of n_kv_heads")
+    group_size = n_q_heads // n_kv_heads
+    cmap = plt.get_cmap("tab10")
+    ax = _axes(ax, (max(5.0, 0.55 * n_q_heads), 2.6))
+    kv_width = n_q_heads / n_kv_heads
+    for kv in range(n_kv_heads):
+        x = kv * kv_width + 0.1
+        ax.add_patch(Rectangle((x, 0), kv_width - 0.2, 0.8, facecolor=cmap(kv % 10), alpha=0.85))
+        ax.text(x + (kv_width - 0.2) / 2, 0.4, f"kv_head {kv}", ha="center", va="center", fontsize=8, color="white")
+    for h in range(n_q_heads):
+        kv = h // group_size
+        ax.add_patch(Rectangle((h + 0.1, 2.0), 0.8, 0.8, facecolor=cmap(kv % 10), alpha=0.55))
+        ax.text(h + 0.5, 2.4, str(h), ha="center", va="center", fontsize=8)
+        ax.plot([h + 0.5, kv * kv_width + kv_width / 2], [2.0, 0.8], color=cmap(kv % 10), lw=1)
+    ax.text(-0.2, 2.4, "q_head", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-1.6, n_q_heads + 0.2)
+    ax.set_ylim(-0.2, 3.2)
+    ax.axis("off")
+    ax.set_title(f"{n_q_heads} query heads, {n_kv_heads} kv heads: group_size = {group_size}, "
+                 f"kv_head = q_head // {group_size}", fontsize=9)
+    return ax
+
+
+def backward_owners(n, block_m, block_n, causal=True):
+    """Which program of each backward pass visits each tile (lesson 07).
+
+    Returns ``(dkdv, dq)``, int arrays over the tile grid: in the dK/dV pass
+    the program of key block ``j`` visits every computed tile of column ``j``
+    (it owns ``dk, dv`` of those keys); in the dQ pass the program of query
+    block ``i`` visits every computed tile of row ``i`` (it owns ``dq`` of
+    those queries). Skipped tiles hold -1.
+    """
+    states = tile_states(n, n, block_m, block_n, causal)
+    rows, cols = np.indices(states.shape)
+    dkdv = np.where(states == SKIPPED, -1, cols)
+    dq = np.where(states == SKIPPED, -1, rows)
+    return dkdv, dq
+
+
+def plot_backward_passes(n=256, block_m=64, block_n=64, causal=True, *, axes=None):
+    """The two passes of the course's backward side by side (lesson 07).
+
+    Left, the dK/dV pass: one program per key block walks *down* its column of
+    tiles and accumulates ``dk, dv`` in registers (arrows down). Right, the dQ
+    pass: one program per query block walks *across* its row and accumulates
+    ``dq``. Each output is written by one program: no atomics. Both passes
+    recompute ``P`` (and ``dP``) for every tile they visit.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    dkdv, dq = backward_owners(n, block_m, block_n, causal)
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(9.5, 4.4), layout="constrained")
+    cmap = plt.get_cmap("tab10")
+    for ax, owner, title, down in ((axes[0], dkdv, "dK/dV pass: one program per key block,\nloops over query blocks, writes dk, dv", True),
+                                   (axes[1], dq, "dQ pass: one program per query block,\nloops over key blocks, writes dq", False)):
+        for bi in range(owner.shape[0]):
+            for bj in range(owner.shape[1]):
+                who = owner[bi, bj]
+                ax.add_patch(Rectangle((bj * block_n, bi * block_m), block_n, block_m, edgecolor="white", lw=1.5,
+                                       facecolor="#e8e8e8" if who < 0 else cmap(who % 10), alpha=0.75))
+        for p in range(owner.shape[1] if down else owner.shape[0]):
+            cells = np.nonzero(owner[:, p] >= 0)[0] if down else np.nonzero(owner[p, :] >= 0)[0]
+            if len(cells) == 0:
+                continue
+            if down:
+                x = p * block_n + block_n / 2
+                ax.annotate("", xy=(x, (cells[-1] + 0.85) * block_m), xytext=(x, (cells[0] + 0.15) * block_m),
+                            arrowprops=dict(arrowstyle="->", lw=1.5))
+            else:
+                y = p * block_m + block_m / 2
+                ax.annotate("", xy=((cells[-1] + 0.85) * block_n, y), xytext=((cells[0] + 0.15) * block_n, y),
+                            arrowprops=dict(arrowstyle="->", lw=1.5))
+        ax.set_xlim(0, n)
+        ax.set_ylim(n, 0)
+        ax.set_aspect("equal")
+        ax.set_xlabel("keys")
+        ax.set_ylabel("queries")
+        ax.set_title(title, fontsize=9)
+    return axes
+
+
+# -- 2-D pointer arithmetic (lesson 03) ------------------------------------------------
+def tile_addresses(row0, col0, block_rows, block_cols, row_stride, n_rows, n_cols):
+    """The offsets a 2-D tile load reads, and its mask: what ``ptr + offs`` means.
+
+    ``offs = rows[:, None] * row_stride + cols[None, :]`` with
+    ``rows = row0 + arange(block_rows)``, ``cols = col0 + arange(block_cols)``;
+    ``mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]``. Returns
+    ``(offs, mask)``, both ``[block_rows, block_cols]``.
+    """
+    rows = row0 + np.arange(block_rows)
+    cols = col0 + np.arange(block_cols)
+    offs = rows[:, None] * row_stride + cols[None, :]
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    return offs, mask
+
+
+def plot_tile_addresses(row0, col0, block_rows, block_cols, row_stride, n_rows, n_cols, *, ax=None):
+    """Memory as the flat line of addresses it is, wrapped every ``row_stride``, with one tile's loads marked.
+
+    Each cell is one element's address (its offset from ``ptr``). Cells of the
+    ``n_rows x n_cols`` matrix are white, padding between rows (when
+    ``row_stride > n_cols``) grey; the tile's loaded addresses are blue with
+    their offset written in, and lanes the mask switches off are listed in the
+    title (they would read past a row or past the end).
+    """
+    from matplotlib.patches import Rectangle
+
+    offs, mask = tile_addresses(row0, col0, block_rows, block_cols, row_stride, n_rows, n_cols)
+    ax = _axes(ax, (0.42 * row_stride + 1.0, 0.42 * n_rows + 1.0))
+    for r in range(n_rows):
+        for c in range(row_stride):
+            inside = c < n_cols
+            ax.add_patch(Rectangle((c, r), 1, 1, facecolor="white" if inside else "#d9d9d9", edgecolor="#999999", lw=0.6))
+    for (i, j), off in np.ndenumerate(offs):
+        if mask[i, j]:
+            r, c = divmod(int(off), row_stride)
+            ax.add_patch(Rectangle((c, r), 1, 1, facecolor="#6baed6", edgecolor="#08519c", lw=1.2))
+            ax.text(c + 0.5, r + 0.5, str(int(off)), ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, row_stride)
+    ax.set_ylim(n_rows, 0)
+    ax.set_aspect("equal")
+    ax.set_xticks(np.arange(row_stride) + 0.5, [str(c) for c in range(row_stride)], fontsize=7)
+    ax.set_yticks(np.arange(n_rows) + 0.5, [f"{r} (offset {r * row_stride})" for r in range(n_rows)], fontsize=7)
+    ax.set_xlabel("column (grey: padding between rows, never part of the matrix)")
+    off_lanes = int((~mask).sum())
+    ax.set_title(f"tile rows {row0}..{row0 + block_rows - 1}, cols {col0}..{col0 + block_cols - 1}: "
+                 f"offs = rows[:, None] * {row_stride} + cols[None, :]"
+                 + (f"; {off_lanes} lanes masked off" if off_lanes else ""), fontsize=9)
+    return ax

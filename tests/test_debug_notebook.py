@@ -1,10 +1,13 @@
 """Lesson 05b ("debug a classmate's kernel"): the fix passes, each flaw put back fails.
 
-The notebook lists seven flaws in a classmate's causal GQA forward kernel. Here
-the notebook's own fixed kernel (the exercise cell of
+The notebook has the learner hunt ten flaws in a classmate's causal GQA forward
+kernel (``check_flaw_hunt``, tested in ``test_grading_debug.py``). Here the
+notebook's own fixed kernel (the exercise cell of
 ``solutions/05b_debug_gqa_kernel.ipynb``) is graded by ``check_flash_gqa``,
-and then each flaw is put back into it, one at a time, by replacing the fixed
-lines with the classmate's, and the result must be rejected.
+and then each flaw that is code is put back into it, one at a time, by
+replacing the fixed lines with the classmate's, and the result must be
+rejected, or behave as the notebook says. (The tenth flaw is a comment: the
+fixed cell's comments are checked instead.)
 
 One flaw cannot be rejected by any check of the outputs: ``+ 1e-6`` in the
 normaliser changes results by at most 1e-6 relative, far below tolerances that
@@ -74,6 +77,13 @@ FLAWS = {
     "block_m_multiple_of_block_n": [
         ("diag_start = (q_block_idx * BLOCK_M) // BLOCK_N * BLOCK_N", "diag_start = q_block_idx * BLOCK_M"),
     ],
+    "is_causal_ignored": [
+        ('    if not is_causal:\n        raise NotImplementedError("this kernel computes causal attention only")\n', ""),
+    ],
+    "int32_offsets": [
+        ("batch_idx = (batch_head_idx // N_Q_HEADS).to(tl.int64)", "batch_idx = batch_head_idx // N_Q_HEADS"),
+        ("q_head_idx = (batch_head_idx % N_Q_HEADS).to(tl.int64)", "q_head_idx = batch_head_idx % N_Q_HEADS"),
+    ],
 }
 
 
@@ -92,8 +102,39 @@ def _load(tmp_path, name, changes=()):
 
 
 def test_every_flaw_is_listed_once():
-    # The notebook's seven flaws, and nothing silently dropped from this file.
-    assert len(FLAWS) == 7
+    # The notebook's ten flaws: nine in code, put back here, and the swapped comments.
+    from course_utils.grading.part2_debug import FLAWS as HUNT
+
+    assert len(FLAWS) == 9 and len(HUNT) == 10
+    cell = _fixed_cell()
+    assert "(HEAD_DIM, BLOCK_M)" not in cell and "k_block [HEAD_DIM, BLOCK_N]" in cell
+
+
+def test_ignored_is_causal_is_refused_by_the_fix_and_silent_in_the_classmate_s_version(tmp_path):
+    fixed = _load(tmp_path, "causal_fixed")
+    flawed = _load(tmp_path, "causal_flawed", FLAWS["is_causal_ignored"])
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 2, 24, 16), torch.randn(1, 1, 24, 16), torch.randn(1, 1, 24, 16)
+    with pytest.raises(NotImplementedError, match="causal"):
+        fixed.flash_attention_forward(q, k, v, is_causal=False)
+    o, _ = flawed.flash_attention_forward(q, k, v, is_causal=False)
+    args = (q.double().numpy(), k.double().numpy(), v.double().numpy())
+    assert abs(o.double().numpy() - ref.attention(*args, causal=True)).max() < 1e-5  # causal, silently
+    assert abs(o.double().numpy() - ref.attention(*args, causal=False)).max() > 0.1
+
+
+def test_int32_offsets_are_invisible_on_small_inputs_and_overflow_at_the_notebook_s_shape(tmp_path):
+    # What the notebook claims: small inputs cannot show it; its shape overflows by arithmetic.
+    from course_utils.grading.part2_debug import int32_overflow
+
+    flawed = _load(tmp_path, "int32", FLAWS["int32_offsets"])
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 4, 24, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    o, _ = flawed.flash_attention_forward(q, k, v)
+    o_ref = ref.attention(q.double().numpy(), k.double().numpy(), v.double().numpy(), causal=True)
+    assert abs(o.double().numpy() - o_ref).max() < 1e-5
+    assert "batch_idx * q_stride_b" in int32_overflow((17, 32, 8, 32768, 128))
+    assert int32_overflow((16, 32, 8, 32768, 128)) is None
 
 
 @pytest.mark.parametrize("blocks", [{}, {"block_m": 32, "block_n": 64}], ids=["default", "32x64"])
@@ -174,7 +215,7 @@ def test_student_version_raises_until_filled_in(tmp_path):
     from course_utils.build import STUB_LINE, student_source
 
     src = student_source(_fixed_cell(), "05b exercise")
-    assert src.count(STUB_LINE) == 8 and "diag_start = (" not in src and "tl.log2(l_i)" not in src
+    assert src.count(STUB_LINE) == 9 and "diag_start = (" not in src and "tl.log2(l_i)" not in src
     path = tmp_path / "nb05b_student.py"
     path.write_text(HEADER + src)
     spec = importlib.util.spec_from_file_location(path.stem, path)

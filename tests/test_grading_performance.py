@@ -1,10 +1,11 @@
 """check_attention_flops and check_roofline: planted slips get their diagnosis, correct answers pass."""
 
 import math
+import re
 
 import pytest
 
-from course_utils.grading import GradingError, check_attention_flops, check_roofline
+from course_utils.grading import GradingError, check_attention_flops, check_programs_per_sm, check_roofline
 
 
 # -- correct answers, written differently -----------------------------------------
@@ -90,3 +91,73 @@ def test_seed_reproduces_the_same_cases():
     check_roofline(spy, seed=5)
     assert seen == first and len(first) > 4
     assert all(math.isfinite(x) for case in first for x in case)
+
+
+# ----------------------------------------------------------------------------
+# check_programs_per_sm (lesson 06): occupancy from registers and shared memory
+# ----------------------------------------------------------------------------
+def _occupancy(r, w, s):
+    if r > 255 or s > 227:
+        return 0
+    regs = math.ceil(r / 8) * 8
+    return min(65536 // (regs * 32 * w), 228 // (s + 1), 64 // w, 32)
+
+
+def _occupancy_loop(registers_per_thread, num_warps, shared_kib):
+    # Written differently: add programs until one resource runs out.
+    if registers_per_thread > 255 or shared_kib > 227:
+        return 0
+    per_program_regs = ((registers_per_thread + 7) // 8) * 8 * 32 * num_warps
+    n = 0
+    while (n + 1) * per_program_regs <= 65536 and (n + 1) * (shared_kib + 1) <= 228 \
+            and (n + 1) * num_warps <= 64 and n + 1 <= 32:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("fn", [_occupancy, _occupancy_loop], ids=["formula", "loop"])
+def test_programs_per_sm_correct_answers_pass(fn):
+    for seed in (0, 1, 2):
+        assert check_programs_per_sm(fn, seed=seed)
+
+
+PLANTED_OCCUPANCY = {
+    "most programs any one resource allows": lambda r, w, s: 0 if r > 255 or s > 227 else max(
+        65536 // (math.ceil(r / 8) * 8 * 32 * w), 228 // (s + 1)),
+    "1 KiB of shared memory the system reserves": lambda r, w, s: 0 if r > 255 or s > 227 else min(
+        65536 // (math.ceil(r / 8) * 8 * 32 * w), 228 // s if s else 32, 64 // w, 32),
+    "multiples of 8": lambda r, w, s: 0 if r > 255 or s > 227 else min(
+        65536 // (r * 32 * w), 228 // (s + 1), 64 // w, 32),
+    "resident-warp limit": lambda r, w, s: 0 if r > 255 or s > 227 else min(
+        65536 // (math.ceil(r / 8) * 8 * 32 * w), 228 // (s + 1), 32),
+    "counted per warp, not per thread": lambda r, w, s: 0 if r > 255 or s > 227 else min(
+        65536 // (math.ceil(r / 8) * 8 * w), 228 // (s + 1), 64 // w, 32),
+    "cannot launch at all": lambda r, w, s: min(
+        65536 // (math.ceil(r / 8) * 8 * 32 * w), 228 // (s + 1), 64 // w, 32),
+}
+
+
+@pytest.mark.parametrize("message", list(PLANTED_OCCUPANCY))
+def test_programs_per_sm_planted_mistakes_are_named(message):
+    with pytest.raises(GradingError) as info:
+        check_programs_per_sm(PLANTED_OCCUPANCY[message], seed=3)
+    assert message in str(info.value)
+
+
+def test_programs_per_sm_cases_are_the_recorded_compile_statistics():
+    import json
+    from pathlib import Path
+
+    from course_utils.grading.part3_performance import RECORDED_COMPILES, programs_per_sm
+
+    rows = json.loads((Path(__file__).resolve().parent.parent / "results" / "tune_fast.json").read_text())["rows"]
+    recorded = {}
+    for r in rows:
+        m = re.fullmatch(r"regs (\d+), spills \d+, smem (\d+) KiB", r["info"])
+        if m and r["n"] == 4096:
+            recorded[r["name"]] = (int(m[1]), int(m[2]))
+    for name, regs, warps, smem in RECORDED_COMPILES:
+        assert recorded[name] == (regs, smem), name
+        assert f" w{warps} " in f" {name} "
+    # What results/NOTES.md says about them: the shipped winner fits twice, the old one once.
+    assert programs_per_sm(255, 4, 96) == 2 and programs_per_sm(190, 8, 225) == 1 and programs_per_sm(139, 4, 113) == 2

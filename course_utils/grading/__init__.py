@@ -13,8 +13,10 @@ NaN-padded inputs for the Triton checks).
 from .core import Diagnosis, GradingError, Passed
 from .part1_numpy import check_softmax, check_naive_attention, check_online_softmax, check_tiled_attention
 from .part2_basics import check_triton_softmax
+from .part2_tiles import check_tile_copy
 from .part2_triton import check_kv_head, check_flash_forward, check_flash_gqa
-from .part3_performance import check_attention_flops, check_roofline
+from .part2_debug import check_flaw_hunt
+from .part3_performance import check_attention_flops, check_programs_per_sm, check_roofline
 from .part4_backward import check_tiled_backward, check_flash_backward
 from .sandbox import check_on_cpu
 from .part5_decode import check_merge_partials, check_decode_split, check_decode_combine
@@ -29,11 +31,14 @@ __all__ = [
     "check_online_softmax",
     "check_tiled_attention",
     "check_triton_softmax",
+    "check_tile_copy",
     "check_kv_head",
     "check_flash_forward",
     "check_flash_gqa",
+    "check_flaw_hunt",
     "check_attention_flops",
     "check_roofline",
+    "check_programs_per_sm",
     "check_tiled_backward",
     "check_flash_backward",
     "check_on_cpu",

@@ -1,9 +1,11 @@
 """Checks for lesson 06 (measuring performance): counting FLOPs, the roofline.
 
-Both exercises are small formulas, so the checks grade them on many fixed
+The exercises are small formulas, so the checks grade them on many fixed
 and random cases at once and recognise the usual slips: a causal count not
 halved, one matmul counted instead of two, a missing batch or head factor,
-the roofline's ``min`` written as ``max``, GB/s not turned into TFLOP/s.
+the roofline's ``min`` written as ``max``, GB/s not turned into TFLOP/s; and,
+for the programs that fit on one SM, a forgotten reservation, rounding or
+limit, checked first on the compile statistics recorded on the H200.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 
 from .core import Diagnosis, Run
 
-__all__ = ["check_attention_flops", "check_roofline"]
+__all__ = ["check_attention_flops", "check_roofline", "check_programs_per_sm", "H200", "RECORDED_COMPILES"]
 
 
 def _number(run: Run, out, case: str) -> float:
@@ -109,5 +111,115 @@ def check_roofline(fn, *, seed=None):
         Diagnosis("this always returns the peak: below the ridge point the bandwidth is the limit.", expected=p),
     ]
     run.compare(got, want, case="the roofline cases", what="the attainable TFLOP/s", atol=1e-9, rtol=1e-9,
+                diagnoses=diagnoses, axes=("case",))
+    return run.passed()
+
+
+# --------------------------------------------------------------------------- #
+# How many programs fit on one SM
+# --------------------------------------------------------------------------- #
+# An H200 (sm_90) SM, from NVIDIA's CUDA programming guide (compute capability 9.0).
+H200 = dict(
+    registers=65536,  # 32-bit registers per SM
+    register_granularity=8,  # registers per thread are allocated in multiples of 8 (256 per warp)
+    max_registers_per_thread=255,
+    shared_kib=228,  # shared memory per SM
+    max_shared_kib_per_program=227,
+    reserved_kib_per_program=1,  # the system reserves 1 KiB of shared memory per resident program
+    max_warps=64,  # resident warps per SM (2048 threads)
+    max_programs=32,  # resident thread blocks per SM
+)
+
+# Compile statistics of the fast kernel recorded on the H200 by benchmarks/tune_fast.py
+# (results/tune_fast.json, N = 4096): (configuration, registers per thread, num_warps, shared KiB).
+RECORDED_COMPILES = (
+    ("128x128 w8 s2 kv-grouped", 190, 8, 161),
+    ("128x128 w8 s3 kv-grouped", 190, 8, 225),
+    ("128x128 w8 s3", 219, 8, 225),
+    ("128x64 w8 s2 kv-grouped", 146, 8, 96),
+    ("256x64 w8 s2 kv-grouped", 255, 8, 128),
+    ("128x64 w4 s2 kv-grouped", 255, 4, 96),
+    ("128x64 w4 s3 kv-grouped", 255, 4, 129),
+    ("128x32 w4 s3 kv-grouped", 225, 4, 80),
+    ("64x64 w4 s2 kv-grouped", 139, 4, 81),
+    ("64x64 w4 s3 kv-grouped", 139, 4, 113),
+    ("128x128 w8 s2+pipe kv-grouped", 255, 8, 192),
+    ("128x64 w8 s3+pipe kv-grouped", 157, 8, 144),
+    ("64x64 w4 s2+pipe kv-grouped", 168, 4, 96),
+)
+
+
+def programs_per_sm(registers_per_thread, num_warps, shared_kib, *, reserve=True, round_registers=True,
+                    warp_limit=True, combine=min):
+    """The H200's occupancy rule (the ``reserve``/``round_registers``/``warp_limit``/``combine``
+    switches make the known mistakes, for the diagnoses)."""
+    regs = int(registers_per_thread)
+    if regs > H200["max_registers_per_thread"] or shared_kib > H200["max_shared_kib_per_program"]:
+        return 0
+    g = H200["register_granularity"]
+    if round_registers:
+        regs = -(-regs // g) * g
+    by_regs = H200["registers"] // (regs * 32 * num_warps)
+    by_smem = H200["shared_kib"] // (shared_kib + (H200["reserved_kib_per_program"] if reserve else 0))
+    limits = [by_regs, by_smem, H200["max_programs"]]
+    if warp_limit:
+        limits.append(H200["max_warps"] // num_warps)
+    return int(combine(limits[:2])) if combine is max else int(min(limits))
+
+
+def check_programs_per_sm(fn, *, seed=None):
+    """Grade ``fn(registers_per_thread, num_warps, shared_kib) -> programs per SM`` on an H200.
+
+    The fewest of: the register file (65,536 registers; registers per thread
+    rounded up to a multiple of 8, 32 threads per warp), shared memory (228
+    KiB, plus 1 KiB reserved per program), 64 warps and 32 programs; 0 when
+    one program alone asks for more than 255 registers per thread or 227 KiB.
+    First the compile statistics recorded on the H200, then random ones.
+    """
+    __tracebackhide__ = True
+    run = Run("check_programs_per_sm", seed)
+    cases = [(r, w, s, name + " (recorded on the H200)") for name, r, w, s in RECORDED_COMPILES]
+    cases += [(16, 8, 1, "a tiny program"), (85, 1, 4, "registers just past a multiple of 8"),
+              (64, 2, 114, "half of the shared memory"), (255, 4, 228, "more shared memory than one program may use"),
+              (300, 1, 16, "more registers than a thread may have")]
+    for _ in range(14):
+        r = int(run.rng.integers(16, 256))
+        w = int(run.rng.choice([1, 2, 4, 8, 16]))
+        s = int(run.rng.integers(1, 228))
+        cases.append((r, w, s, "random"))
+    got, names = [], []
+    for r, w, s, what in cases:
+        case = f"registers_per_thread={r}, num_warps={w}, shared_kib={s} ({what})"
+        out = _number(run, run.call(fn, r, w, s, case=case), case)
+        got.append(out)
+        names.append(case)
+    got = np.array(got)
+    args = [(r, w, s) for r, w, s, _ in cases]
+
+    def rule(**kw):
+        return np.array([programs_per_sm(*a, **kw) for a in args], dtype=float)
+
+    want = rule()
+    diagnoses = [
+        Diagnosis("this is the most programs any one resource allows: the SM holds only as many as the "
+                  "scarcest resource lets in, so take the min of the limits.", expected=rule(combine=max)),
+        Diagnosis("the 1 KiB of shared memory the system reserves for every resident program is missing: "
+                  "228 // (shared_kib + 1).", expected=rule(reserve=False)),
+        Diagnosis("registers are allocated per thread in multiples of 8: round registers_per_thread up to a "
+                  "multiple of 8 before multiplying by the threads (32 x num_warps).",
+                  expected=rule(round_registers=False)),
+        Diagnosis("the resident-warp limit is missing: an SM holds at most 64 warps, so small programs "
+                  "stop at 64 // num_warps.", expected=rule(warp_limit=False)),
+        Diagnosis("registers were counted per warp, not per thread: a program holds "
+                  "registers_per_thread x 32 x num_warps of the 65,536.",
+                  expected=np.array([min(65536 // (-(-r // 8) * 8 * w), 228 // (s + 1), 64 // w, 32)
+                                     if r <= 255 and s <= 227 else 0 for r, w, s in args], dtype=float)),
+        Diagnosis("a program that needs more than 227 KiB of shared memory (or 255 registers per thread) "
+                  "cannot launch at all: return 0 for it.",
+                  when=lambda a: bool(np.any(a[np.array([r > 255 or s > 227 for r, _, s in args])] != 0))),
+    ]
+    bad = got != want
+    first = int(np.argmax(bad)) if bad.any() else 0
+    run.compare(got, want, case=names[first] if bad.any() else "all", what="programs per SM", atol=0, rtol=0,
                 diagnoses=diagnoses, axes=("case",))
     return run.passed()

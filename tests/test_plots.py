@@ -1,0 +1,43 @@
+"""The pictures' data: who owns which tile, which addresses a 2-D load reads; the drawings run."""
+
+import course_utils  # noqa: F401
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from course_utils import plots  # noqa: E402
+
+
+def test_backward_owners_give_every_computed_tile_one_owner_per_pass():
+    dkdv, dq = plots.backward_owners(256, 64, 32, causal=True)
+    states = plots.tile_states(256, 256, 64, 32, causal=True)
+    computed = states != plots.SKIPPED
+    assert (dkdv >= 0).tolist() == computed.tolist() and (dq >= 0).tolist() == computed.tolist()
+    rows, cols = np.nonzero(computed)
+    assert (dkdv[rows, cols] == cols).all() and (dq[rows, cols] == rows).all()
+    # Causal: the dK/dV program of the last key block sees only the last query block.
+    assert (dkdv[:, -1] >= 0).sum() == 1 and (dq[-1] >= 0).all()
+
+
+def test_tile_addresses_are_row_times_stride_plus_column_with_a_mask_at_the_edges():
+    offs, mask = plots.tile_addresses(2, 4, 4, 4, row_stride=10, n_rows=5, n_cols=7)
+    assert offs[0].tolist() == [24, 25, 26, 27] and offs[:, 0].tolist() == [24, 34, 44, 54]
+    assert mask.tolist() == [[r < 5 and c < 7 for c in range(4, 8)] for r in range(2, 6)]
+
+
+def test_gqa_groups_refuse_a_head_count_that_does_not_divide():
+    with pytest.raises(ValueError):
+        plots.plot_gqa_groups(6, 4)
+
+
+def test_pictures_draw():
+    fig, axes = plt.subplots(2, 3)
+    assert plots.plot_program_tiles(64, 16, 16, ax=axes[0, 0]) is axes[0, 0]
+    assert plots.plot_gqa_groups(8, 2, ax=axes[0, 1]) is axes[0, 1]
+    assert plots.plot_tile_addresses(0, 0, 2, 4, 6, 3, 5, ax=axes[0, 2]) is axes[0, 2]
+    assert list(plots.plot_backward_passes(128, 32, 32, axes=axes[1, :2])) == list(axes[1, :2])
+    plt.close(fig)
