@@ -1,10 +1,10 @@
-"""course_utils.bench_decode without a GPU: the message, the byte count, the tables, the ceiling kernel."""
+"""course_utils.bench decode without a GPU: the message, the byte count, the tables, the ceiling kernel."""
 
 import course_utils  # noqa: F401  (before triton)
 
 import torch
 
-from course_utils import bench_decode as bd
+from course_utils.bench import decode as bd
 
 
 def test_main_without_gpu_says_so_and_exits_zero(monkeypatch, capsys, tmp_path):
@@ -72,7 +72,7 @@ def test_one_point_end_to_end_in_the_interpreter(monkeypatch, tmp_path):
     import triton.testing
 
     if course_utils.DEVICE != "cpu":
-        return  # on a GPU the real command runs (python -m course_utils.bench_decode)
+        return  # on a GPU the real command runs (python -m course_utils.bench decode)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.5)[1])
     log = []
     rows = bd.measure_point(1, 64, ("course", "course_paged", "sdpa_flash", "sdpa_cudnn", "ceiling"), log=log.append,

@@ -1,6 +1,6 @@
-"""course_utils.bench_window without a GPU: the case list, the pair count, the writers, the no-GPU path.
+"""course_utils.bench.window without a GPU: the case list, the pair count, the writers, the no-GPU path.
 
-The timing itself needs a GPU (the lead runs `python -m course_utils.bench_window` on the H200).
+The timing itself needs a GPU (the lead runs `python -m course_utils.bench window` on the H200).
 """
 
 import json
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from course_utils import bench, bench_window, references
+from course_utils import bench, references
+from course_utils.bench import window as bench_window
 
 
 def test_sweep_is_the_issues_sweep():

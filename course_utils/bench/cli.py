@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 import json
 from pathlib import Path
@@ -22,7 +23,8 @@ def _package():
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m course_utils.bench", description=_package().__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m course_utils.bench", description=_package().__doc__.split("\n\n")[0],
+                                epilog="Other sweeps: " + "; ".join(f"`python -m course_utils.bench {k}` ({v})" for k, v in SUBCOMMANDS.items()))
     p.add_argument("--out", default=str(RESULTS_DIR), help="folder for the CSV/JSON/markdown/PNG (default: results/)")
     p.add_argument("--causal", dest="causal", action="store_true", default=None, help="causal mask (one custom case)")
     p.add_argument("--no-causal", dest="causal", action="store_false", help="no mask (one custom case)")
@@ -59,7 +61,16 @@ def cases_from_args(args) -> list[Case]:
     return [dataclasses.replace(c, ns=ns, tokens=args.tokens or c.tokens) for c in suite]
 
 
+SUBCOMMANDS = {"window": "lesson 08: sliding window and sinks vs FlexAttention",
+               "decode": "lesson 09: decoding over a KV cache, GB/s of cache read"}
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:  # python -m course_utils.bench window|decode ...
+        import importlib
+
+        return importlib.import_module(f"{__package__}.{argv[0]}").main(argv[1:])
     args = _parse(argv)
     if args.replot:
         doc = load_results(Path(args.replot) / f"{STEM}.json")

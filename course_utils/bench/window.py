@@ -1,6 +1,6 @@
 """GPU benchmark of lesson 08: sliding-window attention with sinks, against FlexAttention.
 
-``python -m course_utils.bench_window`` times, on one GPU, in one run:
+``python -m course_utils.bench window`` times, on one GPU, in one run:
 
 - ``course``: ``course_utils.kernels.flash_attention`` / ``flash_attention_with_lse``
   with ``causal=True, window_size=W, sink_size=S`` (lesson 08's kernels);
@@ -36,7 +36,7 @@ import math
 import sys
 from pathlib import Path
 
-from .bench import BACKWARD_FLOP_FACTOR, environment_info, gpu_available, is_oom, tflops
+from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available, is_oom, tflops
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "results"
@@ -54,7 +54,7 @@ PROVIDERS = ("course", "flex", "sdpa_mask")
 LABELS = {"course": "course (lesson 08)", "flex": "FlexAttention", "sdpa_mask": "SDPA + bool mask",
           "causal": "course, plain causal"}
 NO_GPU_MESSAGE = (
-    "No CUDA GPU here, so there is nothing to time: run `python -m course_utils.bench_window` on a GPU "
+    "No CUDA GPU here, so there is nothing to time: run `python -m course_utils.bench window` on a GPU "
     "machine (it writes results/window_bench.md)."
 )
 
@@ -153,11 +153,11 @@ def make_forward(name: str, q, k, v, case: WindowCase):
 
     w, s, n = case.window_size, case.sink_size, case.n
     if name == "course":
-        from .kernels import flash_attention_with_lse
+        from ..kernels import flash_attention_with_lse
 
         return lambda: flash_attention_with_lse(q, k, v, True, window_size=w, sink_size=s)
     if name == "causal":
-        from .kernels import flash_attention_with_lse
+        from ..kernels import flash_attention_with_lse
 
         return lambda: flash_attention_with_lse(q, k, v, True)
     if name == "flex":
@@ -184,7 +184,7 @@ def make_forward(name: str, q, k, v, case: WindowCase):
 def make_training_step(name: str, q, k, v, do, case: WindowCase):
     """A zero-argument callable: forward then backward with ``do``; returns ``(o, dq, dk, dv)``."""
     if name in ("course", "causal"):
-        from .kernels import flash_attention
+        from ..kernels import flash_attention
 
         window = dict(window_size=case.window_size, sink_size=case.sink_size) if name == "course" else {}
 
@@ -553,7 +553,7 @@ def write_results(rows: list[dict], out_dir: Path, info: dict | None = None) -> 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_utils.bench_window", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m course_utils.bench window", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where to write window_bench.* (results/)")
     parser.add_argument("--quick", action="store_true", help="W=1024, N in {8k, 32k} only, shorter timing")
     parser.add_argument("--windows", type=int, nargs="+", default=None)

@@ -1,6 +1,6 @@
 """The decoding benchmark (lesson 09): GB/s of KV cache read, against a ceiling measured in the same run.
 
-``python -m course_utils.bench_decode`` (GPU only) times one decoding step,
+``python -m course_utils.bench decode`` (GPU only) times one decoding step,
 bf16, 32 query heads sharing 8 kv heads, D = 128, one new token per sequence
 (T = 1), over a grid of batch sizes (1 to 64) and context lengths (1k to
 128k; points whose K + V caches would pass ``--max-cache-gib`` are left
@@ -57,7 +57,7 @@ LABELS = {"course": "course", "course_paged": "course, paged", "sdpa_flash": "SD
           "sdpa_efficient": "SDPA mem-efficient", "flex": "FlexAttention", "ceiling": "read ceiling"}
 TOLERANCE = 2e-2  # relative error (norm) allowed against the float32 reference
 NO_GPU_MESSAGE = (
-    "No CUDA GPU here, so there is nothing to time: run `python -m course_utils.bench_decode` "
+    "No CUDA GPU here, so there is nothing to time: run `python -m course_utils.bench decode` "
     "on a GPU machine (the recorded results are in results/decode_bench.md)."
 )
 
@@ -154,7 +154,7 @@ def make_provider(name: str, q, k, v, seqlens):
     import torch.nn.functional as F
 
     if name == "course":
-        from .kernels import decode
+        from ..kernels import decode
 
         out = decode.decode_attention(q, k, v, seqlens)  # the checked call (raises on bad input)
         B, Hq, T, D = q.shape
@@ -165,7 +165,7 @@ def make_provider(name: str, q, k, v, seqlens):
         del out
         return (lambda: decode.launch_decode(q, k, v, seqlens)), f"num_splits={splits}"
     if name == "course_paged":
-        from .kernels import decode
+        from ..kernels import decode
 
         if cache_bytes(k.shape[0], k.shape[2], element_size=k.element_size()) > PAGED_MAX_GIB * 2**30:
             raise RuntimeError(f"caches over {PAGED_MAX_GIB:g} GiB are not copied into pages")
@@ -336,7 +336,7 @@ def markdown(rows: list[dict], info: dict) -> str:
         f"cuDNN {info.get('cudnn', '?')}, {info.get('date', '?')}); bf16, {N_Q_HEADS} query heads / "
         f"{N_KV_HEADS} kv heads, D = {HEAD_DIM}, one new token per sequence, every sequence at the full "
         "context. GB/s = bytes of K and V cache read / median time (`triton.testing.do_bench`, L2 flushed); "
-        "each output checked against a float32 reference first. `python -m course_utils.bench_decode`.",
+        "each output checked against a float32 reference first. `python -m course_utils.bench decode`.",
         "",
         "| B | context | course GB/s | SDPA best GB/s (backend) | FlexAttention GB/s | read ceiling GB/s "
         "| course / SDPA best | course / ceiling | course / Flex | splits | course, paged GB/s |",
@@ -390,7 +390,7 @@ def target_checks(lines: list[dict]) -> list[str]:
 
 
 def environment_info() -> dict:
-    from .bench import environment_info as info
+    from . import environment_info as info
 
     return info()
 
@@ -405,7 +405,7 @@ def write_results(rows, out_dir: Path, info: dict) -> dict:
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m course_utils.bench_decode", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m course_utils.bench decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where to write decode_bench.{md,json}")
     p.add_argument("--max-cache-gib", type=float, default=16.0,
                    help="leave out points whose K + V caches pass this size (default 16)")
