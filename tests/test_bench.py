@@ -27,7 +27,7 @@ def test_main_without_gpu_says_so_and_exits_zero(monkeypatch, capsys, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this checks the no-GPU path of the command line")
+@pytest.mark.interpreter("this checks the no-GPU path of the command line")
 def test_module_command_without_gpu():
     res = subprocess.run([sys.executable, "-m", "course_utils.bench", "--quick"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

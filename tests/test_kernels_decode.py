@@ -169,7 +169,7 @@ def test_notebook_kernels_are_the_module_kernels():
 
 
 # -- compiled on a GPU: realistic shapes in bf16, the automatic split count --------------
-@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 and long caches need the compiled kernels (a GPU)")
+@pytest.mark.gpu("bf16 and long caches need the compiled kernels (a GPU)")
 @pytest.mark.parametrize("t,page_size", [(1, None), (4, None), (1, 16), (3, 64)])
 def test_gpu_bf16_long_ragged_caches(t, page_size):
     b, hq, hkv, d, n_max = 3, 32, 8, 128, 5000

@@ -190,6 +190,9 @@ def test_block_config_per_machine():
             size = 4 if dtype == torch.float32 else 2
             smem = (cfg["BLOCK_M"] + 2 * cfg["num_stages"] * cfg["BLOCK_N"]) * d_pad * size
             assert smem <= 228 * 1024, (d, dtype, cfg, smem)
+            # Colab's T4 (sm_75): one stage (no asynchronous copies), tiles within its 64 KiB
+            t4 = forward.block_config(d, dtype, torch.device("cuda"), capability=(7, 5))
+            assert t4["num_stages"] == 1 and (t4["BLOCK_M"] + 2 * t4["BLOCK_N"]) * d_pad * size <= 64 * 1024, (d, dtype, t4)
 
 
 # -- one copy of each kernel ---------------------------------------------------

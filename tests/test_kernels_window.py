@@ -295,7 +295,7 @@ def _tiles(calls, step):
     return seen
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="records the loops in Triton's interpreter")
+@pytest.mark.interpreter("records the loops in Triton's interpreter")
 @pytest.mark.parametrize("n,w,s", [(200, 40, 5), (150, 1, 0), (130, 100, 70)])
 def test_forward_and_dq_visit_exactly_the_visible_tiles(monkeypatch, n, w, s):
     """Every tile holding a visible pair is visited once, no other; only full tiles skip the mask."""
@@ -320,7 +320,7 @@ def test_forward_and_dq_visit_exactly_the_visible_tiles(monkeypatch, n, w, s):
     assert all(got[t] or want[t] == course_utils.plots.FULL for t in got)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="records the loops in Triton's interpreter")
+@pytest.mark.interpreter("records the loops in Triton's interpreter")
 @pytest.mark.parametrize("n,w,s", [(200, 40, 5), (130, 9, 70)])
 def test_dkdv_visits_exactly_the_query_blocks_that_see_its_keys(monkeypatch, n, w, s):
     block_m, block_n = 16, 32  # the dK/dV kernel: key blocks of 32, query blocks of 16

@@ -504,7 +504,7 @@ def _interpreted(device: torch.device) -> bool:
 def _capability(device: torch.device) -> tuple[int, int] | None:
     """``(major, minor)`` of a CUDA device; None on the CPU. (course_utils.kernels.targets
     replaces it to compile for a GPU that is not here.)"""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return tuple(torch.cuda.get_device_capability(device))
 
@@ -570,7 +570,8 @@ def validate(q, k, v) -> None:
                          "(or import course_utils before triton on a machine without one).")
 
 
-def block_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+def block_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capability: tuple[int, int] | None = None) -> dict:
     """Block sizes and launch options for a head dim and dtype.
 
     In the CPU interpreter programs run one after another and every step of
@@ -587,14 +588,17 @@ def block_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dic
     if _interpreted(device):
         return dict(BLOCK_M=64, BLOCK_N=32)
     d_pad = triton.next_power_of_2(head_dim)
-    capability = _capability(device)
+    capability = capability or _capability(device)
     if capability is not None and capability < (8, 0):
         # Turing (Colab's T4): 64 KiB of shared memory per block and no asynchronous
         # copies, so no multi-stage pipeline; smaller tiles (checked by compiling for
         # sm_75: python -m course_utils.kernels.targets).
-        if d_pad <= 64 and dtype != torch.float32:
+        row_bytes = d_pad * (4 if dtype == torch.float32 else 2)
+        if row_bytes <= 128:
             return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1)
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+        if row_bytes <= 256:
+            return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         if d_pad <= 64:
             return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
