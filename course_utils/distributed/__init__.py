@@ -44,6 +44,7 @@ import socket
 import sys
 import tempfile
 import textwrap
+import time
 import types
 
 import numpy as np
@@ -529,7 +530,7 @@ def _child_environment(device: str):
         apply_safe_env()
 
 
-def _worker(rank, world_size, device, port, out_dir, fn, args):
+def _worker(rank, world_size, device, port, out_dir, fn, args, timeout_s=None):
     """The entry point of every spawned process (importable, so spawn can find it)."""
     apply_safe_env()
     if device == "cpu":
@@ -545,6 +546,10 @@ def _worker(rank, world_size, device, port, out_dir, fn, args):
         torch.cuda.set_device(rank)
         backend = "nccl"
     kwargs = {}
+    if timeout_s:
+        import datetime
+
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if device != "cpu":
         kwargs["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -553,12 +558,11 @@ def _worker(rank, world_size, device, port, out_dir, fn, args):
         result = _unwrap(fn)(rank, world_size, *args)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
-        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run_distributed(fn, nproc: int = 2, args=(), *, device: str = "cpu"):
+def run_distributed(fn, nproc: int = 2, args=(), *, device: str = "cpu", timeout_s: float | None = None):
     """Run ``fn(rank, world_size, *args)`` in ``nproc`` new processes; return their results.
 
     ``device="cpu"``: gloo, tensors on the CPU, Triton in its interpreter
@@ -567,7 +571,9 @@ def run_distributed(fn, nproc: int = 2, args=(), *, device: str = "cpu"):
     runs and destroyed after. ``fn`` must be importable (defined in a module),
     or defined in a notebook (then it travels as source, see
     :class:`_ShippedFunction`). Results must be picklable; a failure in any
-    process raises here with its traceback.
+    process raises here with its traceback. ``timeout_s`` bounds the whole
+    run (the processes are stopped and ``TimeoutError`` raised) and each
+    communication (the process group's timeout).
     """
     import torch.multiprocessing as mp
 
@@ -575,8 +581,18 @@ def run_distributed(fn, nproc: int = 2, args=(), *, device: str = "cpu"):
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}.")
     apply_safe_env()
     with tempfile.TemporaryDirectory(prefix="ring_") as out_dir, _child_environment(device):
-        mp.start_processes(_worker, args=(nproc, device, _free_port(), out_dir, portable(fn), tuple(args)),
-                           nprocs=nproc, join=True, start_method="spawn")
+        context = mp.start_processes(
+            _worker, args=(nproc, device, _free_port(), out_dir, portable(fn), tuple(args), timeout_s),
+            nprocs=nproc, join=False, start_method="spawn")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not context.join(timeout=0.5):
+            if deadline is not None and time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                for process in context.processes:
+                    process.join()
+                raise TimeoutError(f"the {nproc} processes did not finish within {timeout_s:g} s and were stopped.")
         results = []
         for rank in range(nproc):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:

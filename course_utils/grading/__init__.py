@@ -16,6 +16,7 @@ from .part2_basics import check_triton_softmax
 from .part2_triton import check_kv_head, check_flash_forward, check_flash_gqa
 from .part3_performance import check_attention_flops, check_roofline
 from .part4_backward import check_tiled_backward, check_flash_backward
+from .part6_ring import check_ring_simulation, check_ring_attention
 
 __all__ = [
     "GradingError",
@@ -33,4 +34,6 @@ __all__ = [
     "check_roofline",
     "check_tiled_backward",
     "check_flash_backward",
+    "check_ring_simulation",
+    "check_ring_attention",
 ]
