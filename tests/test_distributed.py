@@ -1,0 +1,118 @@
+"""course_utils.distributed: layouts, the merge, and ring attention on 2 and 4 gloo processes.
+
+The process tests start real processes (spawn, gloo, Triton's interpreter on
+the CPU) and compare the ring's o, dq, dk, dv with float64 single-process
+attention. Starting processes and importing torch in each is most of their
+cost, so each test runs several cases in one process group.
+"""
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+
+import numpy as np
+import pytest
+import torch
+
+from course_utils import distributed as ring
+from course_utils import references as ref
+
+
+# -----------------------------------------------------------------------------
+# Layouts
+# -----------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(layout, world):
+    n = ring.n_chunks(world, layout) * 3
+    x = torch.arange(2 * 3 * n * 4, dtype=torch.float32).reshape(2, 3, n, 4)
+    shards = [ring.shard_sequence(x, r, world, layout) for r in range(world)]
+    assert all(s.shape == (2, 3, n // world, 4) for s in shards)
+    torch.testing.assert_close(ring.unshard_sequence(shards, world, layout), x, rtol=0, atol=0)
+    # NumPy, sequence on axis -2, and a [..., N] array on axis -1
+    a = x.numpy()
+    shards = [ring.shard_sequence(a, r, world, layout, dim=-2) for r in range(world)]
+    np.testing.assert_array_equal(ring.unshard_sequence(shards, layout=layout, dim=-2), a)
+    lse = a[..., 0]
+    shards = [ring.shard_sequence(lse, r, world, layout, dim=-1) for r in range(world)]
+    np.testing.assert_array_equal(ring.unshard_sequence(shards, layout=layout, dim=-1), lse)
+
+
+def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
+    positions = np.arange(16)  # 2 ranks -> 4 chunks of 4
+    assert ring.shard_sequence(positions, 0, 2, "zigzag", dim=0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert ring.shard_sequence(positions, 1, 2, "zigzag", dim=0).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert ring.shard_sequence(positions, 1, 2, "contiguous", dim=0).tolist() == list(range(8, 16))
+    assert ring.chunk_ids(1, 4, "zigzag") == [1, 6]
+
+
+def test_bad_lengths_and_layouts_are_refused():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ring.shard_sequence(torch.zeros(1, 1, 10, 4), 0, 2, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        ring.shard_sequence(torch.zeros(1, 1, 8, 4), 0, 2, "striped")
+    with pytest.raises(ValueError, match="shards"):
+        ring.unshard_sequence([torch.zeros(1, 1, 4, 4)] * 2, world_size=3)
+
+
+def test_step_plan_and_causal_relations():
+    assert ring.block_relation(2, 1, True) == "full"
+    assert ring.block_relation(1, 1, True) == "diagonal"
+    assert ring.block_relation(1, 2, True) == "skip"
+    assert ring.block_relation(1, 2, False) == "full"
+    # zigzag, 2 ranks: rank 0 holds chunks 0, 3; rank 1 holds 1, 2
+    assert ring.step_plan(0, 1, 2, "zigzag", True) == [(1, 0, "full"), (1, 1, "full")]
+    assert ring.step_plan(1, 0, 2, "zigzag", True) == [(0, 0, "full"), (1, 0, "full")]
+    assert ring.step_plan(1, 1, 2, "zigzag", True) == [(None, None, "diagonal")]
+    assert ring.step_plan(0, 1, 2, "contiguous", True) == []
+    assert ring.step_plan(0, 1, 2, "contiguous", False) == [(None, None, "full")]
+
+
+def test_tile_work_is_balanced_by_zigzag_only():
+    contiguous = ring.tile_work(64, 4, "contiguous", block=4)
+    zigzag = ring.tile_work(64, 4, "zigzag", block=4)
+    # 16 tiles a side, 4 per chunk: rank r sees r full chunks (16 tiles each) and its diagonal one (10)
+    np.testing.assert_allclose(contiguous, [10, 26, 42, 58])
+    np.testing.assert_allclose(zigzag, [34, 34, 34, 34])
+    assert contiguous.sum() == zigzag.sum() == 16 * 17 / 2
+
+
+def test_merge_of_two_key_blocks_equals_attention_over_both():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 6, 8)) * 4 for _ in range(3))
+    o_a, lse_a = ref.attention_lse(q, k[:, :4], v[:, :4])
+    o_b, lse_b = ref.attention_lse(q, k[:, 4:], v[:, 4:])
+    acc = torch.zeros(2, 6, 8)
+    lse = torch.full((2, 6), -float("inf"))
+    for o_x, lse_x in ((o_a, lse_a), (o_b, lse_b)):
+        ring.merge_partials_(acc, lse, torch.from_numpy(o_x).float(), torch.from_numpy(lse_x).float())
+    o_right, lse_right = ref.attention_lse(q, k, v)
+    np.testing.assert_allclose(acc.numpy(), o_right, atol=1e-5)
+    np.testing.assert_allclose(lse.numpy(), lse_right, atol=1e-5)
+
+
+def test_every_process_gets_the_no_multicast_environment():
+    import os
+
+    for name, value in ring.SAFE_ENV.items():
+        assert os.environ[name] == value
+
+
+# -----------------------------------------------------------------------------
+# Real processes
+# -----------------------------------------------------------------------------
+def _run_and_compare(world, cases):
+    results = ring.run_distributed(ring.demo_cases, world, args=(cases,), device="cpu", timeout_s=300)
+    for index, case in enumerate(cases):
+        errors = ring.demo_errors([r[index] for r in results], world, **case)
+        assert max(errors.values()) < 2e-5, (case, errors)
+
+
+def test_two_processes_forward_and_backward():
+    _run_and_compare(2, [
+        dict(n=64, d=32, n_q_heads=4, n_kv_heads=2, causal=True, layout="zigzag", seed=1),
+        dict(n=32, d=16, n_q_heads=2, n_kv_heads=2, causal=False, layout="contiguous", seed=2),
+        dict(n=32, d=16, n_q_heads=2, n_kv_heads=1, causal=True, layout="contiguous", seed=3),
+    ])
+
+
+def test_four_processes_forward_and_backward():
+    _run_and_compare(4, [dict(n=64, d=16, n_q_heads=2, n_kv_heads=1, causal=True, layout="zigzag", seed=4)])
