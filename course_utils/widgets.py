@@ -16,7 +16,7 @@ import numpy as np
 from . import plots
 from . import references as ref
 
-__all__ = ["attention_explorer", "online_softmax_stepper"]
+__all__ = ["attention_explorer", "online_softmax_stepper", "ring_stepper"]
 
 
 def _show(fig):
@@ -76,3 +76,24 @@ def online_softmax_stepper(x, block_size):
         _show(axes[0].figure)
 
     return interactive(show, step=IntSlider(value=1, min=1, max=n_blocks, description="blocks read"))
+
+
+def ring_stepper(world_size=4, *, causal=True):
+    """Step through ring attention: which K/V block each rank holds, and what it computes.
+
+    The slider picks the step; the check boxes switch between the zigzag and
+    the contiguous layout and the causal mask on and off. The picture is
+    :func:`course_utils.plots.plot_ring_step`.
+    """
+    from ipywidgets import Checkbox, IntSlider, interactive
+
+    def show(step, zigzag, causal):
+        axes = plots.plot_ring_step(world_size, step, "zigzag" if zigzag else "contiguous", causal)
+        _show(axes[0].figure)
+
+    return interactive(
+        show,
+        step=IntSlider(value=0, min=0, max=world_size - 1, description="ring step"),
+        zigzag=Checkbox(value=True, description="zigzag layout"),
+        causal=Checkbox(value=causal, description="causal mask"),
+    )
