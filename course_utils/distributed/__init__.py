@@ -540,7 +540,12 @@ def _worker(rank, world_size, device, port, out_dir, fn, args, timeout_s=None):
     import torch.distributed as dist
 
     if device == "cpu":
+        import warnings
+
         torch.set_num_threads(1)
+        # The interpreter computes exp2 of masked-out scores before the mask zeroes them:
+        # NumPy's overflow warnings there are noise, not errors.
+        warnings.filterwarnings("ignore", message="overflow encountered", category=RuntimeWarning)
         backend = "gloo"
     else:
         torch.cuda.set_device(rank)
