@@ -58,11 +58,12 @@ def numpy_checks():
         ("check_tiled_backward", g.check_tiled_backward, tiled_backward),
         ("check_attention_flops", g.check_attention_flops, lambda b, h, n, d, causal: 4 * b * h * n * n * d / (2 if causal else 1)),
         ("check_roofline", g.check_roofline, lambda i, peak, bw: min(peak, i * bw / 1000)),
+        ("check_ring_simulation", g.check_ring_simulation, g.part6_ring.simulate),
     ]
 
 
 def triton_checks():
-    from course_utils import grading, kernels
+    from course_utils import distributed, grading, kernels
 
     return [
         ("check_kv_head", grading.check_kv_head, lambda q_head, n_q, n_kv: q_head // (n_q // n_kv)),
@@ -70,6 +71,8 @@ def triton_checks():
         ("check_flash_forward", grading.check_flash_forward, kernels.flash_attention_forward),
         ("check_flash_gqa", grading.check_flash_gqa, lambda q, k, v: kernels.flash_attention_with_lse(q, k, v, causal=True)),
         ("check_flash_backward", grading.check_flash_backward, kernels.flash_attention),
+        # starts 2 processes (spawn, gloo): most of its time is importing torch in each
+        ("check_ring_attention", grading.check_ring_attention, distributed.ring_attention_forward),
     ]
 
 
