@@ -223,6 +223,23 @@ def step_plan(rank: int, src: int, world_size: int, layout: str, causal: bool) -
     return plan
 
 
+def _coalesce(plan):
+    """Join two "full" pairs that share a query chunk (or a key chunk) into one call.
+
+    The backward kernels take different query and key lengths, so in the
+    zigzag layout "all our queries against the block's first chunk" or "our
+    late chunk against the whole block" is one launch instead of two.
+    """
+    if len(plan) != 2 or any(kind != FULL for _, _, kind in plan):
+        return plan
+    (i0, j0, _), (i1, j1, _) = plan
+    if j0 == j1 and {i0, i1} == {0, 1}:
+        return [(None, j0, FULL)]
+    if i0 == i1 and {j0, j1} == {0, 1}:
+        return [(i0, None, FULL)]
+    return plan
+
+
 def tile_work(n: int, world_size: int, layout: str, block: int, causal: bool = True) -> np.ndarray:
     """Tiles of ``block x block`` each rank computes over the whole ring: ``[world_size]`` floats.
 
@@ -374,7 +391,7 @@ def ring_attention_backward(do, q, k, v, o, lse, causal=False, *, layout="zigzag
             kv_requests = _exchange(kv, kv_next, nxt, prv, group, _TAG_KV)
         src = (rank - step) % world
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        for i, j, kind in step_plan(rank, src, world, layout, causal):
+        for i, j, kind in _coalesce(step_plan(rank, src, world, layout, causal)):
             qs, ks = _chunk_slice(i, chunk_len), _chunk_slice(j, chunk_len)
             dq_b, dk_b, dv_b = attention_backward(_sel(q, qs), _sel(kv[0], ks), _sel(kv[1], ks), _sel(o, qs),
                                                   _sel(lse, qs), _sel(do, qs), causal=(kind == DIAGONAL))
@@ -609,25 +626,25 @@ def run_distributed(fn, nproc: int = 2, args=(), *, device: str = "cpu", timeout
 # The demo: ring attention against single-process attention
 # -----------------------------------------------------------------------------
 def demo_case(rank, world_size, n=128, d=32, n_q_heads=4, n_kv_heads=2, causal=True, layout="zigzag",
-              seed=0, dtype_name=None):
+              seed=0, dtype_name="float32", group=None):
     """Run on every rank: ring attention forward and backward on this rank's shards.
 
-    Every rank draws the same full ``q, k, v, do`` from ``seed``, keeps its
-    shards, and returns NumPy float64 copies of ``o, dq, dk, dv`` for its
-    shard (the launcher unshards and compares). ``dtype_name`` defaults to the
-    course's dtype for the device (fp32 on the CPU).
+    Every rank draws the same full ``q, k, v, do`` from ``seed`` (rounded to
+    ``dtype_name``), keeps its shards, and returns NumPy float64 copies of
+    ``o, dq, dk, dv`` for its shard (:func:`demo_errors` unshards and
+    compares). ``rank``/``world_size`` are the ones within ``group``.
     """
     import torch
 
     import course_utils
 
-    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-    dtype = getattr(torch, dtype_name) if dtype_name else (course_utils.ENV.dtype if device == "cuda" else torch.float32)
+    device = course_utils.DEVICE
+    dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(seed)
-    full = [torch.randn((1, h, n, d), generator=g) for h in (n_q_heads, n_kv_heads, n_kv_heads, n_q_heads)]
-    q, k, v, do = (shard_sequence(t, rank, world_size, layout).to(device, dtype) for t in full)
+    full = [torch.randn((1, h, n, d), generator=g).to(dtype) for h in (n_q_heads, n_kv_heads, n_kv_heads, n_q_heads)]
+    q, k, v, do = (shard_sequence(t, rank, world_size, layout).to(device) for t in full)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    o = ring_attention(q, k, v, causal, layout=layout)
+    o = ring_attention(q, k, v, causal, layout=layout, group=group)
     o.backward(do)
     return [t.detach().double().cpu().numpy() for t in (o, q.grad, k.grad, v.grad)]
 
@@ -637,15 +654,20 @@ def demo_cases(rank, world_size, cases):
     return [demo_case(rank, world_size, **case) for case in cases]
 
 
-def demo_errors(results, world_size, n=128, d=32, n_q_heads=4, n_kv_heads=2, causal=True, layout="zigzag", seed=0):
-    """Largest absolute errors of the ring's ``o, dq, dk, dv`` against float64 single-process attention."""
+def demo_errors(results, world_size, n=128, d=32, n_q_heads=4, n_kv_heads=2, causal=True, layout="zigzag", seed=0,
+                dtype_name="float32"):
+    """Largest absolute errors of the ring's ``o, dq, dk, dv`` against float64 single-process attention.
+
+    ``results``: what :func:`demo_case` returned on each rank, in rank order;
+    the other arguments: the case's (the same inputs are drawn again here).
+    """
     import torch
 
     from .. import references as ref
 
     g = torch.Generator().manual_seed(seed)
     full = [torch.randn((1, h, n, d), generator=g) for h in (n_q_heads, n_kv_heads, n_kv_heads, n_q_heads)]
-    q, k, v, do = (t.double().numpy() for t in full)
+    q, k, v, do = (t.to(getattr(torch, dtype_name)).double().numpy() for t in full)
     want = [ref.attention(q, k, v, causal=causal), *ref.attention_backward(q, k, v, do, causal=causal)]
     errors = {}
     for index, name in enumerate(("o", "dq", "dk", "dv")):
