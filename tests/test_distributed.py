@@ -138,3 +138,21 @@ def test_four_processes_forward_and_backward_and_subgroups():
     for members in ((0, 1), (2, 3)):
         errors = ring.demo_errors([results[m][1] for m in members], 2, **TWO_RINGS)
         assert max(errors.values()) < 2e-5, (members, errors)
+
+
+def test_bench_tables_say_what_was_measured_and_what_was_left_out(tmp_path):
+    from course_utils.distributed import bench
+
+    rows = [
+        dict(n=32768, reps=3, ring_fwd_ms=50.0, ring_fwd_bwd_ms=180.0, one_gpu_fwd_ms=95.0, one_gpu_fwd_bwd_ms=350.0,
+             torch_cp_fwd_ms=None, torch_cp_fwd_bwd_ms=None, torch_cp_note="context_parallel failed: X",
+             o_rel_err_vs_1gpu=1e-3),
+        dict(n=262144, reps=1, skipped="not run: predicted to end after the benchmark's 190 s budget"),
+    ]
+    text = bench.write_results(rows, 2, str(tmp_path), dict(gpu="H200", torch="2.11", triton="3.6", date="d"))
+    assert "| 32768 | fwd | 344,926 | 655,360 | 1.90× | — | — |" in text
+    assert "| 32768 | fwd+bwd | 93,623 | 182,044 | 1.94× |" in text
+    assert "context_parallel failed: X" in text and "262144 | — | not run" in text
+    assert (tmp_path / "ring_bench.json").exists() and (tmp_path / "ring_bench.md").read_text().strip() == text.strip()
+    for name, value in ring.SAFE_ENV.items():
+        assert f"{name}={value}" in text

@@ -356,7 +356,11 @@ def ring_attention_forward(q, k, v, causal=False, *, layout="zigzag", group=None
             qs, ks = _chunk_slice(i, chunk_len), _chunk_slice(j, chunk_len)
             o_b, lse_b = flash_attention_with_lse(_sel(q, qs), _sel(kv[0], ks), _sel(kv[1], ks),
                                                   causal=(kind == DIAGONAL))
-            merge_partials_(_sel(acc, qs), _sel(lse, qs), o_b, lse_b)
+            if step == 0 and qs is None:  # the first block of every row: nothing to merge with yet
+                acc.copy_(o_b)
+                lse.copy_(lse_b)
+            else:
+                merge_partials_(_sel(acc, qs), _sel(lse, qs), o_b, lse_b)
         for request in requests:
             request.wait()
         if requests:

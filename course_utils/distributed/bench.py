@@ -15,12 +15,15 @@ N = 32k..256k. For each N, in tokens per second (N / time):
 Forward alone, and forward + backward. Before timing, the ring's output is
 compared with the one-GPU output (N <= 128k) and its gradients at the
 smallest N. Results go to ``results/ring_bench.{md,json}``. The whole run is
-kept to about four minutes on two H200s: fewer repetitions at long N, and no
-new N is started after :data:`TIME_BUDGET_S`.
+kept to about four minutes on two H200s: fewer repetitions at long N, and a
+section (ring, one GPU, torch CP) is left out at an N where its cost,
+predicted from the previous N, would pass :data:`TIME_BUDGET_S` (the table
+says so). Autotuning the one-GPU forward at 256k alone takes about a minute.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -34,7 +37,7 @@ apply_safe_env()
 NS = (32768, 65536, 131072, 262144)
 QUICK_NS = (32768, 65536)
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, BATCH = 32, 8, 128, 1
-TIME_BUDGET_S = 170.0  # no new N after this many seconds of measuring
+TIME_BUDGET_S = 190.0  # seconds of measuring, after the processes started (spawn + NCCL set-up: ~20 s more)
 CHECK_UP_TO = 131072  # outputs compared with one GPU up to this N
 
 
@@ -130,93 +133,128 @@ def _torch_cp(q, k, v, do, world, reps):
         return None, None, f"context_parallel failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
+class _Budget:
+    """Decides, the same way on every rank, whether a section of the benchmark can still run.
+
+    A section's cost at N is predicted from its cost at the previous N, times
+    4 (attention's work grows like N squared) scaled by the repetitions; it
+    runs only if it should end before :data:`TIME_BUDGET_S`. Rank 0 decides
+    and broadcasts, so every rank takes the same branch.
+    """
+
+    def __init__(self):
+        self.began = time.perf_counter()
+        self.cost = {}  # section -> (n, seconds)
+
+    def allows(self, section, n):
+        import torch
+        import torch.distributed as dist
+
+        predicted = 0.0
+        if section in self.cost:
+            n_prev, seconds = self.cost[section]
+            predicted = seconds * (n / n_prev) ** 2 * (_reps(n) + 2) / (_reps(n_prev) + 2)
+        left = TIME_BUDGET_S - (time.perf_counter() - self.began)
+        verdict = torch.tensor([1.0 if predicted < left else 0.0], device="cuda")
+        dist.broadcast(verdict, 0)
+        return verdict.item() == 1.0, predicted
+
+    @contextlib.contextmanager
+    def section(self, name, n):
+        start = time.perf_counter()
+        yield
+        self.cost[name] = (n, time.perf_counter() - start)
+
+
 def bench_worker(rank, world, ns):
     """Runs on every rank (NCCL, one GPU each): the measurements for every N in ``ns``."""
     import torch
-    import torch.distributed as dist
 
     from .. import kernels
     from . import ring_attention
 
-    began = time.perf_counter()
+    budget = _Budget()
     rows = []
     for n in ns:
-        go = torch.tensor([1.0 if time.perf_counter() - began < TIME_BUDGET_S else 0.0], device="cuda")
-        dist.broadcast(go, 0)  # rank 0 decides, so every rank stops together
-        if go.item() == 0.0:
-            rows.append(dict(n=n, skipped=f"not run: the benchmark's {TIME_BUDGET_S:.0f} s budget was spent"))
-            continue
         reps = _reps(n)
         row = dict(n=n, reps=reps)
-        q, k, v, do = _inputs(n)
-        shards = [shard_sequence(t, rank, world, "zigzag").contiguous() for t in (q, k, v, do)]
-        ql, kl, vl, dol = shards
-
-        # -- correctness against one GPU ---------------------------------------
-        with torch.no_grad():
-            o_ring = ring_attention(ql, kl, vl, True)
-        if n <= CHECK_UP_TO:
-            o_full = _gather_unshard(o_ring, world)
-            if rank == 0:
-                with torch.no_grad():
-                    o_one = kernels.flash_attention(q, k, v, causal=True)
-                row["o_rel_err_vs_1gpu"] = _rel_err(o_full, o_one)
-                del o_one
-            del o_full
-        if n == ns[0]:
-            leaves = [t.detach().requires_grad_(True) for t in (ql, kl, vl)]
-            ring_attention(*leaves, True).backward(dol)
-            grads = [_gather_unshard(t.grad, world) for t in leaves]
-            if rank == 0:
-                full_leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-                kernels.flash_attention(*full_leaves, causal=True).backward(do)
-                for name, got, leaf in zip(("dq", "dk", "dv"), grads, full_leaves):
-                    row[f"{name}_rel_err_vs_1gpu"] = _rel_err(got, leaf.grad)
-                del full_leaves
-            del leaves, grads
-
-        # -- ring on every GPU ------------------------------------------------------
-        leaves = [t.detach().requires_grad_(True) for t in (ql, kl, vl)]
-
-        def ring_fwd():
-            with torch.no_grad():
-                ring_attention(ql, kl, vl, True)
-
-        def ring_fwd_bwd():
-            ring_attention(*leaves, True).backward(dol)
-
-        ring_fwd_bwd()  # warm-up (the forward kernel autotuned above)
-        row["ring_fwd_ms"] = _timed(ring_fwd, reps)
-        row["ring_fwd_bwd_ms"] = _timed(ring_fwd_bwd, reps)
-        del leaves
-
-        # -- one GPU, the whole sequence ------------------------------------------
-        one = rank == 0
-        full_leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-
-        def one_fwd():
-            with torch.no_grad():
-                kernels.flash_attention(q, k, v, causal=True)
-
-        def one_fwd_bwd():
-            kernels.flash_attention(*full_leaves, causal=True).backward(do)
-
-        try:
-            if one:
-                one_fwd_bwd()
-            row["one_gpu_fwd_ms"] = _timed(one_fwd, reps, active=one)
-            row["one_gpu_fwd_bwd_ms"] = _timed(one_fwd_bwd, reps, active=one)
-        except torch.cuda.OutOfMemoryError:
-            row["one_gpu"] = "out of memory on one GPU"
-        del full_leaves
-        torch.cuda.empty_cache()
-
-        # -- PyTorch's context parallel ----------------------------------------------
-        t_fwd, t_fb, note = _torch_cp(q, k, v, do, world, reps)
-        row["torch_cp_fwd_ms"], row["torch_cp_fwd_bwd_ms"], row["torch_cp_note"] = t_fwd, t_fb, note
-        row["elapsed_s"] = round(time.perf_counter() - began, 1)
         rows.append(row)
-        del q, k, v, do, shards, ql, kl, vl, dol
+        ok, predicted = budget.allows("ring", n)
+        if not ok:
+            row["skipped"] = f"not run: predicted to end after the benchmark's {TIME_BUDGET_S:.0f} s budget"
+            continue
+        q, k, v, do = _inputs(n)
+        ql, kl, vl, dol = (shard_sequence(t, rank, world, "zigzag").contiguous() for t in (q, k, v, do))
+
+        # -- ring on every GPU (the first call autotunes the forward kernel for the shard's shapes) --
+        with budget.section("ring", n):
+            leaves = [t.detach().requires_grad_(True) for t in (ql, kl, vl)]
+
+            def ring_fwd():
+                with torch.no_grad():
+                    ring_attention(ql, kl, vl, True)
+
+            def ring_fwd_bwd():
+                ring_attention(*leaves, True).backward(dol)
+
+            ring_fwd_bwd()  # warm-up
+            row["ring_fwd_ms"] = _timed(ring_fwd, reps)
+            row["ring_fwd_bwd_ms"] = _timed(ring_fwd_bwd, reps)
+            del leaves
+
+        # -- one GPU, the whole sequence, and the ring's error against it ---------------------
+        one = rank == 0
+        ok, predicted = budget.allows("one", n)
+        if not ok:
+            row["one_gpu"] = f"not timed: predicted {predicted:.0f} s (autotuning included) would pass the time budget"
+        else:
+            with budget.section("one", n):
+                with torch.no_grad():
+                    o_ring = ring_attention(ql, kl, vl, True)
+                    o_full = _gather_unshard(o_ring, world) if n <= CHECK_UP_TO else None
+                    if one and o_full is not None:
+                        row["o_rel_err_vs_1gpu"] = _rel_err(o_full, kernels.flash_attention(q, k, v, causal=True))
+                    del o_ring, o_full
+                if n == ns[0]:
+                    leaves = [t.detach().requires_grad_(True) for t in (ql, kl, vl)]
+                    ring_attention(*leaves, True).backward(dol)
+                    grads = [_gather_unshard(t.grad, world) for t in leaves]
+                    if one:
+                        full_leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+                        kernels.flash_attention(*full_leaves, causal=True).backward(do)
+                        for name, got, leaf in zip(("dq", "dk", "dv"), grads, full_leaves):
+                            row[f"{name}_rel_err_vs_1gpu"] = _rel_err(got, leaf.grad)
+                        del full_leaves
+                    del leaves, grads
+                full_leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+                def one_fwd():
+                    with torch.no_grad():
+                        kernels.flash_attention(q, k, v, causal=True)
+
+                def one_fwd_bwd():
+                    kernels.flash_attention(*full_leaves, causal=True).backward(do)
+
+                try:
+                    if one:
+                        one_fwd_bwd()  # warm-up (autotunes the forward at N if the check did not)
+                    row["one_gpu_fwd_ms"] = _timed(one_fwd, reps, active=one)
+                    row["one_gpu_fwd_bwd_ms"] = _timed(one_fwd_bwd, reps, active=one)
+                except torch.cuda.OutOfMemoryError:
+                    row["one_gpu"] = "out of memory on one GPU"
+                del full_leaves
+                torch.cuda.empty_cache()
+
+        # -- PyTorch's context parallel ----------------------------------------------------
+        ok, predicted = budget.allows("cp", n)
+        if not ok:
+            row["torch_cp_note"] = f"not timed: predicted {predicted:.0f} s would pass the time budget"
+        else:
+            with budget.section("cp", n):
+                t_fwd, t_fb, note = _torch_cp(q, k, v, do, world, reps)
+            row["torch_cp_fwd_ms"], row["torch_cp_fwd_bwd_ms"], row["torch_cp_note"] = t_fwd, t_fb, note
+        row["elapsed_s"] = round(time.perf_counter() - budget.began, 1)
+        del q, k, v, do, ql, kl, vl, dol
         torch.cuda.empty_cache()
         if rank == 0:
             print(f"N={n}: {json.dumps({k: v for k, v in row.items() if k != 'n'})}", flush=True)
