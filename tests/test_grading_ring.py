@@ -221,7 +221,9 @@ def _records(seed, cases, mistake, world=2):
 @pytest.mark.parametrize("mistake, message", [
     ("no_shift", p6.MSG_NO_SHIFT),
     ("later_full", p6.MSG_LATER_NOT_SKIPPED),
+    ("later_diagonal", p6.MSG_LATER_MASKED),
     ("rank_rule", p6.MSG_RANK_RULE),
+    ("zigzag_strided", p6.MSG_ZIGZAG_OFF),
     ("zigzag_off_by_one", p6.MSG_ZIGZAG_OFF),
 ])
 def test_distributed_diagnoses(mistake, message):

@@ -296,11 +296,13 @@ def ring_check_worker(rank, world, fn, seed, cases):
         q, k, v, do = (torch.from_numpy(ring.shard_sequence(t, rank, world, layout, dim=-2)).to(dtype)
                        for t in _dist_inputs(seed, index, case))
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        # Strided views inside NaN-filled buffers: reading past a shard's rows shows up as NaN.
+        padded = [sandbox.nan_padded(t, transpose_heads=(i == 1)) for i, t in enumerate((q, k, v))]
         record = {}
         try:
             with sandbox.count_launches() as launches:
                 with torch.no_grad():
-                    out = fn(q, k, v, causal, layout=layout, group=None)
+                    out = fn(*padded, causal, layout=layout, group=None)
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 record["error"] = f"your function returned {type(out).__name__}; return the pair (o, lse)."
             else:
@@ -364,7 +366,8 @@ def check_ring_attention(fn, *, seed=None, world_size=2, timeout_s=180.0):
     """Grade one rank's ring forward ``fn(q, k, v, causal=False, *, layout="zigzag", group=None) -> (o, lse)``.
 
     Starts ``world_size`` processes (spawn, gloo, Triton's interpreter on the
-    CPU, one thread each), which call ``fn`` with their shards of fixed and
+    CPU, one thread each), which call ``fn`` with their shards (non-contiguous
+    views inside NaN-filled buffers) of fixed and
     fresh random cases (both layouts, causal or not, GQA, one case with large
     scores). ``o`` (the input dtype) and ``lse`` (float32 ``[B, Hq, N/world]``)
     are compared with float64 attention; a Triton kernel must have run; then
