@@ -406,8 +406,11 @@ def ring_attention_backward(do, q, k, v, o, lse, causal=False, *, layout="zigzag
             request.wait()
         if dkv_in is not None:
             dkv += dkv_in
-        dkv_in = torch.empty_like(dkv)
-        dkv_requests = _exchange(dkv, dkv_in, nxt, prv, group, _TAG_DKV)
+        if world == 1:  # no ring: the block is our own
+            dkv_in = dkv
+        else:
+            dkv_in = torch.empty_like(dkv)
+            dkv_requests = _exchange(dkv, dkv_in, nxt, prv, group, _TAG_DKV)
         for request in kv_requests:
             request.wait()
         if kv_requests:

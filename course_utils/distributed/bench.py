@@ -99,7 +99,17 @@ def _torch_cp(q, k, v, do, world, reps):
         from torch.distributed.tensor.experimental import context_parallel
     except Exception as exc:  # noqa: BLE001
         return None, None, f"torch.distributed.tensor.experimental.context_parallel is not available: {exc}"
-    note = "SDPA enable_gqa=True"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    note = "SDPA with enable_gqa=True"
+    try:
+        from torch.distributed.tensor.experimental._attention import _cp_options
+
+        note += f", rotate method {getattr(_cp_options, 'rotate_method', '?')}"
+    except Exception:  # noqa: BLE001  (a private detail: only for the record)
+        pass
+    # No math backend: its ring would not be a fused attention (and may gather the whole sequence).
+    fused = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     try:
         mesh = init_device_mesh("cuda", (world,))
         q, k, v, do = (t.clone() for t in (q, k, v, do))
@@ -107,12 +117,15 @@ def _torch_cp(q, k, v, do, world, reps):
             leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
 
             def attend(a, b, c):
-                try:
-                    return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
-                except Exception:  # noqa: BLE001
-                    # Its ring may not take GQA: give it every query head's K/V (4x the traffic).
-                    nonlocal note
-                    note = "K/V repeated to 32 heads (context_parallel rejected enable_gqa)"
+                nonlocal note
+                with sdpa_kernel(fused):
+                    if "repeated" not in note:
+                        try:
+                            return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+                        except Exception as exc:  # noqa: BLE001
+                            # Its ring may not take GQA: give it every query head's K/V (4x the traffic).
+                            note = (f"K/V repeated to {a.shape[1]} heads (with enable_gqa=True it raised "
+                                    f"{type(exc).__name__})")
                     g = a.shape[1] // b.shape[1]
                     return F.scaled_dot_product_attention(a, b.repeat_interleave(g, 1), c.repeat_interleave(g, 1),
                                                           is_causal=True)
