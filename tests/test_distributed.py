@@ -156,3 +156,25 @@ def test_bench_tables_say_what_was_measured_and_what_was_left_out(tmp_path):
     assert (tmp_path / "ring_bench.json").exists() and (tmp_path / "ring_bench.md").read_text().strip() == text.strip()
     for name, value in ring.SAFE_ENV.items():
         assert f"{name}={value}" in text
+
+
+def test_ring_pictures_draw_every_chunk_pair_once():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_utils import plots, widgets
+
+    for layout, n in (("zigzag", 8), ("contiguous", 4)):
+        left, right = plots.plot_ring_step(4, step=2, layout=layout, causal=True)
+        colours = [p.get_facecolor() for p in right.patches]
+        assert len(colours) == n * n  # one patch per (query chunk, key chunk)
+        grey = sum(1 for c in colours if matplotlib.colors.to_hex(c) == "#e0e0e0")
+        assert grey == n * (n - 1) // 2  # the causal mask skips every pair above the diagonal
+        plt.close(left.figure)
+    ax = plots.plot_tile_work(256, 4, 16)
+    heights = [p.get_height() for p in ax.patches]
+    assert heights == list(ring.tile_work(256, 4, "contiguous", 16)) + list(ring.tile_work(256, 4, "zigzag", 16))
+    plt.close(ax.figure)
+    assert widgets.ring_stepper(3).children[0].max == 2  # steps 0..world-1

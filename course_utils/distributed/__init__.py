@@ -66,6 +66,11 @@ __all__ = [
     "RingAttentionFunction",
     "merge_partials_",
     "run_distributed",
+    "portable",
+    "apply_safe_env",
+    "demo_case",
+    "demo_cases",
+    "demo_errors",
 ]
 
 LAYOUTS = ("zigzag", "contiguous")
