@@ -177,6 +177,7 @@ class _Budget:
 def bench_worker(rank, world, ns):
     """Runs on every rank (NCCL, one GPU each): the measurements for every N in ``ns``."""
     import torch
+    import torch.distributed as dist
 
     from .. import kernels
     from . import ring_attention
@@ -243,12 +244,17 @@ def bench_worker(rank, world, ns):
                 def one_fwd_bwd():
                     kernels.flash_attention(*full_leaves, causal=True).backward(do)
 
-                try:
-                    if one:
+                fits = torch.ones(1, device="cuda")
+                if one:
+                    try:
                         one_fwd_bwd()  # warm-up (autotunes the forward at N if the check did not)
+                    except torch.cuda.OutOfMemoryError:
+                        fits.zero_()
+                dist.broadcast(fits, 0)  # every rank takes the same branch
+                if fits.item():
                     row["one_gpu_fwd_ms"] = _timed(one_fwd, reps, active=one)
                     row["one_gpu_fwd_bwd_ms"] = _timed(one_fwd_bwd, reps, active=one)
-                except torch.cuda.OutOfMemoryError:
+                else:
                     row["one_gpu"] = "out of memory on one GPU"
                 del full_leaves
                 torch.cuda.empty_cache()
