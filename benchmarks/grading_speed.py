@@ -59,11 +59,12 @@ def numpy_checks():
         ("check_attention_flops", g.check_attention_flops, lambda b, h, n, d, causal: 4 * b * h * n * n * d / (2 if causal else 1)),
         ("check_roofline", g.check_roofline, lambda i, peak, bw: min(peak, i * bw / 1000)),
         ("check_merge_partials", g.check_merge_partials, ref.merge_partials),
+        ("check_ring_simulation", g.check_ring_simulation, g.part6_ring.simulate),
     ]
 
 
 def triton_checks():
-    from course_utils import grading, kernels
+    from course_utils import distributed, grading, kernels
 
     return [
         ("check_kv_head", grading.check_kv_head, lambda q_head, n_q, n_kv: q_head // (n_q // n_kv)),
@@ -73,6 +74,8 @@ def triton_checks():
         ("check_flash_backward", grading.check_flash_backward, kernels.flash_attention),
         ("check_decode_split", grading.check_decode_split, _decode_split),
         ("check_decode_combine", grading.check_decode_combine, _decode_combine),
+        # starts 2 processes (spawn, gloo): most of its time is importing torch in each
+        ("check_ring_attention", grading.check_ring_attention, distributed.ring_attention_forward),
     ]
 
 

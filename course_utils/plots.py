@@ -16,6 +16,8 @@ import numpy as np
 from . import references as ref
 
 __all__ = [
+    "plot_ring_step",
+    "plot_tile_work",
     "attention_heatmap",
     "measure_peak_memory",
     "plot_memory",
@@ -471,4 +473,96 @@ def plot_tile_addresses(row0, col0, block_rows, block_cols, row_stride, n_rows, 
     ax.set_title(f"tile rows {row0}..{row0 + block_rows - 1}, cols {col0}..{col0 + block_cols - 1}: "
                  f"offs = rows[:, None] * {row_stride} + cols[None, :]"
                  + (f"; {off_lanes} lanes masked off" if off_lanes else ""), fontsize=9)
+    return ax
+
+
+# -- ring attention (lesson 10) ----------------------------------------------------
+_RANK_COLOURS = ("#2171b5", "#e6550d", "#31a354", "#756bb1", "#d6616b", "#8c6d31", "#636363", "#17becf")
+
+
+def plot_ring_step(world_size, step, layout="zigzag", causal=True, *, axes=None):
+    """Ring attention at one step: who holds which K/V block, and which chunk pairs are done.
+
+    Left: the ranks on a ring, each with the query chunks it keeps and the
+    K/V block it holds at ``step`` (rank ``r`` holds rank ``(r - step) %
+    world_size``'s), arrows showing where the blocks go next. Right: the
+    chunk-level attention matrix (query chunk x key chunk), each computed
+    pair coloured by the rank that computes it, bright at this step, faded
+    for earlier steps, empty for later ones; a triangle marks a diagonal
+    pair (masked inside), grey a pair the causal mask skips entirely.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Polygon, Rectangle
+
+    from . import distributed as ring
+
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(10, 4.4), layout="constrained")
+    left, right = axes
+    w = world_size
+    angles = np.pi / 2 - 2 * np.pi * np.arange(w) / w
+    xy = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    for r in range(w):
+        src = (r - step) % w
+        colour = _RANK_COLOURS[r % len(_RANK_COLOURS)]
+        left.add_patch(plt.Circle(xy[r], 0.2, color=colour, alpha=0.9))
+        left.text(*xy[r], f"{r}", ha="center", va="center", color="white", fontsize=12, weight="bold")
+        label = f"Q: chunks {ring.chunk_ids(r, w, layout)}\nholds K/V of rank {src}"
+        left.text(*(xy[r] * np.array([2.05, 1.6])), label, ha="center", va="center", fontsize=8)
+        nxt = xy[(r + 1) % w]
+        left.add_patch(FancyArrowPatch(xy[r] * 0.95 + (nxt - xy[r]) * 0.22, xy[r] * 0.95 + (nxt - xy[r]) * 0.78,
+                                       arrowstyle="-|>", mutation_scale=12, color="0.5",
+                                       connectionstyle="arc3,rad=-0.25"))
+    left.set_xlim(-3.1, 3.1)
+    left.set_ylim(-2.0, 2.0)
+    left.set_aspect("equal")
+    left.axis("off")
+    left.set_title(f"step {step}: K/V blocks move one rank on (arrows)", fontsize=10)
+
+    n = ring.n_chunks(w, layout)
+    for r in range(w):
+        for s in range(w):
+            src = (r - s) % w
+            for qc in ring.chunk_ids(r, w, layout):
+                for kc in ring.chunk_ids(src, w, layout):
+                    kind = ring.block_relation(qc, kc, causal)
+                    if kind == ring.SKIP:
+                        right.add_patch(Rectangle((kc, qc), 1, 1, facecolor="#e0e0e0", edgecolor="white"))
+                        continue
+                    if s > step:
+                        right.add_patch(Rectangle((kc, qc), 1, 1, facecolor="white", edgecolor="0.85"))
+                        continue
+                    alpha = 0.95 if s == step else 0.3
+                    colour = _RANK_COLOURS[r % len(_RANK_COLOURS)]
+                    if kind == ring.DIAGONAL:
+                        right.add_patch(Polygon([(kc, qc), (kc, qc + 1), (kc + 1, qc + 1)], facecolor=colour,
+                                                alpha=alpha, edgecolor="white"))
+                    else:
+                        right.add_patch(Rectangle((kc, qc), 1, 1, facecolor=colour, alpha=alpha, edgecolor="white"))
+    right.set_xlim(0, n)
+    right.set_ylim(n, 0)
+    right.set_aspect("equal")
+    right.set_xticks(np.arange(n) + 0.5, [str(i) for i in range(n)])
+    right.set_yticks(np.arange(n) + 0.5, [str(i) for i in range(n)])
+    right.set_xlabel("key chunk")
+    right.set_ylabel("query chunk")
+    right.set_title(f"{layout} layout, causal={causal}: pairs done by step {step}\n"
+                    "(colour = computing rank; grey = skipped)", fontsize=10)
+    return axes
+
+
+def plot_tile_work(n, world_size, block, *, ax=None):
+    """Tiles of causal attention each rank computes: contiguous shards vs zigzag, side by side bars."""
+    from . import distributed as ring
+
+    ax = _axes(ax, (6.0, 3.4))
+    ranks = np.arange(world_size)
+    for offset, layout, colour in ((-0.2, "contiguous", "#bdbdbd"), (0.2, "zigzag", "#2171b5")):
+        work = ring.tile_work(n, world_size, layout, block)
+        ax.bar(ranks + offset, work, width=0.4, color=colour,
+               label=f"{layout}: slowest rank {work.max() / work.mean():.2f}x the mean")
+    ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylabel(f"{block}x{block} tiles computed")
+    ax.set_title(f"causal attention, N = {n}, {world_size} ranks", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
     return ax

@@ -16,7 +16,7 @@ import numpy as np
 from . import plots
 from . import references as ref
 
-__all__ = ["attention_explorer", "online_softmax_stepper", "window_explorer"]
+__all__ = ["attention_explorer", "online_softmax_stepper", "window_explorer", "ring_stepper"]
 
 
 def _show(fig):
@@ -94,4 +94,25 @@ def window_explorer(n=256, block_m=64, block_n=32, *, window_size=100, sink_size
         show,
         window_size=IntSlider(value=window_size, min=1, max=n, description="window W"),
         sink_size=IntSlider(value=sink_size, min=0, max=n // 2, description="sinks S"),
+    )
+
+
+def ring_stepper(world_size=4, *, causal=True):
+    """Step through ring attention: which K/V block each rank holds, and what it computes.
+
+    The slider picks the step; the check boxes switch between the zigzag and
+    the contiguous layout and the causal mask on and off. The picture is
+    :func:`course_utils.plots.plot_ring_step`.
+    """
+    from ipywidgets import Checkbox, IntSlider, interactive
+
+    def show(step, zigzag, causal):
+        axes = plots.plot_ring_step(world_size, step, "zigzag" if zigzag else "contiguous", causal)
+        _show(axes[0].figure)
+
+    return interactive(
+        show,
+        step=IntSlider(value=0, min=0, max=world_size - 1, description="ring step"),
+        zigzag=Checkbox(value=True, description="zigzag layout"),
+        causal=Checkbox(value=causal, description="causal mask"),
     )

@@ -21,6 +21,7 @@ from .part4_backward import check_tiled_backward, check_flash_backward
 from .sandbox import check_on_cpu
 from .part5_decode import check_merge_partials, check_decode_split, check_decode_combine
 from .part5_window import check_window_tile_bounds, check_window_forward, check_window_backward
+from .part6_ring import check_ring_simulation, check_ring_attention
 
 __all__ = [
     "GradingError",
@@ -48,4 +49,6 @@ __all__ = [
     "check_window_tile_bounds",
     "check_window_forward",
     "check_window_backward",
+    "check_ring_simulation",
+    "check_ring_attention",
 ]

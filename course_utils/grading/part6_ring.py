@@ -1,0 +1,389 @@
+"""Checks for lesson 10: ring (context-parallel) attention.
+
+- :func:`check_ring_simulation` grades a NumPy simulation of the ring
+  ``fn(q_shards, k_shards, v_shards, causal=False, layout="zigzag") ->
+  (o_shards, lse_shards)``: lists with one ``[..., N/world, d]`` array per
+  rank, cut by :func:`course_utils.distributed.shard_sequence`. Compared
+  rank by rank with float64 attention over the whole sequence, sharded the
+  same way.
+- :func:`check_ring_attention` grades one rank's forward
+  ``fn(q, k, v, causal=False, *, layout="zigzag", group=None) -> (o, lse)``,
+  run on 2 processes with ``torch.distributed`` (gloo, Triton's interpreter
+  on the CPU): the output and lse against float64 attention, proof that a
+  Triton kernel ran, and the gradients obtained when the course's ring
+  backward (:func:`course_utils.distributed.ring_attention_backward`) runs
+  from what ``fn`` returned.
+
+A wrong answer is explained by the first known mistake it reproduces, each
+re-enacted in float64 by :func:`simulate` on the same inputs: a merge
+without the max shift (overflows on large scores), blocks from later ranks
+not skipped (or masked like a diagonal block), a rank-by-rank causal rule in
+the zigzag layout, and a zigzag chunk mapping that is off.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import distributed as ring
+from .. import references as ref
+from .core import Diagnosis, GradingError, Run
+
+__all__ = ["check_ring_simulation", "check_ring_attention", "simulate"]
+
+ATOL, RTOL = 1e-8, 1e-6  # NumPy answers (float64)
+TORCH_TOL = {"float32": (2e-4, 2e-4), "float16": (2e-2, 2e-2)}  # interpreter, fp32 tl.dot exact
+
+MSG_NO_SHIFT = (
+    "the merge exponentiates lse without subtracting the max first: exp(lse) overflows to inf once "
+    "the scores are large (lse > 709 in float64, > 88 in float32) and inf / inf is NaN. Shift by "
+    "m = max(lse_a, lse_b): weights exp(lse_a - m) and exp(lse_b - m), new lse = m + log(sum of weights) "
+    "(np.logaddexp / torch.logaddexp do this)."
+)
+MSG_LATER_NOT_SKIPPED = (
+    "with causal=True, blocks of keys that come AFTER the queries (from later chunks of the sequence) "
+    "were attended to: a query chunk must skip every key chunk with a larger global index."
+)
+MSG_LATER_MASKED = (
+    "the causal mask was applied to every block as if it were on the diagonal: only a query chunk "
+    "against the SAME chunk needs the triangular mask; earlier key chunks are seen in full and later "
+    "ones skipped."
+)
+MSG_RANK_RULE = (
+    "the causal treatment was decided by comparing ranks (earlier rank: full, later rank: skip), which "
+    "is only right for the contiguous layout. In the zigzag layout each rank holds an early AND a late "
+    "chunk: decide full / diagonal / skip for each pair of chunks from their global chunk indices "
+    "(the same outputs come from a zigzag mapping that gives rank r chunks 2r and 2r+1)."
+)
+MSG_ZIGZAG_OFF = (
+    "the zigzag chunk mapping is off: with world_size ranks the sequence has 2*world_size chunks and "
+    "rank r holds chunks r and 2*world_size - 1 - r (first and last for rank 0). The causal decisions "
+    "used other chunk indices."
+)
+MSG_NO_TRITON = (
+    "no Triton kernel ran: compute each block with the course's kernels "
+    "(course_utils.kernels.flash_attention_with_lse), not with torch operations."
+)
+
+
+# -----------------------------------------------------------------------------
+# The ring in float64, right and with each known mistake
+# -----------------------------------------------------------------------------
+def _merge(o, lse, o_b, lse_b, shift=True):
+    if o is None:
+        return o_b, lse_b
+    with np.errstate(all="ignore"):
+        if shift:
+            m = np.maximum(lse, lse_b)
+            w, w_b = np.exp(lse - m), np.exp(lse_b - m)
+            total = w + w_b
+            return (o * w[..., None] + o_b * w_b[..., None]) / total[..., None], m + np.log(total)
+        w, w_b = np.exp(lse), np.exp(lse_b)
+        total = w + w_b
+        return (o * w[..., None] + o_b * w_b[..., None]) / total[..., None], np.log(total)
+
+
+def simulate(q_shards, k_shards, v_shards, causal=False, layout="zigzag", mistake=None):
+    """The ring in float64: ``(o_shards, lse_shards)``; ``mistake`` re-enacts a known error.
+
+    ``mistake``: None (right), ``"no_shift"``, ``"later_full"``,
+    ``"later_diagonal"``, ``"rank_rule"``, ``"zigzag_pairs"`` (rank r holds
+    chunks 2r, 2r+1), ``"zigzag_strided"`` (r and r + world) or
+    ``"zigzag_off_by_one"`` (r and 2*world - 2 - r).
+    """
+    world = len(q_shards)
+    per = ring.n_chunks(world, layout) // world
+
+    def chunks(r):
+        if layout == "zigzag" and mistake == "zigzag_pairs":
+            return [2 * r, 2 * r + 1]
+        if layout == "zigzag" and mistake == "zigzag_strided":
+            return [r, r + world]
+        if layout == "zigzag" and mistake == "zigzag_off_by_one":
+            return [r, 2 * world - 2 - r]
+        return ring.chunk_ids(r, world, layout)
+
+    def relation(r, src, i, j):
+        qc, kc = chunks(r)[i], chunks(src)[j]
+        if mistake == "rank_rule" and causal:
+            if src != r:
+                return "full" if src < r else "skip"
+            qc, kc = i, j  # its own shard: positions in the shard
+        kind = ring.block_relation(qc, kc, causal)
+        if kind == "skip" and mistake == "later_full":
+            return "full"
+        if kind in ("skip", "full") and mistake == "later_diagonal" and causal:
+            return "diagonal"
+        return kind
+
+    o_shards, lse_shards = [], []
+    for r in range(world):
+        q_parts = np.split(np.asarray(q_shards[r], dtype=np.float64), per, axis=-2)
+        o, lse = [None] * per, [None] * per
+        for step in range(world):
+            src = (r - step) % world
+            k_parts = np.split(np.asarray(k_shards[src], dtype=np.float64), per, axis=-2)
+            v_parts = np.split(np.asarray(v_shards[src], dtype=np.float64), per, axis=-2)
+            for i in range(per):
+                for j in range(per):
+                    kind = relation(r, src, i, j)
+                    if kind == "skip":
+                        continue
+                    o_b, lse_b = ref.attention_lse(q_parts[i], k_parts[j], v_parts[j], causal=kind == "diagonal")
+                    o[i], lse[i] = _merge(o[i], lse[i], o_b, lse_b, shift=mistake != "no_shift")
+        for i in range(per):
+            if o[i] is None:  # a (wrong) plan that never computed these rows
+                o[i] = np.zeros(q_parts[i].shape[:-1] + (v_shards[0].shape[-1],))
+                lse[i] = np.full(q_parts[i].shape[:-1], -np.inf)
+        o_shards.append(np.concatenate(o, axis=-2))
+        lse_shards.append(np.concatenate(lse, axis=-1))
+    return o_shards, lse_shards
+
+
+_MISTAKES = (
+    ("later_full", MSG_LATER_NOT_SKIPPED),
+    ("later_diagonal", MSG_LATER_MASKED),
+    ("rank_rule", MSG_RANK_RULE),
+    ("zigzag_strided", MSG_ZIGZAG_OFF),
+    ("zigzag_off_by_one", MSG_ZIGZAG_OFF),
+)
+
+
+def _diagnoses(shards, causal, layout, which, unshard=False, atol=None, rtol=None):
+    """Diagnoses for output ``which`` (0: o, 1: lse); ``unshard`` for answers compared as a whole sequence."""
+
+    def variant(mistake):
+        def compute():
+            out = simulate(*shards, causal=causal, layout=layout, mistake=mistake)[which]
+            if unshard:
+                return ring.unshard_sequence(out, len(out), layout, dim=-1 if which else -2)
+            return np.stack(out)
+
+        return compute
+
+    found = [Diagnosis(MSG_NO_SHIFT, when=lambda a: not np.all(np.isfinite(a)))]
+    for mistake, message in _MISTAKES:
+        if not causal and mistake != "no_shift":
+            continue
+        if layout == "contiguous" and mistake.startswith(("zigzag", "rank_rule")):
+            continue
+        found.append(Diagnosis(message, expected=variant(mistake), atol=atol, rtol=rtol))
+    return found
+
+
+# -----------------------------------------------------------------------------
+# The NumPy simulation
+# -----------------------------------------------------------------------------
+def _sim_cases(rng):
+    """(name, world, layout, causal, batch, n_q_heads, n_kv_heads, N, d, magnitude)."""
+    cases = [
+        ("fixed: contiguous, 2 ranks, not causal, N=16, d=8", 2, "contiguous", False, (), 0, 0, 16, 8, 1.0),
+        ("fixed: contiguous, 4 ranks, causal, 2 heads, N=32, d=8", 4, "contiguous", True, (), 2, 2, 32, 8, 1.0),
+        ("fixed: zigzag, 2 ranks, causal, GQA 4 q heads / 2 kv heads, N=24, d=8", 2, "zigzag", True, (), 4, 2, 24, 8, 1.0),
+        ("fixed: zigzag, 3 ranks, causal, batch 2, N=36, d=4", 3, "zigzag", True, (2,), 0, 0, 36, 4, 1.0),
+        ("fixed: zigzag, 2 ranks, not causal, N=16, d=8", 2, "zigzag", False, (), 0, 0, 16, 8, 1.0),
+        ("fixed: zigzag, 2 ranks, causal, LARGE scores (lse near 1000), N=16, d=8", 2, "zigzag", True, (), 0, 0, 16, 8, 25.0),
+    ]
+    for index in range(3):
+        world = int(rng.integers(2, 5))
+        layout = str(rng.choice(ring.LAYOUTS))
+        causal = bool(rng.random() < 0.7)
+        n_kv = int(rng.integers(1, 3))
+        n_q = n_kv * int(rng.integers(1, 3))
+        n = ring.n_chunks(world, layout) * int(rng.integers(1, 5))
+        d = int(rng.choice([4, 8, 16]))
+        cases.append((f"random #{index + 1}: {layout}, {world} ranks, causal={causal}, {n_q} q heads / {n_kv} kv "
+                      f"heads, N={n}, d={d}", world, layout, causal, (), n_q, n_kv, n, d, 1.0))
+    return cases
+
+
+def _draw(rng, batch, n_q_heads, n_kv_heads, n, d, magnitude):
+    q_shape = batch + ((n_q_heads,) if n_q_heads else ()) + (n, d)
+    k_shape = batch + ((n_kv_heads,) if n_kv_heads else ()) + (n, d)
+    return (magnitude * rng.standard_normal(q_shape), magnitude * rng.standard_normal(k_shape),
+            rng.standard_normal(k_shape))
+
+
+def _as_list(run, out, world, name, case):
+    if not isinstance(out, (list, tuple)) or len(out) != world:
+        raise run.fail(f"{name} must be a list with one array per rank ({world}); got "
+                       f"{type(out).__name__}{'' if not hasattr(out, '__len__') else f' of length {len(out)}'}.", case)
+    return out
+
+
+def check_ring_simulation(fn, *, seed=None):
+    """Grade ``fn(q_shards, k_shards, v_shards, causal=False, layout="zigzag") -> (o_shards, lse_shards)``.
+
+    ``q_shards[r]`` is rank ``r``'s ``[..., N/world, d]`` shard of ``q``
+    (:func:`course_utils.distributed.shard_sequence` with ``layout``; more
+    query heads than kv heads means GQA). ``o_shards[r]`` and
+    ``lse_shards[r]`` must be rank ``r``'s shard of the attention output and
+    of its logsumexp. Fixed and fresh random cases, 2 to 4 ranks, both
+    layouts, causal or not, and one case whose scores are in the hundreds.
+    """
+    __tracebackhide__ = True
+    if not callable(fn):
+        raise TypeError(f"check_ring_simulation needs your function, got {type(fn).__name__}")
+    run = Run("check_ring_simulation", seed)
+    for name, world, layout, causal, batch, n_q, n_kv, n, d, magnitude in _sim_cases(run.rng):
+        q, k, v = _draw(run.rng, batch, n_q, n_kv, n, d, magnitude)
+        shards = [[ring.shard_sequence(t, r, world, layout, dim=-2) for r in range(world)] for t in (q, k, v)]
+        given = [[s.copy() for s in per_rank] for per_rank in shards]
+        out = run.call(fn, *given, causal=causal, layout=layout, case=name)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise run.fail("return a pair (o_shards, lse_shards): two lists with one array per rank.", name)
+        o_list = _as_list(run, out[0], world, "o_shards", name)
+        lse_list = _as_list(run, out[1], world, "lse_shards", name)
+        o_right, lse_right = ref.attention_lse(q, k, v, causal=causal)
+        o_want = np.stack([ring.shard_sequence(o_right, r, world, layout, dim=-2) for r in range(world)])
+        lse_want = np.stack([ring.shard_sequence(lse_right, r, world, layout, dim=-1) for r in range(world)])
+        o_got = np.stack([run.array(o_list[r], expected_shape=o_want.shape[1:], case=name, name=f"o_shards[{r}]")
+                          for r in range(world)])
+        lse_got = np.stack([run.array(lse_list[r], expected_shape=lse_want.shape[1:], case=name,
+                                      name=f"lse_shards[{r}]") for r in range(world)])
+        axes = ("rank",) + tuple(f"b{i}" for i in range(len(batch))) + (("head",) if n_q else ()) + ("i",)
+        run.compare(o_got, o_want, case=name, what="o (rank by rank)", atol=ATOL, rtol=RTOL,
+                    axes=axes + ("d",), diagnoses=_diagnoses(shards, causal, layout, 0))
+        run.compare(lse_got, lse_want, case=name, what="lse (rank by rank)", atol=ATOL, rtol=RTOL,
+                    axes=axes, diagnoses=_diagnoses(shards, causal, layout, 1))
+    return run.passed()
+
+
+# -----------------------------------------------------------------------------
+# The distributed version (2 processes, gloo, Triton's interpreter)
+# -----------------------------------------------------------------------------
+def _dist_cases(rng):
+    """(name, layout, causal, n_q_heads, n_kv_heads, N, D, dtype name, magnitude)."""
+    cases = [
+        ("fixed: zigzag, causal, GQA 4 q heads / 2 kv heads, N=64, D=16", "zigzag", True, 4, 2, 64, 16, "float32", 1.0),
+        ("fixed: contiguous, causal, LARGE scores (lse above 100), N=32, D=16", "contiguous", True, 2, 1, 32, 16,
+         "float32", 8.0),
+    ]
+    layout = str(rng.choice(ring.LAYOUTS))
+    causal = bool(rng.random() < 0.5)
+    n_kv = int(rng.integers(1, 3))
+    n_q = n_kv * int(rng.integers(1, 3))
+    n = 4 * int(rng.integers(5, 13))
+    cases.append((f"random: {layout}, causal={causal}, {n_q} q heads / {n_kv} kv heads, N={n}, D=16", layout,
+                  causal, n_q, n_kv, n, 16, "float32", 1.0))
+    return cases
+
+
+def _dist_inputs(seed, index, case):
+    _, layout, causal, n_q, n_kv, n, d, dtype_name, magnitude = case
+    rng = np.random.default_rng([seed, index])
+    q, k = (magnitude * rng.standard_normal((1, h, n, d)) for h in (n_q, n_kv))
+    v, do = (rng.standard_normal((1, h, n, d)) for h in (n_kv, n_q))
+    import torch
+
+    # Round to the case's dtype and use the ROUNDED values in the references.
+    return [torch.from_numpy(t).to(getattr(torch, dtype_name)).double().numpy() for t in (q, k, v, do)]
+
+
+def ring_check_worker(rank, world, fn, seed, cases):
+    """Runs on every rank: the learner's forward, then the course's backward from its (o, lse)."""
+    import traceback
+
+    import torch
+
+    from . import sandbox
+
+    fn = ring._unwrap(fn)
+    results = []
+    for index, case in enumerate(cases):
+        name, layout, causal = case[0], case[1], case[2]
+        dtype = getattr(torch, case[7])
+        q, k, v, do = (torch.from_numpy(ring.shard_sequence(t, rank, world, layout, dim=-2)).to(dtype)
+                       for t in _dist_inputs(seed, index, case))
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        # Strided views inside NaN-filled buffers: reading past a shard's rows shows up as NaN.
+        padded = [sandbox.nan_padded(t, transpose_heads=(i == 1)) for i, t in enumerate((q, k, v))]
+        record = {}
+        try:
+            with sandbox.count_launches() as launches:
+                with torch.no_grad():
+                    out = fn(*padded, causal, layout=layout, group=None)
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                record["error"] = f"your function returned {type(out).__name__}; return the pair (o, lse)."
+            else:
+                o, lse = out
+                record["o"] = o.detach().double().numpy()
+                record["lse"] = lse.detach().double().numpy()
+                record["launches"] = len(launches)
+                o2 = ring.RingAttentionFunction.apply(*leaves, causal, layout, None, fn)
+                o2.backward(do)
+                record["grads"] = [t.grad.double().numpy() for t in leaves]
+        except Exception as exc:  # noqa: BLE001  (the learner's error, shown with its traceback)
+            record["error"] = "".join(traceback.format_exception(exc))
+        results.append(record)
+        if "error" in record:
+            break  # the other rank may be waiting on this one: stop here
+    return results
+
+
+def _grade_distributed(run, cases, seed, per_rank, world):
+    """Compare what the ranks returned with float64 attention; raise a GradingError on a mistake."""
+    __tracebackhide__ = True
+    for index, case in enumerate(cases):
+        name, layout, causal = case[0], case[1], case[2]
+        atol, rtol = TORCH_TOL[case[7]]
+        records = [r[index] if index < len(r) else {"error": "(stopped after another rank's error)"} for r in per_rank]
+        run.cases += 1
+        errors = [(rank, r["error"]) for rank, r in enumerate(records) if "error" in r]
+        # A rank whose partner failed sees a broken connection: show the first real error.
+        errors.sort(key=lambda e: (e[1].startswith("(stopped"), "Connection closed" in e[1] or "gloo" in e[1]))
+        if errors:
+            rank, text = errors[0]
+            raise run.fail(f"rank {rank} raised an error in your function:\n{text}", name)
+        q, k, v, do = _dist_inputs(seed, index, case)
+        o_right, lse_right = ref.attention_lse(q, k, v, causal=causal)
+        for rank, record in enumerate(records):
+            for label, got, right in (("o", record["o"], o_right), ("lse", record["lse"], lse_right)):
+                want = ring.shard_sequence(right, rank, world, layout, dim=2)
+                if tuple(got.shape) != tuple(want.shape):
+                    raise run.fail(f"rank {rank}'s {label} has shape {tuple(got.shape)}, expected "
+                                   f"{tuple(want.shape)} (its shard).", name)
+        shards = [[ring.shard_sequence(t, r, world, layout, dim=2) for r in range(world)] for t in (q, k, v)]
+        o = ring.unshard_sequence([r["o"] for r in records], world, layout, dim=2)
+        lse = ring.unshard_sequence([r["lse"] for r in records], world, layout, dim=2)
+        axes = ("b", "q_head", "i")
+        run.compare(o, o_right, case=name, what="o (the whole sequence, unsharded)", atol=atol, rtol=rtol,
+                    axes=axes + ("d",), diagnoses=_diagnoses(shards, causal, layout, 0, unshard=True))
+        run.compare(lse, lse_right, case=name, what="lse (the whole sequence, unsharded)", atol=atol, rtol=rtol,
+                    axes=axes, diagnoses=_diagnoses(shards, causal, layout, 1, unshard=True))
+        if not all(record["launches"] for record in records):
+            raise run.fail(MSG_NO_TRITON, name)
+        grads_right = ref.attention_backward(q, k, v, do, causal=causal)
+        for which, label in ((2, "dv"), (1, "dk"), (0, "dq")):
+            got = ring.unshard_sequence([r["grads"][which] for r in records], world, layout, dim=2)
+            run.compare(got, grads_right[which], case=name, what=f"{label} (the course's ring backward run from "
+                        "your o and lse)", atol=atol, rtol=rtol,
+                        axes=("b", "kv_head" if which else "q_head", "i", "d"))
+    return run.passed()
+
+
+def check_ring_attention(fn, *, seed=None, world_size=2, timeout_s=180.0):
+    """Grade one rank's ring forward ``fn(q, k, v, causal=False, *, layout="zigzag", group=None) -> (o, lse)``.
+
+    Starts ``world_size`` processes (spawn, gloo, Triton's interpreter on the
+    CPU, one thread each), which call ``fn`` with their shards (non-contiguous
+    views inside NaN-filled buffers) of fixed and
+    fresh random cases (both layouts, causal or not, GQA, one case with large
+    scores). ``o`` (the input dtype) and ``lse`` (float32 ``[B, Hq, N/world]``)
+    are compared with float64 attention; a Triton kernel must have run; then
+    the course's ring backward runs from ``fn``'s ``(o, lse)`` and the
+    gradients are compared too. ``fn`` may be defined in the notebook: it
+    travels to the processes as source, with the notebook functions it calls.
+    """
+    __tracebackhide__ = True
+    if not callable(fn):
+        raise TypeError(f"check_ring_attention needs your function, got {type(fn).__name__}")
+    run = Run("check_ring_attention", seed, time_limit_s=None)
+    cases = _dist_cases(run.rng)
+    try:
+        per_rank = ring.run_distributed(ring_check_worker, world_size, args=(ring.portable(fn), run.seed, cases),
+                                        device="cpu", timeout_s=timeout_s)
+    except TimeoutError as exc:
+        raise GradingError(f"check_ring_attention: {exc} Look for a send without a matching receive (every rank "
+                           "must post the same exchanges in the same order) or a loop that never ends.") from None
+    return _grade_distributed(run, cases, run.seed, per_rank, world_size)

@@ -1,0 +1,180 @@
+"""course_utils.distributed: layouts, the merge, and ring attention on 2 and 4 gloo processes.
+
+The process tests start real processes (spawn, gloo, Triton's interpreter on
+the CPU) and compare the ring's o, dq, dk, dv with float64 single-process
+attention. Starting processes and importing torch in each is most of their
+cost, so each test runs several cases in one process group.
+"""
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+
+import numpy as np
+import pytest
+import torch
+
+from course_utils import distributed as ring
+from course_utils import references as ref
+
+
+# -----------------------------------------------------------------------------
+# Layouts
+# -----------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_unshard_round_trip(layout, world):
+    n = ring.n_chunks(world, layout) * 3
+    x = torch.arange(2 * 3 * n * 4, dtype=torch.float32).reshape(2, 3, n, 4)
+    shards = [ring.shard_sequence(x, r, world, layout) for r in range(world)]
+    assert all(s.shape == (2, 3, n // world, 4) for s in shards)
+    torch.testing.assert_close(ring.unshard_sequence(shards, world, layout), x, rtol=0, atol=0)
+    # NumPy, sequence on axis -2, and a [..., N] array on axis -1
+    a = x.numpy()
+    shards = [ring.shard_sequence(a, r, world, layout, dim=-2) for r in range(world)]
+    np.testing.assert_array_equal(ring.unshard_sequence(shards, layout=layout, dim=-2), a)
+    lse = a[..., 0]
+    shards = [ring.shard_sequence(lse, r, world, layout, dim=-1) for r in range(world)]
+    np.testing.assert_array_equal(ring.unshard_sequence(shards, layout=layout, dim=-1), lse)
+
+
+def test_zigzag_gives_each_rank_an_early_and_a_late_chunk():
+    positions = np.arange(16)  # 2 ranks -> 4 chunks of 4
+    assert ring.shard_sequence(positions, 0, 2, "zigzag", dim=0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert ring.shard_sequence(positions, 1, 2, "zigzag", dim=0).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert ring.shard_sequence(positions, 1, 2, "contiguous", dim=0).tolist() == list(range(8, 16))
+    assert ring.chunk_ids(1, 4, "zigzag") == [1, 6]
+
+
+def test_bad_lengths_and_layouts_are_refused():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ring.shard_sequence(torch.zeros(1, 1, 10, 4), 0, 2, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        ring.shard_sequence(torch.zeros(1, 1, 8, 4), 0, 2, "striped")
+    with pytest.raises(ValueError, match="shards"):
+        ring.unshard_sequence([torch.zeros(1, 1, 4, 4)] * 2, world_size=3)
+
+
+def test_step_plan_and_causal_relations():
+    assert ring.block_relation(2, 1, True) == "full"
+    assert ring.block_relation(1, 1, True) == "diagonal"
+    assert ring.block_relation(1, 2, True) == "skip"
+    assert ring.block_relation(1, 2, False) == "full"
+    # zigzag, 2 ranks: rank 0 holds chunks 0, 3; rank 1 holds 1, 2
+    assert ring.step_plan(0, 1, 2, "zigzag", True) == [(1, 0, "full"), (1, 1, "full")]
+    assert ring.step_plan(1, 0, 2, "zigzag", True) == [(0, 0, "full"), (1, 0, "full")]
+    assert ring.step_plan(1, 1, 2, "zigzag", True) == [(None, None, "diagonal")]
+    assert ring.step_plan(0, 1, 2, "contiguous", True) == []
+    assert ring.step_plan(0, 1, 2, "contiguous", False) == [(None, None, "full")]
+    # the backward joins pairs that share a chunk (its kernels take different query and key lengths)
+    assert ring._coalesce(ring.step_plan(0, 1, 2, "zigzag", True)) == [(1, None, "full")]
+    assert ring._coalesce(ring.step_plan(1, 0, 2, "zigzag", True)) == [(None, 0, "full")]
+
+
+def test_tile_work_is_balanced_by_zigzag_only():
+    contiguous = ring.tile_work(64, 4, "contiguous", block=4)
+    zigzag = ring.tile_work(64, 4, "zigzag", block=4)
+    # 16 tiles a side, 4 per chunk: rank r sees r full chunks (16 tiles each) and its diagonal one (10)
+    np.testing.assert_allclose(contiguous, [10, 26, 42, 58])
+    np.testing.assert_allclose(zigzag, [34, 34, 34, 34])
+    assert contiguous.sum() == zigzag.sum() == 16 * 17 / 2
+
+
+def test_merge_of_two_key_blocks_equals_attention_over_both():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 6, 8)) * 4 for _ in range(3))
+    o_a, lse_a = ref.attention_lse(q, k[:, :4], v[:, :4])
+    o_b, lse_b = ref.attention_lse(q, k[:, 4:], v[:, 4:])
+    acc = torch.zeros(2, 6, 8)
+    lse = torch.full((2, 6), -float("inf"))
+    for o_x, lse_x in ((o_a, lse_a), (o_b, lse_b)):
+        ring.merge_partials_(acc, lse, torch.from_numpy(o_x).float(), torch.from_numpy(lse_x).float())
+    o_right, lse_right = ref.attention_lse(q, k, v)
+    np.testing.assert_allclose(acc.numpy(), o_right, atol=1e-5)
+    np.testing.assert_allclose(lse.numpy(), lse_right, atol=1e-5)
+
+
+def test_every_process_gets_the_no_multicast_environment():
+    import os
+
+    for name, value in ring.SAFE_ENV.items():
+        assert os.environ[name] == value
+
+
+# -----------------------------------------------------------------------------
+# Real processes
+# -----------------------------------------------------------------------------
+def _run_and_compare(world, cases):
+    results = ring.run_distributed(ring.demo_cases, world, args=(cases,), device="cpu", timeout_s=300)
+    for index, case in enumerate(cases):
+        errors = ring.demo_errors([r[index] for r in results], world, **case)
+        assert max(errors.values()) < 2e-5, (case, errors)
+
+
+def test_two_processes_forward_and_backward():
+    _run_and_compare(2, [
+        dict(n=64, d=32, n_q_heads=4, n_kv_heads=2, causal=True, layout="zigzag", seed=1),
+        dict(n=32, d=16, n_q_heads=2, n_kv_heads=2, causal=False, layout="contiguous", seed=2),
+        dict(n=32, d=16, n_q_heads=2, n_kv_heads=1, causal=True, layout="contiguous", seed=3),
+    ])
+
+
+FOUR_RANKS = dict(n=64, d=16, n_q_heads=2, n_kv_heads=1, causal=True, layout="zigzag", seed=4)
+TWO_RINGS = dict(n=32, d=16, n_q_heads=2, n_kv_heads=2, causal=True, layout="zigzag", seed=5)
+
+
+def four_ranks_then_two_rings(rank, world):
+    """One ring of 4, then two rings of 2 (process groups {0, 1} and {2, 3}) at once."""
+    import torch.distributed as dist
+
+    whole = ring.demo_case(rank, world, **FOUR_RANKS)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    half = ring.demo_case(rank % 2, 2, **TWO_RINGS, group=groups[rank // 2])
+    return whole, half
+
+
+def test_four_processes_forward_and_backward_and_subgroups():
+    results = ring.run_distributed(four_ranks_then_two_rings, 4, device="cpu", timeout_s=300)
+    errors = ring.demo_errors([r[0] for r in results], 4, **FOUR_RANKS)
+    assert max(errors.values()) < 2e-5, errors
+    for members in ((0, 1), (2, 3)):
+        errors = ring.demo_errors([results[m][1] for m in members], 2, **TWO_RINGS)
+        assert max(errors.values()) < 2e-5, (members, errors)
+
+
+def test_bench_tables_say_what_was_measured_and_what_was_left_out(tmp_path):
+    from course_utils.distributed import bench
+
+    rows = [
+        dict(n=32768, reps=3, ring_fwd_ms=50.0, ring_fwd_bwd_ms=180.0, one_gpu_fwd_ms=95.0, one_gpu_fwd_bwd_ms=350.0,
+             torch_cp_fwd_ms=None, torch_cp_fwd_bwd_ms=None, torch_cp_note="context_parallel failed: X",
+             o_rel_err_vs_1gpu=1e-3),
+        dict(n=262144, reps=1, skipped="not run: predicted to end after the benchmark's 190 s budget"),
+    ]
+    text = bench.write_results(rows, 2, str(tmp_path), dict(gpu="H200", torch="2.11", triton="3.6", date="d"))
+    assert "| 32768 | fwd | 344,926 | 655,360 | 1.90× | — | — |" in text
+    assert "| 32768 | fwd+bwd | 93,623 | 182,044 | 1.94× |" in text
+    assert "context_parallel failed: X" in text and "262144 | — | not run" in text
+    assert (tmp_path / "ring_bench.json").exists() and (tmp_path / "ring_bench.md").read_text().strip() == text.strip()
+    for name, value in ring.SAFE_ENV.items():
+        assert f"{name}={value}" in text
+
+
+def test_ring_pictures_draw_every_chunk_pair_once():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_utils import plots, widgets
+
+    for layout, n in (("zigzag", 8), ("contiguous", 4)):
+        left, right = plots.plot_ring_step(4, step=2, layout=layout, causal=True)
+        colours = [p.get_facecolor() for p in right.patches]
+        assert len(colours) == n * n  # one patch per (query chunk, key chunk)
+        grey = sum(1 for c in colours if matplotlib.colors.to_hex(c) == "#e0e0e0")
+        assert grey == n * (n - 1) // 2  # the causal mask skips every pair above the diagonal
+        plt.close(left.figure)
+    ax = plots.plot_tile_work(256, 4, 16)
+    heights = [p.get_height() for p in ax.patches]
+    assert heights == list(ring.tile_work(256, 4, "contiguous", 16)) + list(ring.tile_work(256, 4, "zigzag", 16))
+    plt.close(ax.figure)
+    assert widgets.ring_stepper(3).children[0].max == 2  # steps 0..world-1
