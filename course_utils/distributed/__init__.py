@@ -36,16 +36,13 @@ Every process started here gets ``NCCL_NVLS_ENABLE=0``,
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 import os
 import pickle
 import socket
 import sys
 import tempfile
-import textwrap
 import time
-import types
 
 import numpy as np
 import torch
@@ -468,68 +465,36 @@ def ring_attention(q, k, v, causal=False, *, layout="zigzag", group=None):
 # -----------------------------------------------------------------------------
 # Starting processes
 # -----------------------------------------------------------------------------
-class _ShippedFunction:
-    """A function defined in a notebook (``__main__``), carried to spawned processes as source.
+class _Shipped:
+    """A function that a spawned process cannot import by name (defined in a notebook), pickled by value.
 
-    Spawned processes import what they run by name, and a notebook's
-    functions have no importable name. This keeps the function's source, the
-    sources of the notebook functions it calls, the modules it names and its
-    other picklable globals, and rebuilds it in the child with ``exec``.
+    The same mechanism as the grading worker's (:func:`course_utils.grading.worker.dumps`):
+    notebook functions travel by value with cloudpickle, ``@triton.jit`` kernels as source.
     """
 
     def __init__(self, fn):
-        self.name = fn.__name__
-        self.sources: dict[str, str] = {}
-        self.modules: dict[str, str] = {}
-        self.values: dict[str, object] = {}
-        self._collect(fn)
+        from ..grading import worker
 
-    @staticmethod
-    def _names(code):
-        names = set(code.co_names)
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                names |= _ShippedFunction._names(const)
-        return names
-
-    def _collect(self, fn):
-        self.sources[fn.__name__] = textwrap.dedent(inspect.getsource(fn))
-        for name in sorted(self._names(fn.__code__)):
-            if name in self.sources or name in self.modules or name in self.values or name not in fn.__globals__:
-                continue
-            obj = fn.__globals__[name]
-            if isinstance(obj, types.ModuleType):
-                self.modules[name] = obj.__name__
-            elif isinstance(obj, types.FunctionType) and obj.__module__ == "__main__":
-                self._collect(obj)
-            else:
-                try:
-                    pickle.dumps(obj)
-                except Exception:
-                    continue  # the child will say NameError: keep such globals inside the function
-                self.values[name] = obj
+        self.name = getattr(fn, "__name__", "your function")
+        self.payload = worker.dumps(fn)
 
     def build(self):
-        import importlib
+        import cloudpickle
 
-        namespace = {"__name__": "__notebook__", "__builtins__": __builtins__}
-        for name, module in self.modules.items():
-            namespace[name] = importlib.import_module(module)
-        namespace.update(self.values)
-        for name, source in self.sources.items():
-            exec(compile(source, f"<your function {name}>", "exec"), namespace)
-        return namespace[self.name]
+        return cloudpickle.loads(self.payload)
 
 
 def portable(fn):
-    """``fn`` itself if a spawned process can import it, else a :class:`_ShippedFunction`."""
-    if fn is None or getattr(fn, "__module__", None) != "__main__" or not isinstance(fn, types.FunctionType):
+    """``fn`` itself if a spawned process can import it, else a :class:`_Shipped` copy of it."""
+    from ..grading import worker
+
+    if fn is None or not callable(fn) or worker._by_reference(fn) is not None:
         return fn
-    return _ShippedFunction(fn)
+    return _Shipped(fn)
 
 
 def _unwrap(fn):
-    return fn.build() if isinstance(fn, _ShippedFunction) else fn
+    return fn.build() if isinstance(fn, _Shipped) else fn
 
 
 def _free_port() -> int:
@@ -604,7 +569,7 @@ def run_distributed(fn, nproc: int = 2, args=(), *, device: str = "cpu", timeout
     NCCL, one GPU per rank. The process group is initialised before ``fn``
     runs and destroyed after. ``fn`` must be importable (defined in a module),
     or defined in a notebook (then it travels as source, see
-    :class:`_ShippedFunction`). Results must be picklable; a failure in any
+    :class:`_Shipped`). Results must be picklable; a failure in any
     process raises here with its traceback. ``timeout_s`` bounds the whole
     run (the processes are stopped and ``TimeoutError`` raised) and each
     communication (the process group's timeout).
