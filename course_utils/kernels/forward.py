@@ -504,9 +504,12 @@ def _interpreted(device: torch.device) -> bool:
 def _capability(device: torch.device) -> tuple[int, int] | None:
     """``(major, minor)`` of a CUDA device; None on the CPU. (course_utils.kernels.targets
     replaces it to compile for a GPU that is not here.)"""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda":
         return None
-    return tuple(torch.cuda.get_device_capability(device))
+    try:
+        return tuple(torch.cuda.get_device_capability(device))
+    except (AssertionError, RuntimeError):  # a CPU-only torch asked about "cuda" (configuration tables)
+        return None
 
 
 def _gpu_without_bf16(device: torch.device) -> tuple[int, int] | None:
