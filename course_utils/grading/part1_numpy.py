@@ -24,7 +24,8 @@ import math
 import numpy as np
 
 from .. import references as ref
-from .core import Diagnosis, Run
+from . import sandbox
+from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_softmax", "check_naive_attention", "check_online_softmax", "check_tiled_attention"]
 
@@ -329,6 +330,7 @@ def _softmax_cases(rng):
 def check_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
     """Grade ``fn(x, axis=-1)``: a numerically stable softmax of a NumPy array along ``axis``."""
     __tracebackhide__ = True
+    require_callable(fn, "check_softmax")
     run = Run("check_softmax", seed, time_limit_s=time_limit_s)
     for case, x, axis, large in _softmax_cases(run.rng):
         expected = ref.softmax(x, axis=axis)
@@ -439,6 +441,7 @@ def check_naive_attention(fn, *, seed=None, time_limit_s: float = 10.0):
     aligned (query i sees keys j <= i), also when ``Nq != Nk``.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_naive_attention")
     run = Run("check_naive_attention", seed, time_limit_s=time_limit_s)
     for case, q, k, v, causal, large, _, _ in _attention_cases(run.rng):
         expected = ref.attention(q, k, v, causal=causal)
@@ -545,13 +548,15 @@ def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
     one block) fail with :data:`MSG_NOT_STREAMING`.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_online_softmax")
     run = Run("check_online_softmax", seed, time_limit_s=time_limit_s)
     for case, x, block, large in _online_cases(run.rng):
         expected = ref.online_softmax(x, block)
         x_in, log = _watched(x)
         log["active"] = True
         try:
-            out = run.call(fn, x_in, block, case=case)
+            with sandbox.references_forbidden():
+                out = run.call(fn, x_in, block, case=case)
         finally:
             log["active"] = False
         if isinstance(out, _RowWatcher):
@@ -581,10 +586,12 @@ def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
     the natural-log logsumexp of each query row's scaled, masked scores.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_tiled_attention")
     run = Run("check_tiled_attention", seed, time_limit_s=time_limit_s)
     for case, q, k, v, causal, large, bm, bn in _attention_cases(run.rng, blocks=True):
         o_ref, lse_ref = ref.attention_lse(q, k, v, causal=causal)
-        out = run.call(fn, q.copy(), k.copy(), v.copy(), bm, bn, causal=causal, case=case)
+        with sandbox.references_forbidden():
+            out = run.call(fn, q.copy(), k.copy(), v.copy(), bm, bn, causal=causal, case=case)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             what = f"a {type(out).__name__}" if not isinstance(out, (tuple, list)) else f"{len(out)} values"
             raise run.fail(f"your function returned {what}; return the pair (o, lse).", case)

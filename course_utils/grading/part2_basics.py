@@ -34,7 +34,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import sandbox
-from .core import Diagnosis, Run
+from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_triton_softmax"]
 
@@ -330,10 +330,17 @@ def _check_triton_softmax(fn, *, seed=None):
     for desc, rows, cols, dtype, strided, scale, offsets in _cases(run.rng, device):
         x = _make_input(run.rng, rows, cols, dtype, device, strided=strided, scale=scale, offsets=offsets)
         x64 = x.detach().cpu().double().numpy()  # the values the kernel sees, after rounding to dtype
-        with sandbox.count_launches() as launched, _GuardedOutputs(x) as guard:
+        before = sandbox.snapshot(x=x)
+        with sandbox.Work(inputs=(x,)) as work, _GuardedOutputs(x) as guard:
             out = run.call(fn, x, case=desc)
-        if not launched:
-            raise run.fail(MSG_NO_KERNEL, desc)
+        if out is None:
+            raise run.fail("your function returned None: did you forget `return y`?", desc)
+        problem = work.problem(no_kernel=MSG_NO_KERNEL, y=out)
+        if problem:
+            raise run.fail(problem, desc)
+        changed = sandbox.changed_input(before, x=x)
+        if changed:
+            raise run.fail(changed, desc)
         if guard.overrun():
             raise run.fail(MSG_STORE_PAST_END, desc)
         _check_result(run, out, x, desc)
@@ -360,4 +367,5 @@ def check_triton_softmax(fn, *, seed=None, isolate=None, timeout_s=60.0):
     ``seed`` replays the random cases of an earlier call.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_triton_softmax", "your launcher")
     return _isolated_check(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)

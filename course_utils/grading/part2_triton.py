@@ -39,7 +39,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import sandbox
-from .core import Diagnosis, Run
+from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_kv_head", "check_flash_forward", "check_flash_gqa"]
 
@@ -200,6 +200,7 @@ def check_kv_head(fn, *, seed=None):
     then fresh random ones; every query head of each.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_kv_head")
     run = Run("check_kv_head", seed, time_limit_s=10.0)
     for n_q, n_kv in _kv_combos(run.rng):
         case = f"n_q_heads={n_q}, n_kv_heads={n_kv}"
@@ -629,19 +630,29 @@ def _run_case(run, fn, c: _Case, gqa: bool):
 
     device = current().device
     q, k, v, q64, k64, v64 = _make_inputs(run.rng, c, device)
-    with sandbox.count_launches() as launched:
+    before = sandbox.snapshot(q=q, k=k, v=v)
+    with sandbox.Work(inputs=(q, k, v)) as work:
         if gqa:
             out = run.call(fn, q, k, v, case=c.desc)
         else:
             out = run.call(fn, q, k, v, causal=c.causal, case=c.desc)
-    if not launched:
-        raise run.fail(MSG_NO_KERNEL, c.desc)
     if gqa:
+        if out is None:
+            raise run.fail("your function returned None: did you forget a `return`? Return the pair (o, lse).", c.desc)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            problem = work.problem(no_kernel=MSG_NO_KERNEL)
+            if problem:
+                raise run.fail(problem, c.desc)
             raise run.fail(f"your function returned a {type(out).__name__}; return the pair (o, lse).", c.desc)
         o, lse = out
     else:
         o, lse = out, None
+    problem = work.problem(no_kernel=MSG_NO_KERNEL, **({"o": o, "lse": lse} if gqa else {"o": o}))
+    if problem:
+        raise run.fail(problem, c.desc)
+    changed = sandbox.changed_input(before, q=q, k=k, v=v)
+    if changed:
+        raise run.fail(changed, c.desc)
     _tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
     if gqa:
         _tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc,
@@ -692,6 +703,7 @@ def check_flash_forward(fn, *, seed=None, isolate=None, timeout_s=240.0):
     ``timeout_s`` bounds the whole check. ``seed`` replays a call.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_flash_forward", "your launcher")
     return _isolated_forward(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)
 
 
@@ -707,4 +719,5 @@ def check_flash_gqa(fn, *, seed=None, isolate=None, timeout_s=240.0):
     is named. Isolated on the CPU; ``seed`` replays a call.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_flash_gqa", "your launcher")
     return _isolated_gqa(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)

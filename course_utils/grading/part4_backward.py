@@ -30,7 +30,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import sandbox
-from .core import Diagnosis, Run
+from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_tiled_backward", "check_flash_backward"]
 
@@ -236,8 +236,7 @@ def check_tiled_backward(fn, *, seed=None):
     ``Nq != Nk``, causal or not).
     """
     __tracebackhide__ = True
-    if not callable(fn):
-        raise TypeError(f"check_tiled_backward needs your function, got {type(fn).__name__}")
+    require_callable(fn, "check_tiled_backward")
     run = Run("check_tiled_backward", seed)
     for name, batch, n_q, n_k, d, causal in _tiled_cases(run.rng):
         q = run.rng.standard_normal(batch + (n_q, d))
@@ -247,7 +246,8 @@ def check_tiled_backward(fn, *, seed=None):
         o, lse = ref.attention_lse(q, k, v, causal=causal)
         right = ref.attention_backward(q, k, v, do, causal=causal)
         args = [a.copy() for a in (q, k, v, o, lse, do)]  # in-place edits cannot touch ours
-        out = _as_triple(run, run.call(fn, *args, causal=causal, case=name), name)
+        with sandbox.references_forbidden():
+            out = _as_triple(run, run.call(fn, *args, causal=causal, case=name), name)
         for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):
             got = run.array(out[which], expected_shape=shape, case=name, name=f"{label} (item {which} of your tuple)")
             run.compare(got, right[which], case=name, what=label, atol=ATOL, rtol=RTOL,
@@ -309,8 +309,7 @@ def check_flash_backward(fn, *, seed=None):
     __tracebackhide__ = True
     import torch
 
-    if not callable(fn):
-        raise TypeError(f"check_flash_backward needs your function, got {type(fn).__name__}")
+    require_callable(fn, "check_flash_backward")
     env = current()
     run = Run("check_flash_backward", seed, time_limit_s=30.0)
     for name, B, n_q_heads, n_kv_heads, N, D, causal, dtype_name in _flash_cases(run.rng, env.device):
@@ -324,29 +323,41 @@ def check_flash_backward(fn, *, seed=None):
                    for i, a in enumerate((q64, k64, v64)))
         do = sandbox.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
 
-        with sandbox.count_launches() as forward_launches:
+        before = sandbox.snapshot(q=q, k=k, v=v, do=do)
+        # The forward may use the course's forward kernel (lesson 07 does); the backward must be the learner's.
+        with sandbox.Work(inputs=(q, k, v, do), course_kernels_ok=True) as forward_work:
             o = run.call(fn, q, k, v, causal=causal, case=name)
+        if o is None:
+            raise run.fail("your function returned None: did you forget a `return`? Return o "
+                           "(YourFunction.apply(q, k, v, causal)).", name)
         if not isinstance(o, torch.Tensor):
             raise run.fail(f"your function returned a {type(o).__name__}; return the output tensor o.", name)
+        problem = forward_work.problem(no_kernel=MSG_NO_TRITON_FORWARD, o=o)
+        if problem:
+            raise run.fail(problem, name)
         o_right, _ = ref.attention_lse(q64, k64, v64, causal=causal)
         got_o = run.array(o, expected_shape=o_right.shape, case=name, name="o")
         run.compare(got_o, o_right, case=name, what="the forward output o", atol=atol, rtol=rtol,
                     axes=("b", "q_head", "i", "d"))
-        if not forward_launches:
-            raise run.fail(MSG_NO_TRITON_FORWARD, name)
         if o.grad_fn is None:
             raise run.fail(MSG_NOT_DIFFERENTIABLE, name)
 
-        with sandbox.count_launches() as backward_launches:
+        with sandbox.Work(inputs=(q, k, v, do, o)) as backward_work:
             grads = run.call(torch.autograd.grad, o, (q, k, v), do, allow_unused=True, case=name + " (backward)")
         run.cases -= 1  # the forward and the backward of one case count once
-        if not backward_launches:
-            raise run.fail(MSG_NO_TRITON_BACKWARD, name)
-        right = ref.attention_backward(q64, k64, v64, do64, causal=causal)
-        for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):
+        for which, label in ((0, "dq"), (1, "dk"), (2, "dv")):
             if grads[which] is None:
                 raise run.fail(f"{label} is None: your backward must return a gradient for {label[1:]} "
                                "(in the order of forward's inputs).", name)
+        problem = backward_work.problem(no_kernel=MSG_NO_TRITON_BACKWARD, dq=grads[0], dk=grads[1], dv=grads[2])
+        if problem:
+            raise run.fail(problem + " (in the backward pass: the gradients must come from your backward "
+                           "kernels, not from torch or course_utils.kernels)", name)
+        changed = sandbox.changed_input(before, q=q, k=k, v=v, do=do)
+        if changed:
+            raise run.fail(changed, name)
+        right = ref.attention_backward(q64, k64, v64, do64, causal=causal)
+        for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):
             got = run.array(grads[which], expected_shape=tuple(shape), case=name, name=label)
             run.compare(got, right[which], case=name, what=label, atol=atol, rtol=rtol,
                         axes=("b", "kv_head" if which else "q_head", "i" if which == 0 else "j", "d"),
