@@ -169,3 +169,102 @@ def test_nan_padded_views_hold_the_data_and_nan_around_it():
         assert torch.equal(v, t) and not v.is_contiguous()
         storage = v.as_strided((v.untyped_storage().nbytes() // 4,), (1,), 0)
         assert torch.isnan(storage).sum() == storage.numel() - t.numel()
+
+
+# -- proof of work: which kernel wrote the answer ------------------------------------
+from course_utils.grading import sandbox  # noqa: E402
+from course_utils.grading.core import require_callable  # noqa: E402
+
+
+@triton.jit
+def _noop_kernel(x, n):
+    pass
+
+
+@triton.jit
+def _spin_kernel(x, n):
+    i = 0
+    while i < n:  # mistake: i never advances
+        i = i * 1
+
+
+def _watched(fn, x):
+    with sandbox.Work(inputs=(x,)) as work:
+        out = fn(x)
+    return work.problem(o=out)
+
+
+def test_work_accepts_an_answer_written_by_the_learners_kernel_even_converted():
+    x = torch.randn(100)
+    assert _watched(_triton_copy, x) is None
+    assert _watched(lambda x: _triton_copy(x).to(torch.float16).reshape(10, 10).t(), x) is None
+
+
+@pytest.mark.parametrize("fn, text", [
+    (lambda x: (_noop_kernel[(1,)](x, 1), torch.softmax(x, -1))[1], "torch computed a softmax"),
+    (lambda x: (_noop_kernel[(1,)](x, 1), (x[:, None] @ x[None, :]).sum(0))[1], "torch computed a matrix product"),
+    (lambda x: (_noop_kernel[(1,)](x, 1), x.exp())[1], "torch computed an exponential"),
+    (lambda x: _triton_copy(x) * x, r"computed by torch \(aten.mul\)"),
+    (lambda x: (lambda o: (o, _noop_kernel[(1,)](o, 1))[0])(x * 2), r"computed by torch \(aten.mul\)"),
+    (lambda x: (lambda o: (_noop_kernel[(1,)](x, 1), o)[1])(torch.empty_like(x)), "allocated .*none of your kernels"),
+    (lambda x: (_noop_kernel[(1,)](x, 1), x)[1], "it is one of the inputs"),
+    (lambda x: x.clone(), "no Triton kernel of yours ran"),
+], ids=["softmax", "matmul", "exp", "torch-after", "noop-on-torch-result", "never-written", "input", "no-kernel"])
+def test_work_names_what_produced_a_borrowed_answer(fn, text):
+    problem = _watched(fn, torch.randn(100))
+    assert problem is not None and __import__("re").search(text, problem), problem
+
+
+def test_work_refuses_course_kernels_and_a_result_from_an_earlier_call():
+    from course_utils.kernels import flash_attention
+
+    q = torch.randn(1, 1, 20, 16)
+    with sandbox.Work(inputs=(q,)) as work:
+        o = flash_attention(q, q, q)
+    assert "course_utils's own kernel" in work.problem(o=o)
+    kept = _triton_copy(torch.randn(10))
+    x = torch.randn(10)
+    with sandbox.Work(inputs=(x,)) as work:
+        _triton_copy(x)
+        out = kept
+    assert "not written by any kernel during this call" in work.problem(o=out)
+
+
+def test_a_kernel_stopped_by_the_time_limit_is_named_as_a_hang_not_an_interpreter_error():
+    run = Run("check_demo", seed=1, time_limit_s=1.0)
+    with pytest.raises(GradingError) as err:
+        run.call(lambda: _spin_kernel[(1,)](torch.zeros(1), 5), case="c")
+    text = str(err.value)
+    assert "ran for more than 1 s" in text and "probably a loop that never ends" in text
+    assert "InterpreterError" not in text and err.value.__cause__ is None
+
+
+def test_zero_active_drivers_points_to_the_restart():
+    work = sandbox.Work()
+
+    def launch():
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    with pytest.raises(RuntimeError) as err:
+        work._on_launch(_copy_kernel, (), {}, launch)
+    assert any("Restart the kernel" in note and "import course_utils" in note for note in err.value.__notes__)
+
+
+def test_inputs_changed_in_place_are_named():
+    q, k = torch.randn(3, 4), torch.randn(3, 4)
+    before = sandbox.snapshot(q=q, k=k)
+    assert sandbox.changed_input(before, q=q, k=k) is None
+    k.mul_(0.5)
+    assert "changed its input `k` in place" in sandbox.changed_input(before, q=q, k=k)
+
+
+def test_wrong_usage_gets_one_plain_sentence():
+    with pytest.raises(GradingError, match="got the @triton.jit kernel `_copy_kernel` itself: pass your launcher"):
+        require_callable(_copy_kernel, "check_triton_softmax", "your launcher")
+    with pytest.raises(GradingError, match="check_softmax expects a function, but got a int"):
+        require_callable(3, "check_softmax")
+
+
+def test_crash_hint_covers_sigabrt():
+    assert "mask=" in sandbox.crash_hint("SIGABRT") and "mask=" in sandbox.crash_hint("SIGSEGV")
+    assert sandbox.crash_hint("SIGTERM") == ""
