@@ -177,6 +177,16 @@ FORWARD_MISTAKES = {
     "exp2_without_log2e": ([(A, "alpha = tl.exp(m_i", "alpha = tl.exp2(m_i"), (A, "p = tl.exp(s", "p = tl.exp2(s")],
                            pt.MSG_EXP2_NO_LOG2E),
     "tail_keys_unmasked": ([(A, "keep = n_ok[None, :]", "keep = offs_n[None, :] >= 0")], pt.MSG_TAIL_UNMASKED),
+    "m_i_starts_at_0": ([(A, 'm_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)',
+                          "m_i = tl.zeros((BLOCK_M,), dtype=tl.float32)")], pt.MSG_M_INIT_ZERO),
+    "no_running_max": ([(A, "p = tl.exp(s - m_new[:, None])", "p = tl.exp(s)"),
+                        (A, "alpha = tl.exp(m_i - m_new)", "alpha = tl.exp(m_new * 0.0)")], pt.MSG_NO_RUNNING_MAX),
+    "l_not_rescaled": ([(A, "l_i = l_i * alpha +", "l_i = l_i +")], pt.MSG_L_NOT_RESCALED),
+    "exp_with_log2e": ([(A, "s = tl.dot(q, k) * sm_scale", "s = tl.dot(q, k) * sm_scale * 1.4426950408889634")],
+                       pt.MSG_EXP_WITH_LOG2E),
+    "bound_floored": ([(A, "kv_end = tl.minimum(N_size, (pid_m + 1) * BLOCK_M)",
+                        "kv_end = tl.minimum(N_size, (pid_m + 1) * BLOCK_M) // BLOCK_N * BLOCK_N")],
+                      pt.MSG_BOUND_FLOORED),
     "v_load_unmasked": ([(A, "mask=n_ok[:, None] & d_ok[None, :], other=0.0,", "")], pt.MSG_OOB),
     "o_with_q_strides": ([(A, "pid_z * stride_oz + pid_h * stride_oh", "pid_z * stride_qz + pid_h * stride_qh"),
                           (A, "offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok",
@@ -215,7 +225,7 @@ def test_sdpa_is_not_a_triton_kernel():
     def sdpa(q, k, v, causal=False):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    with pytest.raises(GradingError, match="no Triton kernel ran"):
+    with pytest.raises(GradingError, match="torch computed attention"):
         check_flash_forward(sdpa)
 
 
@@ -341,3 +351,80 @@ def test_sdpa_with_gqa_is_not_a_triton_kernel():
 def test_flash_gqa_wrong_result_type_gets_a_sentence(fn, text):
     with pytest.raises(GradingError, match=text):
         check_flash_gqa(fn)
+
+
+# -- proof of work: the answer must come from the learner's own kernel, this call ------
+@triton.jit
+def _noop(o_ptr):
+    pass
+
+
+def _sdpa_after_a_noop_kernel(q, k, v, causal=False):
+    o = torch.empty_like(q)
+    _noop[(1,)](o)
+    return o.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+
+
+def _manual_torch_attention(q, k, v, causal=False):
+    o = torch.empty_like(q)
+    _noop[(1,)](o)
+    p = ((q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5).float().exp()
+    return (p @ v.float() / p.sum(-1, keepdim=True)).to(q.dtype)
+
+
+_memo = {}
+
+
+def _memoised(q, k, v, causal=False):
+    key = (tuple(q.shape), causal)
+    if key not in _memo:
+        _memo[key] = forward.flash_attention_forward(q, k, v, causal=causal)
+    return _memo[key]
+
+
+def _scales_k_in_place(q, k, v, causal=False):
+    o = forward.flash_attention_forward(q, k, v, causal=causal)
+    k.mul_(0.5)  # e.g. pre-scaling k by sm_scale before launching
+    return o
+
+
+@pytest.mark.parametrize("fn, text", [
+    (_sdpa_after_a_noop_kernel, "torch computed attention"),
+    (_manual_torch_attention, "torch computed a matrix product"),
+    (lambda q, k, v, causal=False: flash_attention(q, k, v, causal=causal), "course_utils's own kernel"),
+    (_memoised, "no Triton kernel ran|not written by any kernel during this call"),
+    (_scales_k_in_place, "changed its input `k` in place"),
+    (lambda q, k, v, causal=False: None, "did you forget a `return`"),
+], ids=["noop-then-sdpa", "noop-then-torch-math", "course-kernel", "memoised-by-shape", "k-in-place", "no-return"])
+def test_flash_forward_refuses_borrowed_answers(fn, text):
+    with pytest.raises(GradingError, match=text):
+        check_flash_forward(fn)
+
+
+def test_flash_gqa_refuses_the_course_kernel_and_a_kernel_passed_for_a_launcher():
+    from course_utils.kernels import flash_attention_with_lse
+
+    with pytest.raises(GradingError, match="course_utils's own kernel"):
+        check_flash_gqa(lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True))
+    with pytest.raises(GradingError, match="pass your launcher"):
+        check_flash_gqa(forward._flash_attention_forward_gqa_kernel)
+
+
+def test_fixed_cases_have_large_shifted_scores_d128_several_tiles_and_a_repeated_shape():
+    for gqa in (False, True):
+        cases = pt._fixed_cases(gqa, "cpu")
+        shifted = [c for c in cases if c.shifted]
+        assert shifted and all(c.D == 128 and c.N > 2 * 128 for c in shifted)
+        repeat = [c for c in cases if c.same_shape_as is not None]
+        assert repeat and all((c.B, c.Hq, c.N, c.D) == (cases[c.same_shape_as].B, cases[c.same_shape_as].Hq,
+                                                         cases[c.same_shape_as].N, cases[c.same_shape_as].D)
+                              for c in repeat)
+        rng = __import__("numpy").random.default_rng(0)
+        q, k, v, q64, k64, v64 = pt._make_inputs(rng, shifted[0], "cpu")
+        row_max = pt._scores(q64, ref_repeat(q64, k64), 1 / 128 ** 0.5).max(-1)
+        assert row_max.min() < -120 and row_max.max() > 120
+
+
+def ref_repeat(q64, k64):
+    from course_utils import references
+    return references.repeat_kv_heads(q64, k64, k64)[0]

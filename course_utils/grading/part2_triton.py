@@ -119,6 +119,31 @@ MSG_EXP2_NO_LOG2E = (
     "the kernel uses exp2 on natural-log scores: exp(x) == exp2(x * log2(e)), so fold "
     "log2(e) = 1.4427 into the scale (qk_scale = sm_scale * 1.4427) when you use tl.exp2."
 )
+MSG_M_INIT_ZERO = (
+    "the rows whose scores are all far below 0 (about -150) came out NaN while the others are right: "
+    "m_i starts at 0 instead of -inf, so for those rows exp(s - m_i) underflows to 0 for every key, "
+    "l_i stays 0 and o = 0/0. Start the running max at -inf: tl.full([BLOCK_M], float('-inf'), tl.float32)."
+)
+MSG_NO_RUNNING_MAX = (
+    "the rows whose scores are large (about +-150) came out inf or NaN while small scores are right: "
+    "the scores are exponentiated without subtracting the running max (exp(150) overflows, exp(-150) "
+    "underflows to 0). Keep m_i, the largest score seen so far, use p = exp(s - m_new) and rescale acc "
+    "and l_i by alpha = exp(m_i - m_new)."
+)
+MSG_L_NOT_RESCALED = (
+    "l_i is not rescaled (BLOCK_N = {block} fits): when the running max grows from m_i to m_new, "
+    "multiply l_i by alpha = exp(m_i - m_new) before adding the new block's row sums, as you do for acc."
+)
+MSG_EXP_WITH_LOG2E = (
+    "the kernel uses tl.exp on scores that include the log2(e) = 1.4427 factor: that factor is for "
+    "tl.exp2 (exp(x) == exp2(x * log2(e))). With tl.exp, scale by sm_scale alone."
+)
+MSG_BOUND_FLOORED = (
+    "the causal loop's end is rounded down to a whole K/V block (BLOCK_M, BLOCK_N = {block} fits): the "
+    "keys of the last, partial block before min(N, (pid_m + 1) * BLOCK_M) are never visited. Loop "
+    "`for start_n in range(0, kv_end, BLOCK_N)` with kv_end = min(N, (pid_m + 1) * BLOCK_M), and mask "
+    "the keys past kv_end, or round the number of blocks up with tl.cdiv."
+)
 MSG_O_STRIDES = (
     "the output was written with q's strides: here q is shared across the batch (batch stride "
     "0), so every batch element wrote into the first one's place. Address O with its own "
@@ -244,6 +269,8 @@ class _Case:
     layout: str
     causal: bool
     v_offsets: bool = False  # kv head j's values shifted by j, so heads are told apart at a glance
+    shifted: bool = False  # query rows' scores shifted by up to +-1000 (see _SHIFTS)
+    same_shape_as: int | None = None  # a repeat of fixed case i's shape with new values
 
 
 def _describe(c: _Case, prefix: str, gqa: bool) -> str:
@@ -253,6 +280,10 @@ def _describe(c: _Case, prefix: str, gqa: bool) -> str:
         kind = " (MHA)" if c.Hq == c.Hkv else " (MQA)" if c.Hkv == 1 else f" (GQA, group_size {c.Hq // c.Hkv})"
     causal = "" if gqa else (", causal" if c.causal else ", not causal")
     extra = ", kv head j's values shifted by j" if c.v_offsets else ""
+    if c.shifted:
+        extra += ", rows whose scores are all near -150, -60, 0, +60 or +150"
+    if c.same_shape_as is not None:
+        extra += f", the shape of fixed {c.same_shape_as + 1} again with new values"
     return (f"{prefix}: B={c.B}, {heads}{kind}, N={c.N}, D={c.D}, {c.dtype}{causal}, "
             f"{LAYOUTS[c.layout]}{extra}")
 
@@ -301,6 +332,10 @@ def _make_inputs(rng, c: _Case, device):
     vv = rng.standard_normal((c.B, c.Hkv, c.N, c.D))
     if c.v_offsets:
         vv = vv + np.arange(c.Hkv)[None, :, None, None]
+    if c.shifted:  # s_ij = q_i0 * ALPHA / sqrt(D) + O(1): every key of row i shifted alike
+        kv[..., 0] = _SHIFT_ALPHA
+        beta = np.resize(np.array(_SHIFTS) * math.sqrt(c.D) / _SHIFT_ALPHA, c.N)
+        qv[..., 0] = np.round(beta)  # the reference uses the values after rounding to the dtype
     q, k, v = (torch.tensor(x, dtype=dtype, device=device) for x in (qv, kv, vv))
     if c.layout == "qbcast":
         q = _guarded_contiguous(q).expand(c.B, c.Hq, c.N, c.D)
@@ -311,9 +346,19 @@ def _make_inputs(rng, c: _Case, device):
     return q, k, v, q64, k64, v64
 
 
+_SHIFT_ALPHA = 16.0
+# Row i's scores sit near _SHIFTS[i % 5]. The kernels compute scores in float32, where exp
+# overflows above 88.7 and underflows below -103.9, so +-150 is beyond both; larger shifts
+# would only add float32 rounding (about |s| * 6e-8) to a correct kernel's scores.
+_SHIFTS = (-150.0, 0.0, 150.0, -60.0, 60.0)
+
+
 def _fixed_cases(gqa: bool, device: str) -> list[_Case]:
     f32, f16 = "float32", "float16"
     half = "bfloat16" if device == "cuda" and current().bf16_ok else f16
+    # Scores near +-1000 need exact products: float32 in the interpreter (whose tl.dot is exact there),
+    # the GPU's half precision there (fp32 would use tf32, whose rounding of q, k shows at 1000).
+    big = f32 if device == "cpu" else half
     if not gqa:
         cases = [
             _Case("", 1, 2, 2, 64, 32, f32, "contiguous", False),
@@ -323,6 +368,8 @@ def _fixed_cases(gqa: bool, device: str) -> list[_Case]:
             _Case("", 1, 2, 2, 100, 16, f16, "padded", True),
             _Case("", 2, 3, 3, 80, 64, half, "transposed", True),
             _Case("", 1, 2, 2, 50, 32, f32, "dstride", False),
+            _Case("", 1, 1, 1, 300, 128, big, "padded", True, shifted=True),
+            _Case("", 1, 2, 2, 64, 32, f32, "contiguous", False, same_shape_as=0),
         ]
     else:
         cases = [
@@ -332,6 +379,8 @@ def _fixed_cases(gqa: bool, device: str) -> list[_Case]:
             _Case("", 1, 4, 2, 100, 64, f32, "padded", True),
             _Case("", 2, 4, 1, 80, 32, half, "transposed", True),
             _Case("", 1, 4, 2, 50, 32, f16, "dstride", True),
+            _Case("", 1, 2, 1, 300, 128, big, "padded", True, shifted=True),
+            _Case("", 1, 2, 2, 160, 32, f32, "contiguous", True, same_shape_as=0),
         ]
     if device == "cuda":  # bigger, and the GPU's own half precision
         cases.append(_Case("", 2, 8, 2 if gqa else 8, 1000, 128, half, "padded", True))
@@ -517,6 +566,33 @@ def _causal_weights(n, kind, block_m):
     raise ValueError(kind)
 
 
+def _floored_weights(n, block_m, block_n):
+    """A causal loop whose end min(N, (pid_m + 1) * BLOCK_M) is rounded down to a multiple of BLOCK_N."""
+    i = np.arange(n)[:, None]
+    j = np.arange(n)[None, :]
+    end = np.minimum(n, (i // block_m + 1) * block_m) // block_n * block_n
+    w = ((j <= i) & (j < end)).astype(float)
+    return w
+
+
+def _shift_diagnoses(row_max):
+    """Rows with scores near -1000 or +1000 wrong while the rest are right: which stability mistake."""
+    low, high = row_max < -110.0, row_max > 90.0
+
+    def bad_rows(actual):
+        return ~np.isfinite(actual).all(-1)
+
+    def m_init_zero(actual):
+        bad = bad_rows(actual)
+        return bool(bad.any() and not (bad & ~low).any() and bad[low].all())
+
+    def no_max(actual):
+        bad = bad_rows(actual)
+        return bool(bad.any() and not (bad & ~(low | high)).any() and bad[high].all())
+
+    return [Diagnosis(MSG_M_INIT_ZERO, when=m_init_zero), Diagnosis(MSG_NO_RUNNING_MAX, when=no_max)]
+
+
 def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bool):
     """The known mistakes for the output ``o``, most specific first."""
     n, d = c.N, c.D
@@ -572,12 +648,19 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
             pad = -n % bn
             return None if pad == 0 else _weighted(scores(), v_rep, np.ones((n, n)), np.full(n, float(pad)))[0]
         out.append(_Model(MSG_TAIL_UNMASKED, tail, blocks))
+    if c.causal:
+        pairs = tuple((bm, bn) for bm in blocks for bn in blocks)
+        out.append(_Model(MSG_BOUND_FLOORED, lambda mn: _weighted(scores(), v_rep, _floored_weights(n, *mn))[0], pairs))
+    if c.shifted:
+        out += _shift_diagnoses(masked(scores()).max(-1))
     out += [
         _Model(MSG_ACC_NOT_RESCALED, lambda bn: _online(masked(scores()), v_rep, bn, rescale_acc=False), blocks),
+        _Model(MSG_L_NOT_RESCALED, lambda bn: _online(masked(scores()), v_rep, bn, rescale_l=False), blocks),
         _Model(MSG_NOT_RESCALED, lambda bn: _online(masked(scores()), v_rep, bn, False, False), blocks),
         _Model(MSG_NO_SCALE, scaled(1.0)),
         _Model(MSG_SCALE_TWICE, scaled(1.0 / d)),
         _Model(MSG_EXP2_NO_LOG2E, scaled(sm_scale * LN2)),
+        _Model(MSG_EXP_WITH_LOG2E, scaled(sm_scale * LOG2E)),
     ]
     if c.layout == "dstride":
         out.append(Diagnosis(MSG_D_STRIDE, when=lambda a: True))
@@ -636,9 +719,10 @@ def _run_case(run, fn, c: _Case, gqa: bool):
             out = run.call(fn, q, k, v, case=c.desc)
         else:
             out = run.call(fn, q, k, v, causal=c.causal, case=c.desc)
+    if out is None:
+        raise run.fail("your function returned None: did you forget a `return`?"
+                       + (" Return the pair (o, lse)." if gqa else " Return o."), c.desc)
     if gqa:
-        if out is None:
-            raise run.fail("your function returned None: did you forget a `return`? Return the pair (o, lse).", c.desc)
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
             problem = work.problem(no_kernel=MSG_NO_KERNEL)
             if problem:
