@@ -80,6 +80,11 @@ MSG_OTHER_ZERO = (
     "lanes adds exp(0 - max) to the denominator and every value is too small by the same "
     "factor (your rows sum to {total:.4g}, not 1). Use `other=-float('inf')`: exp(-inf) = 0."
 )
+MSG_BLOCK_TOO_SMALL = (
+    "only the first {block} columns of each row were used (BLOCK = {block} < n_cols = {n}): a fixed "
+    "BLOCK does not cover wide rows. Use BLOCK = triton.next_power_of_2(n_cols) (one program reads its "
+    "whole row), or loop over the row in chunks of BLOCK."
+)
 MSG_UNSTABLE = (
     "rows with large values came out as NaN/inf (or not summing to 1) while small rows are "
     "right: exp(x) overflows above 88 in float32 (and 0/0 happens when every exp(x) "
@@ -185,7 +190,24 @@ def _diagnoses(x, x64, expected, atol, rtol):
         small_ok = np.allclose(actual[~large], expected[~large], atol=atol, rtol=rtol)
         return bool(large.any() and bad.any() and not (bad & ~large).any() and small_ok)
 
+    def block_too_small(actual):
+        for block in (2**j for j in range(4, 14)):
+            if block >= n_cols:
+                break
+            part = ref.softmax(x64[:, :block], axis=-1)
+            if np.allclose(actual[:, :block], part, atol=atol, rtol=rtol):
+                return MSG_BLOCK_TOO_SMALL.format(block=block, n=n_cols)
+        return None
+
+    class _BlockTooSmall(Diagnosis):
+        def matches(self, actual, atol_, rtol_):
+            found = block_too_small(actual)
+            if found:
+                self.message = found
+            return bool(found)
+
     return [
+        _BlockTooSmall(""),
         Diagnosis(MSG_ROW_STRIDE, when=row_stride_mistake),
         Diagnosis(MSG_UNSTABLE, when=unstable),
         Diagnosis(MSG_MISSING_MASK, when=missing_mask),
@@ -215,6 +237,9 @@ def _cases(rng, device):
         ("4 rows x 256 columns, float16", 4, 256, f16, False, 1.0, None),
         ("5 rows x 100 columns, float16, rows not contiguous", 5, 100, f16, True, 1.0, None),
         ("6 rows x 48 columns, float16, around 0, +-1000, +-200 and 90", 6, 48, f16, True, 1.0, big),
+        (f"2 rows x {_WIDE} columns (wider than any block you could fix in advance), rows not contiguous",
+         2, _WIDE, f32, True, 1.0, None),
+        ("4 rows x 64 columns again, new values", 4, 64, f32, False, 1.0, None),
     ]
     if device == "cuda" and current().bf16_ok:
         bf16 = torch.bfloat16
@@ -235,6 +260,8 @@ def _cases(rng, device):
     return cases
 
 
+_WIDE = 5000  # columns of the wide case: more than a hard-coded BLOCK of 4096 holds
+
 _GUARD = 4096  # elements after each guarded output: more than any block can overrun
 _GUARD_VALUE = -7777.0
 
@@ -250,6 +277,7 @@ class _GuardedOutputs:
     """
 
     _NAMES = ("empty_like", "zeros_like", "empty", "zeros")
+    _METHODS = ("new_empty", "new_zeros")
 
     def __init__(self, x):
         self.shape = tuple(x.shape)
@@ -282,12 +310,24 @@ class _GuardedOutputs:
             return self._allocate(self.shape, dtype, kwargs.get("device") or "cpu", zero)
         return allocate
 
+    def _method(self, name, zero):
+        import torch
+
+        def allocate(t, *size, **kwargs):
+            shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+            if shape != self.shape or set(kwargs) - {"dtype", "device"}:
+                return self._methods[name](t, *size, **kwargs)
+            return self._allocate(self.shape, kwargs.get("dtype") or t.dtype, kwargs.get("device") or t.device, zero)
+        return allocate
+
     def __enter__(self):
         import torch
 
         self._torch = {name: getattr(torch, name) for name in self._NAMES}
+        self._methods = {name: getattr(torch.Tensor, name) for name in self._METHODS}
         torch.empty_like, torch.zeros_like = self._like("empty_like", False), self._like("zeros_like", True)
         torch.empty, torch.zeros = self._new("empty", False), self._new("zeros", True)
+        torch.Tensor.new_empty, torch.Tensor.new_zeros = self._method("new_empty", False), self._method("new_zeros", True)
         return self
 
     def __exit__(self, *exc):
@@ -295,6 +335,8 @@ class _GuardedOutputs:
 
         for name, fn in self._torch.items():
             setattr(torch, name, fn)
+        for name, fn in self._methods.items():
+            setattr(torch.Tensor, name, fn)
         return False
 
     def overrun(self) -> bool:
@@ -359,7 +401,7 @@ def check_triton_softmax(fn, *, seed=None, isolate=None, timeout_s=60.0):
     """Grade ``fn(x)``: the softmax of each row of the 2-D tensor ``x``, by a Triton kernel.
 
     ``fn`` must launch a ``@triton.jit`` kernel and return a tensor of ``x``'s
-    shape and dtype. It is called on 17 inputs (19 on a GPU): 1 to 300 columns, 1 to
+    shape and dtype. It is called on 19 inputs (21 on a GPU): 1 to 300 columns and one of 5000, 1 to
     12 rows, rows packed or spaced apart (row stride > columns), values up to
     +-1000, float32 and float16 (and bfloat16 on a GPU). On the CPU it runs in
     a separate process, so a crash of the interpreter cannot kill the notebook;
