@@ -338,9 +338,9 @@ def test_row_watcher_leaves_values_and_types_alone():
     w, log = p1._watched(x)
     log["active"] = True
     y = np.exp(w[:, 2:4] - w[:, 2:4].max(-1, keepdims=True))
-    assert isinstance(y, p1._RowWatcher) and not log["whole_row"]
+    assert isinstance(y, p1._Watched) and not log["reduced"]
     assert np.array_equal(np.asarray(y), np.exp(x[:, 2:4] - x[:, 2:4].max(-1, keepdims=True)))
-    assert type(w.sum(-1)) is np.ndarray and log["whole_row"]
+    assert type(w.sum(-1)) is np.ndarray and log["reduced"]
 
 
 def _online_planted(rescale="right", stop_early=False, zero_tail=False, stable=True):
@@ -716,3 +716,62 @@ def test_time_limit_is_not_swallowed_by_except_exception():
 def test_a_non_callable_gets_one_sentence(check):
     with pytest.raises(GradingError, match=f"{check.__name__} expects a function, but got a ndarray"):
         check(np.zeros(3))
+
+
+# -- the streaming and tiling watchers: not escapable, not fooled by a self-check -----
+def _whole_max_via(idiom):
+    def fn(x, block_size):
+        if idiom == "np.array":
+            m = np.array(x, dtype=np.float64).max(-1, keepdims=True)
+        elif idiom == "view":
+            m = x.view(np.ndarray).max(-1, keepdims=True)
+        elif idiom == "np.sort":
+            m = np.sort(x, axis=-1)[..., -1:]
+        else:  # np.cumsum for the sum
+            e = np.exp(x - np.sort(x)[..., -1:])
+            return e / np.cumsum(e, axis=-1)[..., -1:]
+        e = np.exp(x - m)
+        return e / e.sum(-1, keepdims=True)
+    return fn
+
+
+@pytest.mark.parametrize("idiom", ["np.array", "view", "np.sort", "np.cumsum"])
+def test_online_softmax_watcher_sees_through_copies_sort_and_cumsum(idiom):
+    rejected(check_online_softmax, _whole_max_via(idiom), p1.MSG_NOT_STREAMING)
+
+
+def test_online_softmax_that_checks_its_own_output_passes():
+    def careful(x, block_size):
+        out = online_vectorised(np.asarray(x), block_size)
+        assert np.allclose(out.sum(-1), 1.0)
+        return out
+
+    passes(check_online_softmax, careful)
+
+
+def _whole_score_matrix(q, k, v, block_m, block_n, causal=False):
+    s = (q @ np.swapaxes(k, -1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    return e @ v / e.sum(-1, keepdims=True), (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
+
+
+def _keys_whole_einsum(q, k, v, block_m, block_n, causal=False):
+    outs, lses = [], []
+    for i0 in range(0, q.shape[-2], block_m):  # tiles the queries only
+        s = np.einsum("...id,...jd->...ij", np.array(q[..., i0:i0 + block_m, :]), k) / math.sqrt(q.shape[-1])
+        if causal:
+            s = np.where(np.arange(k.shape[-2])[None, :] <= np.arange(i0, i0 + s.shape[-2])[:, None], s, -np.inf)
+        m = s.max(-1, keepdims=True)
+        e = np.exp(s - m)
+        outs.append(e @ v / e.sum(-1, keepdims=True))
+        lses.append((m + np.log(e.sum(-1, keepdims=True)))[..., 0])
+    return np.concatenate(outs, -2), np.concatenate(lses, -1)
+
+
+@pytest.mark.parametrize("fn", [_whole_score_matrix, _keys_whole_einsum], ids=["whole-matrix", "keys-whole-einsum"])
+def test_tiled_attention_that_does_not_tile_is_refused(fn):
+    with pytest.raises(GradingError, match="did not tile"):
+        check_tiled_attention(fn)

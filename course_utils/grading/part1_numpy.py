@@ -19,6 +19,8 @@ arguments in place cannot disturb the references.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import numpy as np
@@ -86,6 +88,12 @@ MSG_NOT_STREAMING = (
     "all N entries of the last axis), so it is not an online softmax. Read the row one block at a "
     "time (x[..., start:start + block_size]), keep a running max m and a running sum l, rescale l "
     "by exp(m_old - m_new) when the max grows, and only at the end write exp(x - m) / l."
+)
+MSG_NOT_TILED = (
+    "your values are right, but your function did not tile: it computed {what} of shape {shape} at once, "
+    "larger than one tile (block_m={bm} query rows x block_n={bn} keys). Loop over query blocks "
+    "q[..., i0:i0 + block_m, :] and key blocks k[..., j0:j0 + block_n, :], and only ever form one "
+    "block_m x block_n tile of scores at a time."
 )
 MSG_TAIL_DROPPED = (
     "the last, partial block was dropped: when N is not a multiple of the block size, loop "
@@ -496,45 +504,208 @@ def _online_cases(rng):
     yield f"random #5: shape {shape}, block_size={block}, values around +-1000", x, block, True
 
 
-class _RowWatcher(np.ndarray):
-    """The learner's ``x``: an ordinary array that notes reductions over a whole row.
+_ROW_REDUCTIONS = (np.maximum, np.fmax, np.add, np.logaddexp, np.logaddexp2)
+# NumPy functions that look at a whole row at once without a ufunc reduction (np.sort(x)[..., -1] is a max).
+_ROW_FUNCTIONS = {np.sort, np.argsort, np.partition, np.argpartition, np.median, np.quantile, np.percentile,
+                  np.nanmax, np.nanmin, np.nansum, np.cumsum, np.nancumsum, np.ptp}
+_PRODUCT_FUNCTIONS = {np.dot, np.inner, np.tensordot, np.einsum, np.vdot, np.outer, np.kron}
+_CONVERSIONS = ("array", "asarray", "asanyarray", "ascontiguousarray", "asfortranarray", "copy")
 
-    A max, sum or logaddexp reduced along an axis as long as the row (``N``
-    entries), applied to ``x`` or to anything computed element-wise from it,
-    means the row was not streamed. Slices keep watching, and so do
-    element-wise results; reductions hand back plain arrays. Code that
-    converts with ``np.asarray`` or leaves NumPy is not watched (not flagged).
+
+def _plain(a):
+    return np.ndarray.view(a, np.ndarray) if isinstance(a, _Watched) else a
+
+
+class _Watched(np.ndarray):
+    """The learner's inputs: ordinary arrays that note how the whole problem is read.
+
+    Each carries a shared log and a set of tags (which inputs it was computed
+    from: "q", "k", "x", ...). Slices, views, copies and element-wise results
+    keep watching (``np.array``, ``np.asarray``, ``np.copy`` and
+    ``.view(np.ndarray)`` included, while the log is active); reductions hand
+    back plain arrays. The log's hooks decide what counts:
+
+    - ``row``: for the online softmax, a max, sum, logaddexp, cumulative sum,
+      sort or partition along an axis as long as the row (``log["n"]``) is
+      recorded with a copy of what was reduced; a reduction of the very
+      values the function returns (a self-check such as
+      ``assert np.allclose(out.sum(-1), 1)``) is forgiven afterwards;
+    - ``tiles``: for the tiled exercises, a product of something computed
+      from ``q`` alone with something computed from ``k`` alone (or ``do``
+      with ``v``) bigger than one ``block_m x block_n`` tile is recorded.
     """
-
-    _REDUCTIONS = (np.maximum, np.fmax, np.add, np.logaddexp)
 
     def __array_finalize__(self, obj):
         self._log = getattr(obj, "_log", None)
+        self._tags = getattr(obj, "_tags", frozenset())
+
+    def view(self, *args, **kwargs):
+        result = np.ndarray.view(self, *args, **kwargs)
+        if (self._log is not None and self._log["active"] and isinstance(result, np.ndarray)
+                and not isinstance(result, _Watched)):
+            result = _rewatch(result, self)
+        return result
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        log = next((i._log for i in inputs if isinstance(i, _RowWatcher) and i._log is not None), None)
-        plain = [i.view(np.ndarray) if isinstance(i, _RowWatcher) else i for i in inputs]
+        watched = [i for i in inputs if isinstance(i, _Watched) and i._log is not None]
+        log = watched[0]._log if watched else None
+        plain = [_plain(i) for i in inputs]
         if "out" in kwargs:
-            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, _RowWatcher) else o for o in kwargs["out"])
-        if log is not None and log["active"] and method == "reduce" and ufunc in self._REDUCTIONS:
-            arr = np.asarray(plain[0])
-            axis = kwargs.get("axis", 0)
-            axes = range(arr.ndim) if axis is None else np.atleast_1d(axis)
-            if any(arr.ndim and arr.shape[int(a)] == log["n"] for a in axes):
-                log["whole_row"] = True
+            kwargs["out"] = tuple(_plain(o) for o in kwargs["out"])
+        if log is not None and log["active"]:
+            if method in ("reduce", "accumulate") and ufunc in _ROW_REDUCTIONS:
+                _note_row(log, plain[0], kwargs.get("axis", 0))
         result = getattr(ufunc, method)(*plain, **kwargs)
+        if (log is not None and log["active"] and method == "__call__" and ufunc is np.matmul
+                and len(inputs) == 2 and isinstance(result, np.ndarray)):
+            _note_product(log, inputs[0], inputs[1], shape=result.shape if result.ndim >= 2 else None,
+                          size=result.size)
         if method == "__call__" and log is not None and isinstance(result, np.ndarray):
-            result = result.view(_RowWatcher)
-            result._log = log
+            tags = frozenset().union(*(i._tags for i in watched if i.size > 1))
+            result = result.view(_Watched)
+            result._log, result._tags = log, tags
+        return result
+
+    def __array_function__(self, func, types, args, kwargs):
+        watched = [a for a in args if isinstance(a, _Watched) and a._log is not None]
+        log = watched[0]._log if watched else None
+        if log is not None and log["active"]:
+            if func in _ROW_FUNCTIONS and args:
+                default = -1 if func in (np.sort, np.argsort, np.partition, np.argpartition) else None
+                axis = kwargs.get("axis", args[2] if func in (np.partition, np.argpartition) and len(args) > 2
+                                  else args[1] if len(args) > 1 and func not in (np.partition, np.argpartition,
+                                                                                  np.quantile, np.percentile)
+                                  else default)
+                _note_row(log, _plain(args[0]), axis if isinstance(axis, (int, np.integer, tuple, type(None))) else default)
+        result = super().__array_function__(func, types, args, kwargs)
+        if log is not None and log["active"] and func in _PRODUCT_FUNCTIONS:
+            operands = [a for a in args if isinstance(a, np.ndarray)]
+            if len(operands) >= 2:
+                _note_product(log, operands[0], operands[1], shape=None, size=np.size(result))
+        if func is np.copy and log is not None and isinstance(result, np.ndarray) and not isinstance(result, _Watched):
+            result = _rewatch(result, watched[0])
         return result
 
 
+def _rewatch(result, like):
+    out = np.ndarray.view(result, _Watched)
+    out._log, out._tags = like._log, like._tags
+    return out
+
+
+def _note_row(log, arr, axis):
+    hook = log.get("row")
+    if hook is None:
+        return
+    arr = np.asarray(arr)
+    axes = range(arr.ndim) if axis is None else np.atleast_1d(axis)
+    if any(arr.ndim and arr.shape[int(a)] == log["n"] for a in axes):
+        hook(arr)
+
+
+def _note_product(log, a, b, shape=None, size=None):
+    hook = log.get("tiles")
+    if hook is None:
+        return
+    ta = a._tags if isinstance(a, _Watched) else frozenset()
+    tb = b._tags if isinstance(b, _Watched) else frozenset()
+    hook(ta, tb, shape, size)
+
+
+@contextlib.contextmanager
+def _conversions_keep_watching():
+    """``np.array(x)``, ``np.asarray(x)``, ``np.copy(x)`` ... of a watched array stay watched (during the call)."""
+    saved = {name: getattr(np, name) for name in _CONVERSIONS}
+
+    def make(original):
+        @functools.wraps(original)
+        def convert(a, *args, **kwargs):
+            result = original(a, *args, **kwargs)
+            if (isinstance(a, _Watched) and a._log is not None and a._log["active"]
+                    and isinstance(result, np.ndarray) and not isinstance(result, _Watched)):
+                result = _rewatch(result, a)
+            return result
+        return convert
+
+    for name, original in saved.items():
+        setattr(np, name, make(original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(np, name, original)
+
+
+def _watch(arrays: dict, log: dict) -> dict:
+    """Copies of ``arrays`` as :class:`_Watched`, tagged with their names, writing to ``log``."""
+    out = {}
+    for name, a in arrays.items():
+        w = np.array(a, copy=True).view(_Watched)
+        w._log, w._tags = log, frozenset([name])
+        out[name] = w
+    return out
+
+
+def _tile_log(batch_count: int, block_m: int, block_n: int) -> dict:
+    """A log whose hook records the first score product larger than one block_m x block_n tile.
+
+    The score products are q x k (S, or S^T in a backward) and do x v (dP):
+    the operands computed from those inputs alone, whatever the code.
+    """
+    log = {"active": False, "untiled": None}
+    pairs = {("q", "k"): "the scores q @ k^T", ("do", "v"): "dP = do @ v^T"}
+
+    def tiles(ta, tb, shape, size):
+        if log["untiled"] is not None:
+            return
+        for (x, y), what in pairs.items():
+            if (ta, tb) == ({x}, {y}):
+                limit = (block_m, block_n)
+            elif (ta, tb) == ({y}, {x}):
+                limit = (block_n, block_m)
+            else:
+                continue
+            if shape is not None:
+                bad = shape[-2] > limit[0] or shape[-1] > limit[1]
+            else:
+                bad = size > batch_count * block_m * block_n
+            if bad:
+                log["untiled"] = MSG_NOT_TILED.format(what=what, shape=tuple(shape) if shape is not None
+                                                      else f"(… {size} elements)", bm=block_m, bn=block_n)
+
+    log["tiles"] = tiles
+    return log
+
+
+@contextlib.contextmanager
+def _watching(log):
+    """Turn ``log`` on for the learner's call, with the references off limits."""
+    log["active"] = True
+    try:
+        with sandbox.references_forbidden(), _conversions_keep_watching():
+            yield
+    finally:
+        log["active"] = False
+
+
 def _watched(x: np.ndarray) -> tuple[np.ndarray, dict]:
-    """``x`` as a :class:`_RowWatcher`, and the log it writes to (off until the call)."""
-    log = {"n": x.shape[-1], "active": False, "whole_row": False}
-    w = x.copy().view(_RowWatcher)
-    w._log = log
+    """``x`` watched for whole-row reductions, and the log (off until the call)."""
+    log = {"n": x.shape[-1], "active": False, "whole_row": False, "reduced": []}
+    log["row"] = log["reduced"].append
+    w = _watch({"x": x}, log)["x"]
     return w, log
+
+
+def _whole_row_after_call(log, out) -> bool:
+    """Whether a row was reduced whole, forgiving reductions of the returned values (a self-check)."""
+    out = np.asarray(out, dtype=np.float64) if out is not None else None
+    for arr in log["reduced"]:
+        if out is not None and arr.shape == out.shape:
+            with np.errstate(all="ignore"):
+                if np.allclose(np.asarray(arr, dtype=np.float64), out, equal_nan=True):
+                    continue
+        return True
+    return False
 
 
 def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
@@ -555,12 +726,13 @@ def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
         x_in, log = _watched(x)
         log["active"] = True
         try:
-            with sandbox.references_forbidden():
+            with sandbox.references_forbidden(), _conversions_keep_watching():
                 out = run.call(fn, x_in, block, case=case)
         finally:
             log["active"] = False
-        if isinstance(out, _RowWatcher):
-            out = out.view(np.ndarray)
+        if isinstance(out, _Watched):
+            out = _plain(out)
+        log["whole_row"] = _whole_row_after_call(log, out if isinstance(out, np.ndarray) else None)
         got = run.array(out, expected_shape=x.shape, case=case)
         diagnoses = [
             Diagnosis(MSG_NO_RESCALE, when=_like(lambda: _variant_online_softmax(x, block, rescale="none"))),
@@ -590,11 +762,16 @@ def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
     run = Run("check_tiled_attention", seed, time_limit_s=time_limit_s)
     for case, q, k, v, causal, large, bm, bn in _attention_cases(run.rng, blocks=True):
         o_ref, lse_ref = ref.attention_lse(q, k, v, causal=causal)
-        with sandbox.references_forbidden():
-            out = run.call(fn, q.copy(), k.copy(), v.copy(), bm, bn, causal=causal, case=case)
+        log = _tile_log(math.prod(np.broadcast_shapes(q.shape[:-2], k.shape[:-2])), bm, bn)
+        watched = _watch({"q": q, "k": k, "v": v}, log)
+        with _watching(log):
+            out = run.call(fn, watched["q"], watched["k"], watched["v"], bm, bn, causal=causal, case=case)
+        if out is None:
+            raise run.fail("your function returned None: did you forget a `return`? Return the pair (o, lse).", case)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             what = f"a {type(out).__name__}" if not isinstance(out, (tuple, list)) else f"{len(out)} values"
             raise run.fail(f"your function returned {what}; return the pair (o, lse).", case)
+        out = [_plain(a) for a in out]
         o = run.array(out[0], expected_shape=o_ref.shape, case=case, name="o (the first value you returned)")
         lse = run.array(out[1], expected_shape=lse_ref.shape, case=case, name="lse (the second value you returned)")
 
@@ -622,4 +799,6 @@ def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
         ]
         run.compare(lse, lse_ref, case=case, what="lse", atol=ATOL, rtol=RTOL,
                     diagnoses=lse_diagnoses, axes=_axes(lse.ndim, "query"))
+        if log["untiled"]:
+            raise run.fail(log["untiled"], case)
     return run.passed()
