@@ -268,3 +268,23 @@ def test_wrong_usage_gets_one_plain_sentence():
 def test_crash_hint_covers_sigabrt():
     assert "mask=" in sandbox.crash_hint("SIGABRT") and "mask=" in sandbox.crash_hint("SIGSEGV")
     assert sandbox.crash_hint("SIGTERM") == ""
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})], key=["n"])
+@triton.jit
+def _autotuned_copy(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+def test_multi_config_autotune_runs_its_first_config_in_the_interpreter(capsys):
+    from triton.runtime.autotuner import Autotuner
+
+    x = torch.randn(100, device=course_utils.DEVICE)
+    y = torch.empty_like(x)
+    if course_utils.ENV.interpreter:
+        Autotuner._course_autotune_said = False
+    _autotuned_copy[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](x, y, 100)
+    assert torch.equal(x, y)
+    if course_utils.ENV.interpreter:
+        assert "runs the first of its configs here (for `_autotuned_copy`" in capsys.readouterr().out
