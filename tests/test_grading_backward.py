@@ -150,7 +150,7 @@ def test_tiled_wrong_return_type_is_explained():
         check_tiled_backward(lambda *a, causal=False: tiled_backward(*a, causal)[:2])
     with pytest.raises(GradingError, match="shape"):
         check_tiled_backward(lambda *a, causal=False: tuple(x.T for x in tiled_backward(*a, causal)))
-    with pytest.raises(TypeError):
+    with pytest.raises(GradingError, match="check_tiled_backward expects a function, but got a str"):
         check_tiled_backward("not a function")
 
 
@@ -159,7 +159,7 @@ def test_tiled_seed_replays_the_same_cases():
 
     def spy(q, k, v, o, lse, do, causal=False):
         seen.append((q.shape, causal, float(q.ravel()[0])))
-        return backward_without_tiles(q, k, v, o, lse, do, causal)
+        return tiled_backward(q, k, v, o, lse, do, causal)
 
     check_tiled_backward(spy, seed=123)
     first, seen[:] = list(seen), []
@@ -283,7 +283,7 @@ class TritonForwardTorchBackward(torch.autograd.Function):
 
 
 def test_math_only_answers_are_rejected():
-    with pytest.raises(GradingError, match="no Triton kernel ran during the forward"):
+    with pytest.raises(GradingError, match="torch computed attention"):
         check_flash_backward(_math_attention)
     with pytest.raises(GradingError, match="torch computed attention .*in the backward pass"):
         check_flash_backward(lambda q, k, v, causal=False: TritonForwardTorchBackward.apply(q, k, v, causal))
