@@ -361,3 +361,24 @@ def test_borrowed_answers_and_inputs_changed_in_place_are_refused():
     _fails_with(lambda x: None, "did you forget `return y`")
     with pytest.raises(GradingError, match="pass your launcher"):
         check_triton_softmax(_softmax_one_row)
+
+
+@triton.jit
+def _store_at_input_stride(x_ptr, y_ptr, x_row_stride, y_row_stride, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    # mistake: y's rows addressed with x's row stride
+    tl.store(y_ptr + row * x_row_stride + cols, (e / tl.sum(e, axis=0)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def test_output_rows_at_the_input_stride_are_not_blamed_on_a_store_mask():
+    def fn(x):
+        y = torch.empty_like(x)
+        _store_at_input_stride[(x.shape[0],)](x, y, x.stride(0), y.stride(0), x.shape[1],
+                                              BLOCK=triton.next_power_of_2(x.shape[1]))
+        return y
+    msg = _fails_with(fn, pb.MSG_OUT_ROW_STRIDE)
+    assert "rows not contiguous" in msg and pb.MSG_STORE_PAST_END not in msg

@@ -69,6 +69,12 @@ MSG_STORE_PAST_END = (
     "the tensor. The grader put a guard zone there and found it changed; in a real program it "
     "is another tensor, silently corrupted (or a crash). Store with the same mask as the load."
 )
+MSG_OUT_ROW_STRIDE = (
+    "the output rows were written with the input's row stride: y's rows are y.stride(0) apart, "
+    "x's rows x.stride(0) apart, and here they differ (x is a view of a wider tensor), so row r "
+    "landed at r * x.stride(0) in y, past the end of y for the last rows. Pass y.stride(0) to the "
+    "kernel and store at y_ptr + row * y_row_stride + cols."
+)
 MSG_ROW_STRIDE = (
     "the rows were located with `row * n_cols`, as if they were packed one after another. "
     "They are not always: a view such as `x[:, :n]` of a wider tensor keeps the wider "
@@ -345,6 +351,24 @@ class _GuardedOutputs:
         return any(not torch.equal(buf[n:], before) for buf, n, before in self.zones)
 
 
+def _rows_at_input_stride(guard, x, x64, tolerance) -> bool:
+    """Whether the guarded output's memory holds the softmax rows at x's row stride (not y's)."""
+    n_rows, n_cols = x64.shape
+    stride = x.stride(0)
+    if stride == n_cols:
+        return False
+    expected = ref.softmax(x64, axis=-1)
+    atol, rtol = tolerance
+    for buf, n, _ in guard.zones:
+        flat = buf.detach().cpu().double().numpy()
+        if (n_rows - 1) * stride + n_cols > flat.size:
+            continue
+        rows = np.stack([flat[r * stride: r * stride + n_cols] for r in range(n_rows)])
+        if np.allclose(rows, expected, atol=atol, rtol=rtol):
+            return True
+    return False
+
+
 def _check_result(run, out, x, case):
     """A plain sentence for a result that is not a tensor like ``x``."""
     import torch
@@ -384,6 +408,8 @@ def _check_triton_softmax(fn, *, seed=None):
         if changed:
             raise run.fail(changed, desc)
         if guard.overrun():
+            if _rows_at_input_stride(guard, x, x64, _tolerance(dtype)):
+                raise run.fail(MSG_OUT_ROW_STRIDE, desc)
             raise run.fail(MSG_STORE_PAST_END, desc)
         _check_result(run, out, x, desc)
         got = out.detach().cpu().double().numpy()
