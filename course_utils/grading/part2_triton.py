@@ -62,6 +62,11 @@ MSG_KV_DIV_NKV = (
     "this is `q_head // n_kv_heads`: divide by the group size (group_size = n_q_heads // "
     "n_kv_heads, the number of query heads per kv head), not by the number of kv heads."
 )
+MSG_KV_OUT_OF_RANGE = (
+    "query heads {heads} came out NaN while the others read a real kv head: they read a kv head that "
+    "does not exist (an index >= n_kv_heads = {n_kv}, in the memory after k and v). The map must stay "
+    "below n_kv_heads: kv_head = q_head // group_size, with group_size = n_q_heads // n_kv_heads = {group}."
+)
 MSG_KV_OTHER = "kv_head = q_head // group_size, with group_size = n_q_heads // n_kv_heads."
 MSG_KV_FLOAT = (
     "returned a float: use integer division `//` (a head index is an int; `/` gives a float)."
@@ -148,6 +153,11 @@ MSG_O_STRIDES = (
     "the output was written with q's strides: here q is shared across the batch (batch stride "
     "0), so every batch element wrote into the first one's place. Address O with its own "
     "strides (o.stride()), which differ from q's whenever q is not laid out like o."
+)
+MSG_BATCH_STRIDE = (
+    "only the first batch element is right: every program read and wrote batch 0, so the batch "
+    "index is not used in the addresses (or its stride is 0). Add pid_z * stride_qz (and stride_kz, "
+    "stride_vz, stride_oz) to each tensor's base pointer, with each tensor's own batch stride."
 )
 MSG_D_STRIDE = (
     "this is the first case whose head dim is not contiguous (q.stride(-1) != 1). A kernel "
@@ -537,6 +547,30 @@ class _KvMapping(Diagnosis):
         return True
 
 
+class _KvOutOfRange(Diagnosis):
+    """Some query heads came out non-finite while the others read a real kv head: a map past the last kv head."""
+
+    def __init__(self, q64, k64, v64, causal):
+        super().__init__("")
+        self.q64, self.k64, self.v64, self.causal = q64, k64, v64, causal
+
+    def matches(self, actual, atol, rtol):
+        n_q, n_kv = self.q64.shape[1], self.k64.shape[1]
+        bad = [h for h in range(n_q) if not np.isfinite(actual[:, h]).all()]
+        if not bad or len(bad) == n_q or n_kv == n_q and n_q == 1:
+            return False
+        for h in range(n_q):
+            if h in bad:
+                continue
+            if not any(_same(actual[:, h], ref.attention(self.q64[:, h], self.k64[:, j], self.v64[:, j],
+                                                         causal=self.causal), atol * _SLACK, rtol * _SLACK)
+                       for j in range(n_kv)):
+                return False
+        heads = ", ".join(str(h) for h in bad[:16]) + (", ..." if len(bad) > 16 else "")
+        self.message = MSG_KV_OUT_OF_RANGE.format(heads=heads, n_kv=n_kv, group=n_q // n_kv)
+        return True
+
+
 def _causal_weights(n, kind, block_m):
     """Weights ``w[i, j]`` (how often key j counts for query i) of a causal loop, and phantom counts.
 
@@ -622,14 +656,24 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
     out = []
     if c.layout == "qbcast":
         def o_with_q_strides(actual):
-            per_row = np.zeros(actual.shape[1:3], dtype=bool)
-            for b in range(c.B):
-                per_row |= np.isclose(actual[0], expected[b], atol=o_atol * _SLACK, rtol=o_rtol * _SLACK).all(-1)
+            # Every batch element wrote into the first one's place: its rows hold some batch's
+            # right answer, and at least one of them a later batch's (reading k, v per batch).
+            close = [np.isclose(actual[0], expected[b], atol=o_atol * _SLACK, rtol=o_rtol * _SLACK).all(-1)
+                     for b in range(c.B)]
+            per_row = np.logical_or.reduce(close)
+            later = np.logical_or.reduce(close[1:]) & ~close[0]
             rest_ok = np.allclose(actual[1:], expected[1:], atol=o_atol, rtol=o_rtol)
-            return bool(per_row.all() and not rest_ok)
+            return bool(per_row.all() and later.any() and not rest_ok)
         out.append(Diagnosis(MSG_O_STRIDES, when=o_with_q_strides))
+    if c.B > 1:
+        def batch_stride_ignored(actual):
+            # Every batch element computed and wrote batch 0's attention: o[0] right, the rest not.
+            first_ok = np.allclose(actual[0], expected[0], atol=o_atol * _SLACK, rtol=o_rtol * _SLACK)
+            return bool(first_ok and not np.allclose(actual[1:], expected[1:], atol=o_atol, rtol=o_rtol))
+        out.append(Diagnosis(MSG_BATCH_STRIDE, when=batch_stride_ignored))
     if gqa:
         out.append(_KvMapping(q64, k64, v64, c.causal))
+        out.append(_KvOutOfRange(q64, k64, v64, c.causal))
     if c.causal:
         out += [
             _Model(MSG_NO_CAUSAL, mask_kind(np.ones((n, n)))),
