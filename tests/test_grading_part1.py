@@ -213,6 +213,23 @@ def test_attention_mask_transposed():
     rejected(check_naive_attention, transposed, p1.MSG_MASK_TRANSPOSED)
 
 
+@pytest.mark.parametrize("kind, message", [("strict", p1.MSG_MASK_STRICT), ("shifted", p1.MSG_MASK_SHIFTED)])
+def test_attention_mask_off_by_one(kind, message):
+    def off_by_one(q, k, v, causal=False):
+        s = _scores(q, k)
+        if causal:
+            i, j = np.arange(s.shape[-2])[:, None], np.arange(s.shape[-1])[None, :]
+            s = np.where(j < i if kind == "strict" else j <= i + 1, s, -np.inf)
+        return softmax_stable(s) @ v
+
+    rejected(check_naive_attention, off_by_one, message)
+
+
+def test_online_softmax_m_starting_at_0_is_not_called_an_overflow():
+    text = rejected(check_online_softmax, _online_planted(m_init=0.0), p1.MSG_M_INIT_ZERO)
+    assert p1.MSG_OVERFLOW not in text
+
+
 def test_attention_mask_after_softmax():
     def after(q, k, v, causal=False):
         p = softmax_stable(_scores(q, k))
@@ -343,11 +360,11 @@ def test_row_watcher_leaves_values_and_types_alone():
     assert type(w.sum(-1)) is np.ndarray and log["reduced"]
 
 
-def _online_planted(rescale="right", stop_early=False, zero_tail=False, stable=True):
+def _online_planted(rescale="right", stop_early=False, zero_tail=False, stable=True, m_init=-np.inf):
     def fn(x, block_size):
         n = x.shape[-1]
         stop = n - n % block_size if stop_early else n
-        m = np.full(x.shape[:-1], -np.inf) if stable else np.zeros(x.shape[:-1])
+        m = np.full(x.shape[:-1], m_init) if stable else np.zeros(x.shape[:-1])
         l = np.zeros(x.shape[:-1])
         for start in range(0, stop, block_size):
             b = x[..., start:start + block_size]
@@ -459,7 +476,7 @@ def test_tiled_correct_styles_pass(fn):
 
 
 def _tiled_planted(scale=True, rescale_acc=True, rescale_l=True, drop_kv_tail=False, drop_q_tail=False,
-                   mask="top-left", stable=True, lse_kind="ln"):
+                   mask="top-left", stable=True, lse_kind="ln", m_init=-np.inf):
     """A tiled attention with the requested mistakes; returns (o, lse)."""
 
     def fn(q, k, v, block_m, block_n, causal=False):
@@ -472,7 +489,7 @@ def _tiled_planted(scale=True, rescale_acc=True, rescale_l=True, drop_kv_tail=Fa
         kv_stop = n_k - n_k % block_n if drop_kv_tail else n_k
         for qs in range(0, q_stop, block_m):
             qe = min(qs + block_m, n_q)
-            m = np.full(q.shape[:-2] + (qe - qs,), -np.inf if stable else 0.0)
+            m = np.full(q.shape[:-2] + (qe - qs,), m_init if stable else 0.0)
             l = np.zeros_like(m)
             acc = np.zeros(m.shape + (v.shape[-1],))
             for ks in range(0, kv_stop, block_n):
@@ -482,7 +499,7 @@ def _tiled_planted(scale=True, rescale_acc=True, rescale_l=True, drop_kv_tail=Fa
                     i = np.arange(qs, qe)[:, None]
                     j = np.arange(ks, ke)[None, :]
                     allowed = {"top-left": j <= i, "transposed": j >= i, "bottom-right": j <= i + n_k - n_q,
-                               "none": np.ones((qe - qs, ke - ks), bool)}[mask]
+                               "none": np.ones((qe - qs, ke - ks), bool), "tile-local": (j - ks) <= (i - qs)}[mask]
                     s = np.where(allowed, s, -np.inf)
                 m_new = np.maximum(m, s.max(-1)) if stable else m
                 alpha = np.exp(m - m_new)
@@ -491,7 +508,8 @@ def _tiled_planted(scale=True, rescale_acc=True, rescale_l=True, drop_kv_tail=Fa
                 acc = (acc * alpha[..., None] if rescale_acc else acc) + p @ v[..., ks:ke, :]
                 m = m_new
             o[..., qs:qe, :] = acc / l[..., None]
-            lse[..., qs:qe] = {"ln": m + np.log(l), "log2": (m + np.log(l)) / math.log(2.0), "no max": np.log(l)}[lse_kind]
+            lse[..., qs:qe] = {"ln": m + np.log(l), "log2": (m + np.log(l)) / math.log(2.0), "no max": np.log(l),
+                               "mixed": m + np.log2(l)}[lse_kind]
         return o, lse
 
     return fn
@@ -516,6 +534,9 @@ def test_tiled_planted_helper_is_right_when_unplanted():
         (dict(stable=False), p1.MSG_OVERFLOW),
         (dict(lse_kind="log2"), p1.MSG_LSE_BASE2),
         (dict(lse_kind="no max"), p1.MSG_LSE_NO_MAX),
+        (dict(lse_kind="mixed"), p1.MSG_LSE_MIXED),
+        (dict(mask="tile-local"), p1.MSG_MASK_TILE_LOCAL),
+        (dict(m_init=0.0), p1.MSG_M_INIT_ZERO),
     ],
     ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else "",
 )

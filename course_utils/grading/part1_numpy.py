@@ -67,6 +67,27 @@ MSG_MASK_TRANSPOSED = (
     "the causal mask is transposed: query i saw keys j >= i. Keep the keys j <= i "
     "(np.tril, or k_index <= q_index)."
 )
+MSG_MASK_STRICT = (
+    "the causal mask also hides the diagonal: query i saw only keys j < i (so query 0 sees nothing "
+    "and comes out NaN). Keep the keys j <= i (k_index <= q_index, not <)."
+)
+MSG_MASK_SHIFTED = (
+    "the causal mask is off by one: query i also saw key i + 1. Keep the keys j <= i."
+)
+MSG_MASK_TILE_LOCAL = (
+    "the causal mask was built from indices inside the tile (0 .. block_m-1 and 0 .. block_n-1) "
+    "instead of positions in the sequence: compare q_start + row with k_start + col "
+    "(np.arange(q_start, q_end)[:, None] >= np.arange(k_start, k_end)[None, :])."
+)
+MSG_M_INIT_ZERO = (
+    "the rows whose values are all far below 0 (around -1000) came out NaN while the others are right: "
+    "the running max m starts at 0 instead of -inf, so for those rows every exp(x - m) underflows to 0 "
+    "and the running sum stays 0 (0/0). Start it at -inf: np.full(shape, -np.inf)."
+)
+MSG_LSE_MIXED = (
+    "lse mixes bases: one of m_i and log(l_i) is in log2 units and the other in natural log. "
+    "With np.exp, lse = m_i + np.log(l_i)."
+)
 MSG_MASK_BOTTOM_RIGHT = (
     "the causal mask is aligned bottom-right (query i sees j <= i + Nk - Nq, FlashAttention's "
     "convention); this course aligns it top-left: query i sees keys j <= i."
@@ -201,6 +222,10 @@ def _mask(n_q, n_k, kind):
         return j <= i + (n_k - n_q)
     if kind == "none":
         return np.ones((n_q, n_k), dtype=bool)
+    if kind == "strict":
+        return j < i
+    if kind == "shifted":
+        return j <= i + 1
     raise ValueError(kind)
 
 
@@ -217,7 +242,7 @@ def _variant_attention(q, k, v, *, causal, scale=None, mask="top-left", axis=-1,
     return p @ v
 
 
-def _variant_online_softmax(x, block_size, *, rescale="right", drop_tail=False, zero_tail=False):
+def _variant_online_softmax(x, block_size, *, rescale="right", drop_tail=False, zero_tail=False, m_init=-np.inf):
     """The online softmax with one mistake switched on (or none).
 
     ``rescale``: "right" (l * exp(m_old - m_new)), "none" or "backwards".
@@ -226,7 +251,7 @@ def _variant_online_softmax(x, block_size, *, rescale="right", drop_tail=False, 
     """
     n = x.shape[-1]
     stop = n - n % block_size if drop_tail else n
-    m = np.full(x.shape[:-1], -np.inf)
+    m = np.full(x.shape[:-1], m_init)
     l = np.zeros(x.shape[:-1])
     for start in range(0, stop, block_size):
         block = x[..., start : start + block_size]
@@ -243,7 +268,7 @@ def _variant_online_softmax(x, block_size, *, rescale="right", drop_tail=False, 
 
 
 def _variant_tiled(q, k, v, block_m, block_n, causal, *, rescale_acc=True, rescale_l=True,
-                   drop_kv_tail=False, drop_q_tail=False, mask="top-left"):
+                   drop_kv_tail=False, drop_q_tail=False, mask="top-left", m_init=-np.inf):
     """Tiled attention with one mistake switched on (or none): returns ``o``."""
     n_q, d = q.shape[-2:]
     n_k = k.shape[-2]
@@ -252,17 +277,19 @@ def _variant_tiled(q, k, v, block_m, block_n, causal, *, rescale_acc=True, resca
     o = np.zeros(batch + (n_q, v.shape[-1]))
     q_stop = n_q - n_q % block_m if drop_q_tail else n_q
     kv_stop = n_k - n_k % block_n if drop_kv_tail else n_k
-    allowed_all = _mask(n_q, n_k, mask) if causal else None
+    allowed_all = _mask(n_q, n_k, mask) if causal and mask != "tile-local" else None
     for q_start in range(0, q_stop, block_m):
         q_end = min(q_start + block_m, n_q)
         rows = q_end - q_start
-        m_i = np.full(batch + (rows,), -np.inf)
+        m_i = np.full(batch + (rows,), m_init)
         l_i = np.zeros(batch + (rows,))
         acc = np.zeros(batch + (rows, v.shape[-1]))
         for k_start in range(0, kv_stop, block_n):
             k_end = min(k_start + block_n, n_k)
             s = sm_scale * (q[..., q_start:q_end, :] @ np.swapaxes(k[..., k_start:k_end, :], -1, -2))
-            if causal:
+            if causal and mask == "tile-local":  # positions inside the tile, not in the sequence
+                s = np.where(np.arange(rows)[:, None] >= np.arange(k_end - k_start)[None, :], s, -np.inf)
+            elif causal:
                 s = np.where(allowed_all[q_start:q_end, k_start:k_end], s, -np.inf)
             m_new = np.maximum(m_i, s.max(axis=-1))
             alpha = np.exp(m_i - m_new)
@@ -392,6 +419,10 @@ def _attention_cases(rng, *, blocks=False):
         yield fixed(9, (2, 2), 20, 20, 8, True, bm=8, bn=4)
         yield fixed(10, (2,), 24, 24, 16, False, magnitude=1000.0, bm=8, bn=8, note=", scores ~1000")
         yield fixed(11, (2,), 24, 24, 16, True, magnitude=1000.0, bm=8, bn=8, note=", scores ~1000")
+        name, q, k, v, causal, _, bm, bn = fixed(12, (), 20, 20, 16, True, bm=4, bn=8,
+                                                   note=", rows whose scores are all near -1000, 0 or +1000")
+        k[..., 0], q[..., 0] = 40.0, np.resize([-100.0, 0.0, 100.0], 20)  # s_ij = 1000 * (-1, 0, 1) + O(1)
+        yield name, q, k, v, causal, True, bm, bn
     else:
         yield fixed(1, (), 3, 3, 2, False)
         yield fixed(2, (), 3, 3, 2, True)
@@ -432,9 +463,13 @@ def _mask_diagnoses(q, k, v, causal, tiles=None):
     if not causal:
         return []
     mistakes = [(MSG_NO_CAUSAL, "none"), (MSG_MASK_TRANSPOSED, "transposed")]
-    if q.shape[-2] != k.shape[-2]:
+    if q.shape[-2] != k.shape[-2]:  # before "shifted": with Nk = Nq + 1 they are the same mask
         mistakes.append((MSG_MASK_BOTTOM_RIGHT, "bottom-right"))
+    mistakes += [(MSG_MASK_STRICT, "strict"), (MSG_MASK_SHIFTED, "shifted")]
     found = []
+    if tiles is not None:
+        found.append(Diagnosis(MSG_MASK_TILE_LOCAL,
+                               when=_like(lambda: _variant_tiled(q, k, v, *tiles, True, mask="tile-local"))))
     for message, mask in mistakes:
         if tiles is not None:
             found.append(Diagnosis(message, when=_like(lambda mask=mask: _variant_tiled(q, k, v, *tiles, True, mask=mask))))
@@ -490,6 +525,8 @@ def _online_cases(rng):
     g = np.random.default_rng(2001)
     yield "fixed #5: shape (2, 3, 17), rising rows, block_size=4", np.sort(g.normal(size=(2, 3, 17)) * 2.0, axis=-1), 4, False
     yield "fixed #6: large rising values (~1000), N=20, block_size=6", 1000.0 + np.linspace(0.0, 30.0, 20), 6, True
+    yield ("fixed #7: rows around -1000 and +1000, N=9, block_size=4",
+           np.array([[-1000.0], [1000.0]]) + np.linspace(-3.0, 3.0, 9), 4, True)
     for i in range(4):
         block = int(rng.integers(1, 65))
         n = int(rng.integers(1, min(150, 12 * block) + 1))
@@ -739,6 +776,7 @@ def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
             Diagnosis(MSG_RESCALE_BACKWARDS, when=_like(lambda: _variant_online_softmax(x, block, rescale="backwards"))),
             Diagnosis(MSG_TAIL_DROPPED, when=_like(lambda: _variant_online_softmax(x, block, drop_tail=True))),
             Diagnosis(MSG_TAIL_DROPPED, when=_like(lambda: _variant_online_softmax(x, block, drop_tail=True, zero_tail=True))),
+            Diagnosis(MSG_M_INIT_ZERO, when=_like(lambda: _variant_online_softmax(x, block, m_init=0.0))),
         ]
         if large:
             diagnoses.append(Diagnosis(MSG_OVERFLOW, when=_not_finite))
@@ -786,6 +824,7 @@ def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
             Diagnosis(MSG_KV_TAIL_DROPPED, when=variant(drop_kv_tail=True)),
             Diagnosis(MSG_Q_TAIL_DROPPED, when=variant(drop_q_tail=True)),
             *_mask_diagnoses(q, k, v, causal, tiles=(bm, bn)),
+            Diagnosis(MSG_M_INIT_ZERO, when=variant(m_init=0.0)),
         ]
         if large:
             diagnoses.append(Diagnosis(MSG_OVERFLOW, when=_not_finite))
@@ -796,6 +835,8 @@ def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
         lse_diagnoses = [
             Diagnosis(MSG_LSE_BASE2, when=_like(lambda: lse_ref / math.log(2.0))),
             Diagnosis(MSG_LSE_NO_MAX, when=_like(lambda: lse_ref - row_max)),
+            Diagnosis(MSG_LSE_MIXED, when=_like(lambda: row_max + (lse_ref - row_max) / math.log(2.0))),
+            Diagnosis(MSG_LSE_MIXED, when=_like(lambda: row_max / math.log(2.0) + (lse_ref - row_max))),
         ]
         run.compare(lse, lse_ref, case=case, what="lse", atol=ATOL, rtol=RTOL,
                     diagnoses=lse_diagnoses, axes=_axes(lse.ndim, "query"))
