@@ -198,6 +198,9 @@ def test_work_accepts_an_answer_written_by_the_learners_kernel_even_converted():
     x = torch.randn(100)
     assert _watched(_triton_copy, x) is None
     assert _watched(lambda x: _triton_copy(x).to(torch.float16).reshape(10, 10).t(), x) is None
+    assert _watched(lambda x: _triton_copy(x) * 0.5, x) is None  # a scale applied to the kernel's output
+    # torch's row-wise dot products (no score matrix) are allowed alongside
+    assert _watched(lambda x: (torch.einsum("nd,nd->n", x.view(10, 10), x.view(10, 10)), _triton_copy(x))[1], x) is None
 
 
 @pytest.mark.parametrize("fn, text", [

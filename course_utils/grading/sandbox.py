@@ -262,6 +262,12 @@ _MATMUL_OPS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "dot", "vdot
 _EXP_OPS = {"exp", "exp_", "exp2", "exp2_", "expm1", "expm1_", "special_exp2"}
 
 
+def _a_matrix(out) -> bool:
+    """Whether a product's result is a matrix (both of its last two dims > 1), like scores or p @ v."""
+    shape = getattr(out, "shape", ())
+    return len(shape) >= 2 and shape[-1] > 1 and shape[-2] > 1
+
+
 def _forbidden_name(op: str) -> str | None:
     """What a learner wrote to get aten operator ``op``, if it computes the answer another way."""
     if "attention" in op or "scaled_dot_product" in op or "_fused_sdp" in op:
@@ -385,6 +391,8 @@ class Work:
         op = schema.name.split("::")[-1]
         if self.watch_torch:
             what = _forbidden_name(op)
+            if what is not None and op in _MATMUL_OPS and not _a_matrix(out):
+                what = None  # a row-wise dot product (e.g. delta = sum(o * do) by einsum), not a score matrix
             if what is not None:
                 self.detected.append((what, f"aten.{op}"))
         written, read = [], []
