@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import re
 import statistics
 import time
 from pathlib import Path
@@ -37,7 +38,7 @@ def solution_function(notebook: str, name: str):
     nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
     namespace: dict = {}
     for cell in nb.cells:
-        if cell.cell_type != "code" or "check_" in cell.source.replace("import check_", ""):
+        if cell.cell_type != "code" or re.search(r"^check_\w+\(", cell.source, re.MULTILINE):
             continue
         with contextlib.redirect_stdout(io.StringIO()):
             exec(compile(cell.source, f"{notebook}", "exec"), namespace)
