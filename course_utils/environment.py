@@ -145,6 +145,33 @@ def _autotune_first_config_in_interpreter() -> None:
         sys.meta_path.insert(0, _AutotunerHook())
 
 
+NO_DRIVER_NOTE = (
+    "course_utils: Triton was imported before `import course_utils`, so it did not see "
+    "TRITON_INTERPRET=1 and looked for a GPU (\"0 active drivers\"). Restart the kernel "
+    "(Kernel -> Restart) and run the notebook from the top, with `import course_utils` first."
+)
+
+
+def _explain_missing_driver_at_launch() -> None:
+    """Triton was imported too early: add the restart advice to its bare "0 active drivers" error."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__dict__["run"]
+    if getattr(original, "_course_note", False):
+        return
+
+    def run(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if "active drivers" in str(exc):
+                exc.add_note(NO_DRIVER_NOTE)
+            raise
+
+    run._course_note = True
+    JITFunction.run = run
+
+
 def configure() -> Environment:
     """Decide CPU or GPU and switch the Triton interpreter on when needed.
 
@@ -173,6 +200,8 @@ def configure() -> Environment:
     interpreter = os.environ.get(INTERPRET_VAR) == "1" and not too_early
     if interpreter:
         _autotune_first_config_in_interpreter()
+    if too_early:
+        _explain_missing_driver_at_launch()
     name = cap = None
     if has_gpu:
         import torch

@@ -291,3 +291,23 @@ def test_multi_config_autotune_runs_its_first_config_in_the_interpreter(capsys):
     assert torch.equal(x, y)
     if course_utils.ENV.interpreter:
         assert "runs the first of its configs here (for `_autotuned_copy`" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(course_utils.ENV.device == "cuda", reason="with a GPU there is a driver")
+def test_triton_imported_first_points_to_the_restart_at_the_first_launch(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import triton, triton.language as tl, torch, course_utils\n"
+        "@triton.jit\n"
+        "def k(x):\n"
+        "    pass\n"
+        "k[(1,)](torch.zeros(1))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "early.py"  # @triton.jit needs a file
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0 and "active drivers" in out.stderr
+    assert "Restart the kernel" in out.stderr and "import course_utils` first" in out.stderr
