@@ -341,7 +341,7 @@ def test_sdpa_with_gqa_is_not_a_triton_kernel():
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return o, torch.zeros(q.shape[:3])
 
-    with pytest.raises(GradingError, match="no Triton kernel ran"):
+    with pytest.raises(GradingError, match="torch computed attention"):
         check_flash_gqa(sdpa)
 
 
