@@ -189,8 +189,13 @@ def _spin_kernel(x, n):
 
 
 def _watched(fn, x):
-    with sandbox.Work(inputs=(x,)) as work:
-        out = fn(x)
+    from course_utils.grading.core import Forbidden
+
+    try:
+        with sandbox.Work(inputs=(x,)) as work:
+            out = fn(x)
+    except Forbidden as exc:  # Run.call turns this into a GradingError in a check
+        return str(exc)
     return work.problem(o=out)
 
 
@@ -212,7 +217,13 @@ def test_work_accepts_an_answer_written_by_the_learners_kernel_even_converted():
     (lambda x: (lambda o: (_noop_kernel[(1,)](x, 1), o)[1])(torch.empty_like(x)), "allocated .*none of your kernels"),
     (lambda x: (_noop_kernel[(1,)](x, 1), x)[1], "it is one of the inputs"),
     (lambda x: x.clone(), "no Triton kernel of yours ran"),
-], ids=["softmax", "matmul", "exp", "torch-after", "noop-on-torch-result", "never-written", "input", "no-kernel"])
+    (lambda x: (lambda o: (_copy_kernel[(4,)](torch.from_numpy(__import__("numpy").exp(x.numpy())), o, 100, BLOCK=32),
+                           o)[1])(torch.empty_like(x)), r"the data left torch \(Tensor.numpy\(\)\)"),
+    (lambda x: (lambda o: (_copy_kernel[(4,)](torch.tensor(
+        __import__("course_utils").references.softmax(__import__("numpy").zeros(100))), o, 100, BLOCK=32), o)[1])(
+        torch.empty_like(x)), "called course_utils.references.softmax"),
+], ids=["softmax", "matmul", "exp", "torch-after", "noop-on-torch-result", "never-written", "input", "no-kernel",
+        "numpy-then-copy-kernel", "reference-then-copy-kernel"])
 def test_work_names_what_produced_a_borrowed_answer(fn, text):
     problem = _watched(fn, torch.randn(100))
     assert problem is not None and __import__("re").search(text, problem), problem

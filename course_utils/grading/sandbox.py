@@ -461,8 +461,37 @@ class Work:
     def __enter__(self):
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(_patched_launches(self._on_launch))
+        self._stack.enter_context(references_forbidden())
+        self._stack.enter_context(self._leaving_torch())
         self._stack.enter_context(_dispatch_mode_class()(self))
         return self
+
+    @contextlib.contextmanager
+    def _leaving_torch(self):
+        """Note ``Tensor.numpy()`` / ``.tolist()`` by the learner: the answer computed outside torch and Triton."""
+        import torch
+
+        names = ("numpy", "tolist")
+        saved = {name: torch.Tensor.__dict__.get(name) for name in names}  # None: inherited from TensorBase
+        work = self
+
+        def make(name, original):
+            def method(self, *args, **kwargs):
+                if not work._busy and self.numel() > _SCALAR_NUMEL:
+                    work.detected.append(("", f"Tensor.{name}"))
+                return original(self, *args, **kwargs)
+            return method
+
+        for name in names:
+            setattr(torch.Tensor, name, make(name, getattr(torch.Tensor, name)))
+        try:
+            yield
+        finally:
+            for name, original in saved.items():
+                if original is None:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, original)
 
     def __exit__(self, *exc):
         self._stack.close()
@@ -480,6 +509,12 @@ class Work:
         """
         if self.detected:
             what, op = self.detected[0]
+            if op.startswith("Tensor."):
+                return (
+                    f"while your function ran, the data left torch ({op}()): computing the answer in NumPy "
+                    "or Python and copying it with a kernel does not count. Compute it inside your "
+                    "@triton.jit kernel."
+                )
             return (
                 f"while your function ran, torch computed {what} ({op}). The answer must come from "
                 "your own @triton.jit kernel: compute it inside the kernel (tl.dot, tl.exp, tl.max, "
