@@ -391,6 +391,8 @@ def _check_result(run, out, x, case):
 
 
 def _check_triton_softmax(fn, *, seed=None):
+    import torch
+
     run = Run("check_triton_softmax", seed, time_limit_s=20.0)
     device = current().device
     for desc, rows, cols, dtype, strided, scale, offsets in _cases(run.rng, device):
@@ -401,6 +403,8 @@ def _check_triton_softmax(fn, *, seed=None):
             out = run.call(fn, x, case=desc)
         if out is None:
             raise run.fail("your function returned None: did you forget `return y`?", desc)
+        if not isinstance(out, torch.Tensor):  # a slip (e.g. `.numpy()` at the end): say that first
+            _check_result(run, out, x, desc)
         problem = work.problem(no_kernel=MSG_NO_KERNEL, y=out)
         if problem:
             raise run.fail(problem, desc)

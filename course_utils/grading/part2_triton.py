@@ -775,6 +775,10 @@ def _run_case(run, fn, c: _Case, gqa: bool):
         o, lse = out
     else:
         o, lse = out, None
+    if not isinstance(o, torch.Tensor):  # a slip (e.g. `.numpy()` at the end): say that first
+        _tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
+    if gqa and not isinstance(lse, torch.Tensor):
+        _tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc)
     problem = work.problem(no_kernel=MSG_NO_KERNEL, **({"o": o, "lse": lse} if gqa else {"o": o}))
     if problem:
         raise run.fail(problem, c.desc)
