@@ -89,6 +89,97 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+AUTOTUNE_NOTE = (
+    "course_utils: Triton's CPU interpreter cannot time kernels, so each @triton.autotune runs the "
+    "first of its configs here (for `{name}`: {config}); on a GPU every config is tried."
+)
+
+
+def _patch_autotuner(autotuner) -> None:
+    """Make ``autotuner.Autotuner`` keep only its first config (and say so once per process)."""
+    cls = autotuner.Autotuner
+    if getattr(cls, "_course_first_config", False):
+        return
+    original = cls.prune_configs
+
+    def prune_configs(self, kwargs, *args, **more):
+        configs = original(self, kwargs, *args, **more)
+        if len(configs) > 1:
+            if not cls._course_autotune_said:
+                cls._course_autotune_said = True
+                name = getattr(getattr(self, "base_fn", None), "__name__", None) or "your kernel"
+                print(AUTOTUNE_NOTE.format(name=name, config=configs[0]))
+            configs = configs[:1]
+        return configs
+
+    cls.prune_configs = prune_configs
+    cls._course_first_config = True
+    cls._course_autotune_said = False
+
+
+class _AutotunerHook:
+    """Patches ``triton.runtime.autotuner`` when it is imported (``import course_utils`` imports no triton)."""
+
+    NAME = "triton.runtime.autotuner"
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.NAME:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch_autotuner(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def _autotune_first_config_in_interpreter() -> None:
+    """Let multi-config ``@triton.autotune`` run in the interpreter: the first config, said once.
+
+    Without this, an autotuner with several configs tries to time them and
+    fails with Triton's "0 active drivers" (the interpreter has no driver to
+    time with), which reads like the import-order problem but is not.
+    """
+    if "triton.runtime.autotuner" in sys.modules:
+        _patch_autotuner(sys.modules["triton.runtime.autotuner"])
+    elif not any(isinstance(f, _AutotunerHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AutotunerHook())
+
+
+NO_DRIVER_NOTE = (
+    "course_utils: Triton was imported before `import course_utils`, so it did not see "
+    "TRITON_INTERPRET=1 and looked for a GPU (\"0 active drivers\"). Restart the kernel "
+    "(Kernel -> Restart) and run the notebook from the top, with `import course_utils` first."
+)
+
+
+def _explain_missing_driver_at_launch() -> None:
+    """Triton was imported too early: add the restart advice to its bare "0 active drivers" error."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__dict__["run"]
+    if getattr(original, "_course_note", False):
+        return
+
+    def run(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if "active drivers" in str(exc):
+                exc.add_note(NO_DRIVER_NOTE)
+            raise
+
+    run._course_note = True
+    JITFunction.run = run
+
+
 def configure() -> Environment:
     """Decide CPU or GPU and switch the Triton interpreter on when needed.
 
@@ -115,6 +206,10 @@ def configure() -> Environment:
             else:
                 os.environ[INTERPRET_VAR] = "1"
     interpreter = os.environ.get(INTERPRET_VAR) == "1" and not too_early
+    if interpreter:
+        _autotune_first_config_in_interpreter()
+    if too_early:
+        _explain_missing_driver_at_launch()
     name = cap = None
     if has_gpu:
         import torch

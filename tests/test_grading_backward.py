@@ -13,6 +13,7 @@ in NumPy) must pass; answers without Triton in the backward must not.
 
 import importlib.util
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -26,10 +27,28 @@ from course_utils import references as ref
 from course_utils.grading import GradingError
 from course_utils.grading import part4_backward as p4
 from course_utils.grading.part4_backward import check_flash_backward, check_tiled_backward
-from course_utils.kernels import backward as bw
+from course_utils.kernels import backward as course_bw
 from course_utils.kernels import flash_attention_with_lse
 
 LOG2E = 1.4426950408889634
+
+
+def learner_copy(module, name):
+    """``module``'s source loaded as a module outside course_utils: a learner's own kernels.
+
+    The checks refuse course_utils's kernels (the answer must come from the
+    learner's), so the course's correct kernels stand in for a learner's
+    through a copy.
+    """
+    path = Path(module.__file__)
+    spec = importlib.util.spec_from_file_location(name, path)
+    copy = importlib.util.module_from_spec(spec)
+    sys.modules[name] = copy
+    spec.loader.exec_module(copy)
+    return copy
+
+
+bw = learner_copy(course_bw, "learner_backward")
 
 
 # -----------------------------------------------------------------------------
@@ -81,13 +100,29 @@ def backward_without_tiles(q, k, v, o, lse, do, causal=False):
 def test_tiled_correct_answers_pass(blocks):
     bm, bn = blocks
     assert check_tiled_backward(lambda *a, causal=False: tiled_backward(*a, causal, block_m=bm, block_n=bn))
-    assert check_tiled_backward(lambda q, k, v, o, lse, do, causal=False:
-                                ref.tiled_attention_backward(q, k, v, o, lse, do, bm, bn, causal))
+
+    def with_block_defaults(q, k, v, o, lse, do, causal=False, block_m=bm, block_n=bn):
+        return tiled_backward(q, k, v, o, lse, do, causal, block_m=block_m, block_n=block_n)
+
+    assert check_tiled_backward(with_block_defaults)
 
 
-def test_tiled_whole_matrix_answer_passes():
-    # np.tril is top-left aligned like the course's mask, also when Nq != Nk.
-    assert check_tiled_backward(backward_without_tiles)
+def test_tiled_whole_matrix_answer_is_refused_as_not_tiled():
+    # Right values (np.tril is top-left aligned like the course's mask), but no tiles.
+    with pytest.raises(GradingError, match="did not tile: it computed the scores q @ k\\^T of shape \\(150, 150\\)"):
+        check_tiled_backward(backward_without_tiles)
+
+    def tiles_only_queries(q, k, v, o, lse, do, causal=False, block_m=16, block_n=16):
+        return tiled_backward(q, k, v, o, lse, do, causal, block_m=block_m, block_n=10_000)
+
+    with pytest.raises(GradingError, match="did not tile"):
+        check_tiled_backward(tiles_only_queries)
+
+
+def test_tiled_backward_may_not_call_the_references():
+    with pytest.raises(GradingError, match="called course_utils.references.tiled_attention_backward"):
+        check_tiled_backward(lambda q, k, v, o, lse, do, causal=False:
+                             ref.tiled_attention_backward(q, k, v, o, lse, do, 16, 16, causal))
 
 
 @pytest.mark.parametrize("mistake,message", [
@@ -115,7 +150,7 @@ def test_tiled_wrong_return_type_is_explained():
         check_tiled_backward(lambda *a, causal=False: tiled_backward(*a, causal)[:2])
     with pytest.raises(GradingError, match="shape"):
         check_tiled_backward(lambda *a, causal=False: tuple(x.T for x in tiled_backward(*a, causal)))
-    with pytest.raises(TypeError):
+    with pytest.raises(GradingError, match="check_tiled_backward expects a function, but got a str"):
         check_tiled_backward("not a function")
 
 
@@ -124,7 +159,7 @@ def test_tiled_seed_replays_the_same_cases():
 
     def spy(q, k, v, o, lse, do, causal=False):
         seen.append((q.shape, causal, float(q.ravel()[0])))
-        return backward_without_tiles(q, k, v, o, lse, do, causal)
+        return tiled_backward(q, k, v, o, lse, do, causal)
 
     check_tiled_backward(spy, seed=123)
     first, seen[:] = list(seen), []
@@ -137,7 +172,7 @@ def test_tiled_seed_replays_the_same_cases():
 # -----------------------------------------------------------------------------
 # Triton
 # -----------------------------------------------------------------------------
-SOURCE = Path(bw.__file__).read_text()
+SOURCE = Path(course_bw.__file__).read_text()
 
 
 def planted(tmp_path, name, *edits):
@@ -162,6 +197,9 @@ PLANTS = {
     "gqa_first_head_only": ([("for g in range(0, group_size):", "for g in range(0, 1):")], p4.MSG_GQA),
     "gqa_last_head_only": ([("for g in range(0, group_size):", "for g in range(group_size - 1, group_size):")], p4.MSG_GQA),
     "no_causal_mask": ([("CAUSAL=bool(causal),", "CAUSAL=False,")], p4.MSG_NO_CAUSAL),
+    "gqa_without_plus_g": ([("q_head = kv_head * group_size + g", "q_head = kv_head * group_size")], p4.MSG_GQA_NO_G),
+    "dq_key_tail_unmasked": ([("            p = tl.where(offs_n[None, :] < N_K, p, 0.0)", "            p = p")],
+                             p4.MSG_DQ_TAIL_UNMASKED),
     "diagonal_unmasked": ([("        if MASK:", "        if False:")], p4.MSG_DIAGONAL_UNMASKED),
     "lse_base2": ([("lse[None, :] * 1.4426950408889634", "lse[None, :]"),
                    ("lse2 = lse * 1.4426950408889634", "lse2 = lse")], p4.MSG_LSE_BASE),
@@ -245,10 +283,17 @@ class TritonForwardTorchBackward(torch.autograd.Function):
 
 
 def test_math_only_answers_are_rejected():
-    with pytest.raises(GradingError, match="no Triton kernel ran during the forward"):
+    with pytest.raises(GradingError, match="torch computed attention"):
         check_flash_backward(_math_attention)
-    with pytest.raises(GradingError, match="no Triton kernel ran during backward"):
+    with pytest.raises(GradingError, match="torch computed attention .*in the backward pass"):
         check_flash_backward(lambda q, k, v, causal=False: TritonForwardTorchBackward.apply(q, k, v, causal))
+
+
+def test_the_course_backward_is_refused():
+    from course_utils.kernels import flash_attention
+
+    with pytest.raises(GradingError, match="course_utils's own kernel `_attn_bwd.*in the backward pass"):
+        check_flash_backward(lambda q, k, v, causal=False: flash_attention(q, k, v, causal=causal))
 
 
 def test_not_differentiable_output_is_explained():
@@ -257,5 +302,5 @@ def test_not_differentiable_output_is_explained():
 
 
 def test_flash_bad_fn_raises_type_error():
-    with pytest.raises(TypeError):
+    with pytest.raises(GradingError, match="check_flash_backward expects a function"):
         check_flash_backward(42, isolate=False)

@@ -87,7 +87,8 @@ def softmax_looped(x):
     return y
 
 
-@pytest.mark.parametrize("fn", [softmax_reference_kernel, lambda x: softmax_reference_kernel(x, block=512),
+@pytest.mark.parametrize("fn", [softmax_reference_kernel,
+                                lambda x: softmax_reference_kernel(x, block=max(512, triton.next_power_of_2(x.shape[1]))),
                                 softmax_rows_exp2, softmax_looped],
                          ids=["one-row", "block-512", "rows-exp2", "looped"])
 def test_correct_kernels_pass(fn):
@@ -177,7 +178,8 @@ def test_missing_mask_is_diagnosed():
     lambda x: torch.zeros_like(x),
     lambda x: torch.empty(x.shape, dtype=x.dtype, device=x.device),
     lambda x: torch.zeros(*x.shape, dtype=x.dtype, device=x.device),
-], ids=["empty_like", "zeros_like", "empty", "zeros"])
+    lambda x: x.new_empty(x.shape),
+], ids=["empty_like", "zeros_like", "empty", "zeros", "new_empty"])
 def test_missing_store_mask_is_caught_by_the_guard_zone(allocate):
     # In the interpreter the programs run in order, so each row's overrun into the next row
     # is overwritten and the values come out right; only the guard after the last row sees it.
@@ -230,7 +232,7 @@ def test_row_stride_assumed_n_cols_is_diagnosed():
 
 
 def test_torch_softmax_is_turned_down():
-    _fails_with(lambda x: torch.softmax(x, dim=-1), pb.MSG_NO_KERNEL)
+    _fails_with(lambda x: torch.softmax(x, dim=-1), "torch computed a softmax (torch.softmax")
 
 
 def test_launching_a_kernel_is_not_enough():
@@ -238,7 +240,7 @@ def test_launching_a_kernel_is_not_enough():
     def fn(x):
         _launch(_other_zero)(x)
         return torch.zeros_like(x)
-    with pytest.raises(GradingError, match="the softmax is wrong"):
+    with pytest.raises(GradingError, match="y was not written by your Triton kernel: it was allocated"):
         check_triton_softmax(fn)
 
 
@@ -326,3 +328,58 @@ def test_lesson_03_student_stub_raises_and_solution_passes(tmp_path):
     student = load("nb03_student", student_source(cell, "03 exercise"))
     with pytest.raises(NotImplementedError, match="softmax_kernel"):
         student.triton_softmax(torch.randn(2, 8))
+
+
+# -- wide rows, borrowed answers, inputs changed in place ---------------------------
+def test_a_block_fixed_in_advance_is_diagnosed_on_wide_rows():
+    def fixed_block(x):
+        y = torch.empty_like(x)
+        _softmax_one_row[(x.shape[0],)](x, y, x.stride(0), y.stride(0), min(x.shape[1], 1024), BLOCK=1024)
+        return y
+
+    msg = _fails_with(fixed_block, "only the first 1024 columns of each row were used")
+    assert "5000 columns" in msg
+
+
+@triton.jit
+def _noop(y_ptr):
+    pass
+
+
+def test_borrowed_answers_and_inputs_changed_in_place_are_refused():
+    def noop_then_torch(x):
+        y = torch.empty_like(x)
+        _noop[(1,)](y)
+        return y.copy_(x.float().exp().div(x.float().exp().sum(-1, keepdim=True)).to(x.dtype))
+
+    def scales_x_in_place(x):
+        y = softmax_reference_kernel(x)
+        x.mul_(2.0)
+        return y
+
+    _fails_with(noop_then_torch, "torch computed an exponential")
+    _fails_with(scales_x_in_place, "changed its input `x` in place")
+    _fails_with(lambda x: None, "did you forget `return y`")
+    with pytest.raises(GradingError, match="pass your launcher"):
+        check_triton_softmax(_softmax_one_row)
+
+
+@triton.jit
+def _store_at_input_stride(x_ptr, y_ptr, x_row_stride, y_row_stride, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    e = tl.exp(x - tl.max(x, axis=0))
+    # mistake: y's rows addressed with x's row stride
+    tl.store(y_ptr + row * x_row_stride + cols, (e / tl.sum(e, axis=0)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def test_output_rows_at_the_input_stride_are_not_blamed_on_a_store_mask():
+    def fn(x):
+        y = torch.empty_like(x)
+        _store_at_input_stride[(x.shape[0],)](x, y, x.stride(0), y.stride(0), x.shape[1],
+                                              BLOCK=triton.next_power_of_2(x.shape[1]))
+        return y
+    msg = _fails_with(fn, pb.MSG_OUT_ROW_STRIDE)
+    assert "rows not contiguous" in msg and pb.MSG_STORE_PAST_END not in msg

@@ -192,3 +192,156 @@ def test_nan_padded_views_hold_the_data_and_nan_around_it():
         assert torch.equal(v, t) and not v.is_contiguous()
         storage = v.as_strided((v.untyped_storage().nbytes() // 4,), (1,), 0)
         assert torch.isnan(storage).sum() == storage.numel() - t.numel()
+
+
+# -- proof of work: which kernel wrote the answer ------------------------------------
+from course_utils.grading import sandbox  # noqa: E402
+from course_utils.grading.core import require_callable  # noqa: E402
+
+
+@triton.jit
+def _noop_kernel(x, n):
+    pass
+
+
+@triton.jit
+def _spin_kernel(x, n):
+    i = 0
+    while i < n:  # mistake: i never advances
+        i = i * 1
+
+
+def _watched(fn, x):
+    from course_utils.grading.core import Forbidden
+
+    try:
+        with sandbox.Work(inputs=(x,)) as work:
+            out = fn(x)
+    except Forbidden as exc:  # Run.call turns this into a GradingError in a check
+        return str(exc)
+    return work.problem(o=out)
+
+
+def test_work_accepts_an_answer_written_by_the_learners_kernel_even_converted():
+    x = torch.randn(100)
+    assert _watched(_triton_copy, x) is None
+    assert _watched(lambda x: _triton_copy(x).to(torch.float16).reshape(10, 10).t(), x) is None
+    assert _watched(lambda x: _triton_copy(x) * 0.5, x) is None  # a scale applied to the kernel's output
+    # torch's row-wise dot products (no score matrix) are allowed alongside
+    assert _watched(lambda x: (torch.einsum("nd,nd->n", x.view(10, 10), x.view(10, 10)), _triton_copy(x))[1], x) is None
+
+
+@pytest.mark.parametrize("fn, text", [
+    (lambda x: (_noop_kernel[(1,)](x, 1), torch.softmax(x, -1))[1], "torch computed a softmax"),
+    (lambda x: (_noop_kernel[(1,)](x, 1), (x[:, None] @ x[None, :]).sum(0))[1], "torch computed a matrix product"),
+    (lambda x: (_noop_kernel[(1,)](x, 1), x.exp())[1], "torch computed an exponential"),
+    (lambda x: _triton_copy(x) * x, r"computed by torch \(aten.mul\)"),
+    (lambda x: (lambda o: (o, _noop_kernel[(1,)](o, 1))[0])(x * 2), r"computed by torch \(aten.mul\)"),
+    (lambda x: (lambda o: (_noop_kernel[(1,)](x, 1), o)[1])(torch.empty_like(x)), "allocated .*none of your kernels"),
+    (lambda x: (_noop_kernel[(1,)](x, 1), x)[1], "it is one of the inputs"),
+    (lambda x: x.clone(), "no Triton kernel of yours ran"),
+    (lambda x: (lambda o: (_copy_kernel[(4,)](torch.from_numpy(__import__("numpy").exp(x.numpy())), o, 100, BLOCK=32),
+                           o)[1])(torch.empty_like(x)), r"the data left torch \(Tensor.numpy\(\)\)"),
+    (lambda x: (lambda o: (_copy_kernel[(4,)](torch.tensor(
+        __import__("course_utils").references.softmax(__import__("numpy").zeros(100))), o, 100, BLOCK=32), o)[1])(
+        torch.empty_like(x)), "called course_utils.references.softmax"),
+], ids=["softmax", "matmul", "exp", "torch-after", "noop-on-torch-result", "never-written", "input", "no-kernel",
+        "numpy-then-copy-kernel", "reference-then-copy-kernel"])
+def test_work_names_what_produced_a_borrowed_answer(fn, text):
+    problem = _watched(fn, torch.randn(100))
+    assert problem is not None and __import__("re").search(text, problem), problem
+
+
+def test_work_refuses_course_kernels_and_a_result_from_an_earlier_call():
+    from course_utils.kernels import flash_attention
+
+    q = torch.randn(1, 1, 20, 16)
+    with sandbox.Work(inputs=(q,)) as work:
+        o = flash_attention(q, q, q)
+    assert "course_utils's own kernel" in work.problem(o=o)
+    kept = _triton_copy(torch.randn(10))
+    x = torch.randn(10)
+    with sandbox.Work(inputs=(x,)) as work:
+        _triton_copy(x)
+        out = kept
+    assert "not written by any kernel during this call" in work.problem(o=out)
+
+
+def test_a_kernel_stopped_by_the_time_limit_is_named_as_a_hang_not_an_interpreter_error():
+    run = Run("check_demo", seed=1, time_limit_s=1.0)
+    with pytest.raises(GradingError) as err:
+        run.call(lambda: _spin_kernel[(1,)](torch.zeros(1), 5), case="c")
+    text = str(err.value)
+    assert "ran for more than 1 s" in text and "probably a loop that never ends" in text
+    assert "InterpreterError" not in text and err.value.__cause__ is None
+
+
+def test_zero_active_drivers_points_to_the_restart():
+    work = sandbox.Work()
+
+    def launch():
+        raise RuntimeError("0 active drivers ([]). There should only be one.")
+
+    with pytest.raises(RuntimeError) as err:
+        work._on_launch(_copy_kernel, (), {}, launch)
+    assert any("Restart the kernel" in note and "import course_utils" in note for note in err.value.__notes__)
+
+
+def test_inputs_changed_in_place_are_named():
+    q, k = torch.randn(3, 4), torch.randn(3, 4)
+    before = sandbox.snapshot(q=q, k=k)
+    assert sandbox.changed_input(before, q=q, k=k) is None
+    k.mul_(0.5)
+    assert "changed its input `k` in place" in sandbox.changed_input(before, q=q, k=k)
+
+
+def test_wrong_usage_gets_one_plain_sentence():
+    with pytest.raises(GradingError, match="got the @triton.jit kernel `_copy_kernel` itself: pass your launcher"):
+        require_callable(_copy_kernel, "check_triton_softmax", "your launcher")
+    with pytest.raises(GradingError, match="check_softmax expects a function, but got a int"):
+        require_callable(3, "check_softmax")
+
+
+def test_crash_hint_covers_sigabrt():
+    assert "mask=" in sandbox.crash_hint("SIGABRT") and "mask=" in sandbox.crash_hint("SIGSEGV")
+    assert sandbox.crash_hint("SIGTERM") == ""
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})], key=["n"])
+@triton.jit
+def _autotuned_copy(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+def test_multi_config_autotune_runs_its_first_config_in_the_interpreter(capsys):
+    from triton.runtime.autotuner import Autotuner
+
+    x = torch.randn(100, device=course_utils.DEVICE)
+    y = torch.empty_like(x)
+    if course_utils.ENV.interpreter:
+        Autotuner._course_autotune_said = False
+    _autotuned_copy[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](x, y, 100)
+    assert torch.equal(x, y)
+    if course_utils.ENV.interpreter:
+        assert "runs the first of its configs here (for `_autotuned_copy`" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(course_utils.ENV.device == "cuda", reason="with a GPU there is a driver")
+def test_triton_imported_first_points_to_the_restart_at_the_first_launch(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import triton, triton.language as tl, torch, course_utils\n"
+        "@triton.jit\n"
+        "def k(x):\n"
+        "    pass\n"
+        "k[(1,)](torch.zeros(1))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "early.py"  # @triton.jit needs a file
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode != 0 and "active drivers" in out.stderr
+    assert "Restart the kernel" in out.stderr and "import course_utils` first" in out.stderr

@@ -213,6 +213,23 @@ def test_attention_mask_transposed():
     rejected(check_naive_attention, transposed, p1.MSG_MASK_TRANSPOSED)
 
 
+@pytest.mark.parametrize("kind, message", [("strict", p1.MSG_MASK_STRICT), ("shifted", p1.MSG_MASK_SHIFTED)])
+def test_attention_mask_off_by_one(kind, message):
+    def off_by_one(q, k, v, causal=False):
+        s = _scores(q, k)
+        if causal:
+            i, j = np.arange(s.shape[-2])[:, None], np.arange(s.shape[-1])[None, :]
+            s = np.where(j < i if kind == "strict" else j <= i + 1, s, -np.inf)
+        return softmax_stable(s) @ v
+
+    rejected(check_naive_attention, off_by_one, message)
+
+
+def test_online_softmax_m_starting_at_0_is_not_called_an_overflow():
+    text = rejected(check_online_softmax, _online_planted(m_init=0.0), p1.MSG_M_INIT_ZERO)
+    assert p1.MSG_OVERFLOW not in text
+
+
 def test_attention_mask_after_softmax():
     def after(q, k, v, causal=False):
         p = softmax_stable(_scores(q, k))
@@ -338,16 +355,16 @@ def test_row_watcher_leaves_values_and_types_alone():
     w, log = p1._watched(x)
     log["active"] = True
     y = np.exp(w[:, 2:4] - w[:, 2:4].max(-1, keepdims=True))
-    assert isinstance(y, p1._RowWatcher) and not log["whole_row"]
+    assert isinstance(y, p1._Watched) and not log["reduced"]
     assert np.array_equal(np.asarray(y), np.exp(x[:, 2:4] - x[:, 2:4].max(-1, keepdims=True)))
-    assert type(w.sum(-1)) is np.ndarray and log["whole_row"]
+    assert type(w.sum(-1)) is np.ndarray and log["reduced"]
 
 
-def _online_planted(rescale="right", stop_early=False, zero_tail=False, stable=True):
+def _online_planted(rescale="right", stop_early=False, zero_tail=False, stable=True, m_init=-np.inf):
     def fn(x, block_size):
         n = x.shape[-1]
         stop = n - n % block_size if stop_early else n
-        m = np.full(x.shape[:-1], -np.inf) if stable else np.zeros(x.shape[:-1])
+        m = np.full(x.shape[:-1], m_init) if stable else np.zeros(x.shape[:-1])
         l = np.zeros(x.shape[:-1])
         for start in range(0, stop, block_size):
             b = x[..., start:start + block_size]
@@ -459,7 +476,7 @@ def test_tiled_correct_styles_pass(fn):
 
 
 def _tiled_planted(scale=True, rescale_acc=True, rescale_l=True, drop_kv_tail=False, drop_q_tail=False,
-                   mask="top-left", stable=True, lse_kind="ln"):
+                   mask="top-left", stable=True, lse_kind="ln", m_init=-np.inf):
     """A tiled attention with the requested mistakes; returns (o, lse)."""
 
     def fn(q, k, v, block_m, block_n, causal=False):
@@ -472,7 +489,7 @@ def _tiled_planted(scale=True, rescale_acc=True, rescale_l=True, drop_kv_tail=Fa
         kv_stop = n_k - n_k % block_n if drop_kv_tail else n_k
         for qs in range(0, q_stop, block_m):
             qe = min(qs + block_m, n_q)
-            m = np.full(q.shape[:-2] + (qe - qs,), -np.inf if stable else 0.0)
+            m = np.full(q.shape[:-2] + (qe - qs,), m_init if stable else 0.0)
             l = np.zeros_like(m)
             acc = np.zeros(m.shape + (v.shape[-1],))
             for ks in range(0, kv_stop, block_n):
@@ -482,7 +499,7 @@ def _tiled_planted(scale=True, rescale_acc=True, rescale_l=True, drop_kv_tail=Fa
                     i = np.arange(qs, qe)[:, None]
                     j = np.arange(ks, ke)[None, :]
                     allowed = {"top-left": j <= i, "transposed": j >= i, "bottom-right": j <= i + n_k - n_q,
-                               "none": np.ones((qe - qs, ke - ks), bool)}[mask]
+                               "none": np.ones((qe - qs, ke - ks), bool), "tile-local": (j - ks) <= (i - qs)}[mask]
                     s = np.where(allowed, s, -np.inf)
                 m_new = np.maximum(m, s.max(-1)) if stable else m
                 alpha = np.exp(m - m_new)
@@ -491,7 +508,8 @@ def _tiled_planted(scale=True, rescale_acc=True, rescale_l=True, drop_kv_tail=Fa
                 acc = (acc * alpha[..., None] if rescale_acc else acc) + p @ v[..., ks:ke, :]
                 m = m_new
             o[..., qs:qe, :] = acc / l[..., None]
-            lse[..., qs:qe] = {"ln": m + np.log(l), "log2": (m + np.log(l)) / math.log(2.0), "no max": np.log(l)}[lse_kind]
+            lse[..., qs:qe] = {"ln": m + np.log(l), "log2": (m + np.log(l)) / math.log(2.0), "no max": np.log(l),
+                               "mixed": m + np.log2(l)}[lse_kind]
         return o, lse
 
     return fn
@@ -516,6 +534,9 @@ def test_tiled_planted_helper_is_right_when_unplanted():
         (dict(stable=False), p1.MSG_OVERFLOW),
         (dict(lse_kind="log2"), p1.MSG_LSE_BASE2),
         (dict(lse_kind="no max"), p1.MSG_LSE_NO_MAX),
+        (dict(lse_kind="mixed"), p1.MSG_LSE_MIXED),
+        (dict(mask="tile-local"), p1.MSG_MASK_TILE_LOCAL),
+        (dict(m_init=0.0), p1.MSG_M_INIT_ZERO),
     ],
     ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else "",
 )
@@ -664,7 +685,114 @@ def test_each_check_is_fast_on_reference_solutions():
     from course_utils import references as ref
 
     for check, fn in [(check_softmax, ref.softmax), (check_naive_attention, ref.attention),
-                      (check_online_softmax, ref.online_softmax), (check_tiled_attention, ref.tiled_attention)]:
+                      (check_online_softmax, online_vectorised), (check_tiled_attention, tiled_vectorised)]:
         start = time.perf_counter()
         check(fn, seed=3)
         assert time.perf_counter() - start < 5
+
+
+# -- the references are off limits in the streaming/tiled exercises ----------------
+@pytest.mark.parametrize("check, fn", [
+    (check_online_softmax, lambda x, block_size: __import__("course_utils").references.online_softmax(x, block_size)),
+    (check_online_softmax, lambda x, block_size: __import__("course_utils").references.softmax(x)),
+    (check_tiled_attention, lambda q, k, v, bm, bn, causal=False:
+        __import__("course_utils").references.attention_lse(q, k, v, causal=causal)),
+], ids=["online_softmax", "softmax", "attention_lse"])
+def test_references_are_refused_in_the_streaming_exercises(check, fn):
+    with pytest.raises(GradingError, match="called course_utils.references"):
+        check(fn)
+
+
+def test_a_reference_imported_earlier_and_an_except_exception_do_not_escape():
+    from course_utils.references import tiled_attention as borrowed
+
+    def sneaky(q, k, v, bm, bn, causal=False):
+        try:
+            return borrowed(q, k, v, bm, bn, causal=causal)
+        except Exception:  # the refusal is not an Exception: this does not swallow it
+            return None
+
+    with pytest.raises(GradingError, match="references.tiled_attention"):
+        check_tiled_attention(sneaky)
+    from course_utils import references as ref
+    assert ref.tiled_attention.__code__.co_name == "tiled_attention" and borrowed(
+        np.ones((2, 2)), np.ones((2, 2)), np.ones((2, 2)), 1, 1)[0].shape == (2, 2)  # restored
+
+
+def test_time_limit_is_not_swallowed_by_except_exception():
+    def stubborn(x, axis=-1):
+        while True:
+            try:
+                time.sleep(0.05)
+            except Exception:
+                continue
+
+    start = time.perf_counter()
+    with pytest.raises(GradingError, match="ran for more than 0.5 s.*probably a loop that never ends"):
+        check_softmax(stubborn, time_limit_s=0.5)
+    assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("check", [check_softmax, check_online_softmax, check_tiled_attention])
+def test_a_non_callable_gets_one_sentence(check):
+    with pytest.raises(GradingError, match=f"{check.__name__} expects a function, but got a ndarray"):
+        check(np.zeros(3))
+
+
+# -- the streaming and tiling watchers: not escapable, not fooled by a self-check -----
+def _whole_max_via(idiom):
+    def fn(x, block_size):
+        if idiom == "np.array":
+            m = np.array(x, dtype=np.float64).max(-1, keepdims=True)
+        elif idiom == "view":
+            m = x.view(np.ndarray).max(-1, keepdims=True)
+        elif idiom == "np.sort":
+            m = np.sort(x, axis=-1)[..., -1:]
+        else:  # np.cumsum for the sum
+            e = np.exp(x - np.sort(x)[..., -1:])
+            return e / np.cumsum(e, axis=-1)[..., -1:]
+        e = np.exp(x - m)
+        return e / e.sum(-1, keepdims=True)
+    return fn
+
+
+@pytest.mark.parametrize("idiom", ["np.array", "view", "np.sort", "np.cumsum"])
+def test_online_softmax_watcher_sees_through_copies_sort_and_cumsum(idiom):
+    rejected(check_online_softmax, _whole_max_via(idiom), p1.MSG_NOT_STREAMING)
+
+
+def test_online_softmax_that_checks_its_own_output_passes():
+    def careful(x, block_size):
+        out = online_vectorised(np.asarray(x), block_size)
+        assert np.allclose(out.sum(-1), 1.0)
+        return out
+
+    passes(check_online_softmax, careful)
+
+
+def _whole_score_matrix(q, k, v, block_m, block_n, causal=False):
+    s = (q @ np.swapaxes(k, -1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    return e @ v / e.sum(-1, keepdims=True), (m + np.log(e.sum(-1, keepdims=True)))[..., 0]
+
+
+def _keys_whole_einsum(q, k, v, block_m, block_n, causal=False):
+    outs, lses = [], []
+    for i0 in range(0, q.shape[-2], block_m):  # tiles the queries only
+        s = np.einsum("...id,...jd->...ij", np.array(q[..., i0:i0 + block_m, :]), k) / math.sqrt(q.shape[-1])
+        if causal:
+            s = np.where(np.arange(k.shape[-2])[None, :] <= np.arange(i0, i0 + s.shape[-2])[:, None], s, -np.inf)
+        m = s.max(-1, keepdims=True)
+        e = np.exp(s - m)
+        outs.append(e @ v / e.sum(-1, keepdims=True))
+        lses.append((m + np.log(e.sum(-1, keepdims=True)))[..., 0])
+    return np.concatenate(outs, -2), np.concatenate(lses, -1)
+
+
+@pytest.mark.parametrize("fn", [_whole_score_matrix, _keys_whole_einsum], ids=["whole-matrix", "keys-whole-einsum"])
+def test_tiled_attention_that_does_not_tile_is_refused(fn):
+    with pytest.raises(GradingError, match="did not tile"):
+        check_tiled_attention(fn)

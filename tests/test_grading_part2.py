@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import sys
 import time
+from pathlib import Path
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
@@ -23,7 +24,26 @@ import triton.language as tl
 
 from course_utils.grading import GradingError, check_flash_forward, check_flash_gqa, check_kv_head
 from course_utils.grading import part2_triton as pt
-from course_utils.kernels import flash_attention, forward
+from course_utils.kernels import flash_attention
+from course_utils.kernels import forward as course_forward
+
+
+def learner_copy(module, name):
+    """``module``'s source loaded as a module outside course_utils: a learner's own kernels.
+
+    The checks refuse course_utils's kernels (the answer must come from the
+    learner's), so the course's correct kernels stand in for a learner's
+    through a copy.
+    """
+    path = Path(module.__file__)
+    spec = importlib.util.spec_from_file_location(name, path)
+    copy = importlib.util.module_from_spec(spec)
+    sys.modules[name] = copy
+    spec.loader.exec_module(copy)
+    return copy
+
+
+forward = learner_copy(course_forward, "learner_forward")
 
 A = "flash_attention_kernel"
 B = "_flash_attention_forward_gqa_kernel"
@@ -45,7 +65,7 @@ _made: dict = {}
 @pytest.fixture(scope="module")
 def variant(tmp_path_factory):
     folder = tmp_path_factory.mktemp("variants")
-    source = inspect.getsource(forward)
+    source = inspect.getsource(course_forward)
 
     def make(name, *edits):
         """forward.py with each ``(function, old, new)`` edit applied, as a module."""
@@ -130,7 +150,7 @@ def test_flash_forward_course_kernel_passes_quickly():
 
 @pytest.mark.parametrize("make", [
     lambda variant: mha(forward, block_m=32, block_n=32),
-    lambda variant: lambda q, k, v, causal=False: flash_attention(q, k, v, causal=causal),  # the GQA kernel
+    lambda variant: lambda q, k, v, causal=False: forward.flash_attention_gqa_forward(q, k, v, causal=causal)[0],  # the GQA kernel
     lambda variant: mha(variant("a_no_min", (A, "tl.minimum(N_size, (pid_m + 1) * BLOCK_M)", "(pid_m + 1) * BLOCK_M"))),
     lambda variant: mha(variant("a_no_bound", (A, "kv_end = tl.minimum(N_size, (pid_m + 1) * BLOCK_M)", "kv_end = N_size"))),
 ], ids=["blocks-32x32", "gqa-kernel", "bound-without-min", "no-bound-only-mask"])
@@ -157,6 +177,19 @@ FORWARD_MISTAKES = {
     "exp2_without_log2e": ([(A, "alpha = tl.exp(m_i", "alpha = tl.exp2(m_i"), (A, "p = tl.exp(s", "p = tl.exp2(s")],
                            pt.MSG_EXP2_NO_LOG2E),
     "tail_keys_unmasked": ([(A, "keep = n_ok[None, :]", "keep = offs_n[None, :] >= 0")], pt.MSG_TAIL_UNMASKED),
+    "m_i_starts_at_0": ([(A, 'm_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)',
+                          "m_i = tl.zeros((BLOCK_M,), dtype=tl.float32)")], pt.MSG_M_INIT_ZERO),
+    "no_running_max": ([(A, "p = tl.exp(s - m_new[:, None])", "p = tl.exp(s)"),
+                        (A, "alpha = tl.exp(m_i - m_new)", "alpha = tl.exp(m_new * 0.0)")], pt.MSG_NO_RUNNING_MAX),
+    "l_not_rescaled": ([(A, "l_i = l_i * alpha +", "l_i = l_i +")], pt.MSG_L_NOT_RESCALED),
+    "exp_with_log2e": ([(A, "s = tl.dot(q, k) * sm_scale", "s = tl.dot(q, k) * sm_scale * 1.4426950408889634")],
+                       pt.MSG_EXP_WITH_LOG2E),
+    "bound_floored": ([(A, "kv_end = tl.minimum(N_size, (pid_m + 1) * BLOCK_M)",
+                        "kv_end = tl.minimum(N_size, (pid_m + 1) * BLOCK_M) // BLOCK_N * BLOCK_N")],
+                      pt.MSG_BOUND_FLOORED),
+    "batch_stride_ignored": ([(A, "Q_ptr + pid_z * stride_qz + ", "Q_ptr + "), (A, "K_ptr + pid_z * stride_kz + ", "K_ptr + "),
+                              (A, "V_ptr + pid_z * stride_vz + ", "V_ptr + "), (A, "O_ptr + pid_z * stride_oz + ", "O_ptr + ")],
+                             pt.MSG_BATCH_STRIDE),
     "v_load_unmasked": ([(A, "mask=n_ok[:, None] & d_ok[None, :], other=0.0,", "")], pt.MSG_OOB),
     "o_with_q_strides": ([(A, "pid_z * stride_oz + pid_h * stride_oh", "pid_z * stride_qz + pid_h * stride_qh"),
                           (A, "offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok",
@@ -195,7 +228,7 @@ def test_sdpa_is_not_a_triton_kernel():
     def sdpa(q, k, v, causal=False):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    with pytest.raises(GradingError, match="no Triton kernel ran"):
+    with pytest.raises(GradingError, match="torch computed attention"):
         check_flash_forward(sdpa)
 
 
@@ -206,16 +239,17 @@ def _segfault_kernel(q_ptr, o_ptr, n, BLOCK: tl.constexpr):
     tl.store(o_ptr + offs, x, mask=offs < n)
 
 
-@pytest.mark.skipif(course_utils.ENV.device == "cuda",
-                    reason="on a GPU the checks run in-process and a bad address is a CUDA error, not a crash")
-def test_segfaulting_kernel_is_reported_and_pytest_survives():
+def test_faulting_kernel_is_reported_and_pytest_survives():
+    # CPU: the interpreter segfaults the forked grading process. GPU: the load faults CUDA
+    # in the grading worker process; either way this process carries on.
     def crashing(q, k, v, causal=False):
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         _segfault_kernel[(triton.cdiv(o.numel(), 64),)](q, o, o.numel(), BLOCK=64)
         return o
 
     start = time.perf_counter()
-    with pytest.raises(GradingError, match="crashed the grading process"):
+    with pytest.raises(GradingError, match="made the GPU fault" if course_utils.ENV.device == "cuda"
+                       else "crashed the grading process"):
         check_flash_forward(crashing)
     assert time.perf_counter() - start < 60
 
@@ -282,6 +316,7 @@ GQA_MISTAKES = {
                         pt.MSG_LSE_MIXED),
     "lse_without_max": ([(B, "lse = (m_i + tl.log2(l_i)) * 0.6931471805599453", "lse = tl.log(l_i)")],
                         pt.MSG_LSE_NO_MAX),
+    "kv_head_out_of_range": ([(B, "kv_head = q_head // group_size", "kv_head = q_head")], pt.MSG_KV_OUT_OF_RANGE),
     "v_load_unmasked": ([(INNER, "mask=n_ok[:, None] & d_ok[None, :], other=0.0,", "")], pt.MSG_OOB),
     "o_with_q_strides": ([(B, "batch * stride_ob + q_head * stride_oh", "batch * stride_qb + q_head * stride_qh"),
                           (B, "offs_m[:, None] * stride_on + offs_d[None, :] * stride_od",
@@ -307,7 +342,7 @@ def test_sdpa_with_gqa_is_not_a_triton_kernel():
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return o, torch.zeros(q.shape[:3])
 
-    with pytest.raises(GradingError, match="no Triton kernel ran"):
+    with pytest.raises(GradingError, match="torch computed attention"):
         check_flash_gqa(sdpa)
 
 
@@ -321,3 +356,80 @@ def test_sdpa_with_gqa_is_not_a_triton_kernel():
 def test_flash_gqa_wrong_result_type_gets_a_sentence(fn, text):
     with pytest.raises(GradingError, match=text):
         check_flash_gqa(fn)
+
+
+# -- proof of work: the answer must come from the learner's own kernel, this call ------
+@triton.jit
+def _noop(o_ptr):
+    pass
+
+
+def _sdpa_after_a_noop_kernel(q, k, v, causal=False):
+    o = torch.empty_like(q)
+    _noop[(1,)](o)
+    return o.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+
+
+def _manual_torch_attention(q, k, v, causal=False):
+    o = torch.empty_like(q)
+    _noop[(1,)](o)
+    p = ((q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5).float().exp()
+    return (p @ v.float() / p.sum(-1, keepdim=True)).to(q.dtype)
+
+
+_memo = {}
+
+
+def _memoised(q, k, v, causal=False):
+    key = (tuple(q.shape), causal)
+    if key not in _memo:
+        _memo[key] = forward.flash_attention_forward(q, k, v, causal=causal)
+    return _memo[key]
+
+
+def _scales_k_in_place(q, k, v, causal=False):
+    o = forward.flash_attention_forward(q, k, v, causal=causal)
+    k.mul_(0.5)  # e.g. pre-scaling k by sm_scale before launching
+    return o
+
+
+@pytest.mark.parametrize("fn, text", [
+    (_sdpa_after_a_noop_kernel, "torch computed attention"),
+    (_manual_torch_attention, "torch computed a matrix product"),
+    (lambda q, k, v, causal=False: flash_attention(q, k, v, causal=causal), "course_utils's own kernel"),
+    (_memoised, "no Triton kernel ran|not written by any kernel during this call"),
+    (_scales_k_in_place, "changed its input `k` in place"),
+    (lambda q, k, v, causal=False: None, "did you forget a `return`"),
+], ids=["noop-then-sdpa", "noop-then-torch-math", "course-kernel", "memoised-by-shape", "k-in-place", "no-return"])
+def test_flash_forward_refuses_borrowed_answers(fn, text):
+    with pytest.raises(GradingError, match=text):
+        check_flash_forward(fn)
+
+
+def test_flash_gqa_refuses_the_course_kernel_and_a_kernel_passed_for_a_launcher():
+    from course_utils.kernels import flash_attention_with_lse
+
+    with pytest.raises(GradingError, match="course_utils's own kernel"):
+        check_flash_gqa(lambda q, k, v: flash_attention_with_lse(q, k, v, causal=True))
+    with pytest.raises(GradingError, match="pass your launcher"):
+        check_flash_gqa(forward._flash_attention_forward_gqa_kernel)
+
+
+def test_fixed_cases_have_large_shifted_scores_d128_several_tiles_and_a_repeated_shape():
+    for gqa in (False, True):
+        cases = pt._fixed_cases(gqa, "cpu")
+        shifted = [c for c in cases if c.shifted]
+        assert shifted and all(c.D == 128 and c.N > 2 * 128 for c in shifted)
+        repeat = [c for c in cases if c.same_shape_as is not None]
+        assert repeat and all((c.B, c.Hq, c.N, c.D) == (cases[c.same_shape_as].B, cases[c.same_shape_as].Hq,
+                                                         cases[c.same_shape_as].N, cases[c.same_shape_as].D)
+                              for c in repeat)
+        rng = __import__("numpy").random.default_rng(0)
+        q, k, v, q64, k64, v64 = pt._make_inputs(rng, shifted[0], "cpu")
+        row_max = pt._scores(q64, ref_repeat(q64, k64), 1 / 128 ** 0.5).max(-1)
+        assert row_max.min() < -120 and row_max.max() > 120
+
+
+def ref_repeat(q64, k64):
+    from course_utils import references
+    return references.repeat_kv_heads(q64, k64, k64)[0]

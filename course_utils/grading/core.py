@@ -35,6 +35,9 @@ import numpy as np
 
 __all__ = [
     "GradingError",
+    "TimeLimitExceeded",
+    "Forbidden",
+    "require_callable",
     "Passed",
     "Diagnosis",
     "Run",
@@ -44,6 +47,54 @@ __all__ = [
 
 class GradingError(AssertionError):
     """A check found a wrong answer. The message says where, how wrong, and why."""
+
+
+class TimeLimitExceeded(BaseException):
+    """The learner's function ran past its time limit.
+
+    A ``BaseException``, like ``KeyboardInterrupt``: a learner's
+    ``try: ... except Exception: continue`` cannot swallow it (that would make
+    the check run forever), and Triton's interpreter, which wraps every
+    ``Exception`` raised inside a kernel in its own error, lets it through.
+    :meth:`Run.call` turns it into a :class:`GradingError`.
+    """
+
+
+class Forbidden(BaseException):
+    """The learner's code took a shortcut a check does not allow (e.g. called a reference).
+
+    Raised from inside the learner's call, so it is a ``BaseException`` that
+    ``except Exception`` does not catch; :meth:`Run.call` turns it into a
+    :class:`GradingError` whose message is this exception's.
+    """
+
+
+def require_callable(fn, exercise: str, what: str = "your function") -> None:
+    """One plain sentence when ``fn`` is not something a check can call.
+
+    Catches the two usual slips: passing something that is not a function
+    (the result of calling it, a string, ...) and, for the Triton checks,
+    passing the ``@triton.jit`` kernel itself instead of the Python launcher
+    that allocates the output, picks a grid and launches the kernel.
+    """
+    __tracebackhide__ = True
+    try:  # a @triton.jit kernel (compiled or interpreted) or an autotuned/heuristic one
+        from triton.runtime.jit import KernelInterface
+
+        is_kernel = isinstance(fn, KernelInterface)
+    except ImportError:  # pragma: no cover - triton is a dependency
+        is_kernel = False
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "")
+    if is_kernel:
+        raise GradingError(
+            f"{exercise} expects {what} (the Python launcher that allocates the output, picks a grid "
+            f"and runs `kernel[grid](...)`), but got the @triton.jit kernel `{name}` itself: pass your launcher."
+        )
+    if not callable(fn):
+        raise GradingError(
+            f"{exercise} expects a function, but got a {type(fn).__name__}: pass the function itself "
+            f"(`{exercise}(my_function)`, without calling it)."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +147,17 @@ class Diagnosis:
         return bool(np.allclose(actual, wrong, atol=a, rtol=r, equal_nan=False))
 
 
+def time_limit_message(seconds: float, what: str) -> str:
+    return (
+        f"Your function ran for more than {seconds:g} s on {what} and was stopped: probably a loop "
+        "that never ends (an index that never advances, a `while` whose condition stays true, a "
+        "`range` whose step is 0), or a problem much larger than intended."
+    )
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float, what: str):
-    """Stop the body with a :class:`GradingError` after ``seconds``.
+    """Stop the body with a :class:`TimeLimitExceeded` after ``seconds``.
 
     Uses ``SIGALRM``, so it only acts in the main thread on Unix (where
     Jupyter runs cells); elsewhere the body runs without a limit.
@@ -109,11 +168,7 @@ def time_limit(seconds: float, what: str):
         return
 
     def _on_alarm(signum, frame):
-        raise GradingError(
-            f"Your function ran for more than {seconds:g} s on {what} and was stopped. "
-            "Look for a loop that never ends (an index that never advances, a "
-            "`while` whose condition stays true) or a problem much larger than intended."
-        )
+        raise TimeLimitExceeded(time_limit_message(seconds, what))
 
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -122,6 +177,17 @@ def time_limit(seconds: float, what: str):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _time_limit_inside(exc: BaseException) -> TimeLimitExceeded | None:
+    """The time limit hidden in ``exc``'s chain of causes, if any (Triton wraps errors)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (TimeLimitExceeded, Forbidden)):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _fmt_index(idx: tuple[int, ...], axes: tuple[str, ...] | None) -> str:
@@ -156,14 +222,20 @@ class Run:
         """
         __tracebackhide__ = True
         self.cases += 1
-        with time_limit(self.time_limit_s, self.where(case)):
-            try:
-                return fn(*args, **kwargs)
-            except GradingError:
-                raise
-            except Exception as exc:  # the learner's own error: show it as theirs
-                exc.add_note(f"[{self.exercise}] raised by your function on {self.where(case)}")
-                raise
+        try:
+            with time_limit(self.time_limit_s, self.where(case)):
+                try:
+                    return fn(*args, **kwargs)
+                except GradingError:
+                    raise
+                except Exception as exc:  # the learner's own error: show it as theirs
+                    timeout = _time_limit_inside(exc)
+                    if timeout is not None:  # wrapped by Triton's interpreter: unwrap it
+                        raise timeout from None
+                    exc.add_note(f"[{self.exercise}] raised by your function on {self.where(case)}")
+                    raise
+        except (TimeLimitExceeded, Forbidden) as exc:
+            raise GradingError(f"{self.exercise} failed on {self.where(case)}:\n{exc}") from None
 
     # -- checking what came back ------------------------------------------
     def fail(self, message: str, case: str) -> GradingError:

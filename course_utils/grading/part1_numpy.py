@@ -19,12 +19,15 @@ arguments in place cannot disturb the references.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import numpy as np
 
 from .. import references as ref
-from .core import Diagnosis, Run
+from . import sandbox
+from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_softmax", "check_naive_attention", "check_online_softmax", "check_tiled_attention"]
 
@@ -64,6 +67,27 @@ MSG_MASK_TRANSPOSED = (
     "the causal mask is transposed: query i saw keys j >= i. Keep the keys j <= i "
     "(np.tril, or k_index <= q_index)."
 )
+MSG_MASK_STRICT = (
+    "the causal mask also hides the diagonal: query i saw only keys j < i (so query 0 sees nothing "
+    "and comes out NaN). Keep the keys j <= i (k_index <= q_index, not <)."
+)
+MSG_MASK_SHIFTED = (
+    "the causal mask is off by one: query i also saw key i + 1. Keep the keys j <= i."
+)
+MSG_MASK_TILE_LOCAL = (
+    "the causal mask was built from indices inside the tile (0 .. block_m-1 and 0 .. block_n-1) "
+    "instead of positions in the sequence: compare q_start + row with k_start + col "
+    "(np.arange(q_start, q_end)[:, None] >= np.arange(k_start, k_end)[None, :])."
+)
+MSG_M_INIT_ZERO = (
+    "the rows whose values are all far below 0 (around -1000) came out NaN while the others are right: "
+    "the running max m starts at 0 instead of -inf, so for those rows every exp(x - m) underflows to 0 "
+    "and the running sum stays 0 (0/0). Start it at -inf: np.full(shape, -np.inf)."
+)
+MSG_LSE_MIXED = (
+    "lse mixes bases: one of m_i and log(l_i) is in log2 units and the other in natural log. "
+    "With np.exp, lse = m_i + np.log(l_i)."
+)
 MSG_MASK_BOTTOM_RIGHT = (
     "the causal mask is aligned bottom-right (query i sees j <= i + Nk - Nq, FlashAttention's "
     "convention); this course aligns it top-left: query i sees keys j <= i."
@@ -85,6 +109,12 @@ MSG_NOT_STREAMING = (
     "all N entries of the last axis), so it is not an online softmax. Read the row one block at a "
     "time (x[..., start:start + block_size]), keep a running max m and a running sum l, rescale l "
     "by exp(m_old - m_new) when the max grows, and only at the end write exp(x - m) / l."
+)
+MSG_NOT_TILED = (
+    "your values are right, but your function did not tile: it computed {what} of shape {shape} at once, "
+    "larger than one tile (block_m={bm} query rows x block_n={bn} keys). Loop over query blocks "
+    "q[..., i0:i0 + block_m, :] and key blocks k[..., j0:j0 + block_n, :], and only ever form one "
+    "block_m x block_n tile of scores at a time."
 )
 MSG_TAIL_DROPPED = (
     "the last, partial block was dropped: when N is not a multiple of the block size, loop "
@@ -192,6 +222,10 @@ def _mask(n_q, n_k, kind):
         return j <= i + (n_k - n_q)
     if kind == "none":
         return np.ones((n_q, n_k), dtype=bool)
+    if kind == "strict":
+        return j < i
+    if kind == "shifted":
+        return j <= i + 1
     raise ValueError(kind)
 
 
@@ -208,7 +242,7 @@ def _variant_attention(q, k, v, *, causal, scale=None, mask="top-left", axis=-1,
     return p @ v
 
 
-def _variant_online_softmax(x, block_size, *, rescale="right", drop_tail=False, zero_tail=False):
+def _variant_online_softmax(x, block_size, *, rescale="right", drop_tail=False, zero_tail=False, m_init=-np.inf):
     """The online softmax with one mistake switched on (or none).
 
     ``rescale``: "right" (l * exp(m_old - m_new)), "none" or "backwards".
@@ -217,7 +251,7 @@ def _variant_online_softmax(x, block_size, *, rescale="right", drop_tail=False, 
     """
     n = x.shape[-1]
     stop = n - n % block_size if drop_tail else n
-    m = np.full(x.shape[:-1], -np.inf)
+    m = np.full(x.shape[:-1], m_init)
     l = np.zeros(x.shape[:-1])
     for start in range(0, stop, block_size):
         block = x[..., start : start + block_size]
@@ -234,7 +268,7 @@ def _variant_online_softmax(x, block_size, *, rescale="right", drop_tail=False, 
 
 
 def _variant_tiled(q, k, v, block_m, block_n, causal, *, rescale_acc=True, rescale_l=True,
-                   drop_kv_tail=False, drop_q_tail=False, mask="top-left"):
+                   drop_kv_tail=False, drop_q_tail=False, mask="top-left", m_init=-np.inf):
     """Tiled attention with one mistake switched on (or none): returns ``o``."""
     n_q, d = q.shape[-2:]
     n_k = k.shape[-2]
@@ -243,17 +277,19 @@ def _variant_tiled(q, k, v, block_m, block_n, causal, *, rescale_acc=True, resca
     o = np.zeros(batch + (n_q, v.shape[-1]))
     q_stop = n_q - n_q % block_m if drop_q_tail else n_q
     kv_stop = n_k - n_k % block_n if drop_kv_tail else n_k
-    allowed_all = _mask(n_q, n_k, mask) if causal else None
+    allowed_all = _mask(n_q, n_k, mask) if causal and mask != "tile-local" else None
     for q_start in range(0, q_stop, block_m):
         q_end = min(q_start + block_m, n_q)
         rows = q_end - q_start
-        m_i = np.full(batch + (rows,), -np.inf)
+        m_i = np.full(batch + (rows,), m_init)
         l_i = np.zeros(batch + (rows,))
         acc = np.zeros(batch + (rows, v.shape[-1]))
         for k_start in range(0, kv_stop, block_n):
             k_end = min(k_start + block_n, n_k)
             s = sm_scale * (q[..., q_start:q_end, :] @ np.swapaxes(k[..., k_start:k_end, :], -1, -2))
-            if causal:
+            if causal and mask == "tile-local":  # positions inside the tile, not in the sequence
+                s = np.where(np.arange(rows)[:, None] >= np.arange(k_end - k_start)[None, :], s, -np.inf)
+            elif causal:
                 s = np.where(allowed_all[q_start:q_end, k_start:k_end], s, -np.inf)
             m_new = np.maximum(m_i, s.max(axis=-1))
             alpha = np.exp(m_i - m_new)
@@ -329,6 +365,7 @@ def _softmax_cases(rng):
 def check_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
     """Grade ``fn(x, axis=-1)``: a numerically stable softmax of a NumPy array along ``axis``."""
     __tracebackhide__ = True
+    require_callable(fn, "check_softmax")
     run = Run("check_softmax", seed, time_limit_s=time_limit_s)
     for case, x, axis, large in _softmax_cases(run.rng):
         expected = ref.softmax(x, axis=axis)
@@ -382,6 +419,10 @@ def _attention_cases(rng, *, blocks=False):
         yield fixed(9, (2, 2), 20, 20, 8, True, bm=8, bn=4)
         yield fixed(10, (2,), 24, 24, 16, False, magnitude=1000.0, bm=8, bn=8, note=", scores ~1000")
         yield fixed(11, (2,), 24, 24, 16, True, magnitude=1000.0, bm=8, bn=8, note=", scores ~1000")
+        name, q, k, v, causal, _, bm, bn = fixed(12, (), 20, 20, 16, True, bm=4, bn=8,
+                                                   note=", rows whose scores are all near -1000, 0 or +1000")
+        k[..., 0], q[..., 0] = 40.0, np.resize([-100.0, 0.0, 100.0], 20)  # s_ij = 1000 * (-1, 0, 1) + O(1)
+        yield name, q, k, v, causal, True, bm, bn
     else:
         yield fixed(1, (), 3, 3, 2, False)
         yield fixed(2, (), 3, 3, 2, True)
@@ -422,9 +463,13 @@ def _mask_diagnoses(q, k, v, causal, tiles=None):
     if not causal:
         return []
     mistakes = [(MSG_NO_CAUSAL, "none"), (MSG_MASK_TRANSPOSED, "transposed")]
-    if q.shape[-2] != k.shape[-2]:
+    if q.shape[-2] != k.shape[-2]:  # before "shifted": with Nk = Nq + 1 they are the same mask
         mistakes.append((MSG_MASK_BOTTOM_RIGHT, "bottom-right"))
+    mistakes += [(MSG_MASK_STRICT, "strict"), (MSG_MASK_SHIFTED, "shifted")]
     found = []
+    if tiles is not None:
+        found.append(Diagnosis(MSG_MASK_TILE_LOCAL,
+                               when=_like(lambda: _variant_tiled(q, k, v, *tiles, True, mask="tile-local"))))
     for message, mask in mistakes:
         if tiles is not None:
             found.append(Diagnosis(message, when=_like(lambda mask=mask: _variant_tiled(q, k, v, *tiles, True, mask=mask))))
@@ -439,6 +484,7 @@ def check_naive_attention(fn, *, seed=None, time_limit_s: float = 10.0):
     aligned (query i sees keys j <= i), also when ``Nq != Nk``.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_naive_attention")
     run = Run("check_naive_attention", seed, time_limit_s=time_limit_s)
     for case, q, k, v, causal, large, _, _ in _attention_cases(run.rng):
         expected = ref.attention(q, k, v, causal=causal)
@@ -479,6 +525,8 @@ def _online_cases(rng):
     g = np.random.default_rng(2001)
     yield "fixed #5: shape (2, 3, 17), rising rows, block_size=4", np.sort(g.normal(size=(2, 3, 17)) * 2.0, axis=-1), 4, False
     yield "fixed #6: large rising values (~1000), N=20, block_size=6", 1000.0 + np.linspace(0.0, 30.0, 20), 6, True
+    yield ("fixed #7: rows around -1000 and +1000, N=9, block_size=4",
+           np.array([[-1000.0], [1000.0]]) + np.linspace(-3.0, 3.0, 9), 4, True)
     for i in range(4):
         block = int(rng.integers(1, 65))
         n = int(rng.integers(1, min(150, 12 * block) + 1))
@@ -493,45 +541,208 @@ def _online_cases(rng):
     yield f"random #5: shape {shape}, block_size={block}, values around +-1000", x, block, True
 
 
-class _RowWatcher(np.ndarray):
-    """The learner's ``x``: an ordinary array that notes reductions over a whole row.
+_ROW_REDUCTIONS = (np.maximum, np.fmax, np.add, np.logaddexp, np.logaddexp2)
+# NumPy functions that look at a whole row at once without a ufunc reduction (np.sort(x)[..., -1] is a max).
+_ROW_FUNCTIONS = {np.sort, np.argsort, np.partition, np.argpartition, np.median, np.quantile, np.percentile,
+                  np.nanmax, np.nanmin, np.nansum, np.cumsum, np.nancumsum, np.ptp}
+_PRODUCT_FUNCTIONS = {np.dot, np.inner, np.tensordot, np.einsum, np.vdot, np.outer, np.kron}
+_CONVERSIONS = ("array", "asarray", "asanyarray", "ascontiguousarray", "asfortranarray", "copy")
 
-    A max, sum or logaddexp reduced along an axis as long as the row (``N``
-    entries), applied to ``x`` or to anything computed element-wise from it,
-    means the row was not streamed. Slices keep watching, and so do
-    element-wise results; reductions hand back plain arrays. Code that
-    converts with ``np.asarray`` or leaves NumPy is not watched (not flagged).
+
+def _plain(a):
+    return np.ndarray.view(a, np.ndarray) if isinstance(a, _Watched) else a
+
+
+class _Watched(np.ndarray):
+    """The learner's inputs: ordinary arrays that note how the whole problem is read.
+
+    Each carries a shared log and a set of tags (which inputs it was computed
+    from: "q", "k", "x", ...). Slices, views, copies and element-wise results
+    keep watching (``np.array``, ``np.asarray``, ``np.copy`` and
+    ``.view(np.ndarray)`` included, while the log is active); reductions hand
+    back plain arrays. The log's hooks decide what counts:
+
+    - ``row``: for the online softmax, a max, sum, logaddexp, cumulative sum,
+      sort or partition along an axis as long as the row (``log["n"]``) is
+      recorded with a copy of what was reduced; a reduction of the very
+      values the function returns (a self-check such as
+      ``assert np.allclose(out.sum(-1), 1)``) is forgiven afterwards;
+    - ``tiles``: for the tiled exercises, a product of something computed
+      from ``q`` alone with something computed from ``k`` alone (or ``do``
+      with ``v``) bigger than one ``block_m x block_n`` tile is recorded.
     """
-
-    _REDUCTIONS = (np.maximum, np.fmax, np.add, np.logaddexp)
 
     def __array_finalize__(self, obj):
         self._log = getattr(obj, "_log", None)
+        self._tags = getattr(obj, "_tags", frozenset())
+
+    def view(self, *args, **kwargs):
+        result = np.ndarray.view(self, *args, **kwargs)
+        if (self._log is not None and self._log["active"] and isinstance(result, np.ndarray)
+                and not isinstance(result, _Watched)):
+            result = _rewatch(result, self)
+        return result
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        log = next((i._log for i in inputs if isinstance(i, _RowWatcher) and i._log is not None), None)
-        plain = [i.view(np.ndarray) if isinstance(i, _RowWatcher) else i for i in inputs]
+        watched = [i for i in inputs if isinstance(i, _Watched) and i._log is not None]
+        log = watched[0]._log if watched else None
+        plain = [_plain(i) for i in inputs]
         if "out" in kwargs:
-            kwargs["out"] = tuple(o.view(np.ndarray) if isinstance(o, _RowWatcher) else o for o in kwargs["out"])
-        if log is not None and log["active"] and method == "reduce" and ufunc in self._REDUCTIONS:
-            arr = np.asarray(plain[0])
-            axis = kwargs.get("axis", 0)
-            axes = range(arr.ndim) if axis is None else np.atleast_1d(axis)
-            if any(arr.ndim and arr.shape[int(a)] == log["n"] for a in axes):
-                log["whole_row"] = True
+            kwargs["out"] = tuple(_plain(o) for o in kwargs["out"])
+        if log is not None and log["active"]:
+            if method in ("reduce", "accumulate") and ufunc in _ROW_REDUCTIONS:
+                _note_row(log, plain[0], kwargs.get("axis", 0))
         result = getattr(ufunc, method)(*plain, **kwargs)
+        if (log is not None and log["active"] and method == "__call__" and ufunc is np.matmul
+                and len(inputs) == 2 and isinstance(result, np.ndarray)):
+            _note_product(log, inputs[0], inputs[1], shape=result.shape if result.ndim >= 2 else None,
+                          size=result.size)
         if method == "__call__" and log is not None and isinstance(result, np.ndarray):
-            result = result.view(_RowWatcher)
-            result._log = log
+            tags = frozenset().union(*(i._tags for i in watched if i.size > 1))
+            result = result.view(_Watched)
+            result._log, result._tags = log, tags
+        return result
+
+    def __array_function__(self, func, types, args, kwargs):
+        watched = [a for a in args if isinstance(a, _Watched) and a._log is not None]
+        log = watched[0]._log if watched else None
+        if log is not None and log["active"]:
+            if func in _ROW_FUNCTIONS and args:
+                default = -1 if func in (np.sort, np.argsort, np.partition, np.argpartition) else None
+                axis = kwargs.get("axis", args[2] if func in (np.partition, np.argpartition) and len(args) > 2
+                                  else args[1] if len(args) > 1 and func not in (np.partition, np.argpartition,
+                                                                                  np.quantile, np.percentile)
+                                  else default)
+                _note_row(log, _plain(args[0]), axis if isinstance(axis, (int, np.integer, tuple, type(None))) else default)
+        result = super().__array_function__(func, types, args, kwargs)
+        if log is not None and log["active"] and func in _PRODUCT_FUNCTIONS:
+            operands = [a for a in args if isinstance(a, np.ndarray)]
+            if len(operands) >= 2:
+                _note_product(log, operands[0], operands[1], shape=None, size=np.size(result))
+        if func is np.copy and log is not None and isinstance(result, np.ndarray) and not isinstance(result, _Watched):
+            result = _rewatch(result, watched[0])
         return result
 
 
+def _rewatch(result, like):
+    out = np.ndarray.view(result, _Watched)
+    out._log, out._tags = like._log, like._tags
+    return out
+
+
+def _note_row(log, arr, axis):
+    hook = log.get("row")
+    if hook is None:
+        return
+    arr = np.asarray(arr)
+    axes = range(arr.ndim) if axis is None else np.atleast_1d(axis)
+    if any(arr.ndim and arr.shape[int(a)] == log["n"] for a in axes):
+        hook(arr)
+
+
+def _note_product(log, a, b, shape=None, size=None):
+    hook = log.get("tiles")
+    if hook is None:
+        return
+    ta = a._tags if isinstance(a, _Watched) else frozenset()
+    tb = b._tags if isinstance(b, _Watched) else frozenset()
+    hook(ta, tb, shape, size)
+
+
+@contextlib.contextmanager
+def _conversions_keep_watching():
+    """``np.array(x)``, ``np.asarray(x)``, ``np.copy(x)`` ... of a watched array stay watched (during the call)."""
+    saved = {name: getattr(np, name) for name in _CONVERSIONS}
+
+    def make(original):
+        @functools.wraps(original)
+        def convert(a, *args, **kwargs):
+            result = original(a, *args, **kwargs)
+            if (isinstance(a, _Watched) and a._log is not None and a._log["active"]
+                    and isinstance(result, np.ndarray) and not isinstance(result, _Watched)):
+                result = _rewatch(result, a)
+            return result
+        return convert
+
+    for name, original in saved.items():
+        setattr(np, name, make(original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(np, name, original)
+
+
+def _watch(arrays: dict, log: dict) -> dict:
+    """Copies of ``arrays`` as :class:`_Watched`, tagged with their names, writing to ``log``."""
+    out = {}
+    for name, a in arrays.items():
+        w = np.array(a, copy=True).view(_Watched)
+        w._log, w._tags = log, frozenset([name])
+        out[name] = w
+    return out
+
+
+def _tile_log(batch_count: int, block_m: int, block_n: int) -> dict:
+    """A log whose hook records the first score product larger than one block_m x block_n tile.
+
+    The score products are q x k (S, or S^T in a backward) and do x v (dP):
+    the operands computed from those inputs alone, whatever the code.
+    """
+    log = {"active": False, "untiled": None}
+    pairs = {("q", "k"): "the scores q @ k^T", ("do", "v"): "dP = do @ v^T"}
+
+    def tiles(ta, tb, shape, size):
+        if log["untiled"] is not None:
+            return
+        for (x, y), what in pairs.items():
+            if (ta, tb) == ({x}, {y}):
+                limit = (block_m, block_n)
+            elif (ta, tb) == ({y}, {x}):
+                limit = (block_n, block_m)
+            else:
+                continue
+            if shape is not None:
+                bad = shape[-2] > limit[0] or shape[-1] > limit[1]
+            else:
+                bad = size > batch_count * block_m * block_n
+            if bad:
+                log["untiled"] = MSG_NOT_TILED.format(what=what, shape=tuple(shape) if shape is not None
+                                                      else f"(… {size} elements)", bm=block_m, bn=block_n)
+
+    log["tiles"] = tiles
+    return log
+
+
+@contextlib.contextmanager
+def _watching(log):
+    """Turn ``log`` on for the learner's call, with the references off limits."""
+    log["active"] = True
+    try:
+        with sandbox.references_forbidden(), _conversions_keep_watching():
+            yield
+    finally:
+        log["active"] = False
+
+
 def _watched(x: np.ndarray) -> tuple[np.ndarray, dict]:
-    """``x`` as a :class:`_RowWatcher`, and the log it writes to (off until the call)."""
-    log = {"n": x.shape[-1], "active": False, "whole_row": False}
-    w = x.copy().view(_RowWatcher)
-    w._log = log
+    """``x`` watched for whole-row reductions, and the log (off until the call)."""
+    log = {"n": x.shape[-1], "active": False, "whole_row": False, "reduced": []}
+    log["row"] = log["reduced"].append
+    w = _watch({"x": x}, log)["x"]
     return w, log
+
+
+def _whole_row_after_call(log, out) -> bool:
+    """Whether a row was reduced whole, forgiving reductions of the returned values (a self-check)."""
+    out = np.asarray(out, dtype=np.float64) if out is not None else None
+    for arr in log["reduced"]:
+        if out is not None and arr.shape == out.shape:
+            with np.errstate(all="ignore"):
+                if np.allclose(np.asarray(arr, dtype=np.float64), out, equal_nan=True):
+                    continue
+        return True
+    return False
 
 
 def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
@@ -545,23 +756,27 @@ def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
     one block) fail with :data:`MSG_NOT_STREAMING`.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_online_softmax")
     run = Run("check_online_softmax", seed, time_limit_s=time_limit_s)
     for case, x, block, large in _online_cases(run.rng):
         expected = ref.online_softmax(x, block)
         x_in, log = _watched(x)
         log["active"] = True
         try:
-            out = run.call(fn, x_in, block, case=case)
+            with sandbox.references_forbidden(), _conversions_keep_watching():
+                out = run.call(fn, x_in, block, case=case)
         finally:
             log["active"] = False
-        if isinstance(out, _RowWatcher):
-            out = out.view(np.ndarray)
+        if isinstance(out, _Watched):
+            out = _plain(out)
+        log["whole_row"] = _whole_row_after_call(log, out if isinstance(out, np.ndarray) else None)
         got = run.array(out, expected_shape=x.shape, case=case)
         diagnoses = [
             Diagnosis(MSG_NO_RESCALE, when=_like(lambda: _variant_online_softmax(x, block, rescale="none"))),
             Diagnosis(MSG_RESCALE_BACKWARDS, when=_like(lambda: _variant_online_softmax(x, block, rescale="backwards"))),
             Diagnosis(MSG_TAIL_DROPPED, when=_like(lambda: _variant_online_softmax(x, block, drop_tail=True))),
             Diagnosis(MSG_TAIL_DROPPED, when=_like(lambda: _variant_online_softmax(x, block, drop_tail=True, zero_tail=True))),
+            Diagnosis(MSG_M_INIT_ZERO, when=_like(lambda: _variant_online_softmax(x, block, m_init=0.0))),
         ]
         if large:
             diagnoses.append(Diagnosis(MSG_OVERFLOW, when=_not_finite))
@@ -581,13 +796,20 @@ def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
     the natural-log logsumexp of each query row's scaled, masked scores.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_tiled_attention")
     run = Run("check_tiled_attention", seed, time_limit_s=time_limit_s)
     for case, q, k, v, causal, large, bm, bn in _attention_cases(run.rng, blocks=True):
         o_ref, lse_ref = ref.attention_lse(q, k, v, causal=causal)
-        out = run.call(fn, q.copy(), k.copy(), v.copy(), bm, bn, causal=causal, case=case)
+        log = _tile_log(math.prod(np.broadcast_shapes(q.shape[:-2], k.shape[:-2])), bm, bn)
+        watched = _watch({"q": q, "k": k, "v": v}, log)
+        with _watching(log):
+            out = run.call(fn, watched["q"], watched["k"], watched["v"], bm, bn, causal=causal, case=case)
+        if out is None:
+            raise run.fail("your function returned None: did you forget a `return`? Return the pair (o, lse).", case)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             what = f"a {type(out).__name__}" if not isinstance(out, (tuple, list)) else f"{len(out)} values"
             raise run.fail(f"your function returned {what}; return the pair (o, lse).", case)
+        out = [_plain(a) for a in out]
         o = run.array(out[0], expected_shape=o_ref.shape, case=case, name="o (the first value you returned)")
         lse = run.array(out[1], expected_shape=lse_ref.shape, case=case, name="lse (the second value you returned)")
 
@@ -602,6 +824,7 @@ def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
             Diagnosis(MSG_KV_TAIL_DROPPED, when=variant(drop_kv_tail=True)),
             Diagnosis(MSG_Q_TAIL_DROPPED, when=variant(drop_q_tail=True)),
             *_mask_diagnoses(q, k, v, causal, tiles=(bm, bn)),
+            Diagnosis(MSG_M_INIT_ZERO, when=variant(m_init=0.0)),
         ]
         if large:
             diagnoses.append(Diagnosis(MSG_OVERFLOW, when=_not_finite))
@@ -612,7 +835,11 @@ def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
         lse_diagnoses = [
             Diagnosis(MSG_LSE_BASE2, when=_like(lambda: lse_ref / math.log(2.0))),
             Diagnosis(MSG_LSE_NO_MAX, when=_like(lambda: lse_ref - row_max)),
+            Diagnosis(MSG_LSE_MIXED, when=_like(lambda: row_max + (lse_ref - row_max) / math.log(2.0))),
+            Diagnosis(MSG_LSE_MIXED, when=_like(lambda: row_max / math.log(2.0) + (lse_ref - row_max))),
         ]
         run.compare(lse, lse_ref, case=case, what="lse", atol=ATOL, rtol=RTOL,
                     diagnoses=lse_diagnoses, axes=_axes(lse.ndim, "query"))
+        if log["untiled"]:
+            raise run.fail(log["untiled"], case)
     return run.passed()

@@ -34,7 +34,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import sandbox
-from .core import Diagnosis, Run
+from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_triton_softmax"]
 
@@ -69,6 +69,12 @@ MSG_STORE_PAST_END = (
     "the tensor. The grader put a guard zone there and found it changed; in a real program it "
     "is another tensor, silently corrupted (or a crash). Store with the same mask as the load."
 )
+MSG_OUT_ROW_STRIDE = (
+    "the output rows were written with the input's row stride: y's rows are y.stride(0) apart, "
+    "x's rows x.stride(0) apart, and here they differ (x is a view of a wider tensor), so row r "
+    "landed at r * x.stride(0) in y, past the end of y for the last rows. Pass y.stride(0) to the "
+    "kernel and store at y_ptr + row * y_row_stride + cols."
+)
 MSG_ROW_STRIDE = (
     "the rows were located with `row * n_cols`, as if they were packed one after another. "
     "They are not always: a view such as `x[:, :n]` of a wider tensor keeps the wider "
@@ -79,6 +85,11 @@ MSG_OTHER_ZERO = (
     "the masked load fills the padding lanes with `other=0`, so each of the {k} padding "
     "lanes adds exp(0 - max) to the denominator and every value is too small by the same "
     "factor (your rows sum to {total:.4g}, not 1). Use `other=-float('inf')`: exp(-inf) = 0."
+)
+MSG_BLOCK_TOO_SMALL = (
+    "only the first {block} columns of each row were used (BLOCK = {block} < n_cols = {n}): a fixed "
+    "BLOCK does not cover wide rows. Use BLOCK = triton.next_power_of_2(n_cols) (one program reads its "
+    "whole row), or loop over the row in chunks of BLOCK."
 )
 MSG_UNSTABLE = (
     "rows with large values came out as NaN/inf (or not summing to 1) while small rows are "
@@ -185,7 +196,24 @@ def _diagnoses(x, x64, expected, atol, rtol):
         small_ok = np.allclose(actual[~large], expected[~large], atol=atol, rtol=rtol)
         return bool(large.any() and bad.any() and not (bad & ~large).any() and small_ok)
 
+    def block_too_small(actual):
+        for block in (2**j for j in range(4, 14)):
+            if block >= n_cols:
+                break
+            part = ref.softmax(x64[:, :block], axis=-1)
+            if np.allclose(actual[:, :block], part, atol=atol, rtol=rtol):
+                return MSG_BLOCK_TOO_SMALL.format(block=block, n=n_cols)
+        return None
+
+    class _BlockTooSmall(Diagnosis):
+        def matches(self, actual, atol_, rtol_):
+            found = block_too_small(actual)
+            if found:
+                self.message = found
+            return bool(found)
+
     return [
+        _BlockTooSmall(""),
         Diagnosis(MSG_ROW_STRIDE, when=row_stride_mistake),
         Diagnosis(MSG_UNSTABLE, when=unstable),
         Diagnosis(MSG_MISSING_MASK, when=missing_mask),
@@ -215,6 +243,9 @@ def _cases(rng, device):
         ("4 rows x 256 columns, float16", 4, 256, f16, False, 1.0, None),
         ("5 rows x 100 columns, float16, rows not contiguous", 5, 100, f16, True, 1.0, None),
         ("6 rows x 48 columns, float16, around 0, +-1000, +-200 and 90", 6, 48, f16, True, 1.0, big),
+        (f"2 rows x {_WIDE} columns (wider than any block you could fix in advance), rows not contiguous",
+         2, _WIDE, f32, True, 1.0, None),
+        ("4 rows x 64 columns again, new values", 4, 64, f32, False, 1.0, None),
     ]
     if device == "cuda" and current().bf16_ok:
         bf16 = torch.bfloat16
@@ -235,6 +266,8 @@ def _cases(rng, device):
     return cases
 
 
+_WIDE = 5000  # columns of the wide case: more than a hard-coded BLOCK of 4096 holds
+
 _GUARD = 4096  # elements after each guarded output: more than any block can overrun
 _GUARD_VALUE = -7777.0
 
@@ -250,6 +283,7 @@ class _GuardedOutputs:
     """
 
     _NAMES = ("empty_like", "zeros_like", "empty", "zeros")
+    _METHODS = ("new_empty", "new_zeros")
 
     def __init__(self, x):
         self.shape = tuple(x.shape)
@@ -282,12 +316,24 @@ class _GuardedOutputs:
             return self._allocate(self.shape, dtype, kwargs.get("device") or "cpu", zero)
         return allocate
 
+    def _method(self, name, zero):
+        import torch
+
+        def allocate(t, *size, **kwargs):
+            shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+            if shape != self.shape or set(kwargs) - {"dtype", "device"}:
+                return self._methods[name](t, *size, **kwargs)
+            return self._allocate(self.shape, kwargs.get("dtype") or t.dtype, kwargs.get("device") or t.device, zero)
+        return allocate
+
     def __enter__(self):
         import torch
 
         self._torch = {name: getattr(torch, name) for name in self._NAMES}
+        self._methods = {name: getattr(torch.Tensor, name) for name in self._METHODS}
         torch.empty_like, torch.zeros_like = self._like("empty_like", False), self._like("zeros_like", True)
         torch.empty, torch.zeros = self._new("empty", False), self._new("zeros", True)
+        torch.Tensor.new_empty, torch.Tensor.new_zeros = self._method("new_empty", False), self._method("new_zeros", True)
         return self
 
     def __exit__(self, *exc):
@@ -295,12 +341,32 @@ class _GuardedOutputs:
 
         for name, fn in self._torch.items():
             setattr(torch, name, fn)
+        for name, fn in self._methods.items():
+            setattr(torch.Tensor, name, fn)
         return False
 
     def overrun(self) -> bool:
         import torch
 
         return any(not torch.equal(buf[n:], before) for buf, n, before in self.zones)
+
+
+def _rows_at_input_stride(guard, x, x64, tolerance) -> bool:
+    """Whether the guarded output's memory holds the softmax rows at x's row stride (not y's)."""
+    n_rows, n_cols = x64.shape
+    stride = x.stride(0)
+    if stride == n_cols:
+        return False
+    expected = ref.softmax(x64, axis=-1)
+    atol, rtol = tolerance
+    for buf, n, _ in guard.zones:
+        flat = buf.detach().cpu().double().numpy()
+        if (n_rows - 1) * stride + n_cols > flat.size:
+            continue
+        rows = np.stack([flat[r * stride: r * stride + n_cols] for r in range(n_rows)])
+        if np.allclose(rows, expected, atol=atol, rtol=rtol):
+            return True
+    return False
 
 
 def _check_result(run, out, x, case):
@@ -325,16 +391,29 @@ def _check_result(run, out, x, case):
 
 
 def _check_triton_softmax(fn, *, seed=None):
+    import torch
+
     run = Run("check_triton_softmax", seed, time_limit_s=20.0)
     device = current().device
     for desc, rows, cols, dtype, strided, scale, offsets in _cases(run.rng, device):
         x = _make_input(run.rng, rows, cols, dtype, device, strided=strided, scale=scale, offsets=offsets)
         x64 = x.detach().cpu().double().numpy()  # the values the kernel sees, after rounding to dtype
-        with sandbox.count_launches() as launched, _GuardedOutputs(x) as guard:
+        before = sandbox.snapshot(x=x)
+        with sandbox.Work(inputs=(x,)) as work, _GuardedOutputs(x) as guard:
             out = run.call(fn, x, case=desc)
-        if not launched:
-            raise run.fail(MSG_NO_KERNEL, desc)
+        if out is None:
+            raise run.fail("your function returned None: did you forget `return y`?", desc)
+        if not isinstance(out, torch.Tensor):  # a slip (e.g. `.numpy()` at the end): say that first
+            _check_result(run, out, x, desc)
+        problem = work.problem(no_kernel=MSG_NO_KERNEL, y=out)
+        if problem:
+            raise run.fail(problem, desc)
+        changed = sandbox.changed_input(before, x=x)
+        if changed:
+            raise run.fail(changed, desc)
         if guard.overrun():
+            if _rows_at_input_stride(guard, x, x64, _tolerance(dtype)):
+                raise run.fail(MSG_OUT_ROW_STRIDE, desc)
             raise run.fail(MSG_STORE_PAST_END, desc)
         _check_result(run, out, x, desc)
         got = out.detach().cpu().double().numpy()
@@ -352,7 +431,7 @@ def check_triton_softmax(fn, *, seed=None, isolate=None, timeout_s=60.0):
     """Grade ``fn(x)``: the softmax of each row of the 2-D tensor ``x``, by a Triton kernel.
 
     ``fn`` must launch a ``@triton.jit`` kernel and return a tensor of ``x``'s
-    shape and dtype. It is called on 17 inputs (19 on a GPU): 1 to 300 columns, 1 to
+    shape and dtype. It is called on 19 inputs (21 on a GPU): 1 to 300 columns and one of 5000, 1 to
     12 rows, rows packed or spaced apart (row stride > columns), values up to
     +-1000, float32 and float16 (and bfloat16 on a GPU). On the CPU it runs in
     a separate process, so a crash of the interpreter cannot kill the notebook;
@@ -360,4 +439,5 @@ def check_triton_softmax(fn, *, seed=None, isolate=None, timeout_s=60.0):
     ``seed`` replays the random cases of an earlier call.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_triton_softmax", "your launcher")
     return _isolated_check(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)

@@ -39,7 +39,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import sandbox
-from .core import Diagnosis, Run
+from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_kv_head", "check_flash_forward", "check_flash_gqa"]
 
@@ -61,6 +61,11 @@ MSG_KV_INTERLEAVED = (
 MSG_KV_DIV_NKV = (
     "this is `q_head // n_kv_heads`: divide by the group size (group_size = n_q_heads // "
     "n_kv_heads, the number of query heads per kv head), not by the number of kv heads."
+)
+MSG_KV_OUT_OF_RANGE = (
+    "query heads {heads} came out NaN while the others read a real kv head: they read a kv head that "
+    "does not exist (an index >= n_kv_heads = {n_kv}, in the memory after k and v). The map must stay "
+    "below n_kv_heads: kv_head = q_head // group_size, with group_size = n_q_heads // n_kv_heads = {group}."
 )
 MSG_KV_OTHER = "kv_head = q_head // group_size, with group_size = n_q_heads // n_kv_heads."
 MSG_KV_FLOAT = (
@@ -119,10 +124,40 @@ MSG_EXP2_NO_LOG2E = (
     "the kernel uses exp2 on natural-log scores: exp(x) == exp2(x * log2(e)), so fold "
     "log2(e) = 1.4427 into the scale (qk_scale = sm_scale * 1.4427) when you use tl.exp2."
 )
+MSG_M_INIT_ZERO = (
+    "the rows whose scores are all far below 0 (about -150) came out NaN while the others are right: "
+    "m_i starts at 0 instead of -inf, so for those rows exp(s - m_i) underflows to 0 for every key, "
+    "l_i stays 0 and o = 0/0. Start the running max at -inf: tl.full([BLOCK_M], float('-inf'), tl.float32)."
+)
+MSG_NO_RUNNING_MAX = (
+    "the rows whose scores are large (about +-150) came out inf or NaN while small scores are right: "
+    "the scores are exponentiated without subtracting the running max (exp(150) overflows, exp(-150) "
+    "underflows to 0). Keep m_i, the largest score seen so far, use p = exp(s - m_new) and rescale acc "
+    "and l_i by alpha = exp(m_i - m_new)."
+)
+MSG_L_NOT_RESCALED = (
+    "l_i is not rescaled (BLOCK_N = {block} fits): when the running max grows from m_i to m_new, "
+    "multiply l_i by alpha = exp(m_i - m_new) before adding the new block's row sums, as you do for acc."
+)
+MSG_EXP_WITH_LOG2E = (
+    "the kernel uses tl.exp on scores that include the log2(e) = 1.4427 factor: that factor is for "
+    "tl.exp2 (exp(x) == exp2(x * log2(e))). With tl.exp, scale by sm_scale alone."
+)
+MSG_BOUND_FLOORED = (
+    "the causal loop's end is rounded down to a whole K/V block (BLOCK_M, BLOCK_N = {block} fits): the "
+    "keys of the last, partial block before min(N, (pid_m + 1) * BLOCK_M) are never visited. Loop "
+    "`for start_n in range(0, kv_end, BLOCK_N)` with kv_end = min(N, (pid_m + 1) * BLOCK_M), and mask "
+    "the keys past kv_end, or round the number of blocks up with tl.cdiv."
+)
 MSG_O_STRIDES = (
     "the output was written with q's strides: here q is shared across the batch (batch stride "
     "0), so every batch element wrote into the first one's place. Address O with its own "
     "strides (o.stride()), which differ from q's whenever q is not laid out like o."
+)
+MSG_BATCH_STRIDE = (
+    "only the first batch element is right: every program read and wrote batch 0, so the batch "
+    "index is not used in the addresses (or its stride is 0). Add pid_z * stride_qz (and stride_kz, "
+    "stride_vz, stride_oz) to each tensor's base pointer, with each tensor's own batch stride."
 )
 MSG_D_STRIDE = (
     "this is the first case whose head dim is not contiguous (q.stride(-1) != 1). A kernel "
@@ -200,6 +235,7 @@ def check_kv_head(fn, *, seed=None):
     then fresh random ones; every query head of each.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_kv_head")
     run = Run("check_kv_head", seed, time_limit_s=10.0)
     for n_q, n_kv in _kv_combos(run.rng):
         case = f"n_q_heads={n_q}, n_kv_heads={n_kv}"
@@ -243,6 +279,8 @@ class _Case:
     layout: str
     causal: bool
     v_offsets: bool = False  # kv head j's values shifted by j, so heads are told apart at a glance
+    shifted: bool = False  # query rows' scores shifted by up to +-1000 (see _SHIFTS)
+    same_shape_as: int | None = None  # a repeat of fixed case i's shape with new values
 
 
 def _describe(c: _Case, prefix: str, gqa: bool) -> str:
@@ -252,6 +290,10 @@ def _describe(c: _Case, prefix: str, gqa: bool) -> str:
         kind = " (MHA)" if c.Hq == c.Hkv else " (MQA)" if c.Hkv == 1 else f" (GQA, group_size {c.Hq // c.Hkv})"
     causal = "" if gqa else (", causal" if c.causal else ", not causal")
     extra = ", kv head j's values shifted by j" if c.v_offsets else ""
+    if c.shifted:
+        extra += ", rows whose scores are all near -150, -60, 0, +60 or +150"
+    if c.same_shape_as is not None:
+        extra += f", the shape of fixed {c.same_shape_as + 1} again with new values"
     return (f"{prefix}: B={c.B}, {heads}{kind}, N={c.N}, D={c.D}, {c.dtype}{causal}, "
             f"{LAYOUTS[c.layout]}{extra}")
 
@@ -300,6 +342,10 @@ def _make_inputs(rng, c: _Case, device):
     vv = rng.standard_normal((c.B, c.Hkv, c.N, c.D))
     if c.v_offsets:
         vv = vv + np.arange(c.Hkv)[None, :, None, None]
+    if c.shifted:  # s_ij = q_i0 * ALPHA / sqrt(D) + O(1): every key of row i shifted alike
+        kv[..., 0] = _SHIFT_ALPHA
+        beta = np.resize(np.array(_SHIFTS) * math.sqrt(c.D) / _SHIFT_ALPHA, c.N)
+        qv[..., 0] = np.round(beta)  # the reference uses the values after rounding to the dtype
     q, k, v = (torch.tensor(x, dtype=dtype, device=device) for x in (qv, kv, vv))
     if c.layout == "qbcast":
         q = _guarded_contiguous(q).expand(c.B, c.Hq, c.N, c.D)
@@ -310,9 +356,19 @@ def _make_inputs(rng, c: _Case, device):
     return q, k, v, q64, k64, v64
 
 
+_SHIFT_ALPHA = 16.0
+# Row i's scores sit near _SHIFTS[i % 5]. The kernels compute scores in float32, where exp
+# overflows above 88.7 and underflows below -103.9, so +-150 is beyond both; larger shifts
+# would only add float32 rounding (about |s| * 6e-8) to a correct kernel's scores.
+_SHIFTS = (-150.0, 0.0, 150.0, -60.0, 60.0)
+
+
 def _fixed_cases(gqa: bool, device: str) -> list[_Case]:
     f32, f16 = "float32", "float16"
     half = "bfloat16" if device == "cuda" and current().bf16_ok else f16
+    # Scores near +-1000 need exact products: float32 in the interpreter (whose tl.dot is exact there),
+    # the GPU's half precision there (fp32 would use tf32, whose rounding of q, k shows at 1000).
+    big = f32 if device == "cpu" else half
     if not gqa:
         cases = [
             _Case("", 1, 2, 2, 64, 32, f32, "contiguous", False),
@@ -322,6 +378,8 @@ def _fixed_cases(gqa: bool, device: str) -> list[_Case]:
             _Case("", 1, 2, 2, 100, 16, f16, "padded", True),
             _Case("", 2, 3, 3, 80, 64, half, "transposed", True),
             _Case("", 1, 2, 2, 50, 32, f32, "dstride", False),
+            _Case("", 1, 1, 1, 300, 128, big, "padded", True, shifted=True),
+            _Case("", 1, 2, 2, 64, 32, f32, "contiguous", False, same_shape_as=0),
         ]
     else:
         cases = [
@@ -331,6 +389,8 @@ def _fixed_cases(gqa: bool, device: str) -> list[_Case]:
             _Case("", 1, 4, 2, 100, 64, f32, "padded", True),
             _Case("", 2, 4, 1, 80, 32, half, "transposed", True),
             _Case("", 1, 4, 2, 50, 32, f16, "dstride", True),
+            _Case("", 1, 2, 1, 300, 128, big, "padded", True, shifted=True),
+            _Case("", 1, 2, 2, 160, 32, f32, "contiguous", True, same_shape_as=0),
         ]
     if device == "cuda":  # bigger, and the GPU's own half precision
         cases.append(_Case("", 2, 8, 2 if gqa else 8, 1000, 128, half, "padded", True))
@@ -487,6 +547,30 @@ class _KvMapping(Diagnosis):
         return True
 
 
+class _KvOutOfRange(Diagnosis):
+    """Some query heads came out non-finite while the others read a real kv head: a map past the last kv head."""
+
+    def __init__(self, q64, k64, v64, causal):
+        super().__init__("")
+        self.q64, self.k64, self.v64, self.causal = q64, k64, v64, causal
+
+    def matches(self, actual, atol, rtol):
+        n_q, n_kv = self.q64.shape[1], self.k64.shape[1]
+        bad = [h for h in range(n_q) if not np.isfinite(actual[:, h]).all()]
+        if not bad or len(bad) == n_q or n_kv == n_q and n_q == 1:
+            return False
+        for h in range(n_q):
+            if h in bad:
+                continue
+            if not any(_same(actual[:, h], ref.attention(self.q64[:, h], self.k64[:, j], self.v64[:, j],
+                                                         causal=self.causal), atol * _SLACK, rtol * _SLACK)
+                       for j in range(n_kv)):
+                return False
+        heads = ", ".join(str(h) for h in bad[:16]) + (", ..." if len(bad) > 16 else "")
+        self.message = MSG_KV_OUT_OF_RANGE.format(heads=heads, n_kv=n_kv, group=n_q // n_kv)
+        return True
+
+
 def _causal_weights(n, kind, block_m):
     """Weights ``w[i, j]`` (how often key j counts for query i) of a causal loop, and phantom counts.
 
@@ -514,6 +598,33 @@ def _causal_weights(n, kind, block_m):
     if kind == "overlap":
         return (j < start).astype(float) + below, None
     raise ValueError(kind)
+
+
+def _floored_weights(n, block_m, block_n):
+    """A causal loop whose end min(N, (pid_m + 1) * BLOCK_M) is rounded down to a multiple of BLOCK_N."""
+    i = np.arange(n)[:, None]
+    j = np.arange(n)[None, :]
+    end = np.minimum(n, (i // block_m + 1) * block_m) // block_n * block_n
+    w = ((j <= i) & (j < end)).astype(float)
+    return w
+
+
+def _shift_diagnoses(row_max):
+    """Rows with scores near -1000 or +1000 wrong while the rest are right: which stability mistake."""
+    low, high = row_max < -110.0, row_max > 90.0
+
+    def bad_rows(actual):
+        return ~np.isfinite(actual).all(-1)
+
+    def m_init_zero(actual):
+        bad = bad_rows(actual)
+        return bool(bad.any() and not (bad & ~low).any() and bad[low].all())
+
+    def no_max(actual):
+        bad = bad_rows(actual)
+        return bool(bad.any() and not (bad & ~(low | high)).any() and bad[high].all())
+
+    return [Diagnosis(MSG_M_INIT_ZERO, when=m_init_zero), Diagnosis(MSG_NO_RUNNING_MAX, when=no_max)]
 
 
 def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bool):
@@ -545,14 +656,24 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
     out = []
     if c.layout == "qbcast":
         def o_with_q_strides(actual):
-            per_row = np.zeros(actual.shape[1:3], dtype=bool)
-            for b in range(c.B):
-                per_row |= np.isclose(actual[0], expected[b], atol=o_atol * _SLACK, rtol=o_rtol * _SLACK).all(-1)
+            # Every batch element wrote into the first one's place: its rows hold some batch's
+            # right answer, and at least one of them a later batch's (reading k, v per batch).
+            close = [np.isclose(actual[0], expected[b], atol=o_atol * _SLACK, rtol=o_rtol * _SLACK).all(-1)
+                     for b in range(c.B)]
+            per_row = np.logical_or.reduce(close)
+            later = np.logical_or.reduce(close[1:]) & ~close[0]
             rest_ok = np.allclose(actual[1:], expected[1:], atol=o_atol, rtol=o_rtol)
-            return bool(per_row.all() and not rest_ok)
+            return bool(per_row.all() and later.any() and not rest_ok)
         out.append(Diagnosis(MSG_O_STRIDES, when=o_with_q_strides))
+    if c.B > 1:
+        def batch_stride_ignored(actual):
+            # Every batch element computed and wrote batch 0's attention: o[0] right, the rest not.
+            first_ok = np.allclose(actual[0], expected[0], atol=o_atol * _SLACK, rtol=o_rtol * _SLACK)
+            return bool(first_ok and not np.allclose(actual[1:], expected[1:], atol=o_atol, rtol=o_rtol))
+        out.append(Diagnosis(MSG_BATCH_STRIDE, when=batch_stride_ignored))
     if gqa:
         out.append(_KvMapping(q64, k64, v64, c.causal))
+        out.append(_KvOutOfRange(q64, k64, v64, c.causal))
     if c.causal:
         out += [
             _Model(MSG_NO_CAUSAL, mask_kind(np.ones((n, n)))),
@@ -571,12 +692,19 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
             pad = -n % bn
             return None if pad == 0 else _weighted(scores(), v_rep, np.ones((n, n)), np.full(n, float(pad)))[0]
         out.append(_Model(MSG_TAIL_UNMASKED, tail, blocks))
+    if c.causal:
+        pairs = tuple((bm, bn) for bm in blocks for bn in blocks)
+        out.append(_Model(MSG_BOUND_FLOORED, lambda mn: _weighted(scores(), v_rep, _floored_weights(n, *mn))[0], pairs))
+    if c.shifted:
+        out += _shift_diagnoses(masked(scores()).max(-1))
     out += [
         _Model(MSG_ACC_NOT_RESCALED, lambda bn: _online(masked(scores()), v_rep, bn, rescale_acc=False), blocks),
+        _Model(MSG_L_NOT_RESCALED, lambda bn: _online(masked(scores()), v_rep, bn, rescale_l=False), blocks),
         _Model(MSG_NOT_RESCALED, lambda bn: _online(masked(scores()), v_rep, bn, False, False), blocks),
         _Model(MSG_NO_SCALE, scaled(1.0)),
         _Model(MSG_SCALE_TWICE, scaled(1.0 / d)),
         _Model(MSG_EXP2_NO_LOG2E, scaled(sm_scale * LN2)),
+        _Model(MSG_EXP_WITH_LOG2E, scaled(sm_scale * LOG2E)),
     ]
     if c.layout == "dstride":
         out.append(Diagnosis(MSG_D_STRIDE, when=lambda a: True))
@@ -629,19 +757,34 @@ def _run_case(run, fn, c: _Case, gqa: bool):
 
     device = current().device
     q, k, v, q64, k64, v64 = _make_inputs(run.rng, c, device)
-    with sandbox.count_launches() as launched:
+    before = sandbox.snapshot(q=q, k=k, v=v)
+    with sandbox.Work(inputs=(q, k, v)) as work:
         if gqa:
             out = run.call(fn, q, k, v, case=c.desc)
         else:
             out = run.call(fn, q, k, v, causal=c.causal, case=c.desc)
-    if not launched:
-        raise run.fail(MSG_NO_KERNEL, c.desc)
+    if out is None:
+        raise run.fail("your function returned None: did you forget a `return`?"
+                       + (" Return the pair (o, lse)." if gqa else " Return o."), c.desc)
     if gqa:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            problem = work.problem(no_kernel=MSG_NO_KERNEL)
+            if problem:
+                raise run.fail(problem, c.desc)
             raise run.fail(f"your function returned a {type(out).__name__}; return the pair (o, lse).", c.desc)
         o, lse = out
     else:
         o, lse = out, None
+    if not isinstance(o, torch.Tensor):  # a slip (e.g. `.numpy()` at the end): say that first
+        _tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
+    if gqa and not isinstance(lse, torch.Tensor):
+        _tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc)
+    problem = work.problem(no_kernel=MSG_NO_KERNEL, **({"o": o, "lse": lse} if gqa else {"o": o}))
+    if problem:
+        raise run.fail(problem, c.desc)
+    changed = sandbox.changed_input(before, q=q, k=k, v=v)
+    if changed:
+        raise run.fail(changed, c.desc)
     _tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
     if gqa:
         _tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc,
@@ -692,6 +835,7 @@ def check_flash_forward(fn, *, seed=None, isolate=None, timeout_s=240.0):
     ``timeout_s`` bounds the whole check. ``seed`` replays a call.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_flash_forward", "your launcher")
     return _isolated_forward(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)
 
 
@@ -707,4 +851,5 @@ def check_flash_gqa(fn, *, seed=None, isolate=None, timeout_s=240.0):
     is named. Isolated on the CPU; ``seed`` replays a call.
     """
     __tracebackhide__ = True
+    require_callable(fn, "check_flash_gqa", "your launcher")
     return _isolated_gqa(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)

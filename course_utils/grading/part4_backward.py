@@ -29,8 +29,9 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
+from . import part1_numpy as p1
 from . import sandbox
-from .core import Diagnosis, Run
+from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_tiled_backward", "check_flash_backward"]
 
@@ -57,6 +58,18 @@ MSG_GQA = (
     "a GQA group was not reduced: each kv head's dK and dV hold the contribution of only one of "
     "its query heads (e.g. dK of kv head 0 only holds query head 0's contribution). Sum over all "
     "group_size query heads that share the kv head (q_head // group_size == kv_head)."
+)
+MSG_GQA_NO_G = (
+    "the query heads of a GQA group were not stepped through: each kv head's dK and dV are group_size "
+    "times the contribution of its first query head, so the loop over the group reads the same head "
+    "every time. The query heads of kv head kv_head are q_head = kv_head * group_size + g for "
+    "g = 0 .. group_size - 1 (did you leave out the `+ g`?)."
+)
+MSG_DQ_TAIL_UNMASKED = (
+    "dq holds inf/NaN on rows whose scores are all far below 0, while dk and dv are finite: in the dq "
+    "loop the keys past the end of the sequence (the last, partial K/V block) are not masked. They load "
+    "as 0, score 0, and P = exp(0 - lse) overflows when lse is very negative. Zero P for offs_n >= N "
+    "(tl.where(offs_n[None, :] < N_K, p, 0.0)) in the dq loop too."
 )
 MSG_NO_CAUSAL = (
     "the backward pass has no causal mask: P recomputed as exp(S - lse) is not 0 above the "
@@ -134,6 +147,11 @@ def _variant_grads(q, k, v, do, causal, mistake=None):
     ds = p * (dp - delta)
     dq = (1.0 if mistake == "dq_no_scale" else sm_scale) * (ds @ k_rep)
     dk = (1.0 if mistake == "dk_no_scale" else sm_scale) * (np.swapaxes(ds, -1, -2) @ q)
+    if mistake == "gqa_no_g":  # every g reads the group's first query head
+        if group_size == 1:
+            return None
+        shape = dk.shape[:-3] + (dk.shape[-3] // group_size, group_size) + dk.shape[-2:]
+        return dq, group_size * dk.reshape(shape)[..., 0, :, :], group_size * dv.reshape(shape)[..., 0, :, :]
     if mistake in ("gqa_first", "gqa_last"):
         if group_size == 1:
             return None
@@ -182,8 +200,8 @@ def _diagnoses(q, k, v, do, causal, right, which, rtol):
 
     mistakes = {
         0: [("dq_no_scale", MSG_DQ_SCALE)],
-        1: [("dk_no_scale", MSG_DK_SCALE), ("gqa_first", MSG_GQA), ("gqa_last", MSG_GQA)],
-        2: [("gqa_first", MSG_GQA), ("gqa_last", MSG_GQA)],
+        1: [("dk_no_scale", MSG_DK_SCALE), ("gqa_no_g", MSG_GQA_NO_G), ("gqa_first", MSG_GQA), ("gqa_last", MSG_GQA)],
+        2: [("gqa_no_g", MSG_GQA_NO_G), ("gqa_first", MSG_GQA), ("gqa_last", MSG_GQA)],
     }[which]
     if which in (0, 1):
         mistakes += [("delta_rowsum_do", MSG_DELTA), ("delta_rowsum_do_v", MSG_DELTA), ("delta_missing", MSG_DELTA)]
@@ -192,6 +210,14 @@ def _diagnoses(q, k, v, do, causal, right, which, rtol):
         mistakes += [(f"diagonal_unmasked_{bm}_{bn}", MSG_DIAGONAL_UNMASKED) for bm, bn in _TILES]
     mistakes += [("lse_base2", MSG_LSE_BASE), ("lse_scores_base_e", MSG_LSE_BASE)]
     return [Diagnosis(message, when=_closer_to(variant(m), right, max(rtol, 1e-4))) for m, message in mistakes]
+
+
+def _tail_diagnosis(which, grads, shifted):
+    """dq non-finite on the shifted case while dk, dv are finite: the dq loop's key tail is unmasked."""
+    if which != 0 or not shifted:
+        return []
+    dk_dv_finite = all(bool(g.detach().isfinite().all()) for g in grads[1:])
+    return [Diagnosis(MSG_DQ_TAIL_UNMASKED, when=lambda a: dk_dv_finite and not np.isfinite(a).all())]
 
 
 def _as_triple(run, out, case):
@@ -216,6 +242,7 @@ def _tiled_cases(rng):
         ("fixed: causal, 2 heads, N=13, d=8", (2,), 13, 13, 8, True),
         ("fixed: batch 2 x 3 heads, N=40, d=16", (2, 3), 40, 40, 16, False),
         ("fixed: causal, Nq=24 < Nk=37, d=8", (2,), 24, 37, 8, True),
+        ("fixed: causal, one head, N=150, d=8 (longer than any tile)", (), 150, 150, 8, True),
     ]
     for i in range(3):
         n_q = int(rng.integers(5, 70))
@@ -227,17 +254,34 @@ def _tiled_cases(rng):
     return cases
 
 
+def _learner_blocks(fn) -> tuple[int, int]:
+    """The tile the learner's function uses: its ``block_m``/``block_n`` defaults, else at most 128."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    sizes = []
+    for name in ("block_m", "block_n"):
+        default = params[name].default if name in params else None
+        sizes.append(default if isinstance(default, int) and default > 0 else 128)
+    return sizes[0], sizes[1]
+
+
 def check_tiled_backward(fn, *, seed=None):
     """Grade ``fn(q, k, v, o, lse, do, causal=False) -> (dq, dk, dv)`` (NumPy, float64).
 
     ``q [..., Nq, d]``, ``k``/``v [..., Nk, d]``, ``o``/``do [..., Nq, d]``
     and the natural-log ``lse [..., Nq]`` that the forward saved. Fixed
     cases, then fresh random ones (N not a multiple of anything, batch axes,
-    ``Nq != Nk``, causal or not).
+    ``Nq != Nk``, causal or not). The computation must be tiled: a score product
+    (q with k, do with v) larger than one tile fails, the tile being the
+    function's ``block_m``/``block_n`` defaults, or 128 x 128 without them;
+    calling :mod:`course_utils.references` fails too.
     """
     __tracebackhide__ = True
-    if not callable(fn):
-        raise TypeError(f"check_tiled_backward needs your function, got {type(fn).__name__}")
+    require_callable(fn, "check_tiled_backward")
     run = Run("check_tiled_backward", seed)
     for name, batch, n_q, n_k, d, causal in _tiled_cases(run.rng):
         q = run.rng.standard_normal(batch + (n_q, d))
@@ -246,24 +290,45 @@ def check_tiled_backward(fn, *, seed=None):
         do = run.rng.standard_normal(batch + (n_q, d))
         o, lse = ref.attention_lse(q, k, v, causal=causal)
         right = ref.attention_backward(q, k, v, do, causal=causal)
-        args = [a.copy() for a in (q, k, v, o, lse, do)]  # in-place edits cannot touch ours
-        out = _as_triple(run, run.call(fn, *args, causal=causal, case=name), name)
+        # Watched copies: in-place edits cannot touch ours, and a product bigger than a tile is seen.
+        bm, bn = _learner_blocks(fn)
+        log = p1._tile_log(math.prod(np.broadcast_shapes(q.shape[:-2], k.shape[:-2])), bm, bn)
+        args = p1._watch({"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do}, log)
+        with p1._watching(log):
+            out = run.call(fn, *args.values(), causal=causal, case=name)
+        if out is None:
+            raise run.fail("your function returned None: did you forget a `return`? Return (dq, dk, dv).", name)
+        out = [p1._plain(a) for a in _as_triple(run, out, name)]
         for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):
             got = run.array(out[which], expected_shape=shape, case=name, name=f"{label} (item {which} of your tuple)")
             run.compare(got, right[which], case=name, what=label, atol=ATOL, rtol=RTOL,
                         diagnoses=_diagnoses(q, k, v, do, causal, right[which], which, 1e-4))
+        if log["untiled"]:
+            raise run.fail(log["untiled"], name)
     return run.passed()
 
 
 # -----------------------------------------------------------------------------
 # check_flash_backward (Triton, through torch.autograd)
 # -----------------------------------------------------------------------------
+# Row i's scores near _SHIFTS[i % 5] in the shifted case (beyond float32's exp range: +-150)
+_SHIFT_ALPHA = 16.0
+_SHIFTS = (-150.0, 0.0, 150.0, -60.0, 60.0)
+
+
 def _flash_cases(rng, device):
-    """(name, B, n_q_heads, n_kv_heads, N, D, causal, dtype name)."""
+    """(name, B, n_q_heads, n_kv_heads, N, D, causal, dtype name, shifted scores)."""
+    # Scores near +-150 need exact products: float32 in the interpreter, the GPU's half precision
+    # there (float32 would use tf32, whose rounding of q and k shows at that size).
+    big = "float32" if device == "cpu" else ("bfloat16" if current().bf16_ok else "float16")
     cases = [
-        ("fixed: MHA, 2 heads, N=64, D=16", 1, 2, 2, 64, 16, False, "float32"),
-        ("fixed: causal GQA 4 q heads / 2 kv heads, N=80, D=32", 1, 4, 2, 80, 32, True, "float32"),
-        ("fixed: causal MQA 3 q heads / 1 kv head, N=37, D=16, fp16", 2, 3, 1, 37, 16, True, "float16"),
+        ("fixed: MHA, 2 heads, N=64, D=16", 1, 2, 2, 64, 16, False, "float32", False),
+        ("fixed: causal GQA 4 q heads / 2 kv heads, N=80, D=32", 1, 4, 2, 80, 32, True, "float32", False),
+        ("fixed: causal MQA 3 q heads / 1 kv head, N=37, D=16, fp16", 2, 3, 1, 37, 16, True, "float16", False),
+        (f"fixed: GQA 2 q heads / 1 kv head, N=150, D=64, {big}, not causal, rows whose scores are all near "
+         "-150, -60, 0, +60 or +150", 1, 2, 1, 150, 64, False, big, True),
+        ("fixed: MHA, 1 head, N=140, D=128, not causal", 1, 1, 1, 140, 128, False, "float32", False),
+        ("fixed: MHA, 2 heads, N=64, D=16 again, new values", 1, 2, 2, 64, 16, False, "float32", False),
     ]
     for i in range(2):
         n_kv = int(rng.integers(1, 3))
@@ -275,9 +340,9 @@ def _flash_cases(rng, device):
         causal = bool(rng.random() < 0.6)
         dtype = "float16" if rng.random() < 0.4 else "float32"
         cases.append((f"random #{i + 1}: {n_kv * group} q heads / {n_kv} kv heads, N={n}, D={d}, causal={causal}, {dtype}",
-                      1, n_kv * group, n_kv, n, d, causal, dtype))
+                      1, n_kv * group, n_kv, n, d, causal, dtype, False))
     if device == "cuda" and current().bf16_ok:
-        cases.append(("fixed: causal GQA, N=200, D=64, bf16", 2, 4, 2, 200, 64, True, "bfloat16"))
+        cases.append(("fixed: causal GQA, N=200, D=64, bf16", 2, 4, 2, 200, 64, True, "bfloat16", False))
     return cases
 
 
@@ -309,47 +374,61 @@ def check_flash_backward(fn, *, seed=None):
     __tracebackhide__ = True
     import torch
 
-    if not callable(fn):
-        raise TypeError(f"check_flash_backward needs your function, got {type(fn).__name__}")
+    require_callable(fn, "check_flash_backward")
     env = current()
     run = Run("check_flash_backward", seed, time_limit_s=30.0)
-    for name, B, n_q_heads, n_kv_heads, N, D, causal, dtype_name in _flash_cases(run.rng, env.device):
+    for name, B, n_q_heads, n_kv_heads, N, D, causal, dtype_name, shifted in _flash_cases(run.rng, env.device):
         dtype = getattr(torch, dtype_name)
         atol, rtol = TOLERANCE_GPU_FP32 if (dtype_name == "float32" and env.device == "cuda") else TOLERANCE[dtype_name]
         # Draw in float64, round to the test dtype, and use the ROUNDED values
         # in the references: only the kernel's own arithmetic is graded.
         raw = [run.rng.standard_normal((B, h, N, D)) for h in (n_q_heads, n_kv_heads, n_kv_heads, n_q_heads)]
+        if shifted:  # s_ij = q_i0 * ALPHA / sqrt(D) + O(1): every key of row i shifted alike
+            raw[1][..., 0] = _SHIFT_ALPHA
+            raw[0][..., 0] = np.round(np.resize(np.array(_SHIFTS) * math.sqrt(D) / _SHIFT_ALPHA, N))
         q64, k64, v64, do64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
         q, k, v = (_leaf_view(torch.from_numpy(a).to(dtype).to(env.device), transpose_heads=(i == 1))
                    for i, a in enumerate((q64, k64, v64)))
         do = sandbox.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
 
-        with sandbox.count_launches() as forward_launches:
+        before = sandbox.snapshot(q=q, k=k, v=v, do=do)
+        # The forward may use the course's forward kernel (lesson 07 does); the backward must be the learner's.
+        with sandbox.Work(inputs=(q, k, v, do), course_kernels_ok=True) as forward_work:
             o = run.call(fn, q, k, v, causal=causal, case=name)
+        if o is None:
+            raise run.fail("your function returned None: did you forget a `return`? Return o "
+                           "(YourFunction.apply(q, k, v, causal)).", name)
         if not isinstance(o, torch.Tensor):
             raise run.fail(f"your function returned a {type(o).__name__}; return the output tensor o.", name)
+        problem = forward_work.problem(no_kernel=MSG_NO_TRITON_FORWARD, o=o)
+        if problem:
+            raise run.fail(problem, name)
         o_right, _ = ref.attention_lse(q64, k64, v64, causal=causal)
         got_o = run.array(o, expected_shape=o_right.shape, case=name, name="o")
         run.compare(got_o, o_right, case=name, what="the forward output o", atol=atol, rtol=rtol,
                     axes=("b", "q_head", "i", "d"))
-        if not forward_launches:
-            raise run.fail(MSG_NO_TRITON_FORWARD, name)
         if o.grad_fn is None:
             raise run.fail(MSG_NOT_DIFFERENTIABLE, name)
 
-        with sandbox.count_launches() as backward_launches:
+        with sandbox.Work(inputs=(q, k, v, do, o)) as backward_work:
             grads = run.call(torch.autograd.grad, o, (q, k, v), do, allow_unused=True, case=name + " (backward)")
         run.cases -= 1  # the forward and the backward of one case count once
-        if not backward_launches:
-            raise run.fail(MSG_NO_TRITON_BACKWARD, name)
-        right = ref.attention_backward(q64, k64, v64, do64, causal=causal)
-        for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):
+        for which, label in ((0, "dq"), (1, "dk"), (2, "dv")):
             if grads[which] is None:
                 raise run.fail(f"{label} is None: your backward must return a gradient for {label[1:]} "
                                "(in the order of forward's inputs).", name)
+        problem = backward_work.problem(no_kernel=MSG_NO_TRITON_BACKWARD, dq=grads[0], dk=grads[1], dv=grads[2])
+        if problem:
+            raise run.fail(problem + " (in the backward pass: the gradients must come from your backward "
+                           "kernels, not from torch or course_utils.kernels)", name)
+        changed = sandbox.changed_input(before, q=q, k=k, v=v, do=do)
+        if changed:
+            raise run.fail(changed, name)
+        right = ref.attention_backward(q64, k64, v64, do64, causal=causal)
+        for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):
             got = run.array(grads[which], expected_shape=tuple(shape), case=name, name=label)
             run.compare(got, right[which], case=name, what=label, atol=atol, rtol=rtol,
                         axes=("b", "kv_head" if which else "q_head", "i" if which == 0 else "j", "d"),
-                        diagnoses=_diagnoses(q64, k64, v64, do64, causal, right[which], which, rtol))
+                        diagnoses=_tail_diagnosis(which, grads, shifted) + _diagnoses(q64, k64, v64, do64, causal, right[which], which, rtol))
     return run.passed()
 
