@@ -13,6 +13,7 @@ in NumPy) must pass; answers without Triton in the backward must not.
 
 import importlib.util
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -213,7 +214,12 @@ def test_flash_planted_mistakes_are_diagnosed(tmp_path, name):
     start = time.perf_counter()
     with pytest.raises(GradingError) as info:
         check_flash_backward(fn)
-    assert message in str(info.value), str(info.value)
+    if name == "diagonal_unmasked" and course_utils.ENV.device == "cuda" and p4.MSG_NO_CAUSAL in str(info.value):
+        # The GPU's dK/dV tiles hold 128 keys: on a case with N <= 128 every tile crosses the
+        # diagonal, so "diagonal tiles unmasked" is exactly "no causal mask" there.
+        assert re.search(r"N=(\d+)", str(info.value)) and int(re.search(r"N=(\d+)", str(info.value)).group(1)) <= 128
+    else:
+        assert message in str(info.value), str(info.value)
     assert time.perf_counter() - start < 30
 
 
