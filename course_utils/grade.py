@@ -162,7 +162,9 @@ def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
                 index += 1
                 cell_calls.append(call)
                 if name not in exercises:
-                    exercises[name] = Exercise(path.stem, name, points_of(source_cell or cell), [])
+                    exercises[name] = Exercise(path.stem, name, 0.0, [])
+                if name not in {c.check for c in cell_calls[:-1]}:  # a check's points: the sum over its grader cells
+                    exercises[name].points += points_of(source_cell or cell)
                 exercises[name].calls.append(call)
             graders.append({
                 "id": cell.id,
@@ -533,7 +535,9 @@ def grade_one(learner: str, course: CourseNotebook, path: Path | None, state_dir
                     "output": str(Path(tmp) / "result.json"), "data_limit_bytes": data_limit}
             task_file = Path(tmp) / "task.json"
             task_file.write_text(json.dumps(task))
-            proc = subprocess.Popen([sys.executable, "-m", "course_utils.grade", "--worker", str(task_file)],
+            # The worker runs this file as a script: importing the course_utils package would import torch.
+            boot = f"import runpy, sys; sys.argv = ['grade', '--worker', {str(task_file)!r}]; runpy.run_path({__file__!r}, run_name='__main__')"
+            proc = subprocess.Popen([sys.executable, "-c", boot],
                                     cwd=tmp, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     env=dict(os.environ, PYTHONPATH=_pythonpath()))
             try:
