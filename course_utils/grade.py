@@ -324,6 +324,8 @@ def run_notebook(task: dict) -> dict:
                 timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
                 resources={"metadata": {"path": str(work)}},
             )
+            current = {"cell": None}
+            client.on_cell_execute = lambda cell, cell_index: current.__setitem__("cell", cell_index)
             env_backup = dict(os.environ)
             os.environ.update({"TMPDIR": str(work / "tmp"), "IPYTHONDIR": str(work / "ipython"),
                                "MPLCONFIGDIR": str(work / "mpl"), "MPLBACKEND": "Agg", "PYTHONPATH": _pythonpath()})
@@ -364,12 +366,12 @@ def run_notebook(task: dict) -> dict:
                                                          "message": f"{c.check}: a hidden test failed: {message}",
                                                          "seed": None, "seconds": 0.0}
             if timed_out or time.monotonic() >= deadline:
-                where = _where(nb, record, course)
+                where = _where(nb, record, course, current['cell'])
                 return _problem(out, "timeout", f"the notebook did not finish within {task['timeout']:g} s "
                                                 f"(stopped {where}); look for a loop that never ends")
             if died:
                 running = record.get("running")
-                where = _where(nb, record, course)
+                where = _where(nb, record, course, current['cell'])
                 if running is not None and time.monotonic() < deadline:
                     out["calls"][running] = {"index": running, "check": _check_of(course, running), "status": "crashed",
                                              "message": f"{_check_of(course, running)}: the kernel died while this check "
@@ -395,19 +397,17 @@ def _check_of(course, index):
     return next(c.check for ex in course.exercises for c in ex.calls if c.index == index)
 
 
-def _where(nb, record, course) -> str:
+def _where(nb, record, course, cell_index) -> str:
     if record.get("running") is not None:
         return f"while {_check_of(course, record['running'])} ran your code"
-    if record.get("token"):
-        return "in the grading cell"
-    last = None
-    for i, cell in enumerate(nb.cells):
-        if cell.get("execution_count") is not None or cell.get("outputs"):
-            last = i
-    if last is None or last + 1 >= len(nb.cells):
+    if cell_index is None:
         return "before its first cell"
-    running = nb.cells[last + 1] if nb.cells[last].get("execution_count") is not None else nb.cells[last]
-    first = next((ln for ln in running.source.splitlines() if ln.strip()), "")
+    cell = nb.cells[cell_index]
+    if cell.id == "grader-final":
+        return "in the grading cell"
+    if cell.id.startswith("grader-"):
+        return "in a grader cell"
+    first = next((ln for ln in cell.source.splitlines() if ln.strip()), "")
     return f"in the cell starting `{first[:60]}`"
 
 
@@ -461,6 +461,8 @@ def rows_for(learner: str, course: CourseNotebook, result: dict | None, seconds:
         entries = [] if result is None else [result["calls"].get(c.index) or result["calls"].get(str(c.index)) for c in ex.calls]
         if result is None:
             status, message, seeds, secs = "missing", f"{course.stem}.ipynb was not handed in", [], 0.0
+        elif result.get("problem_status") == "invalid":  # the whole notebook is not graded
+            status, message, seeds, secs = "invalid", result["problem"], [], 0.0
         elif all(e is not None for e in entries) and entries:
             bad = next((e for e in entries if e["status"] != "passed"), None)
             status = bad["status"] if bad else "passed"
@@ -711,12 +713,13 @@ def grade(submissions: list[Path], out: Path, *, jobs: int | None = None, timeou
                 bar.update(1)
     bar.close()
     rows = write_reports(out, course)
-    graded = len({t[0] for t in tasks})
+    ran = sum(1 for t in tasks if t[2] is not None)
+    handed_in = sum(1 for files in learners.values() for c in course if files.get(c.stem) is not None)
     got = sum(r["points"] for r in rows)
     total = sum(r["max_points"] for r in rows)
     passed = sum(r["status"] == "passed" for r in rows)
-    print(f"graded {len(tasks)} notebooks of {graded} learners in {time.monotonic() - started:.0f} s "
-          f"({len(learners) - graded} already graded); {passed} of {len(rows)} exercises passed, "
+    print(f"graded {ran} notebooks of {len(learners)} learners in {time.monotonic() - started:.0f} s "
+          f"({handed_in - ran} already graded); {passed} of {len(rows)} exercises passed, "
           f"{_num(got)} of {_num(total)} points; wrote {out}/")
     return rows
 
