@@ -481,7 +481,7 @@ def rows_for(learner: str, course: CourseNotebook, result: dict | None, seconds:
         rows.append({
             "learner": learner, "notebook": course.stem, "exercise": ex.name,
             "points": ex.points if status == "passed" else 0, "max_points": ex.points,
-            "status": status, "message": first_line(message), "seconds": round(secs, 2),
+            "status": status, "message": first_line(message), "seconds": round(float(secs), 2),
             "full_message": message, "seeds": seeds, "notebook_seconds": round(seconds, 2),
         })
     return rows

@@ -106,10 +106,9 @@ def _tree_digest(folder: Path) -> str:
     return h.hexdigest()
 
 
-@pytest.fixture(scope="module")
-def graded_class(tmp_path_factory):
-    base = tmp_path_factory.mktemp("class")
-    root, out = base / "submissions", base / "gradebook"
+def build_class(base: Path) -> tuple[Path, Path]:
+    """Write the synthetic class under ``base``; return its root and the instructor's file beside it."""
+    root = base / "submissions"
     sentinel = base / "instructor_file.txt"
     sentinel.write_text("keep me")
     n1, n2 = STEMS
@@ -153,9 +152,17 @@ def graded_class(tmp_path_factory):
         f"                lambda: shutil.rmtree({str(root)!r}), lambda: os.system('true')):\n"
         "    try:\n        attempt()\n    except PermissionError:\n        refused.append(True)\n"
         "assert len(refused) == 4, refused"]))
+    return root, sentinel
+
+
+@pytest.fixture(scope="module")
+def graded_class(tmp_path_factory):
+    base = tmp_path_factory.mktemp("class")
+    root, sentinel = build_class(base)
+    out = base / "gradebook"
     before = _tree_digest(root)
     proc = subprocess.run(
-        [sys.executable, "-m", "course_utils.grade", str(root), "--out", str(out), "--jobs", "2", "--timeout", "60"],
+        [sys.executable, "-m", "course_utils.grade", str(root), "--out", str(out), "--jobs", "2", "--timeout", "40"],
         cwd=base, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -192,7 +199,7 @@ def _expected_rows():
     overflow = ("failed", _overflow())
     no_scale = ("failed", grade.first_line("Likely cause: " + MSG_NO_SCALE))
     sys_exit = ("invalid", "the notebook calls sys.exit() in a cell; a handed-in notebook must run from top to bottom")
-    timeout = ("timeout", re.compile(r"the notebook did not finish within 60 s \(stopped in the cell starting `import time`\).*"))
+    timeout = ("timeout", re.compile(r"the notebook did not finish within 40 s \(stopped in the cell starting `import time`\).*"))
     died = ("crashed", re.compile(r"the kernel died in the cell starting `import os` .*"))
     printed = ("invalid", "the notebook printed more than 5 MB; outputs that large are not graded: remove the prints")
     malformed = ("invalid", re.compile(r"not a readable notebook \(.*\)"))
