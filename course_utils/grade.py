@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m course_utils.grade SUBMISSIONS... [--out DIR] [--jobs N] [--timeout S] [--force]
+    python -m course_utils.grade SUBMISSIONS... [--out DIR] [--jobs N] [--timeout S] [--force] [--memory GB]
 
 SUBMISSIONS are folders laid out as ``<root>/<learner>/<notebook>.ipynb`` (the
 names of ``notebooks/``), or single ``.ipynb`` files (the learner is the
@@ -676,8 +676,24 @@ def write_reports(out: Path, course: list[CourseNotebook]) -> list[dict]:
 
 
 # -- the command ---------------------------------------------------------------------------
+def default_memory_limit(jobs: int) -> int | None:
+    """Bytes of memory each notebook may allocate: the machine's memory shared by ``jobs``.
+
+    None on a machine with an NVIDIA GPU, where a limit on the address space
+    could stop CUDA (a learner who takes all the memory there gets ``crashed``).
+    """
+    if shutil.which("nvidia-smi"):
+        return None
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(2 * 2**30, total // max(1, jobs))
+
+
 def grade(submissions: list[Path], out: Path, *, jobs: int | None = None, timeout: float = 300.0, force: bool = False,
           solutions: Path = SOLUTIONS, progress: bool = True, data_limit: int | None = None) -> list[dict]:
+    """Grade ``submissions`` into ``out``; return every row of the gradebook.
+
+    ``data_limit``: bytes each notebook's kernel may allocate (default :func:`default_memory_limit`).
+    """
     course = discover(solutions)
     learners = collect_submissions(submissions, course)
     out.mkdir(parents=True, exist_ok=True)
@@ -699,6 +715,7 @@ def grade(submissions: list[Path], out: Path, *, jobs: int | None = None, timeou
     from tqdm import tqdm
 
     jobs = jobs or os.cpu_count() or 1
+    data_limit = data_limit if data_limit is not None else default_memory_limit(jobs)
     left = {name: sum(1 for t in tasks if t[0] == name) for name in learners}
     bar = tqdm(total=sum(1 for n in left.values() if n), unit="learner", desc="grading", disable=not progress)
     started = time.monotonic()
@@ -735,9 +752,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=None, help="notebooks graded side by side (default: the cores)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per notebook (default 300)")
     parser.add_argument("--force", action="store_true", help="grade again what is already graded")
+    parser.add_argument("--memory", type=float, default=None, metavar="GB",
+                        help="memory each notebook may allocate (default: the machine's memory / jobs; none on a GPU machine)")
     parser.add_argument("--solutions", type=Path, default=SOLUTIONS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    grade(args.submissions, args.out, jobs=args.jobs, timeout=args.timeout, force=args.force, solutions=args.solutions)
+    grade(args.submissions, args.out, jobs=args.jobs, timeout=args.timeout, force=args.force, solutions=args.solutions,
+          data_limit=int(args.memory * 2**30) if args.memory else None)
     return 0
 
 

@@ -134,6 +134,9 @@ def build_class(base: Path) -> tuple[Path, Path]:
         "softmax": "from course_utils import references\ndef softmax(x, axis=-1):\n    return references.softmax(x, axis=axis)",
         "naive_attention": "from course_utils.references import attention as _attention\n"
                            "def naive_attention(q, k, v, causal=False):\n    return _attention(q, k, v, causal=causal)"}))
+    _write(root, "gina", n2, learner_notebook(n2, {  # takes all the memory it can
+        "online_softmax": "def online_softmax(x, block_size):\n    hog = []\n    while True:\n"
+                          "        hog.append(np.empty(1 << 27))"}))
     _write(root, "hank", n1, learner_notebook(n1, extra=["import sys\nsys.exit(3)"]))
     _write(root, "hank", n2, learner_notebook(n2, extra=["import time\nwhile True:\n    time.sleep(0.05)"]))
     _write(root, "ivan", n1, learner_notebook(n1, extra=["import os\nos._exit(1)"]))
@@ -157,7 +160,7 @@ def graded_class(tmp_path_factory):
     out = base / "gradebook"
     before = _tree_digest(root)
     proc = subprocess.run(
-        [sys.executable, "-m", "course_utils.grade", str(root), "--out", str(out), "--jobs", "2", "--timeout", "40"],
+        [sys.executable, "-m", "course_utils.grade", str(root), "--out", str(out), "--jobs", "2", "--timeout", "40", "--memory", "3"],
         cwd=base, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -206,7 +209,7 @@ def _expected_rows():
         + rows("gina", n1,
                ("failed", re.compile(r"check_softmax: your code called `course_utils\.references\.softmax`, the course's own answer.*")),
                ("failed", re.compile(r"check_naive_attention: your code called `course_utils\.references\.attention`.*")))
-        + rows("gina", n2, missing(n2), missing(n2))
+        + rows("gina", n2, ("error", re.compile(r"MemoryError: Unable to allocate 1\.00 GiB .*")), passed(T))
         + rows("hank", n1, sys_exit, sys_exit) + rows("hank", n2, timeout, timeout)
         + rows("ivan", n1, died, died)
         + rows("ivan", n2, ("crashed", re.compile(r"check_online_softmax: the kernel died while this check ran your code.*")), passed(T))
@@ -262,7 +265,7 @@ def test_json_summary_feedback_and_total(graded_class):
     assert f"Points: 8 of {grade._num(alice_total)}." in (out / "feedback" / "alice.md").read_text()
     assert "check_softmax: passed" in (out / "feedback" / "alice.md").read_text()
     last = graded_class["proc"].stdout.strip().splitlines()[-1]
-    assert re.fullmatch(r"graded 15 notebooks of 9 learners in \d+ s \(0 already graded\); 8 of \d+ exercises passed, .*", last), last
+    assert re.fullmatch(r"graded 16 notebooks of 9 learners in \d+ s \(0 already graded\); 9 of \d+ exercises passed, .*", last), last
 
 
 # -- unit tests: no kernel is started ---------------------------------------------------
