@@ -284,6 +284,11 @@ class _Trips:
         )
 
 
+# Errors after which a CUDA context cannot be used again.
+_FATAL_GPU = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
+              "CUDA error: an illegal instruction", "CUBLAS_STATUS_EXECUTION_FAILED")
+
+
 def _first_line(text):
     for line in str(text).splitlines():
         if line.strip():
@@ -405,11 +410,21 @@ def grade(cfg):
                 name = type(exc).__name__
                 if isinstance(exc, SystemExit):
                     text = f"your code called sys.exit({exc.code!r})"
-                entry["message"] = (text if isinstance(exc, sandbox.KernelError) else f"{name}: {text}")
+                if isinstance(exc, sandbox.KernelError):  # the learner's traceback, from the check's own process
+                    lines = [ln for ln in text.splitlines() if ln.strip()]
+                    entry["message"] = f"{call['check']}: {lines[-1].strip()}\n{text}"
+                else:
+                    entry["message"] = f"{name}: {text}"
                 if notes:
                     entry["message"] += "\n" + "\n".join(str(n) for n in notes)
         record["running"] = None
         record["results"].append(entry)
+        if exc is not None and any(p in str(exc) for p in _FATAL_GPU):
+            # The CUDA context is lost: every later check would fail too. The grader
+            # runs the notebook again for the checks that did not get their turn.
+            record["poisoned"] = index
+            save()
+            break
         save()
     for obj, attr, value in reversed(trips.restore):
         if value is None:
