@@ -115,15 +115,22 @@ def main() -> int:
                 nbformat.write(answered(stem, kind_of(i, stem)), folder / f"{stem}.ipynb")
         memory = PeakMemory()
         memory.start()
-        start = time.perf_counter()
+        import resource
+
+        def cpu():
+            return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                       for f in ("ru_utime", "ru_stime"))
+
+        start, cpu_start = time.perf_counter(), cpu()
         rows = grade.grade([root], out, jobs=args.jobs, timeout=args.timeout)
-        wall = time.perf_counter() - start
+        wall, cpu_s = time.perf_counter() - start, cpu() - cpu_start
         memory.stop = True
         memory.join()
     rows = [r for r in rows if r["notebook"] in args.notebooks]
     jobs = args.jobs or os.cpu_count()
     print(f"\n{args.learners} learners x {len(args.notebooks)} notebooks, --jobs {jobs}, {os.cpu_count()} cores: "
-          f"{wall:.0f} s wall, {wall / args.learners:.1f} s per learner")
+          f"{wall:.0f} s wall, {wall / args.learners:.1f} s per learner; {cpu_s:.0f} CPU-seconds in all "
+          f"({cpu_s / args.learners:.0f} per learner), load average {os.getloadavg()[0]:.1f}")
     per_nb = {}
     for r in rows:
         per_nb.setdefault(r["notebook"], {})[r["learner"]] = r["notebook_seconds"]
@@ -141,6 +148,9 @@ def main() -> int:
     for r in rows:
         statuses[r["status"]] = statuses.get(r["status"], 0) + 1
     print("statuses:", ", ".join(f"{k} {v}" for k, v in sorted(statuses.items())))
+    wrong = [r for r in rows if int(r["learner"][-2:]) % 4 == 0 and r["status"] != "passed"]
+    for r in wrong:  # a correct learner must pass everything
+        print(f"NOT PASSED for a correct learner: {r['learner']} {r['notebook']} {r['exercise']} {r['status']}: {r['message']}")
     return 0
 
 

@@ -254,7 +254,6 @@ class _Trips:
 
     def _guard_launch(self, kernel, qualname):
         trips = self
-        original = kernel.run
 
         def run(*args, **kwargs):
             frame = sys._getframe(1)
@@ -262,7 +261,8 @@ class _Trips:
                 frame = frame.f_back
             if trips.active and (frame is None or id(frame.f_globals) not in trips.course_globals):
                 trips.hit(qualname)
-            return original(*args, **kwargs)
+            # Through the class, so that a check's count_launches() (which patches the class) sees the launch.
+            return type(kernel).run(kernel, *args, **kwargs)
 
         kernel.run = run
         self.restore.append((kernel, "run", None))

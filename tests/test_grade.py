@@ -409,3 +409,30 @@ def test_graded_notebook_restores_a_deleted_grader_cell_after_its_exercise(tmp_p
     ids = [c.id for c in nb.cells]
     assert ids.index("grader-cell-004") == ids.index("cell-003") + 1
     assert nb.cells[-2].source.startswith("# (a check call of the learner")
+
+
+def test_trips_refuse_the_course_answers_to_learner_code_but_not_to_course_code(tmp_path):
+    import types
+
+    from course_utils import grade_harness
+
+    module = types.ModuleType("course_utils.kernels.fake")
+    exec("def _inner(x):\n    return x + 1\n"
+         "def helper(x):\n    return _inner(x)\n"  # a helper the lesson gives (allowed), built on a course function
+         "def answer(x):\n    return _inner(x) * 2\n", vars(module))
+    for fn in (module._inner, module.helper, module.answer):
+        fn.__module__ = module.__name__
+    record = tmp_path / "borrowed.txt"
+    trips = grade_harness._Trips({module.__name__: module}, {"helper"}, str(record))
+    assert module.answer(1) == 4  # inactive: everything answers
+    trips.active = True
+    assert module.helper(1) == 2  # the allowed helper may call the course's code
+    with pytest.raises(PermissionError, match=re.escape("called `course_utils.kernels.fake.answer`")):
+        module.answer(1)
+    with pytest.raises(PermissionError, match="_inner"):
+        (lambda x: module._inner(x))(1)  # wrapped in the learner's own function: still refused
+    assert record.read_text().split() == ["course_utils.kernels.fake.answer", "course_utils.kernels.fake._inner"]
+    trips.active = False
+    for obj, attr, value in reversed(trips.restore):
+        setattr(obj, attr, value)
+    assert module.answer(1) == 4
