@@ -313,7 +313,8 @@ def run_notebook(task: dict) -> dict:
             "borrow_file": str(private / "borrowed.txt"),
             "write_roots": [str(work), str(private), str(home / ".triton"), str(home / ".cache")],
             "hidden_dirs": [str(base), str(private)],
-            "allowed_programs": list(ALLOWED_PROGRAMS),
+            "allowed_programs": list(ALLOWED_PROGRAMS) + [os.path.basename(os.environ[v].split()[0])
+                                                          for v in ("CC", "CXX") if os.environ.get(v, "").strip()],
             "data_limit_bytes": task.get("data_limit_bytes"),
         }
         skip: set[int] = set()
