@@ -755,9 +755,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils.grade", description=__doc__.split("\n\n")[0])
     parser.add_argument("submissions", nargs="+", type=Path, metavar="SUBMISSIONS",
                         help="folders <root>/<learner>/<notebook>.ipynb, or single .ipynb files")
-    parser.add_argument("--out", type=Path, default=Path("gradebook"), help="where to write (default gradebook/)")
-    parser.add_argument("--jobs", type=int, default=None, help="notebooks graded side by side (default: the cores)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per notebook (default 300)")
+    parser.add_argument("--out", type=Path, default=Path("gradebook"), metavar="DIR", help="where to write (default gradebook/)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N", help="notebooks graded side by side (default: the cores)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per notebook (default 300)")
     parser.add_argument("--force", action="store_true", help="grade again what is already graded")
     parser.add_argument("--memory", type=float, default=None, metavar="GB",
                         help="memory each notebook may allocate (default: the machine's memory / jobs; none on a GPU machine)")
