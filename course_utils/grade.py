@@ -271,6 +271,27 @@ def _client_class():
 
         output_bytes = 0
         too_much = False
+        lost_message = False  # the kernel was idle at the time limit: a message got lost, not the learner's fault
+
+        async def _async_handle_timeout(self, timeout, cell=None):
+            # A kernel busy with a cell answers nothing on its shell channel until the cell ends;
+            # one that answers at once was not running anything.
+            import queue
+
+            from nbclient.util import ensure_async
+
+            try:
+                msg_id = self.kc.kernel_info()
+                give_up = time.monotonic() + 10
+                while time.monotonic() < give_up and not self.lost_message:
+                    try:
+                        msg = await ensure_async(self.kc.shell_channel.get_msg(timeout=1))
+                    except queue.Empty:
+                        continue
+                    self.lost_message = msg.get("parent_header", {}).get("msg_id") == msg_id
+            except Exception:  # noqa: BLE001 - a probe only
+                pass
+            return await super()._async_handle_timeout(timeout, cell)
 
         def output(self, outs, msg, display_id, cell_index):
             size = len(json.dumps(msg.get("content", {}), default=str))
@@ -318,6 +339,7 @@ def run_notebook(task: dict) -> dict:
             "data_limit_bytes": task.get("data_limit_bytes"),
         }
         skip: set[int] = set()
+        retried_lost = False
         while True:
             nb = graded_notebook(submitted, course, cfg, skip)
             client = _client_class()(
@@ -366,6 +388,12 @@ def run_notebook(task: dict) -> dict:
                                 out["calls"][c.index] = {"index": c.index, "check": c.check, "status": "failed",
                                                          "message": f"{c.check}: a hidden test failed: {message}",
                                                          "seed": None, "seconds": 0.0}
+            if timed_out and client.lost_message and not retried_lost:
+                retried_lost = True  # once, with a fresh time budget
+                deadline = time.monotonic() + task["timeout"]
+                out["calls"] = {}
+                skip = set()
+                continue
             if timed_out or time.monotonic() >= deadline:
                 where = _where(nb, record, course, current['cell'])
                 return _problem(out, "timeout", f"the notebook did not finish within {task['timeout']:g} s "
@@ -550,7 +578,7 @@ def grade_one(learner: str, course: CourseNotebook, path: Path | None, state_dir
                                     cwd=tmp, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     env=dict(os.environ, PYTHONPATH=_pythonpath()))
             try:
-                _, err = proc.communicate(timeout=timeout + 60)
+                _, err = proc.communicate(timeout=2 * timeout + 60)  # a worker may run a notebook twice (a lost message)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 _, err = proc.communicate()
