@@ -789,8 +789,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="grade again what is already graded")
     parser.add_argument("--memory", type=float, default=None, metavar="GB",
                         help="memory each notebook may allocate (default: the machine's memory / jobs; none on a GPU machine)")
-    parser.add_argument("--solutions", type=Path, default=SOLUTIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--solutions", type=Path, default=SOLUTIONS,
+                        help="the course's solution notebooks (default: solutions/ of the course's repository)")
     args = parser.parse_args(argv)
+    if not list(args.solutions.glob("*.ipynb")):
+        parser.error(f"no solution notebooks in {args.solutions}: run the grader from the course's repository "
+                     "(pip install -e .) or pass --solutions")
     grade(args.submissions, args.out, jobs=args.jobs, timeout=args.timeout, force=args.force, solutions=args.solutions,
           data_limit=int(args.memory * 2**30) if args.memory else None)
     return 0
