@@ -1,5 +1,7 @@
 # The course's commands. Each one sets up what it needs first.
 #   make lab        install everything in .venv and open the course in JupyterLab
+#                   (in my-work/: your own copy of notebooks/, made once, never overwritten)
+#   make grade SUBMISSIONS="class/"  grade handed-in notebooks into gradebook/ (GRADE_ARGS="--jobs 4 ...")
 #   make test       install everything in .venv and run the whole test suite
 #   make notebooks  regenerate notebooks/ from solutions/
 #   make solutions  re-execute the solution notebooks in place
@@ -19,7 +21,7 @@ TORCH_CPU ?=
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP_INDEX := $(if $(TORCH_CPU),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: setup lab test notebooks solutions doctor
+.PHONY: setup lab test notebooks solutions doctor grade
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +36,9 @@ setup: $(VENV)/.installed
 lab: setup
 	$(PY) -m pip install -q $(PIP_INDEX) $(PIP_C) -e ".[test,lab]"
 	$(PY) -m course_utils || true
-	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root,)
+	@mkdir -p my-work
+	@for f in notebooks/*.ipynb; do [ -e "my-work/$${f##*/}" ] || cp "$$f" my-work/; done
+	$(VENV)/bin/jupyter lab my-work/ $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # The test command: unit tests (with the notebooks/ sync check) and nbval
 # over every solution notebook (in Triton's interpreter when there is no GPU).
@@ -49,3 +53,9 @@ solutions: setup
 
 doctor: setup
 	$(PY) -m course_utils
+
+# Grade handed-in notebooks: SUBMISSIONS is one or more <root>/<learner>/<notebook>.ipynb
+# folders (or .ipynb files); writes gradebook/ (see README, "For instructors").
+grade: setup
+	@test -n "$(SUBMISSIONS)" || { echo 'usage: make grade SUBMISSIONS="class/" [GRADE_ARGS="--jobs 4"]'; exit 2; }
+	$(PY) -m course_utils.grade $(SUBMISSIONS) $(GRADE_ARGS)

@@ -18,7 +18,19 @@ Usage::
 
     python -m course_utils.build            # write notebooks/
     python -m course_utils.build --check    # fail if notebooks/ is stale or leaks solutions
-    python -m course_utils.build --force    # overwrite notebooks that hold outputs
+    python -m course_utils.build --force    # overwrite notebooks that hold work (outputs, answers)
+    python -m course_utils.build --points   # give every grader cell of solutions/ its points (idempotent)
+
+Points: each grader cell (a ``check_*(fn)`` call) of ``solutions/`` declares
+its points once, in ``metadata["course"]["points"]`` (``--points`` fills in
+the defaults of ``DEFAULT_POINTS``, never changing a value already there; 1
+when absent). The student notebook shows them as a first line ``# Graded: N
+points`` of the grader cell and carries nbgrader metadata (grade ids, points,
+locked grader cells), for instructors who use nbgrader.
+
+The build never overwrites a student notebook that looks like someone's work:
+one that holds outputs, or whose exercise cells differ from the stubs it
+would write. Learners work in ``my-work/`` (``make lab`` copies it there).
 """
 
 from __future__ import annotations
@@ -151,17 +163,107 @@ def student_notebook(nb, name: str):
     """The student version of a whole (solution) notebook."""
     nb = copy.deepcopy(nb)
     cells = [c for c in nb.cells if not set(c.metadata.get("tags", [])) & {BADGE_TAG, INSTALL_TAG}]
+    stem = name.rsplit(".", 1)[0]
+    graded = [_after_solution(cells, i) for i in range(len(cells))]
+    grade_ids: set[str] = set()
     for index, cell in enumerate(cells):
         if cell.cell_type == "code":
+            original = cell.source
             cell.source = student_source(cell.source, f"{name}, cell {index}")
             cell.outputs = []
             cell.execution_count = None
             cell.metadata.pop("execution", None)
+            checks = grader_checks(original) if graded[index] else []
+            if checks:
+                points = _num(cell.metadata.get("course", {}).get("points", 1))
+                cell.source = f"# Graded: {points} point{'s' if points != 1 else ''}.\n" + cell.source
+                grade_id = f"{stem}-{checks[0]}" + (f"-{index}" if f"{stem}-{checks[0]}" in grade_ids else "")
+                grade_ids.add(grade_id)
+                cell.metadata["nbgrader"] = {"grade": True, "solution": False, "locked": True, "points": points,
+                                             "grade_id": grade_id, "schema_version": 3}
+            elif BEGIN_SOLUTION in original:
+                cell.metadata["nbgrader"] = {"grade": False, "solution": True, "locked": False,
+                                             "grade_id": f"{stem}-answer-{index}", "schema_version": 3}
     nb.cells = [_badge_cell(name), _install_cell()] + cells
     for i, cell in enumerate(nb.cells):  # stable ids, so rebuilding changes nothing
         cell.id = f"cell-{i:03d}"
     nb.metadata.pop("widgets", None)
     return nb
+
+
+def _num(x):
+    return int(x) if float(x).is_integer() else x
+
+
+def grader_checks(source: str) -> list[str]:
+    """Names of the ``check_*`` functions a grader cell calls at top level ([] if not a grader cell)."""
+    try:
+        tree = ast.parse(_strip_magics(source))
+    except SyntaxError:
+        return []
+    return [node.value.func.id for node in tree.body
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name) and node.value.func.id.startswith("check_")]
+
+
+def _after_solution(cells, index) -> bool:
+    # Grader cells come after an exercise; a lesson without exercises (00) only demonstrates checks.
+    return any(c.cell_type == "code" and BEGIN_SOLUTION in c.source for c in cells[:index])
+
+
+# Points of each check, for `--points` (a grader cell keeps any value it already has).
+DEFAULT_POINTS = {
+    "check_softmax": 1, "check_naive_attention": 2, "check_online_softmax": 2, "check_tiled_attention": 3,
+    "check_triton_softmax": 2, "check_flash_forward": 3, "check_kv_head": 1, "check_flash_gqa": 3,
+    "check_attention_flops": 1, "check_roofline": 1, "check_tiled_backward": 3, "check_flash_backward": 4,
+}
+
+
+def add_points(solutions: Path = SOLUTIONS) -> list[str]:
+    """Give every grader cell of ``solutions/`` a ``metadata["course"]["points"]``; idempotent.
+
+    Values already there are kept; a check not in ``DEFAULT_POINTS`` gets 1.
+    Returns the notebooks it changed (it rewrites only those).
+    """
+    changed = []
+    for path in sorted(solutions.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        touched = False
+        for index, cell in enumerate(nb.cells):
+            checks = grader_checks(cell.source) if cell.cell_type == "code" and _after_solution(nb.cells, index) else []
+            if checks and "points" not in cell.metadata.get("course", {}):
+                cell.metadata.setdefault("course", {})["points"] = DEFAULT_POINTS.get(checks[0], 1)
+                touched = True
+        if touched:
+            nbformat.write(nb, path)
+            changed.append(path.name)
+    return changed
+
+
+def _defined_names(source: str) -> set[str]:
+    try:
+        tree = ast.parse(_strip_magics(source))
+    except SyntaxError:
+        return set()
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}
+
+
+def _changed_exercises(current, wanted) -> list[str]:
+    """Exercise cells of ``current`` that differ from the stubs of ``wanted`` (someone's answers)."""
+    by_id = {c.get("id"): c for c in current.cells if c.cell_type == "code"}
+    changed = []
+    for cell in wanted.cells:
+        if cell.cell_type != "code" or STUB_LINE not in cell.source:
+            continue
+        if any(c.cell_type == "code" and c.source == cell.source for c in current.cells):
+            continue  # the stub is there, unchanged
+        names = _defined_names(cell.source)
+        mine = by_id.get(cell.id)
+        if mine is None or (names and not _defined_names(mine.source) & names):  # cells moved: match by name
+            mine = next((c for c in current.cells if c.cell_type == "code" and names and _defined_names(c.source) & names), None)
+        if mine is not None:
+            changed.append(", ".join(sorted(names)) or cell.id)
+    return changed
 
 
 def _dump(nb) -> str:
@@ -212,9 +314,19 @@ def build(solutions: Path = SOLUTIONS, notebooks: Path = NOTEBOOKS, *, check: bo
             continue
         if current == wanted:
             continue
-        if current is not None and not force and _has_outputs(nbformat.reads(current, as_version=4)):
-            problems.append(f"{dest.name}: holds outputs, probably someone's work; not overwritten (use --force)")
-            continue
+        if current is not None and not force:
+            current_nb = nbformat.reads(current, as_version=4)
+            if _has_outputs(current_nb):
+                problems.append(f"{dest.name}: holds outputs, probably someone's work; not overwritten (use --force)")
+                continue
+            answered = _changed_exercises(current_nb, nbformat.reads(wanted, as_version=4))
+            if answered:
+                problems.append(
+                    f"{dest.name}: its exercise cells ({'; '.join(answered)}) differ from the stubs, probably someone's "
+                    "answers; not overwritten. Learners work in my-work/ (`make lab` copies the notebooks there); "
+                    "use --force to overwrite"
+                )
+                continue
         dest.write_text(wanted)
     if check:
         for extra in sorted(set(p.name for p in notebooks.glob("*.ipynb")) - expected_names):
@@ -236,12 +348,17 @@ def execute(paths: list[Path], timeout_s: int = 600) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_utils.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="verify notebooks/ instead of writing it")
-    parser.add_argument("--force", action="store_true", help="overwrite student notebooks that hold outputs")
+    parser.add_argument("--force", action="store_true", help="overwrite student notebooks that hold work (outputs, answers)")
+    parser.add_argument("--points", action="store_true",
+                        help="first give each grader cell of solutions/ its points (metadata course.points; keeps existing values)")
     parser.add_argument("--solutions", type=Path, default=SOLUTIONS)
     parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS)
     parser.add_argument("--execute", nargs="*", type=Path, metavar="NOTEBOOK",
                         help="first run these solution notebooks in place (none named: all)")
     args = parser.parse_args(argv)
+    if args.points:
+        for name in add_points(args.solutions):
+            print(f"points added to {args.solutions / name}")
     if args.execute is not None:
         execute(args.execute or sorted(args.solutions.glob("*.ipynb")))
     try:

@@ -1,0 +1,804 @@
+"""Grade a whole class's handed-in notebooks into a gradebook.
+
+Usage::
+
+    python -m course_utils.grade SUBMISSIONS... [--out DIR] [--jobs N] [--timeout S] [--force] [--memory GB]
+
+SUBMISSIONS are folders laid out as ``<root>/<learner>/<notebook>.ipynb`` (the
+names of ``notebooks/``), or single ``.ipynb`` files (the learner is the
+file's folder name). DIR (default ``gradebook/``) receives ``gradebook.csv``,
+``gradebook.json``, ``summary.md``, ``summary.png`` and ``feedback/<learner>.md``.
+
+How a notebook is graded (nothing it claims is trusted):
+
+- the exercises are the ``check_*`` calls of the grader cells of
+  ``solutions/*.ipynb``; points come from each grader cell's
+  ``metadata["course"]["points"]`` (default 1);
+- the handed-in notebook is copied into a temporary folder, its outputs are
+  dropped, its grader cells are replaced by the official ones (with the
+  hidden tests of ``solutions/``), and it runs in a fresh kernel (nbclient),
+  in its own process, with that folder as working directory and a guard
+  that refuses writes outside it (:mod:`course_utils.grade_harness`);
+- the last cell imports a pristine ``course_utils`` from the course's files and
+  runs the official checks on the learner's functions; results travel through
+  a file named with a token only the grader knows.
+
+A re-run skips (learner, notebook) pairs already graded from the same file;
+``--force`` grades everything again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = ROOT / "solutions"
+HARNESS = Path(__file__).with_name("grade_harness.py")
+
+STATUSES = ("passed", "failed", "error", "timeout", "crashed", "not_attempted", "missing", "invalid")
+COLUMNS = ("learner", "notebook", "exercise", "points", "max_points", "status", "message", "seconds")
+MAX_NOTEBOOK_BYTES = 50 * 2**20  # a handed-in file larger than this is not read
+MAX_OUTPUT_BYTES = 5 * 2**20  # a notebook that prints more than this is stopped
+# Programs the kernel may start (Triton compiles with them on a GPU).
+ALLOWED_PROGRAMS = ("ldconfig", "gcc", "cc", "clang", "g++", "c++", "ptxas", "nvcc", "cuobjdump", "nvdisasm",
+                    "nvidia-smi", "uname", "lscpu", "which", "ld", "as")
+
+
+# -- the course's exercises, read from solutions/ ---------------------------------------
+@dataclasses.dataclass
+class Call:
+    index: int  # position among the notebook's check calls
+    check: str
+    args: list[str]
+    kwargs: dict[str, str]
+    cell_id: str
+
+
+@dataclasses.dataclass
+class Exercise:
+    notebook: str
+    name: str  # the check's name
+    points: float
+    calls: list[Call]
+
+
+@dataclasses.dataclass
+class CourseNotebook:
+    stem: str
+    path: Path
+    exercises: list[Exercise]
+    grader_cells: list[dict]  # {"id", "after_id", "calls", "hidden", "source"}
+    allowed: list[str]  # helpers from course_utils.kernels the lesson gives learners
+
+
+def check_calls(source: str) -> list[ast.Call] | None:
+    """The ``check_*(...)`` calls of a grader cell, or None if the cell is not one.
+
+    A grader cell is a code cell whose top-level statements include at least one
+    bare ``check_*(...)`` call (other statements are hidden tests).
+    """
+    try:
+        tree = ast.parse(_strip_magics(source))
+    except SyntaxError:
+        return None
+    calls = []
+    for node in tree.body:
+        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name) and node.value.func.id.startswith("check_")):
+            calls.append(node.value)
+    return calls or None
+
+
+def _strip_magics(source: str) -> str:
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.split("\n"))
+
+
+def _hidden_source(source: str) -> str:
+    """The cell's code minus its check calls, with hidden-test markers removed."""
+    from .build import BEGIN_HIDDEN, END_HIDDEN
+
+    lines = [ln for ln in source.split("\n") if ln.strip() not in (BEGIN_HIDDEN, END_HIDDEN)]
+    tree = ast.parse(_strip_magics("\n".join(lines)))
+    keep = []
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) \
+                and node.value.func.id.startswith("check_"):
+            continue
+        keep.append(ast.get_source_segment("\n".join(lines), node))
+    return "\n".join(s for s in keep if s)
+
+
+def points_of(cell) -> float:
+    value = cell.get("metadata", {}).get("course", {}).get("points", 1)
+    return float(value)
+
+
+def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
+    """Every graded notebook of the course and its exercises, in order."""
+    from .build import BEGIN_SOLUTION, student_notebook
+
+    found = []
+    for path in sorted(solutions.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        student = student_notebook(nb, path.name)  # the cell ids learners have
+        exercises: dict[str, Exercise] = {}
+        graders = []
+        seen_solution = False
+        index = 0
+        allowed = set()
+        for position, cell in enumerate(student.cells):
+            source_cell = _source_cell(nb, cell)
+            if cell.cell_type != "code":
+                continue
+            source = source_cell.source if source_cell is not None else cell.source
+            allowed |= _kernel_helpers(source)
+            if BEGIN_SOLUTION in source:
+                seen_solution = True
+            calls = check_calls(source) if seen_solution else None
+            if not calls:
+                continue
+            cell_calls = []
+            for node in calls:
+                name = node.func.id
+                call = Call(index, name, [ast.get_source_segment(source, a) for a in node.args],
+                            {k.arg: ast.get_source_segment(source, k.value) for k in node.keywords if k.arg}, cell.id)
+                index += 1
+                cell_calls.append(call)
+                if name not in exercises:
+                    exercises[name] = Exercise(path.stem, name, 0.0, [])
+                if name not in {c.check for c in cell_calls[:-1]}:  # a check's points: the sum over its grader cells
+                    exercises[name].points += points_of(source_cell or cell)
+                exercises[name].calls.append(call)
+            graders.append({
+                "id": cell.id,
+                "after_id": student.cells[position - 1].id if position else None,
+                "calls": cell_calls,
+                "hidden": _hidden_source(source),
+            })
+        if exercises:
+            found.append(CourseNotebook(path.stem, path, list(exercises.values()), graders, sorted(allowed)))
+    return found
+
+
+def _source_cell(solution_nb, student_cell):
+    # student_notebook() keeps the solution's cells in order after two build-owned cells.
+    from .build import BADGE_TAG, INSTALL_TAG
+
+    cells = [c for c in solution_nb.cells if not set(c.metadata.get("tags", [])) & {BADGE_TAG, INSTALL_TAG}]
+    i = int(student_cell.id.split("-")[1]) - 2
+    return cells[i] if 0 <= i < len(cells) else None
+
+
+def _kernel_helpers(source: str) -> set[str]:
+    """Names a cell imports from course_utils.kernels (the helpers a lesson gives)."""
+    try:
+        tree = ast.parse(_strip_magics(source))
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course_utils.kernels"):
+            names |= {a.name for a in node.names}
+    return names
+
+
+# -- the notebook that actually runs -------------------------------------------------
+def _code(source: str, cell_id: str):
+    cell = nbformat.v4.new_code_cell(source)
+    cell.id = cell_id
+    return cell
+
+
+def _injected(function: str, cfg: dict, *, user_ns: bool = False) -> str:
+    harness = HARNESS.read_text()
+    args = "globals(), " if user_ns else ""
+    return (
+        "# Added by the course's grader.\n"
+        f"__course_grader = {{'__name__': '__course_grader__'}}\n"
+        f"exec(compile({harness!r}, '<course-grader>', 'exec'), __course_grader)\n"
+        f"__course_grader[{function!r}]({args}{cfg!r})\n"
+        "del __course_grader"
+    )
+
+
+def graded_notebook(submitted, course: CourseNotebook, cfg: dict, skip=()) -> nbformat.NotebookNode:
+    """The notebook to execute: the learner's cells, official grader cells, the grading cell."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+    cells = []
+    for i, cell in enumerate(submitted.cells):
+        if cell.get("cell_type") != "code":
+            continue
+        cells.append(_code(cell.get("source", "") if isinstance(cell.get("source"), str) else "".join(cell.get("source")),
+                           str(cell.get("id") or f"learner-{i}")))
+    by_id = {c.id: i for i, c in enumerate(cells)}
+    replaced = set()
+    for grader in course.grader_cells:
+        collect = _code(_injected("collect", {"token_a": cfg["token_a"], "cell": grader["id"], "hidden": grader["hidden"],
+                                              "calls": [dataclasses.asdict(c) for c in grader["calls"]]}, user_ns=True),
+                        "grader-" + grader["id"])
+        names = {c.check for c in grader["calls"]}
+        target = by_id.get(grader["id"])
+        if target is None:  # the learner's copy lost the cell's id: find the same check call
+            target = next((i for i, c in enumerate(cells) if i not in replaced
+                           and {n.func.id for n in (check_calls(c.source) or [])} == names), None)
+        if target is not None:
+            cells[target] = collect
+            replaced.add(target)
+        else:
+            after = by_id.get(grader["after_id"])
+            position = after + 1 if after is not None else len(cells)
+            cells.insert(position, collect)
+            by_id = {c.id: i for i, c in enumerate(cells)}
+            replaced = {i + (i >= position) for i in replaced} | {position}
+    for i, cell in enumerate(cells):  # the learner's own grader-like cells would only cost time
+        if i not in replaced and not cell.id.startswith("grader-") and check_calls(cell.source):
+            cell.source = "# (a check call of the learner: the grader runs the official checks at the end)"
+    prologue = _code(_injected("prologue", {k: cfg[k] for k in ("token_a", "write_roots", "hidden_dirs",
+                                                                "allowed_programs", "data_limit_bytes")}), "grader-prologue")
+    calls = [dataclasses.asdict(c) for ex in course.exercises for c in ex.calls]
+    calls.sort(key=lambda c: c["index"])
+    final = _code(_injected("grade", {"token_a": cfg["token_a"], "token_b": cfg["token_b"], "root": str(ROOT),
+                                      "result_file": cfg["result_file"], "borrow_file": cfg["borrow_file"],
+                                      "allowed": course.allowed, "calls": calls, "skip": sorted(skip)}), "grader-final")
+    nb.cells = [prologue] + cells + [final]
+    return nb
+
+
+# -- the worker: one (learner, notebook), in its own process ------------------------------
+def _client_class():
+    from nbclient import NotebookClient
+
+    class CappedClient(NotebookClient):
+        """Drops outputs past a byte budget and stops the run when it is exceeded."""
+
+        output_bytes = 0
+        too_much = False
+        lost_message = False  # the kernel was idle at the time limit: a message got lost, not the learner's fault
+
+        async def _async_handle_timeout(self, timeout, cell=None):
+            # A kernel busy with a cell answers nothing on its shell channel until the cell ends;
+            # one that answers at once was not running anything.
+            import queue
+
+            from nbclient.util import ensure_async
+
+            try:
+                msg_id = self.kc.kernel_info()
+                give_up = time.monotonic() + 10
+                while time.monotonic() < give_up and not self.lost_message:
+                    try:
+                        msg = await ensure_async(self.kc.shell_channel.get_msg(timeout=1))
+                    except queue.Empty:
+                        continue
+                    self.lost_message = msg.get("parent_header", {}).get("msg_id") == msg_id
+            except Exception:  # noqa: BLE001 - a probe only
+                pass
+            return await super()._async_handle_timeout(timeout, cell)
+
+        def output(self, outs, msg, display_id, cell_index):
+            size = len(json.dumps(msg.get("content", {}), default=str))
+            self.output_bytes += size
+            if self.output_bytes > MAX_OUTPUT_BYTES:
+                self.too_much = True
+                return None
+            return super().output(outs, msg, display_id, cell_index)
+
+    return CappedClient
+
+
+def run_notebook(task: dict) -> dict:
+    """Grade one handed-in notebook; return {"calls": {index: entry}, "notebook_status": ...}."""
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+    course = _course_from_task(task)
+    path = task["submission"]
+    deadline = time.monotonic() + task["timeout"]
+    out = {"calls": {}, "problem": None, "problem_status": None}
+    if os.path.getsize(path) > MAX_NOTEBOOK_BYTES:
+        return _problem(out, "invalid", f"the file is larger than {MAX_NOTEBOOK_BYTES // 2**20} MB; not graded")
+    try:
+        submitted = nbformat.read(path, as_version=4)
+        nbformat.validate(submitted)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file
+        return _problem(out, "invalid", f"not a readable notebook ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+    base = Path(tempfile.mkdtemp(prefix="course-grade-"))
+    try:
+        work = base / "work"
+        private = base / ("r-" + secrets.token_hex(8))
+        for d in (work, private, work / "tmp", work / "ipython", work / "mpl"):
+            d.mkdir(parents=True)
+        shutil.copy(path, work / Path(path).name)
+        home = Path.home()
+        cfg = {
+            "token_a": secrets.token_hex(8),
+            "token_b": secrets.token_hex(16),
+            "result_file": str(private / "result.json"),
+            "borrow_file": str(private / "borrowed.txt"),
+            "write_roots": [str(work), str(private), str(home / ".triton"), str(home / ".cache")],
+            "hidden_dirs": [str(base), str(private)],
+            "allowed_programs": list(ALLOWED_PROGRAMS) + [os.path.basename(os.environ[v].split()[0])
+                                                          for v in ("CC", "CXX") if os.environ.get(v, "").strip()],
+            "data_limit_bytes": task.get("data_limit_bytes"),
+        }
+        skip: set[int] = set()
+        retried_lost = False
+        while True:
+            nb = graded_notebook(submitted, course, cfg, skip)
+            client = _client_class()(
+                nb, kernel_name="python3", allow_errors=True, record_timing=False,
+                timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
+                resources={"metadata": {"path": str(work)}},
+            )
+            current = {"cell": None}
+            client.on_cell_execute = lambda cell, cell_index: current.__setitem__("cell", cell_index)
+            env_backup = dict(os.environ)
+            os.environ.update({"TMPDIR": str(work / "tmp"), "IPYTHONDIR": str(work / "ipython"),
+                               "MPLCONFIGDIR": str(work / "mpl"), "MPLBACKEND": "Agg", "PYTHONPATH": _pythonpath()})
+            died = timed_out = False
+            try:
+                client.execute()
+            except CellTimeoutError:
+                timed_out = True
+            except DeadKernelError:
+                died = True
+            except Exception as exc:  # noqa: BLE001 - nbclient's other failures: the kernel is gone
+                died = "died" in str(exc).lower() or "dead" in str(exc).lower()
+                timed_out = not died
+            finally:
+                os.environ.clear()
+                os.environ.update(env_backup)
+            record = _read_record(cfg)
+            for entry in record.get("results", []):
+                out["calls"][entry["index"]] = entry
+            if record.get("setup_error"):
+                return _problem(out, "error", "the grader could not import course_utils: " + record["setup_error"])
+            if client.too_much:
+                return _problem(out, "invalid", f"the notebook printed more than {MAX_OUTPUT_BYTES // 2**20} MB; "
+                                                "outputs that large are not graded: remove the prints")
+            exits = [c for c in nb.cells if any(o.get("ename") == "SystemExit" for o in c.get("outputs", []))
+                     and not c.id.startswith("grader-")]
+            if exits:
+                return _problem(out, "invalid", "the notebook calls sys.exit() in a cell; a handed-in notebook must run "
+                                                "from top to bottom")
+            hidden = record.get("hidden", {})
+            for cell_id, message in hidden.items():  # a failing hidden test fails the exercises of its cell
+                for grader in course.grader_cells:
+                    if grader["id"] == cell_id:
+                        for c in grader["calls"]:
+                            entry = out["calls"].get(c.index)
+                            if entry is None or entry["status"] == "passed":
+                                out["calls"][c.index] = {"index": c.index, "check": c.check, "status": "failed",
+                                                         "message": f"{c.check}: a hidden test failed: {message}",
+                                                         "seed": None, "seconds": 0.0}
+            if timed_out and client.lost_message and not retried_lost:
+                retried_lost = True  # once, with a fresh time budget
+                deadline = time.monotonic() + task["timeout"]
+                out["calls"] = {}
+                skip = set()
+                continue
+            if timed_out or time.monotonic() >= deadline:
+                where = _where(nb, record, course, current['cell'])
+                return _problem(out, "timeout", f"the notebook did not finish within {task['timeout']:g} s "
+                                                f"(stopped {where}); look for a loop that never ends")
+            if died:
+                running = record.get("running")
+                where = _where(nb, record, course, current['cell'])
+                if running is not None and time.monotonic() < deadline:
+                    out["calls"][running] = {"index": running, "check": _check_of(course, running), "status": "crashed",
+                                             "message": f"{_check_of(course, running)}: the kernel died while this check "
+                                                        "ran your code (a segfault, a GPU fault or os._exit)",
+                                             "seed": None, "seconds": 0.0}
+                    skip = set(out["calls"])
+                    continue  # run again for the checks that did not get their turn
+                return _problem(out, "crashed", f"the kernel died {where} (a segfault, out of memory, or os._exit); "
+                                                "the checks after it could not run")
+            poisoned = record.get("poisoned")
+            if poisoned is not None and time.monotonic() < deadline:
+                remaining = {c.index for ex in course.exercises for c in ex.calls} - set(out["calls"])
+                if remaining:
+                    skip = set(out["calls"])
+                    continue  # a fresh kernel (and CUDA context) for the checks after it
+            if not record.get("token") == cfg["token_b"]:
+                return _problem(out, "error", "the grading cell did not run (the notebook stopped before the end)")
+            return out
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _pythonpath() -> str:
+    parts = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(parts))
+
+
+def _check_of(course, index):
+    return next(c.check for ex in course.exercises for c in ex.calls if c.index == index)
+
+
+def _where(nb, record, course, cell_index) -> str:
+    if record.get("running") is not None:
+        return f"while {_check_of(course, record['running'])} ran your code"
+    if cell_index is None:
+        return "before its first cell"
+    cell = nb.cells[cell_index]
+    if cell.id == "grader-final":
+        return "in the grading cell"
+    if cell.id.startswith("grader-"):
+        return "in a grader cell"
+    first = next((ln for ln in cell.source.splitlines() if ln.strip()), "")
+    return f"in the cell starting `{first[:60]}`"
+
+
+def _read_record(cfg) -> dict:
+    try:
+        with open(cfg["result_file"]) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return record if record.get("token") == cfg["token_b"] else {}
+
+
+def _problem(out, status, message):
+    out["problem_status"], out["problem"] = status, message
+    return out
+
+
+def _course_from_task(task) -> CourseNotebook:
+    data = task["course"]
+    exercises = [Exercise(e["notebook"], e["name"], e["points"], [Call(**c) for c in e["calls"]]) for e in data["exercises"]]
+    calls = {c.index: c for e in exercises for c in e.calls}
+    graders = [dict(g, calls=[calls[c["index"]] for c in g["calls"]]) for g in data["grader_cells"]]
+    return CourseNotebook(data["stem"], Path(data["path"]), exercises, graders, data["allowed"])
+
+
+def _worker_main(task_file: str) -> int:
+    task = json.loads(Path(task_file).read_text())
+    result = run_notebook(task)
+    tmp = task["output"] + ".tmp"
+    Path(tmp).write_text(json.dumps(result))
+    os.replace(tmp, task["output"])
+    return 0
+
+
+# -- rows --------------------------------------------------------------------------------
+def first_line(message: str) -> str:
+    """The "Likely cause" of a check's message when there is one, else its first line."""
+    for line in message.splitlines():
+        if line.strip().startswith("Likely cause:"):
+            return line.strip()[len("Likely cause:"):].strip()
+    for line in message.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def rows_for(learner: str, course: CourseNotebook, result: dict | None, seconds: float) -> list[dict]:
+    """One row per exercise of ``course`` for this learner, from a worker's result (None: missing)."""
+    rows = []
+    for ex in course.exercises:
+        entries = [] if result is None else [result["calls"].get(c.index) or result["calls"].get(str(c.index)) for c in ex.calls]
+        if result is None:
+            status, message, seeds, secs = "missing", f"{course.stem}.ipynb was not handed in", [], 0.0
+        elif result.get("problem_status") == "invalid":  # the whole notebook is not graded
+            status, message, seeds, secs = "invalid", result["problem"], [], 0.0
+        elif all(e is not None for e in entries) and entries:
+            bad = next((e for e in entries if e["status"] != "passed"), None)
+            status = bad["status"] if bad else "passed"
+            message = (bad or entries[0])["message"]
+            seeds = [e.get("seed") for e in entries]
+            secs = sum(e.get("seconds", 0.0) for e in entries)
+        else:
+            done = next((e for e in entries if e is not None and e["status"] != "passed"), None)
+            if done is not None:
+                status, message = done["status"], done["message"]
+            else:
+                status = result.get("problem_status") or "error"
+                message = result.get("problem") or "the check did not run"
+            seeds = [e.get("seed") for e in entries if e is not None]
+            secs = sum(e.get("seconds", 0.0) for e in entries if e is not None)
+        rows.append({
+            "learner": learner, "notebook": course.stem, "exercise": ex.name,
+            "points": ex.points if status == "passed" else 0, "max_points": ex.points,
+            "status": status, "message": first_line(message), "seconds": round(float(secs), 2),
+            "full_message": message, "seeds": seeds, "notebook_seconds": round(seconds, 2),
+        })
+    return rows
+
+
+# -- submissions -------------------------------------------------------------------------
+def collect_submissions(paths: list[Path], course: list[CourseNotebook]) -> dict[str, dict[str, Path | None]]:
+    """{learner: {notebook stem: file or None}} from root folders and single files."""
+    stems = [c.stem for c in course]
+    learners: dict[str, dict[str, Path | None]] = {}
+    for path in paths:
+        if path.is_file() and path.suffix == ".ipynb":
+            learners.setdefault(path.parent.resolve().name, {})[path.stem] = path
+        elif path.is_dir():
+            for folder in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                entry = learners.setdefault(folder.name, {})
+                for stem in stems:
+                    file = folder / f"{stem}.ipynb"
+                    entry[stem] = file if file.exists() else entry.get(stem)
+        else:
+            raise SystemExit(f"error: {path} is neither a folder of learners nor a .ipynb file")
+    return learners
+
+
+def _digest(path: Path | None) -> str:
+    if path is None:
+        return "missing"
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _course_dict(c: CourseNotebook) -> dict:
+    return {"stem": c.stem, "path": str(c.path), "allowed": c.allowed,
+            "exercises": [dataclasses.asdict(e) for e in c.exercises],
+            "grader_cells": [dict(g, calls=[dataclasses.asdict(x) for x in g["calls"]]) for g in c.grader_cells]}
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+
+
+def grade_one(learner: str, course: CourseNotebook, path: Path | None, state_dir: Path, timeout: float,
+              data_limit: int | None) -> list[dict]:
+    """Grade one (learner, notebook) in a worker process; store and return its rows."""
+    start = time.monotonic()
+    result = None
+    if path is not None:
+        with tempfile.TemporaryDirectory(prefix="course-grade-task-") as tmp:
+            task = {"course": _course_dict(course), "submission": str(path), "timeout": timeout,
+                    "output": str(Path(tmp) / "result.json"), "data_limit_bytes": data_limit}
+            task_file = Path(tmp) / "task.json"
+            task_file.write_text(json.dumps(task))
+            # The worker runs this file as a script: importing the course_utils package would import torch.
+            boot = f"import runpy, sys; sys.argv = ['grade', '--worker', {str(task_file)!r}]; runpy.run_path({__file__!r}, run_name='__main__')"
+            proc = subprocess.Popen([sys.executable, "-c", boot],
+                                    cwd=tmp, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    env=dict(os.environ, PYTHONPATH=_pythonpath()))
+            try:
+                _, err = proc.communicate(timeout=2 * timeout + 60)  # a worker may run a notebook twice (a lost message)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, err = proc.communicate()
+            try:
+                result = json.loads(Path(task["output"]).read_text())
+            except (OSError, ValueError):
+                tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+                result = {"calls": {}, "problem_status": "crashed",
+                          "problem": f"the grading process died ({tail[0][:200]})"}
+    rows = rows_for(learner, course, result, time.monotonic() - start)
+    record = {"learner": learner, "notebook": course.stem, "digest": _digest(path), "rows": rows}
+    target = state_dir / _safe(learner) / f"{course.stem}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.with_suffix(".tmp").write_text(json.dumps(record))
+    os.replace(target.with_suffix(".tmp"), target)
+    return rows
+
+
+# -- reports -----------------------------------------------------------------------------
+def load_rows(out: Path, course: list[CourseNotebook]) -> list[dict]:
+    """Every stored row, in learner / course order."""
+    order = {(c.stem, e.name): (i, j) for i, c in enumerate(course) for j, e in enumerate(c.exercises)}
+    rows = []
+    for file in sorted((out / ".state").glob("*/*.json")):
+        rows += json.loads(file.read_text())["rows"]
+    return sorted(rows, key=lambda r: (r["learner"], order.get((r["notebook"], r["exercise"]), (99, 99))))
+
+
+def write_csv(rows, path: Path):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (_num(row[k]) if k in ("points", "max_points") else row[k]) for k in COLUMNS})
+
+
+def _num(x):
+    return int(x) if float(x).is_integer() else x
+
+
+def summarize(rows) -> dict:
+    """Per exercise: learners, passes, the status counts and the most frequent diagnoses."""
+    per: dict[tuple[str, str], dict] = {}
+    for row in rows:
+        s = per.setdefault((row["notebook"], row["exercise"]), {"learners": 0, "statuses": {k: 0 for k in STATUSES},
+                                                                  "causes": {}})
+        s["learners"] += 1
+        s["statuses"][row["status"]] += 1
+        if row["status"] == "failed":
+            cause = first_line(row.get("full_message", row["message"]))
+            s["causes"][cause] = s["causes"].get(cause, 0) + 1
+    for s in per.values():
+        s["pass_rate"] = s["statuses"]["passed"] / s["learners"] if s["learners"] else 0.0
+        s["top_causes"] = sorted(s["causes"].items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+    return per
+
+
+def write_summary(rows, out: Path) -> None:
+    per = summarize(rows)
+    learners = sorted({r["learner"] for r in rows})
+    totals = {name: (sum(r["points"] for r in rows if r["learner"] == name),
+                     sum(r["max_points"] for r in rows if r["learner"] == name)) for name in learners}
+    lines = ["# Class summary", "", f"{len(learners)} learners, {len(per)} exercises.", "",
+             "| notebook | exercise | passed | pass rate | " + " | ".join(STATUSES[1:]) + " |",
+             "|---|---|---:|---:|" + "---:|" * (len(STATUSES) - 1)]
+    for (nb, ex), s in per.items():
+        counts = " | ".join(str(s["statuses"][k]) for k in STATUSES[1:])
+        lines.append(f"| {nb} | {ex} | {s['statuses']['passed']} of {s['learners']} | {s['pass_rate']:.0%} | {counts} |")
+    lines += ["", "## What to teach again", ""]
+    any_cause = False
+    for (nb, ex), s in sorted(per.items(), key=lambda kv: kv[1]["pass_rate"]):
+        for cause, n in s["top_causes"]:
+            any_cause = True
+            lines.append(f"- `{ex}` ({nb}): {n} of {s['learners']} learners: {cause}")
+    if not any_cause:
+        lines.append("No check failed.")
+    lines += ["", "## Points", "", "| learner | points | of |", "|---|---:|---:|"]
+    lines += [f"| {name} | {_num(p)} | {_num(m)} |" for name, (p, m) in totals.items()]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    _plot(per, out / "summary.png")
+
+
+def _plot(per, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{nb[:2]} {ex}" for nb, ex in per]
+    colors = {"passed": "tab:green", "failed": "tab:red", "error": "tab:orange", "timeout": "tab:purple",
+              "crashed": "black", "not_attempted": "lightgray", "missing": "white", "invalid": "tab:brown"}
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(per) + 1.5), layout="constrained")
+    left = [0.0] * len(per)
+    for status in STATUSES:
+        widths = [s["statuses"][status] / s["learners"] if s["learners"] else 0 for s in per.values()]
+        ax.barh(labels, widths, left=left, color=colors[status], edgecolor="gray", linewidth=0.5, label=status)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("fraction of learners")
+    ax.set_title("Status per exercise")
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.08), ncol=4, fontsize=8)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_feedback(rows, out: Path) -> None:
+    folder = out / "feedback"
+    folder.mkdir(exist_ok=True)
+    for learner in sorted({r["learner"] for r in rows}):
+        mine = [r for r in rows if r["learner"] == learner]
+        got, total = sum(r["points"] for r in mine), sum(r["max_points"] for r in mine)
+        lines = [f"# Feedback for {learner}", "", f"Points: {_num(got)} of {_num(total)}.", ""]
+        for r in mine:
+            lines += [f"## {r['notebook']}: `{r['exercise']}`: {r['status']} ({_num(r['points'])} of {_num(r['max_points'])} points)", ""]
+            if r["status"] != "passed" or r.get("full_message"):
+                lines += ["```", r.get("full_message") or r["message"], "```", ""]
+            if any(r.get("seeds") or []):
+                lines += [f"Seeds that reproduce it: {', '.join(str(s) for s in r['seeds'] if s is not None)}", ""]
+        (folder / f"{_safe(learner)}.md").write_text("\n".join(lines))
+
+
+def write_reports(out: Path, course: list[CourseNotebook]) -> list[dict]:
+    rows = load_rows(out, course)
+    write_csv(rows, out / "gradebook.csv")
+    (out / "gradebook.json").write_text(json.dumps({"columns": list(COLUMNS), "rows": rows}, indent=1))
+    write_summary(rows, out)
+    write_feedback(rows, out)
+    return rows
+
+
+# -- the command ---------------------------------------------------------------------------
+def default_memory_limit(jobs: int) -> int | None:
+    """Bytes of memory each notebook may allocate: the machine's memory shared by ``jobs``.
+
+    None on a machine with an NVIDIA GPU, where a limit on the address space
+    could stop CUDA (a learner who takes all the memory there gets ``crashed``).
+    """
+    if shutil.which("nvidia-smi"):
+        return None
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(2 * 2**30, total // max(1, jobs))
+
+
+def grade(submissions: list[Path], out: Path, *, jobs: int | None = None, timeout: float = 300.0, force: bool = False,
+          solutions: Path = SOLUTIONS, progress: bool = True, data_limit: int | None = None) -> list[dict]:
+    """Grade ``submissions`` into ``out``; return every row of the gradebook.
+
+    ``data_limit``: bytes each notebook's kernel may allocate (default :func:`default_memory_limit`).
+    """
+    course = discover(solutions)
+    learners = collect_submissions(submissions, course)
+    out.mkdir(parents=True, exist_ok=True)
+    state = out / ".state"
+    tasks = []
+    for learner, files in learners.items():
+        for c in course:
+            if c.stem not in files:
+                continue  # a single file handed in: only its notebook is graded
+            path = files[c.stem]
+            stored = state / _safe(learner) / f"{c.stem}.json"
+            if not force and stored.exists():
+                try:
+                    if json.loads(stored.read_text()).get("digest") == _digest(path):
+                        continue
+                except ValueError:
+                    pass
+            tasks.append((learner, c, path))
+    from tqdm import tqdm
+
+    jobs = jobs or os.cpu_count() or 1
+    data_limit = data_limit if data_limit is not None else default_memory_limit(jobs)
+    left = {name: sum(1 for t in tasks if t[0] == name) for name in learners}
+    bar = tqdm(total=sum(1 for n in left.values() if n), unit="learner", desc="grading", disable=not progress)
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(grade_one, learner, c, path, state, timeout, data_limit): learner
+                   for learner, c, path in tasks}
+        for future in as_completed(futures):
+            learner = futures[future]
+            future.result()
+            left[learner] -= 1
+            if left[learner] == 0:
+                bar.update(1)
+    bar.close()
+    rows = write_reports(out, course)
+    ran = sum(1 for t in tasks if t[2] is not None)
+    handed_in = sum(1 for files in learners.values() for c in course if files.get(c.stem) is not None)
+    got = sum(r["points"] for r in rows)
+    total = sum(r["max_points"] for r in rows)
+    passed = sum(r["status"] == "passed" for r in rows)
+    print(f"graded {ran} notebooks of {len(learners)} learners in {time.monotonic() - started:.0f} s "
+          f"({handed_in - ran} already graded); {passed} of {len(rows)} exercises passed, "
+          f"{_num(got)} of {_num(total)} points; wrote {out}/")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return _worker_main(argv[1])
+    parser = argparse.ArgumentParser(prog="python -m course_utils.grade", description=__doc__.split("\n\n")[0])
+    parser.add_argument("submissions", nargs="+", type=Path, metavar="SUBMISSIONS",
+                        help="folders <root>/<learner>/<notebook>.ipynb, or single .ipynb files")
+    parser.add_argument("--out", type=Path, default=Path("gradebook"), metavar="DIR", help="where to write (default gradebook/)")
+    parser.add_argument("--jobs", type=int, default=None, metavar="N", help="notebooks graded side by side (default: the cores)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per notebook (default 300)")
+    parser.add_argument("--force", action="store_true", help="grade again what is already graded")
+    parser.add_argument("--memory", type=float, default=None, metavar="GB",
+                        help="memory each notebook may allocate (default: the machine's memory / jobs; none on a GPU machine)")
+    parser.add_argument("--solutions", type=Path, default=SOLUTIONS,
+                        help="the course's solution notebooks (default: solutions/ of the course's repository)")
+    args = parser.parse_args(argv)
+    if not list(args.solutions.glob("*.ipynb")):
+        parser.error(f"no solution notebooks in {args.solutions}: run the grader from the course's repository "
+                     "(pip install -e .) or pass --solutions")
+    grade(args.submissions, args.out, jobs=args.jobs, timeout=args.timeout, force=args.force, solutions=args.solutions,
+          data_limit=int(args.memory * 2**30) if args.memory else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

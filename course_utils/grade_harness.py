@@ -1,0 +1,436 @@
+"""The code the batch grader injects into a learner's notebook (stdlib only).
+
+:mod:`course_utils.grade` does not import this module: it reads its text and
+runs it inside the learner's kernel, in a private namespace, at three places:
+
+- ``prologue(cfg)``, the first cell, before any learner code: a write guard
+  (an audit hook, which Python cannot remove once added) that refuses to
+  write, delete or rename files outside the notebook's temporary folder, to
+  run other programs, or to signal other processes;
+- ``collect(user_ns, cfg)``, in place of each official grader cell: takes
+  the learner's objects named by the grader cell (``softmax`` in
+  ``check_softmax(softmax)``) and runs the cell's hidden tests;
+- ``grade(cfg)``, the last cell: drops every ``course_utils`` module from
+  ``sys.modules``, imports a pristine copy from the course's own files, and
+  calls the official checks on the collected objects. While a check runs,
+  a call from the learner's code into the course's references or kernels
+  (the copies the learner imported) raises instead of answering. Results go
+  to a file whose name holds a token that appears only in this last cell.
+
+Outputs of the notebook are never read as results.
+"""
+
+# NOTE: no module-level imports from course_utils here, on purpose.
+import json
+import os
+import sys
+
+BORROWED = "[course-grader: borrowed answer]"
+
+
+def _box(token):
+    import types
+
+    name = "_course_grade_" + token
+    box = sys.modules.get(name)
+    if box is None:
+        box = types.ModuleType(name)
+        box.calls, box.hidden = {}, {}
+        sys.modules[name] = box
+    return box
+
+
+# -- the first cell -----------------------------------------------------------
+def prologue(cfg):
+    """Install the write guard and the resource limits (before learner code)."""
+    if cfg.get("data_limit_bytes"):
+        try:
+            import resource
+
+            limit = int(cfg["data_limit_bytes"])
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        except (ImportError, ValueError, OSError):
+            pass
+    _box(cfg["token_a"])
+    roots = tuple(os.path.realpath(p) for p in cfg["write_roots"])
+    hidden = tuple(os.path.realpath(p) for p in cfg.get("hidden_dirs", ()))
+    allowed_programs = frozenset(cfg.get("allowed_programs", ()))
+    me = os.getpid()
+    state = {"busy": False}
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+    def inside(path):
+        try:
+            if isinstance(path, int):
+                return True  # an already-open file descriptor
+            path = os.fsdecode(os.fspath(path))
+            if path in ("/dev/null", "/dev/stdout", "/dev/stderr") or path.startswith("/dev/shm/"):
+                return True
+            real = os.path.realpath(path)
+        except (TypeError, ValueError):
+            return False
+        return any(real == r or real.startswith(r + os.sep) for r in roots)
+
+    def refuse(what):
+        raise PermissionError(f"the grader does not let a notebook {what}")
+
+    def hook(event, args):
+        if state["busy"]:
+            return
+        state["busy"] = True
+        try:
+            if event == "open":
+                path, mode, flags = args
+                writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                    mode is None and isinstance(flags, int) and flags & write_flags
+                )
+                if writing and not inside(path):
+                    refuse(f"write to {path!r} (outside its own folder)")
+            elif event in ("os.remove", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.utime", "os.mkdir"):
+                if not inside(args[0]):
+                    refuse(f"change {args[0]!r} (outside its own folder)")
+            elif event in ("os.rename", "os.link", "os.symlink"):
+                if not (inside(args[0]) and inside(args[1])):
+                    refuse(f"move or link {args[0]!r} (outside its own folder)")
+            elif event == "shutil.rmtree":
+                if not inside(args[0]):
+                    refuse(f"delete {args[0]!r} (outside its own folder)")
+            elif event in ("os.listdir", "os.scandir"):
+                if args and args[0] is not None and not isinstance(args[0], int):
+                    real = os.path.realpath(os.fsdecode(os.fspath(args[0])))
+                    if real in hidden:
+                        refuse("list the grader's folder")
+            elif event in ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.forkpty"):
+                refuse("run other programs")
+            elif event == "subprocess.Popen":
+                exe = os.path.basename(os.fsdecode(args[0] if args[0] else (args[1][0] if not isinstance(args[1], (str, bytes)) else str(args[1]).split()[0])))
+                if exe not in allowed_programs:
+                    refuse(f"run the program {exe!r}")
+            elif event in ("os.kill", "os.killpg"):
+                pid = args[0]
+                if pid not in (me, 0) and not _is_child(pid, me):
+                    refuse("signal other processes")
+            elif event == "ctypes.dlsym":
+                name = args[1] if len(args) > 1 else None
+                if isinstance(name, str) and name in _BLOCKED_SYMBOLS:
+                    refuse(f"call the C function {name!r}")
+        finally:
+            state["busy"] = False
+
+    sys.addaudithook(hook)
+
+
+_BLOCKED_SYMBOLS = frozenset(
+    "unlink unlinkat remove rmdir rename renameat renameat2 system execv execve execvp execvpe execl execlp "
+    "popen posix_spawn posix_spawnp open open64 openat openat64 creat creat64 truncate truncate64 ftruncate "
+    "chmod fchmod fchmodat chown lchown fchown kill killpg syscall link linkat symlink symlinkat mkdir".split()
+)
+
+
+def _is_child(pid, me):
+    try:
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1]) == me
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+# -- in place of each grader cell ---------------------------------------------
+def collect(user_ns, cfg):
+    """Evaluate the grader cell's arguments in the learner's namespace; run its hidden tests."""
+    box = _box(cfg["token_a"])
+    for call in cfg["calls"]:
+        try:
+            args = tuple(eval(expr, user_ns) for expr in call["args"])
+            kwargs = {k: eval(expr, user_ns) for k, expr in call["kwargs"].items()}
+            box.calls[call["index"]] = ("ok", args, kwargs)
+        except BaseException as exc:  # noqa: BLE001 - a learner's name may be missing or raise
+            box.calls[call["index"]] = ("missing", f"{type(exc).__name__}: {exc}", None)
+    if cfg.get("hidden"):
+        try:
+            exec(compile(cfg["hidden"], f"<hidden tests of {cfg['cell']}>", "exec"), user_ns)
+        except BaseException as exc:  # noqa: BLE001
+            box.hidden[cfg["cell"]] = f"{type(exc).__name__}: {exc}"
+
+
+# -- the last cell --------------------------------------------------------------
+def _fresh_course_utils(root):
+    """Import a pristine course_utils from ``root``; return the old modules."""
+    import importlib
+    import importlib.machinery
+    import importlib.util
+
+    old = {n: m for n, m in list(sys.modules.items()) if n == "course_utils" or n.startswith("course_utils.")}
+    for name in old:
+        del sys.modules[name]
+    stock = (importlib.machinery.BuiltinImporter, importlib.machinery.FrozenImporter, importlib.machinery.PathFinder)
+    sys.meta_path[:] = [f for f in sys.meta_path if f in stock or type(f).__module__.startswith("_frozen_importlib")]
+    for f in stock:
+        if f not in sys.meta_path:
+            sys.meta_path.append(f)
+    sys.path_hooks[:] = [h for h in sys.path_hooks if getattr(h, "__module__", "").startswith(("zipimport", "_frozen_importlib"))]
+    sys.path_importer_cache.clear()
+    package = os.path.join(root, "course_utils")
+    spec = importlib.util.spec_from_file_location("course_utils", os.path.join(package, "__init__.py"),
+                                                  submodule_search_locations=[package])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["course_utils"] = module
+    spec.loader.exec_module(module)
+    if os.path.dirname(os.path.realpath(module.__file__)) != os.path.realpath(package):
+        raise RuntimeError("could not import the course's own course_utils")
+    return old
+
+
+class _Trips:
+    """Make the learner's copies of the course's references and kernels refuse to answer.
+
+    Each function of the old ``course_utils.references`` / ``course_utils.kernels*``
+    modules gets its code replaced by a trampoline: while a check runs, a call
+    whose caller is not itself course code (one of those old modules) raises a
+    ``PermissionError`` marked ``BORROWED`` and records the name in a file;
+    otherwise it calls the original. Triton kernels get the same guard on launch.
+    ``allowed`` names the helpers a lesson gives learners to call (the names the
+    solution notebook imports from ``course_utils.kernels``).
+    """
+
+    def __init__(self, old_modules, allowed, record_path):
+        import types
+
+        self.active = False
+        self.record_path = record_path
+        guarded = {n: m for n, m in old_modules.items()
+                   if n == "course_utils.references" or n == "course_utils.kernels" or n.startswith("course_utils.kernels.")}
+        self.course_globals = {id(vars(m)) for m in old_modules.values()}
+        trips = self
+        self.restore = []
+
+        def make_trampoline(original, qualname, nfree):
+            copy = types.FunctionType(original.__code__, original.__globals__, original.__name__,
+                                      original.__defaults__, original.__closure__)
+            copy.__kwdefaults__ = original.__kwdefaults__
+            free = [f"_f{i}" for i in range(nfree)]
+            src = "def _outer():\n"
+            for name in free:
+                src += f"    {name} = None\n"
+            src += "    def _tramp(*args, **kwargs):\n"
+            if free:
+                src += "        (" + ", ".join(free) + ",)\n"
+            src += "        return _GUARD(_COPY, _NAME, args, kwargs)\n    return _tramp\n"
+            # The trampoline runs with the original's globals: keep its helpers there under private names.
+            ns = {}
+            exec(src, ns)
+            code = ns["_outer"]().__code__
+            tag = f"__course_grade_{len(trips.restore)}"
+            original.__globals__[tag + "_copy"] = copy
+            code = code.replace(co_names=tuple(
+                {"_GUARD": "__course_grade_guard", "_COPY": tag + "_copy", "_NAME": tag + "_name"}.get(n, n) for n in code.co_names))
+            original.__globals__[tag + "_name"] = qualname
+            original.__globals__["__course_grade_guard"] = trips.guard
+            return code
+
+        def guard_function(fn, qualname):
+            if getattr(fn, "__code__", None) is None or fn.__code__.co_flags & 0xA0:  # generators/coroutines: leave
+                return
+            nfree = len(fn.__code__.co_freevars)
+            original_code = fn.__code__
+            fn.__code__ = make_trampoline(fn, qualname, nfree)
+            self.restore.append((fn, "__code__", original_code))
+
+        for modname, module in guarded.items():
+            for attr, obj in list(vars(module).items()):
+                qualname = f"{modname}.{attr}"
+                allowed_here = attr in allowed
+                if isinstance(obj, types.FunctionType) and obj.__module__ == modname:
+                    if not allowed_here:
+                        guard_function(obj, qualname)
+                elif isinstance(obj, type) and obj.__module__ == modname and not allowed_here and any(
+                        base.__module__.startswith("torch.autograd") for base in obj.__mro__[1:]):
+                    for name, member in vars(obj).items():
+                        func = getattr(member, "__func__", member)
+                        if isinstance(func, types.FunctionType):
+                            guard_function(func, f"{qualname}.{name}")
+                elif hasattr(obj, "run") and hasattr(obj, "__getitem__") and type(obj).__module__.startswith("triton") and not allowed_here:
+                    self._guard_launch(obj, qualname)
+
+    def _guard_launch(self, kernel, qualname):
+        trips = self
+
+        def run(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and "triton" in frame.f_code.co_filename.split(os.sep):
+                frame = frame.f_back
+            if trips.active and (frame is None or id(frame.f_globals) not in trips.course_globals):
+                trips.hit(qualname)
+            # Through the class, so that a check's count_launches() (which patches the class) sees the launch.
+            return type(kernel).run(kernel, *args, **kwargs)
+
+        kernel.run = run
+        self.restore.append((kernel, "run", None))
+
+    def guard(self, copy, qualname, args, kwargs):
+        if self.active and id(sys._getframe(2).f_globals) not in self.course_globals:
+            self.hit(qualname)
+        return copy(*args, **kwargs)
+
+    def hit(self, qualname):
+        fd = os.open(self.record_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, (qualname + "\n").encode())
+        finally:
+            os.close(fd)
+        raise PermissionError(
+            f"{BORROWED} your code called `{qualname}`, the course's own answer. "
+            "Graded answers must be your own code: write it in the notebook."
+        )
+
+
+# Errors after which a CUDA context cannot be used again.
+_FATAL_GPU = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
+              "CUDA error: an illegal instruction", "CUBLAS_STATUS_EXECUTION_FAILED")
+
+
+def _first_line(text):
+    for line in str(text).splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def grade(cfg):
+    """Run the official checks from a pristine course_utils; write the results file."""
+    import inspect
+    import secrets
+    import time
+
+    box = _box(cfg["token_a"])
+    result_path = cfg["result_file"]
+    record = {"token": cfg["token_b"], "running": None, "results": [], "hidden": dict(box.hidden), "setup_error": None}
+
+    def save():
+        tmp = result_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, result_path)
+
+    save()
+    try:
+        old = _fresh_course_utils(cfg["root"])
+        import importlib
+
+        grading = importlib.import_module("course_utils.grading")
+        core = importlib.import_module("course_utils.grading.core")
+        sandbox = importlib.import_module("course_utils.grading.sandbox")
+        trips = _Trips(old, set(cfg.get("allowed", ())), cfg["borrow_file"])
+    except BaseException as exc:  # noqa: BLE001
+        record["setup_error"] = f"{type(exc).__name__}: {exc}"
+        save()
+        return
+    skip = set(cfg.get("skip", ()))
+    for call in cfg["calls"]:
+        index = call["index"]
+        if index in skip:
+            continue
+        entry = {"index": index, "check": call["check"], "status": None, "message": "", "seed": None, "seconds": 0.0}
+        got = box.calls.get(index)
+        if got is None or got[0] != "ok":
+            entry["status"] = "error"
+            entry["message"] = (
+                f"{call['check']}: the grader cell could not find your answer "
+                f"(`{', '.join(call['args'])}`): {got[1] if got else 'its cell did not run'}"
+            )
+            record["results"].append(entry)
+            save()
+            continue
+        _, args, kwargs = got
+        check = getattr(grading, call["check"], None)
+        if check is None:
+            entry["status"], entry["message"] = "error", f"the course has no check named {call['check']}"
+            record["results"].append(entry)
+            save()
+            continue
+        kwargs = dict(kwargs)
+        try:
+            accepts_seed = "seed" in inspect.signature(check).parameters
+        except (TypeError, ValueError):
+            accepts_seed = False
+        if accepts_seed:
+            entry["seed"] = kwargs["seed"] = secrets.randbelow(2**31)
+        record["running"] = index
+        save()
+        try:
+            os.remove(cfg["borrow_file"])
+        except FileNotFoundError:
+            pass
+        start = time.perf_counter()
+        trips.active = True
+        try:
+            outcome = check(*args, **kwargs)
+            exc = None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # noqa: BLE001 - anything the learner's code raises
+            outcome, exc = None, error
+        finally:
+            trips.active = False
+        entry["seconds"] = round(time.perf_counter() - start, 3)
+        borrowed = ""
+        if os.path.exists(cfg["borrow_file"]):
+            with open(cfg["borrow_file"]) as f:
+                borrowed = _first_line(f.read())
+        if borrowed:
+            entry["status"] = "failed"
+            entry["message"] = (f"{call['check']}: your code called `{borrowed}`, the course's own answer; "
+                                "graded answers must be your own code. " + (_first_line(exc) if exc else ""))
+        elif exc is None:
+            if isinstance(outcome, core.Passed):
+                entry["status"], entry["message"] = "passed", repr(outcome)
+            else:
+                entry["status"] = "failed"
+                entry["message"] = f"{call['check']} returned {type(outcome).__name__}, not a pass"
+        else:
+            text = str(exc)
+            notes = getattr(exc, "__notes__", None) or []
+            if isinstance(exc, core.GradingError):
+                if "crashed the grading process" in text:
+                    entry["status"] = "crashed"
+                elif "did not finish within" in text or "ran for more than" in text:
+                    entry["status"] = "timeout"
+                else:
+                    entry["status"] = "failed"
+                entry["message"] = text
+            elif isinstance(exc, NotImplementedError) or (
+                isinstance(exc, sandbox.KernelError) and "\nNotImplementedError" in text
+            ):
+                entry["status"] = "not_attempted"
+                entry["message"] = f"{call['check']}: not attempted (your function still raises NotImplementedError)"
+            elif BORROWED in text:
+                entry["status"], entry["message"] = "failed", text.replace(BORROWED + " ", "")
+            else:
+                entry["status"] = "error"
+                name = type(exc).__name__
+                if isinstance(exc, SystemExit):
+                    text = f"your code called sys.exit({exc.code!r})"
+                if isinstance(exc, sandbox.KernelError):  # the learner's traceback, from the check's own process
+                    lines = [ln for ln in text.splitlines() if ln.strip()]
+                    entry["message"] = f"{call['check']}: {lines[-1].strip()}\n{text}"
+                else:
+                    entry["message"] = f"{name}: {text}"
+                if notes:
+                    entry["message"] += "\n" + "\n".join(str(n) for n in notes)
+        record["running"] = None
+        record["results"].append(entry)
+        if exc is not None and any(p in str(exc) for p in _FATAL_GPU):
+            # The CUDA context is lost: every later check would fail too. The grader
+            # runs the notebook again for the checks that did not get their turn.
+            record["poisoned"] = index
+            save()
+            break
+        save()
+    for obj, attr, value in reversed(trips.restore):
+        if value is None:
+            try:
+                delattr(obj, attr)
+            except AttributeError:
+                pass
+        else:
+            setattr(obj, attr, value)

@@ -1,0 +1,438 @@
+"""The batch grader (python -m course_utils.grade) on a synthetic class.
+
+The class is built here from ``solutions/`` (official answers) and
+``notebooks/`` (stubs): correct answers, stubs, planted mistakes and hostile
+submissions, graded end to end on the two NumPy lessons (01, 02) with
+``--jobs 2``; the exact gradebook rows are asserted. To keep CI cheap the
+synthetic notebooks keep only the import, exercise and grader cells of a
+lesson (a learner may hand in such a notebook too).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_utils import STUB_LINE, build, grade
+from course_utils.grading.part1_numpy import MSG_NO_SCALE, MSG_OVERFLOW
+
+ROOT = Path(__file__).resolve().parent.parent
+STEMS = ("01_naive_attention", "02_online_softmax")
+
+SOFTMAX_NO_MAX = "def softmax(x, axis=-1):\n    e = np.exp(x)\n    return e / np.sum(e, axis=axis, keepdims=True)"
+NAIVE_UNSCALED = """def naive_attention(q, k, v, causal=False):
+    s = q @ np.swapaxes(k, -1, -2)
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    return w / w.sum(axis=-1, keepdims=True) @ v"""
+
+
+# -- building learners' notebooks ------------------------------------------------------
+def _official_answers(stem: str) -> dict[str, str]:
+    """{function name: its solution cell without the markers}."""
+    nb = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)
+    found = {}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and build.BEGIN_SOLUTION in cell.source:
+            src = "\n".join(ln for ln in cell.source.split("\n") if ln.strip() not in (build.BEGIN_SOLUTION, build.END_SOLUTION))
+            for name in build._defined_names(src):
+                found[name] = src
+    return found
+
+
+def learner_notebook(stem, answers=None, *, extra=(), graders=None, fake_outputs=False):
+    """The student notebook of ``stem`` as a learner hands it in.
+
+    ``answers`` maps an exercise's function name to "solution" (default), "stub"
+    or the learner's own source; ``extra`` cells go just before the first
+    exercise; ``graders`` replaces the grader cells' sources; ``fake_outputs``
+    writes "passed" outputs into the grader cells.
+    """
+    nb = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    official = _official_answers(stem)
+    answers = answers or {}
+    cells, extra_done = [], False
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            cells.append(cell)
+            continue
+        names = build._defined_names(cell.source)
+        checks = build.grader_checks(cell.source)
+        if STUB_LINE in cell.source:
+            if not extra_done:
+                cells += [nbformat.v4.new_code_cell(src) for src in extra]
+                extra_done = True
+            (name,) = names
+            choice = answers.get(name, "solution")
+            if choice == "solution":
+                cell.source = official[name]
+            elif choice != "stub":
+                cell.source = choice
+            cells.append(cell)
+        elif checks:
+            if graders is not None:
+                cell.source = graders
+            if fake_outputs:
+                cell.execution_count = 1
+                cell.outputs = [nbformat.v4.new_output("stream", text=f"\u2705 {checks[0]}: passed 12 cases\n")]
+            cells.append(cell)
+        elif "import" in cell.source:  # the install and import cells; the demonstrations are left out
+            cells.append(cell)
+    nb.cells = cells
+    return nb
+
+
+def _write(root: Path, learner: str, stem: str, nb) -> None:
+    (root / learner).mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, root / learner / f"{stem}.ipynb")
+
+
+def _tree_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        h.update(str(path.relative_to(folder)).encode())
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def build_class(base: Path) -> tuple[Path, Path]:
+    """Write the synthetic class under ``base``; return its root and the instructor's file beside it."""
+    root = base / "submissions"
+    sentinel = base / "instructor_file.txt"
+    sentinel.write_text("keep me")
+    n1, n2 = STEMS
+    _write(root, "alice", n1, learner_notebook(n1))
+    _write(root, "alice", n2, learner_notebook(n2))
+    _write(root, "bob", n1, learner_notebook(n1, {"softmax": "stub", "naive_attention": "stub"}))
+    _write(root, "bob", n2, learner_notebook(n2, {"online_softmax": "stub", "tiled_attention": "stub"}))
+    _write(root, "carol", n1, learner_notebook(n1, {"softmax": SOFTMAX_NO_MAX, "naive_attention": NAIVE_UNSCALED}))
+    _write(root, "carol", n2, learner_notebook(n2, {  # as a GPU fault reads; the next check gets a fresh kernel
+        "online_softmax": "def online_softmax(x, block_size):\n"
+                          "    raise RuntimeError('CUDA error: an illegal memory access was encountered')"}))
+    # Redefines the checks, monkeypatches course_utils.grading, edits the grader cells and stores "passed" outputs.
+    _write(root, "dave", n1, learner_notebook(
+        n1, {"softmax": SOFTMAX_NO_MAX, "naive_attention": "stub"},
+        extra=["def check_softmax(fn, **kwargs):\n    print('\u2705 check_softmax: passed')\n    return True\n"
+               "check_naive_attention = check_softmax",
+               "import course_utils.grading as g, course_utils.grading.core as core, course_utils.grading.part1_numpy as p1\n"
+               "core.Run.compare = lambda self, *args, **kwargs: 0.0\n"
+               "p1.check_softmax = g.check_softmax = lambda fn, **kw: core.Passed('check_softmax', 1, 0, 0.0)\n"
+               "p1.check_naive_attention = g.check_naive_attention = lambda fn, **kw: core.Passed('x', 1, 0, 0.0)"],
+        graders="print('\u2705 passed')", fake_outputs=True))
+    # Returns the course's own answers.
+    _write(root, "gina", n1, learner_notebook(n1, {
+        "softmax": "from course_utils import references\ndef softmax(x, axis=-1):\n    return references.softmax(x, axis=axis)",
+        "naive_attention": "from course_utils.references import attention as _attention\n"
+                           "def naive_attention(q, k, v, causal=False):\n    return _attention(q, k, v, causal=causal)"}))
+    _write(root, "gina", n2, learner_notebook(n2, {  # takes all the memory it can
+        "online_softmax": "def online_softmax(x, block_size):\n    hog = []\n    while True:\n"
+                          "        hog.append(np.empty(1 << 27))"}))
+    _write(root, "hank", n1, learner_notebook(n1, extra=["import sys\nsys.exit(3)"]))
+    _write(root, "hank", n2, learner_notebook(n2, extra=["import time\nwhile True:\n    time.sleep(0.05)"]))
+    _write(root, "ivan", n1, learner_notebook(n1, extra=["import os\nos._exit(1)"]))
+    _write(root, "ivan", n2, learner_notebook(n2, {  # segfaults inside a check; the other check is still graded
+        "online_softmax": "import ctypes\ndef online_softmax(x, block_size):\n    return ctypes.string_at(0)"}))
+    _write(root, "judy", n1, learner_notebook(n1, extra=[f"print('x' * {6 * 2**20})"]))
+    (root / "judy" / f"{n2}.ipynb").write_text('{"cells": [{"cell_type": "code", "source": "import course_utils"')
+    _write(root, "kim", n1, learner_notebook(n1, extra=[
+        "import os, shutil\nrefused = []\n"
+        f"for attempt in (lambda: os.remove({str(sentinel)!r}), lambda: open({str(base / 'planted.txt')!r}, 'w'),\n"
+        f"                lambda: shutil.rmtree({str(root)!r}), lambda: os.system('true')):\n"
+        "    try:\n        attempt()\n    except PermissionError:\n        refused.append(True)\n"
+        "assert len(refused) == 4, refused"]))
+    return root, sentinel
+
+
+@pytest.fixture(scope="module")
+def graded_class(tmp_path_factory):
+    base = tmp_path_factory.mktemp("class")
+    root, sentinel = build_class(base)
+    out = base / "gradebook"
+    before = _tree_digest(root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "course_utils.grade", str(root), "--out", str(out), "--jobs", "2", "--timeout", "40", "--memory", "3"],
+        cwd=base, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"base": base, "root": root, "out": out, "proc": proc, "sentinel": sentinel, "before": before}
+
+
+def _overflow():
+    return grade.first_line("Likely cause: " + MSG_OVERFLOW)
+
+
+PASSED = r"\u2705 {}: passed \d+ cases .*"
+NOT_ATTEMPTED = r"{}: not attempted \(your function still raises NotImplementedError\)"
+
+
+def _expected_rows():
+    n1, n2 = STEMS
+    S, N, O, T = "check_softmax", "check_naive_attention", "check_online_softmax", "check_tiled_attention"
+    P = {S: 1, N: 2, O: 2, T: 3}
+
+    def rows(learner, stem, *entries):
+        checks = (S, N) if stem == n1 else (O, T)
+        return [(learner, stem, c, status, re.escape(msg) if not isinstance(msg, re.Pattern) else msg.pattern)
+                for c, (status, msg) in zip(checks, entries)]
+
+    def passed(c):
+        return ("passed", re.compile(PASSED.format(c)))
+
+    def na(c):
+        return ("not_attempted", re.compile(NOT_ATTEMPTED.format(c)))
+
+    def missing(stem):
+        return ("missing", f"{stem}.ipynb was not handed in")
+
+    overflow = ("failed", _overflow())
+    no_scale = ("failed", grade.first_line("Likely cause: " + MSG_NO_SCALE))
+    sys_exit = ("invalid", "the notebook calls sys.exit() in a cell; a handed-in notebook must run from top to bottom")
+    timeout = ("timeout", re.compile(r"the notebook did not finish within 40 s \(stopped in the cell starting `import time`\).*"))
+    died = ("crashed", re.compile(r"the kernel died in the cell starting `import os` .*"))
+    printed = ("invalid", "the notebook printed more than 5 MB; outputs that large are not graded: remove the prints")
+    malformed = ("invalid", re.compile(r"not a readable notebook \(.*\)"))
+    expected = (
+        rows("alice", n1, passed(S), passed(N)) + rows("alice", n2, passed(O), passed(T))
+        + rows("bob", n1, na(S), na(N)) + rows("bob", n2, na(O), na(T))
+        + rows("carol", n1, overflow, no_scale) + rows("carol", n2, ("error", "RuntimeError: CUDA error: an illegal memory access was encountered"), passed(T))
+        + rows("dave", n1, overflow, na(N)) + rows("dave", n2, missing(n2), missing(n2))
+        + rows("gina", n1,
+               ("failed", re.compile(r"check_softmax: your code called `course_utils\.references\.softmax`, the course's own answer.*")),
+               ("failed", re.compile(r"check_naive_attention: your code called `course_utils\.references\.attention`.*")))
+        + rows("gina", n2, ("error", re.compile(r"MemoryError: Unable to allocate 1\.00 GiB .*")), passed(T))
+        + rows("hank", n1, sys_exit, sys_exit) + rows("hank", n2, timeout, timeout)
+        + rows("ivan", n1, died, died)
+        + rows("ivan", n2, ("crashed", re.compile(r"check_online_softmax: the kernel died while this check ran your code.*")), passed(T))
+        + rows("judy", n1, printed, printed) + rows("judy", n2, malformed, malformed)
+        + rows("kim", n1, passed(S), passed(N)) + rows("kim", n2, missing(n2), missing(n2))
+    )
+    return expected, P
+
+
+def test_the_class_gets_exactly_the_expected_gradebook(graded_class):
+    out = graded_class["out"]
+    with open(out / "gradebook.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["learner", "notebook", "exercise", "points", "max_points", "status", "message", "seconds"]
+        rows = [r for r in reader if r["notebook"] in STEMS]
+    expected, points = _expected_rows()
+    got = [(r["learner"], r["notebook"], r["exercise"], r["status"]) for r in rows]
+    assert got == [e[:4] for e in expected]
+    for row, (*_, pattern) in zip(rows, expected):
+        assert re.fullmatch(pattern, row["message"]), (row["learner"], row["exercise"], row["message"])
+        assert row["max_points"] == str(points[row["exercise"]])
+        assert row["points"] == (str(points[row["exercise"]]) if row["status"] == "passed" else "0")
+        assert float(row["seconds"]) >= 0
+    # Every other notebook of the course is "missing" for every learner (they were handed a folder).
+    with open(out / "gradebook.csv", newline="") as f:
+        others = [r for r in csv.DictReader(f) if r["notebook"] not in STEMS]
+    assert others and {r["status"] for r in others} == {"missing"}
+
+
+def test_nothing_outside_the_gradebook_was_touched(graded_class):
+    assert graded_class["sentinel"].read_text() == "keep me"
+    assert not (graded_class["base"] / "planted.txt").exists()
+    assert _tree_digest(graded_class["root"]) == graded_class["before"]
+
+
+def test_json_summary_feedback_and_total(graded_class):
+    out = graded_class["out"]
+    data = json.loads((out / "gradebook.json").read_text())
+    by_key = {(r["learner"], r["notebook"], r["exercise"]): r for r in data["rows"]}
+    alice = by_key[("alice", STEMS[0], "check_softmax")]
+    assert alice["seeds"] and all(isinstance(s, int) for s in alice["seeds"])
+    assert f"seed {alice['seeds'][0]})" in alice["full_message"]  # the seed that reproduces the check
+    carol = by_key[("carol", STEMS[0], "check_softmax")]
+    assert "Likely cause:" in carol["full_message"] and "reproduce with `check_softmax(fn, seed=" in carol["full_message"]
+    summary = (out / "summary.md").read_text()
+    # carol and dave overflow in softmax: 2 of the 9 learners.
+    assert f"- `check_softmax` ({STEMS[0]}): 2 of 9 learners: {_overflow()}" in summary
+    assert f"| {STEMS[0]} | check_softmax | 2 of 9 | 22% |" in summary  # alice and kim
+    assert (out / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    feedback = sorted(p.name for p in (out / "feedback").glob("*.md"))
+    assert feedback == [f"{n}.md" for n in ("alice", "bob", "carol", "dave", "gina", "hank", "ivan", "judy", "kim")]
+    alice_total = sum(r["max_points"] for r in data["rows"] if r["learner"] == "alice")
+    assert f"Points: 8 of {grade._num(alice_total)}." in (out / "feedback" / "alice.md").read_text()
+    assert "check_softmax: passed" in (out / "feedback" / "alice.md").read_text()
+    last = graded_class["proc"].stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"graded 16 notebooks of 9 learners in \d+ s \(0 already graded\); 9 of \d+ exercises passed, .*", last), last
+
+
+# -- unit tests: no kernel is started ---------------------------------------------------
+def test_discover_reads_exercises_and_points_from_solutions():
+    course = {c.stem: c for c in grade.discover()}
+    assert "00_setup" not in course  # it only demonstrates checks
+    assert [(e.name, e.points) for e in course["01_naive_attention"].exercises] == [("check_softmax", 1), ("check_naive_attention", 2)]
+    assert "flash_attention_with_lse" in course["07_backward"].allowed  # a helper lesson 07 gives learners
+
+
+def test_points_are_declared_in_solutions_and_shown_to_learners(tmp_path):
+    sol = tmp_path / "solutions"
+    sol.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION"),
+                nbformat.v4.new_code_cell("check_softmax(f)"), nbformat.v4.new_code_cell("check_unknown(f)"),
+                nbformat.v4.new_code_cell("check_unknown(functools.partial(f))")]
+    nb.cells[2].metadata["course"] = {"points": 5}
+    nbformat.write(nb, sol / "01_x.ipynb")
+    assert build.add_points(sol) == ["01_x.ipynb"]
+    text = (sol / "01_x.ipynb").read_text()
+    assert build.add_points(sol) == [] and (sol / "01_x.ipynb").read_text() == text  # idempotent
+    # A check called by two grader cells is one exercise worth both cells' points.
+    exercises = grade.discover(sol)[0].exercises
+    assert [(e.name, e.points, len(e.calls)) for e in exercises] == [("check_softmax", 1, 1), ("check_unknown", 6, 2)]
+    assert exercises[1].calls[1].args == ["functools.partial(f)"]
+    build.build(sol, tmp_path / "notebooks")
+    student = nbformat.read(tmp_path / "notebooks" / "01_x.ipynb", as_version=4)
+    assert student.cells[3].source == "# Graded: 1 point.\ncheck_softmax(f)"
+    assert student.cells[4].source.startswith("# Graded: 5 points.")
+    assert student.cells[4].metadata["nbgrader"]["points"] == 5 and student.cells[4].metadata["nbgrader"]["locked"]
+    # The course's own student notebooks show the points too.
+    course = nbformat.read(ROOT / "notebooks" / "01_naive_attention.ipynb", as_version=4)
+    assert any(c.source == "# Graded: 2 points.\ncheck_naive_attention(naive_attention)" for c in course.cells)
+
+
+def test_summary_counts_pass_rates_and_diagnoses():
+    def row(learner, status, message, exercise="check_online_softmax"):
+        return {"learner": learner, "notebook": "02_online_softmax", "exercise": exercise, "status": status,
+                "points": 2 if status == "passed" else 0, "max_points": 2, "message": grade.first_line(message),
+                "full_message": message}
+
+    cause = "check_online_softmax failed on case x:\nwrong in 3 of 4\nLikely cause: the running sum is not rescaled."
+    rows = [row("a", "passed", "ok"), row("b", "failed", cause), row("c", "failed", cause),
+            row("d", "failed", "check_online_softmax failed on case y:\nwrong"), row("e", "missing", "not handed in")]
+    per = grade.summarize(rows)[("02_online_softmax", "check_online_softmax")]
+    assert per["learners"] == 5 and per["statuses"]["passed"] == 1 and per["statuses"]["failed"] == 3
+    assert per["pass_rate"] == pytest.approx(0.2)
+    assert per["top_causes"][0] == ("the running sum is not rescaled.", 2)
+    assert rows[1]["message"] == "the running sum is not rescaled."
+
+
+def test_resume_skips_what_is_graded_and_force_grades_again(tmp_path):
+    root, out = tmp_path / "class", tmp_path / "gb"
+    (root / "ann").mkdir(parents=True)
+    (root / "ben").mkdir()
+    course, _ = _tiny_course(tmp_path)
+    sol = course.path.parent
+    broken = root / "ann" / "01_x.ipynb"
+    broken.write_text("{not json")  # invalid: graded without starting a kernel
+    rows = grade.grade([root], out, jobs=1, progress=False, solutions=sol)
+    assert [(r["learner"], r["status"]) for r in rows] == [("ann", "invalid"), ("ben", "missing")]
+    state = out / ".state" / "ann" / "01_x.json"
+    stamp = state.stat().st_mtime_ns
+    again = grade.grade([root], out, jobs=1, progress=False, solutions=sol)
+    assert state.stat().st_mtime_ns == stamp and again == rows  # nothing graded again
+    broken.write_text("{still not json")  # handed in again: graded again
+    grade.grade([root], out, jobs=1, progress=False, solutions=sol)
+    assert state.stat().st_mtime_ns != stamp
+    stamp = state.stat().st_mtime_ns
+    grade.grade([root], out, jobs=1, progress=False, force=True, solutions=sol)
+    assert state.stat().st_mtime_ns != stamp
+
+
+def test_first_line_prefers_the_likely_cause():
+    assert grade.first_line("check_x failed on case a:\nwrong\nLikely cause: no max.") == "no max."
+    assert grade.first_line("\nValueError: bad\nmore") == "ValueError: bad"
+
+
+def test_build_refuses_to_overwrite_answers(tmp_path):
+    sol = tmp_path / "solutions"
+    sol.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Lesson"),
+                nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION\n    return 42\n    ### END SOLUTION")]
+    nbformat.write(nb, sol / "01_x.ipynb")
+    out = tmp_path / "notebooks"
+    assert build.build(sol, out) == []
+    work = nbformat.read(out / "01_x.ipynb", as_version=4)
+    work.cells[3].source = "def f():\n    return 41"  # an answer, saved without outputs
+    nbformat.write(work, out / "01_x.ipynb")
+    nb.cells[0].source = "# Lesson, revised"
+    nbformat.write(nb, sol / "01_x.ipynb")
+    problems = build.build(sol, out)
+    assert len(problems) == 1 and "exercise cells (f) differ from the stubs" in problems[0] and "my-work/" in problems[0]
+    assert "return 41" in (out / "01_x.ipynb").read_text()
+    assert build.build(sol, out, force=True) == []
+    assert "return 41" not in (out / "01_x.ipynb").read_text()
+    assert build.build(sol, out) == []  # stubs untouched: rebuilt freely
+
+
+def _tiny_course(tmp_path):
+    sol = tmp_path / "solutions"
+    sol.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import course_utils"),
+                nbformat.v4.new_code_cell("def f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION"),
+                nbformat.v4.new_code_cell("check_softmax(f)\n### BEGIN HIDDEN TESTS\nassert f(2) == 2\n### END HIDDEN TESTS"),
+                nbformat.v4.new_code_cell("print('after')")]
+    nbformat.write(nb, sol / "01_x.ipynb")
+    build.build(sol, tmp_path / "notebooks")
+    (course,) = grade.discover(sol)
+    return course, nbformat.read(tmp_path / "notebooks" / "01_x.ipynb", as_version=4)
+
+
+CFG = {"token_a": "a" * 16, "token_b": "b" * 32, "result_file": "/r", "borrow_file": "/b", "write_roots": ["/w"],
+       "hidden_dirs": [], "allowed_programs": [], "data_limit_bytes": None}
+
+
+def test_graded_notebook_puts_the_official_grader_cell_with_its_hidden_tests_in_place(tmp_path):
+    course, student = _tiny_course(tmp_path)
+    assert "assert f(2) == 2" not in json.dumps(student)  # learners never see the hidden test
+    student.cells[4].source = "print('\u2705 passed')"  # the learner edited the grader cell
+    student.cells[4].outputs = [nbformat.v4.new_output("stream", text="\u2705 passed")]
+    nb = grade.graded_notebook(student, course, CFG)
+    sources = [c.source for c in nb.cells]
+    assert nb.cells[0].id == "grader-prologue" and nb.cells[-1].id == "grader-final"
+    collect = next(i for i, c in enumerate(nb.cells) if c.id == "grader-cell-004")
+    assert "def f(x)" in sources[collect - 1] and "print('after')" in sources[collect + 1]
+    assert "assert f(2) == 2" in sources[collect] and "passed')" not in sources[collect]
+    assert all(not c.outputs for c in nb.cells)
+    assert "'token_b': '" + "b" * 32 in sources[-1] and "b" * 32 not in "".join(sources[:-1])
+
+
+def test_graded_notebook_restores_a_deleted_grader_cell_after_its_exercise(tmp_path):
+    course, student = _tiny_course(tmp_path)
+    del student.cells[4]
+    student.cells.append(nbformat.v4.new_code_cell("check_naive_attention(f)  # the learner's own call"))
+    nb = grade.graded_notebook(student, course, CFG)
+    ids = [c.id for c in nb.cells]
+    assert ids.index("grader-cell-004") == ids.index("cell-003") + 1
+    assert nb.cells[-2].source.startswith("# (a check call of the learner")
+
+
+def test_trips_refuse_the_course_answers_to_learner_code_but_not_to_course_code(tmp_path):
+    import types
+
+    from course_utils import grade_harness
+
+    module = types.ModuleType("course_utils.kernels.fake")
+    exec("def _inner(x):\n    return x + 1\n"
+         "def helper(x):\n    return _inner(x)\n"  # a helper the lesson gives (allowed), built on a course function
+         "def answer(x):\n    return _inner(x) * 2\n", vars(module))
+    for fn in (module._inner, module.helper, module.answer):
+        fn.__module__ = module.__name__
+    record = tmp_path / "borrowed.txt"
+    trips = grade_harness._Trips({module.__name__: module}, {"helper"}, str(record))
+    assert module.answer(1) == 4  # inactive: everything answers
+    trips.active = True
+    assert module.helper(1) == 2  # the allowed helper may call the course's code
+    with pytest.raises(PermissionError, match=re.escape("called `course_utils.kernels.fake.answer`")):
+        module.answer(1)
+    with pytest.raises(PermissionError, match="_inner"):
+        (lambda x: module._inner(x))(1)  # wrapped in the learner's own function: still refused
+    assert record.read_text().split() == ["course_utils.kernels.fake.answer", "course_utils.kernels.fake._inner"]
+    trips.active = False
+    for obj, attr, value in reversed(trips.restore):
+        setattr(obj, attr, value)
+    assert module.answer(1) == 4
