@@ -231,6 +231,24 @@ def current() -> Environment:
     return configure()
 
 
+def interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter cannot run the course's kernels with these versions, or None.
+
+    triton < 3.8 with numpy >= 2.4 breaks the interpreter's ``range`` loops with run-time
+    bounds. It matters on a GPU machine too, where some lessons start CPU processes that use
+    the interpreter (lesson 10's gloo ring, ``check_on_cpu``).
+    """
+    triton_v, numpy_v = _version("triton"), _version("numpy")
+    if not (triton_v and numpy_v):
+        return None
+    t = tuple(int(x) for x in triton_v.split(".")[:2])
+    n = tuple(int(x) for x in numpy_v.split(".")[:2])
+    if t < (3, 8) and n >= (2, 4):
+        return (f"triton {triton_v}'s interpreter with numpy {numpy_v} breaks `range` "
+                "loops with run-time bounds: install triton>=3.8 or numpy<2.4.")
+    return None
+
+
 def known_problems(env: Environment | None = None) -> list[str]:
     """Combinations of versions and settings known to break the course."""
     env = env or current()
@@ -257,14 +275,8 @@ def known_problems(env: Environment | None = None) -> list[str]:
         )
     elif triton_v is None:
         problems.append("Triton is not installed: `pip install -e .` installs it.")
-    if env.interpreter and triton_v and numpy_v:
-        t = tuple(int(x) for x in triton_v.split(".")[:2])
-        n = tuple(int(x) for x in numpy_v.split(".")[:2])
-        if t < (3, 8) and n >= (2, 4):
-            problems.append(
-                f"triton {triton_v}'s interpreter with numpy {numpy_v} breaks `range` "
-                "loops with run-time bounds: install triton>=3.8 or numpy<2.4."
-            )
+    if env.interpreter and interpreter_problem():
+        problems.append(interpreter_problem())
     if env.device == "cuda" and not env.bf16_ok:
         problems.append(
             f"{env.gpu_name} (sm_{env.capability[0]}{env.capability[1]}) has no bf16: "

@@ -7,6 +7,9 @@ only makes sense on one of them says so with a marker and a reason:
 - ``@pytest.mark.interpreter("why")``: needs Triton's CPU interpreter (for
   example a kernel that segfaults the interpreter, or the interpreter switch
   itself). Skipped, with its reason, where kernels run compiled on a GPU.
+- ``@pytest.mark.cpu_processes("why")``: starts CPU processes running Triton's
+  interpreter; skipped, with the reason, where that interpreter is broken
+  (triton < 3.8 with numpy >= 2.4, as on the course's H200 image).
 - ``@pytest.mark.gpu("why")``: needs a CUDA GPU. Skipped, with its reason,
   where there is none. (``tests/test_gpu_fast.py`` further needs Hopper.)
 
@@ -18,10 +21,12 @@ import pytest
 
 DEVICE = course_utils.DEVICE
 ON_GPU = DEVICE == "cuda"
+INTERPRETER_PROBLEM = course_utils.environment.interpreter_problem()
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "interpreter(reason): needs Triton's CPU interpreter")
+    config.addinivalue_line("markers", "cpu_processes(reason): starts CPU processes that run Triton's interpreter")
     config.addinivalue_line("markers", "gpu(reason): needs a CUDA GPU")
 
 
@@ -35,6 +40,10 @@ def pytest_collection_modifyitems(config, items):
             if marker is not None and wrong_machine:
                 reason = marker.args[0] if marker.args else marker.kwargs.get("reason", "")
                 item.add_marker(pytest.mark.skip(reason=f"not run {where}: {reason}"))
+        # On a GPU machine whose triton/numpy pair breaks the interpreter (H200: triton 3.6,
+        # numpy 2.5), tests that start CPU interpreter processes cannot run: say why.
+        if item.get_closest_marker("cpu_processes") is not None and INTERPRETER_PROBLEM:
+            item.add_marker(pytest.mark.skip(reason=f"not run here: {INTERPRETER_PROBLEM}"))
 
 
 @pytest.fixture

@@ -109,6 +109,7 @@ def _run_and_compare(world, cases):
         assert max(errors.values()) < 2e-5, (case, errors)
 
 
+@pytest.mark.cpu_processes("gloo processes on the CPU run the kernels in Triton's interpreter")
 def test_two_processes_forward_and_backward():
     _run_and_compare(2, [
         dict(n=64, d=32, n_q_heads=4, n_kv_heads=2, causal=True, layout="zigzag", seed=1),
@@ -131,6 +132,7 @@ def four_ranks_then_two_rings(rank, world):
     return whole, half
 
 
+@pytest.mark.cpu_processes("gloo processes on the CPU run the kernels in Triton's interpreter")
 def test_four_processes_forward_and_backward_and_subgroups():
     results = ring.run_distributed(four_ranks_then_two_rings, 4, device="cpu", timeout_s=300)
     errors = ring.demo_errors([r[0] for r in results], 4, **FOUR_RANKS)

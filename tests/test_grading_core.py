@@ -223,7 +223,7 @@ def _watched(fn, x):
 
 
 def test_work_accepts_an_answer_written_by_the_learners_kernel_even_converted():
-    x = torch.randn(100)
+    x = torch.randn(100, device=DEVICE)
     assert _watched(_triton_copy, x) is None
     assert _watched(lambda x: _triton_copy(x).to(torch.float16).reshape(10, 10).t(), x) is None
     assert _watched(lambda x: _triton_copy(x) * 0.5, x) is None  # a scale applied to the kernel's output
@@ -240,33 +240,34 @@ def test_work_accepts_an_answer_written_by_the_learners_kernel_even_converted():
     (lambda x: (lambda o: (_noop_kernel[(1,)](x, 1), o)[1])(torch.empty_like(x)), "allocated .*none of your kernels"),
     (lambda x: (_noop_kernel[(1,)](x, 1), x)[1], "it is one of the inputs"),
     (lambda x: x.clone(), "no Triton kernel of yours ran"),
-    (lambda x: (lambda o: (_copy_kernel[(4,)](torch.from_numpy(__import__("numpy").exp(x.numpy())), o, 100, BLOCK=32),
+    (lambda x: (lambda o: (_copy_kernel[(4,)](torch.from_numpy(__import__("numpy").exp(x.cpu().numpy())).to(x.device), o, 100, BLOCK=32),
                            o)[1])(torch.empty_like(x)), r"the data left torch \(Tensor.numpy\(\)\)"),
     (lambda x: (lambda o: (_copy_kernel[(4,)](torch.tensor(
-        __import__("course_utils").references.softmax(__import__("numpy").zeros(100))), o, 100, BLOCK=32), o)[1])(
+        __import__("course_utils").references.softmax(__import__("numpy").zeros(100)), device=x.device), o, 100, BLOCK=32), o)[1])(
         torch.empty_like(x)), "called course_utils.references.softmax"),
 ], ids=["softmax", "matmul", "exp", "torch-after", "noop-on-torch-result", "never-written", "input", "no-kernel",
         "numpy-then-copy-kernel", "reference-then-copy-kernel"])
 def test_work_names_what_produced_a_borrowed_answer(fn, text):
-    problem = _watched(fn, torch.randn(100))
+    problem = _watched(fn, torch.randn(100, device=DEVICE))
     assert problem is not None and __import__("re").search(text, problem), problem
 
 
 def test_work_refuses_course_kernels_and_a_result_from_an_earlier_call():
     from course_utils.kernels import flash_attention
 
-    q = torch.randn(1, 1, 20, 16)
+    q = torch.randn(1, 1, 20, 16, device=DEVICE)
     with sandbox.Work(inputs=(q,)) as work:
         o = flash_attention(q, q, q)
     assert "course_utils's own kernel" in work.problem(o=o)
-    kept = _triton_copy(torch.randn(10))
-    x = torch.randn(10)
+    kept = _triton_copy(torch.randn(10, device=DEVICE))
+    x = torch.randn(10, device=DEVICE)
     with sandbox.Work(inputs=(x,)) as work:
         _triton_copy(x)
         out = kept
     assert "not written by any kernel during this call" in work.problem(o=out)
 
 
+@pytest.mark.interpreter("a compiled GPU kernel cannot be interrupted in-process; on a GPU the worker process is killed instead (tests/test_sandbox.py)")
 def test_a_kernel_stopped_by_the_time_limit_is_named_as_a_hang_not_an_interpreter_error():
     run = Run("check_demo", seed=1, time_limit_s=1.0)
     with pytest.raises(GradingError) as err:

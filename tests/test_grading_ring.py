@@ -190,10 +190,12 @@ def fails_on_rank_one(q, k, v, causal=False, *, layout="zigzag", group=None):
     return ring_forward(q, k, v, causal, layout=layout, group=group)
 
 
+@pytest.mark.cpu_processes("gloo processes on the CPU run the kernels in Triton's interpreter")
 def test_correct_distributed_forward_passes_in_real_processes():
     assert check_ring_attention(ring_forward)
 
 
+@pytest.mark.cpu_processes("gloo processes on the CPU run the kernels in Triton's interpreter")
 def test_an_error_on_one_rank_is_reported_without_hanging():
     with pytest.raises(GradingError) as info:
         check_ring_attention(fails_on_rank_one, timeout_s=120)

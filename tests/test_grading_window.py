@@ -158,6 +158,10 @@ FORWARD_MISTAKES = {
 @pytest.mark.parametrize("name", list(FORWARD_MISTAKES))
 def test_forward_mistakes_are_diagnosed(tmp_path_factory, name):
     message, edits = FORWARD_MISTAKES[name]
+    if name == "partial_sink_tile_skipped" and course_utils.ENV.device == "cuda":
+        # The GPU's key tiles hold 64 keys, more than any fixed case's sinks: a partial sink
+        # tile rounded down to nothing is the whole sink tile skipped, and that is what is said.
+        message = p5.MSG_SINKS_SKIPPED
     module = planted(tmp_path_factory, forward, name, *edits)
     _fails(check_window_forward, fwd(module), message)
 
@@ -182,8 +186,8 @@ def test_forward_course_kernel_passes_with_other_blocks():
 def test_forward_sdpa_is_not_a_triton_kernel():
     def sdpa(q, k, v, *, window_size, sink_size):
         n = q.shape[2]
-        i = torch.arange(n)[:, None]
-        j = torch.arange(n)[None, :]
+        i = torch.arange(n, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
         mask = (j <= i) & ((i - j < window_size) | (j < sink_size))
         kk, vv = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         s = (q.double() @ kk.double().transpose(-1, -2)) / q.shape[-1] ** 0.5
@@ -251,8 +255,8 @@ def test_backward_course_kernels_pass():
 def test_backward_math_only_is_rejected():
     def math_only(q, k, v, *, window_size, sink_size):
         n = q.shape[2]
-        i = torch.arange(n)[:, None]
-        j = torch.arange(n)[None, :]
+        i = torch.arange(n, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
         mask = (j <= i) & ((i - j < window_size) | (j < sink_size))
         kk, vv = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         s = (q @ kk.transpose(-1, -2)) / q.shape[-1] ** 0.5

@@ -137,7 +137,7 @@ def test_sink_keys_collect_gradients_from_every_query():
 def test_backward_launcher_with_other_blocks():
     q, k, v, do = _inputs(1, 4, 2, 75, 16, torch.float32, seed=4)
     o, lse = ref.attention_lse(_np(q), _np(k), _np(v), causal=True, window_size=9, sink_size=2)
-    got = bw.attention_backward(q, k, v, torch.from_numpy(o).float(), torch.from_numpy(lse).float(), do,
+    got = bw.attention_backward(q, k, v, torch.from_numpy(o).to(DEVICE, torch.float32), torch.from_numpy(lse).to(DEVICE, torch.float32), do,
                                 causal=True, window_size=9, sink_size=2, config=bw.BackwardConfig(16, 32, 32, 16))
     want = ref.attention_backward(_np(q), _np(k), _np(v), _np(do), causal=True, window_size=9, sink_size=2)
     atol, rtol, _ = TOL[torch.float32]

@@ -578,6 +578,11 @@ def run_distributed(fn, nproc: int = 2, args=(), *, device: str = "cpu", timeout
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}.")
+    if device == "cpu":
+        from ..environment import interpreter_problem
+
+        if interpreter_problem():  # the CPU processes run the kernels in the interpreter
+            raise RuntimeError("the CPU processes cannot run Triton's interpreter here: " + interpreter_problem())
     apply_safe_env()
     with tempfile.TemporaryDirectory(prefix="ring_") as out_dir, _child_environment(device):
         context = mp.start_processes(

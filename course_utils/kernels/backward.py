@@ -553,7 +553,8 @@ class BackwardConfig:
                 f"dq {self.dq_block_m}x{self.dq_block_n} w{self.dq_warps} s{self.dq_stages})")
 
 
-def default_config(head_dim: int, device_type: str, capability: tuple[int, int] | None = None) -> BackwardConfig:
+def default_config(head_dim: int, device_type: str, capability: tuple[int, int] | None = None,
+                   dtype: torch.dtype | None = None) -> BackwardConfig:
     """Small blocks in the CPU interpreter; blocks tuned for Hopper on a GPU.
 
     The GPU choice follows the usual FlashAttention-2 split: the dK/dV kernel
@@ -562,6 +563,13 @@ def default_config(head_dim: int, device_type: str, capability: tuple[int, int] 
     """
     if device_type != "cuda":
         return BackwardConfig(32, 64, 64, 32, 4, 1, 4, 1)
+    if dtype in (torch.float32, torch.float64):
+        # 4- and 8-byte tiles: the 16-bit configurations below would need up to 257 KiB of
+        # shared memory at D = 128 in fp32 (measured by compiling for sm_90; H100/H200 allow
+        # 227 KiB, an A100 163 KiB, a T4 64 KiB).
+        if dtype == torch.float32 and head_dim <= 128 and (capability is None or capability >= (8, 0)):
+            return BackwardConfig(32, 64, 64, 32, 4, 2, 4, 2)  # 128 KiB at D = 128
+        return BackwardConfig(16, 32, 32, 16, 4, 1, 4, 1)
     if capability is not None and capability < (8, 0):
         # Turing (Colab's T4): 64 KiB of shared memory, no asynchronous copies: one
         # stage and small tiles (checked by compiling for sm_75, kernels/targets.py).
@@ -636,7 +644,7 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     group_size = n_q_heads // n_kv_heads
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     capability = _capability(q.device)
-    cfg = config or default_config(D, "cuda" if capability else q.device.type, capability)
+    cfg = config or default_config(D, "cuda" if capability else q.device.type, capability, q.dtype)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     PAD_D = BLOCK_D != D
     # fp32 statistics and accumulators, except for float64 inputs (gradcheck),

@@ -202,7 +202,7 @@ def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool 
                     compiled.metadata.num_warps, compiled.metadata.num_stages)
 
 
-def lesson_launches(sm: int, head_dim: int, causal: bool = True):
+def lesson_launches(sm: int, head_dim: int, causal: bool = True, dtype: torch.dtype | None = None):
     """The launches the lesson launchers make on a GPU of compute capability ``sm``.
 
     Yields ``(kernel, args, kwargs, case)``: kernel A (lesson 04), kernel B
@@ -211,7 +211,7 @@ def lesson_launches(sm: int, head_dim: int, causal: bool = True):
     """
     from . import backward, forward
 
-    dtype = torch.float16 if sm < 80 else torch.bfloat16
+    dtype = dtype or (torch.float16 if sm < 80 else torch.bfloat16)
     B, hq, hkv, n = 1, 4, 2, 256
     q = torch.zeros(B, hq, n, head_dim, dtype=dtype)
     k = torch.zeros(B, hkv, n, head_dim, dtype=dtype)
@@ -224,12 +224,12 @@ def lesson_launches(sm: int, head_dim: int, causal: bool = True):
         yield kernel, args, kwargs, case
 
 
-def check_targets(sms=(75, 80), head_dims=(64, 128), *, registers: bool = True) -> list[Compiled]:
-    """Compile every lesson kernel for each target and head dim; the list of results."""
+def check_targets(sms=(75, 80), head_dims=(64, 128), *, registers: bool = True, dtype=None) -> list[Compiled]:
+    """Compile every lesson kernel for each target and head dim (in ``dtype``, else the chip's 16-bit one)."""
     results = []
     for sm in sms:
         for d in head_dims:
-            for kernel, args, kwargs, case in lesson_launches(sm, d):
+            for kernel, args, kwargs, case in lesson_launches(sm, d, dtype=dtype):
                 results.append(compile_launch(kernel, args, kwargs, sm, case, registers=registers))
     return results
 
