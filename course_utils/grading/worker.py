@@ -87,16 +87,26 @@ def _found_on_path(module_name: str) -> bool:
     """
     if module_name in (None, "__main__", "__mp_main__"):
         return False
-    top = sys.modules.get(module_name.split(".")[0])
+    top_name = module_name.split(".")[0]
+    top = sys.modules.get(top_name)
     file = getattr(top, "__file__", None)
     if top is None:
         return False
     if file is None:  # built-in, frozen or namespace package
         return True
-    folder = os.path.dirname(os.path.abspath(file))
-    if os.path.basename(file) == "__init__.py":
-        folder = os.path.dirname(folder)
-    return folder in {os.path.abspath(p or os.getcwd()) for p in sys.path}
+    # Ask the import system's finders (sys.path, and e.g. an editable install's finder),
+    # as a fresh process would, whether they find this very file.
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is None:
+            continue
+        try:
+            spec = find(top_name, None)
+        except Exception:
+            continue
+        if spec is not None and spec.origin and os.path.abspath(spec.origin) == os.path.abspath(file):
+            return True
+    return False
 
 
 def _modules_only_here():
