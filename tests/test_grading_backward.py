@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import learner_copy
+
 from course_utils import references as ref
 from course_utils.grading import GradingError
 from course_utils.grading import part4_backward as p4
@@ -32,21 +34,6 @@ from course_utils.kernels import backward as course_bw
 from course_utils.kernels import flash_attention_with_lse
 
 LOG2E = 1.4426950408889634
-
-
-def learner_copy(module, name):
-    """``module``'s source loaded as a module outside course_utils: a learner's own kernels.
-
-    The checks refuse course_utils's kernels (the answer must come from the
-    learner's), so the course's correct kernels stand in for a learner's
-    through a copy.
-    """
-    path = Path(module.__file__)
-    spec = importlib.util.spec_from_file_location(name, path)
-    copy = importlib.util.module_from_spec(spec)
-    sys.modules[name] = copy
-    spec.loader.exec_module(copy)
-    return copy
 
 
 bw = learner_copy(course_bw, "learner_backward")

@@ -19,6 +19,8 @@ import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
 import pytest
 import torch
+
+from conftest import learner_copy
 import triton
 import triton.language as tl
 
@@ -26,21 +28,6 @@ from course_utils.grading import GradingError, check_flash_forward, check_flash_
 from course_utils.grading import part2_triton as pt
 from course_utils.kernels import flash_attention
 from course_utils.kernels import forward as course_forward
-
-
-def learner_copy(module, name):
-    """``module``'s source loaded as a module outside course_utils: a learner's own kernels.
-
-    The checks refuse course_utils's kernels (the answer must come from the
-    learner's), so the course's correct kernels stand in for a learner's
-    through a copy.
-    """
-    path = Path(module.__file__)
-    spec = importlib.util.spec_from_file_location(name, path)
-    copy = importlib.util.module_from_spec(spec)
-    sys.modules[name] = copy
-    spec.loader.exec_module(copy)
-    return copy
 
 
 forward = learner_copy(course_forward, "learner_forward")
