@@ -334,13 +334,61 @@ def build(solutions: Path = SOLUTIONS, notebooks: Path = NOTEBOOKS, *, check: bo
     return problems
 
 
-def execute(paths: list[Path], timeout_s: int = 600) -> None:
-    """Run solution notebooks in place with nbclient, so they hold outputs."""
+POLL_SLICE_S = 1.0
+
+
+def sliced_wait(get_msg, slice_s: float = POLL_SLICE_S):
+    """Wrap an async ``get_msg(timeout=...)`` so that it waits in slices of ``slice_s`` seconds.
+
+    Same result and same total timeout (``queue.Empty`` when it runs out), but a
+    message whose wake-up was lost is picked up at the next slice.
+    """
+    import queue
+    import time
+
+    async def wait(timeout=None, **kwargs):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = slice_s if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await get_msg(timeout=min(slice_s, left), **kwargs)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    return wait
+
+
+def notebook_client_class():
+    """nbclient's ``NotebookClient``, waiting for each execute reply in slices of a second.
+
+    nbclient waits for a cell's execute reply with one ``get_msg(timeout)``; after
+    a cell that shows an ipywidget the wake-up for that reply is sometimes lost
+    (nbclient issue #312, seen here with lesson 10's ring widget), and the reply
+    is only read when the whole cell timeout runs out (300 s for a 1 s cell).
+    Asking again every second finds it at once; the cell timeout is unchanged.
+    """
     from nbclient import NotebookClient
 
+    class SlicedWaitClient(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            kc.shell_channel.get_msg = sliced_wait(kc.shell_channel.get_msg)
+            return kc
+
+    return SlicedWaitClient
+
+
+def notebook_client(nb, **kwargs):
+    """A :func:`notebook_client_class` client for ``nb`` (keyword arguments as nbclient's)."""
+    return notebook_client_class()(nb, **kwargs)
+
+
+def execute(paths: list[Path], timeout_s: int = 600) -> None:
+    """Run solution notebooks in place with nbclient, so they hold outputs."""
     for path in paths:
         nb = nbformat.read(path, as_version=4)
-        NotebookClient(nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+        notebook_client(nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
         nbformat.write(nb, path)
         print(f"executed {path}")
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import os
+import pathlib
 import platform
+import re
 import sys
 import warnings
 
@@ -117,10 +120,30 @@ def _patch_autotuner(autotuner) -> None:
     cls._course_autotune_said = False
 
 
-class _AutotunerHook:
-    """Patches ``triton.runtime.autotuner`` when it is imported (``import course_utils`` imports no triton)."""
+def _patch_interpreter_index(interpreter) -> None:
+    """Let triton < 3.8's interpreter run ``range`` loops with run-time bounds under numpy >= 2.4.
 
-    NAME = "triton.runtime.autotuner"
+    Its ``tl.tensor.__index__`` is ``int(data)`` on an array of shape ``(1,)``,
+    which numpy 2.4 refuses ("only 0-dimensional arrays can be converted");
+    triton 3.8 squeezes the array first. This does the same on older Tritons.
+    """
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_course_index_fix", False):
+        return
+
+    def _patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    _patch_lang_tensor._course_index_fix = True
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+class _PatchOnImport:
+    """Patches a Triton module when it is imported (``import course_utils`` imports no triton)."""
+
+    def __init__(self, name, patch):
+        self.NAME, self.patch = name, patch
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.NAME:
@@ -130,14 +153,22 @@ class _AutotunerHook:
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
             return None
-        exec_module = spec.loader.exec_module
+        exec_module, patch = spec.loader.exec_module, self.patch
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch_autotuner(module)
+            patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
+
+
+def _patch_when_imported(name, patch) -> None:
+    """Apply ``patch(module)`` now if ``name`` is imported, else when it is."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    elif not any(isinstance(f, _PatchOnImport) and f.NAME == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(name, patch))
 
 
 def _autotune_first_config_in_interpreter() -> None:
@@ -147,10 +178,9 @@ def _autotune_first_config_in_interpreter() -> None:
     fails with Triton's "0 active drivers" (the interpreter has no driver to
     time with), which reads like the import-order problem but is not.
     """
-    if "triton.runtime.autotuner" in sys.modules:
-        _patch_autotuner(sys.modules["triton.runtime.autotuner"])
-    elif not any(isinstance(f, _AutotunerHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AutotunerHook())
+    _patch_when_imported("triton.runtime.autotuner", _patch_autotuner)
+    if _interpreter_index_broken():
+        _patch_when_imported("triton.runtime.interpreter", _patch_interpreter_index)
 
 
 NO_DRIVER_NOTE = (
@@ -231,22 +261,34 @@ def current() -> Environment:
     return configure()
 
 
+def _interpreter_index_broken() -> bool:
+    """triton < 3.8 with numpy >= 2.4: the interpreter's run-time-bounded ``range`` loops fail unpatched."""
+    triton_v, numpy_v = _version("triton"), _version("numpy")
+    if not (triton_v and numpy_v):
+        return False
+    t = tuple(int(x) for x in re.findall(r"\d+", triton_v)[:2])
+    n = tuple(int(x) for x in re.findall(r"\d+", numpy_v)[:2])
+    return t < (3, 8) and n >= (2, 4)
+
+
 def interpreter_problem() -> str | None:
     """Why Triton's CPU interpreter cannot run the course's kernels with these versions, or None.
 
-    triton < 3.8 with numpy >= 2.4 breaks the interpreter's ``range`` loops with run-time
-    bounds. It matters on a GPU machine too, where some lessons start CPU processes that use
+    triton < 3.8 with numpy >= 2.4 breaks the interpreter's ``range`` loops with
+    run-time bounds; ``import course_utils`` repairs that (see
+    :func:`_patch_interpreter_index`) wherever the interpreter is on, so this only
+    reports it when that Triton's interpreter has no place for the repair. It
+    matters on a GPU machine too, where some lessons start CPU processes that use
     the interpreter (lesson 10's gloo ring, ``check_on_cpu``).
     """
-    triton_v, numpy_v = _version("triton"), _version("numpy")
-    if not (triton_v and numpy_v):
+    if not _interpreter_index_broken():
         return None
-    t = tuple(int(x) for x in triton_v.split(".")[:2])
-    n = tuple(int(x) for x in numpy_v.split(".")[:2])
-    if t < (3, 8) and n >= (2, 4):
-        return (f"triton {triton_v}'s interpreter with numpy {numpy_v} breaks `range` "
-                "loops with run-time bounds: install triton>=3.8 or numpy<2.4.")
-    return None
+    spec = importlib.util.find_spec("triton")
+    source = pathlib.Path(spec.origin).parent / "runtime" / "interpreter.py" if spec and spec.origin else None
+    if source is not None and source.exists() and "def _patch_lang_tensor(" in source.read_text():
+        return None
+    return (f"triton {_version('triton')}'s interpreter with numpy {_version('numpy')} breaks `range` "
+            "loops with run-time bounds: install triton>=3.8 or numpy<2.4.")
 
 
 def known_problems(env: Environment | None = None) -> list[str]:

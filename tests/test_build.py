@@ -155,3 +155,32 @@ def test_require_implemented_raises_for_stubbed_kernels():
         course_utils.require_implemented(FakeKernel())
     FakeKernel.src = "def fake_kernel(x):\n    return\n"
     course_utils.require_implemented(FakeKernel())
+
+
+def test_sliced_wait_finds_a_message_whose_wake_up_was_lost():
+    # nbclient issue #312: a reply already queued, but the first wait only returns at its timeout.
+    import asyncio
+    import queue
+    import time
+
+    from course_utils.build import sliced_wait
+
+    calls = []
+
+    async def get_msg(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:  # the lost wake-up: sleeps through its whole timeout
+            await asyncio.sleep(timeout)
+            raise queue.Empty
+        return {"msg": "reply"}
+
+    start = time.monotonic()
+    assert asyncio.run(sliced_wait(get_msg, slice_s=0.05)(timeout=300)) == {"msg": "reply"}
+    assert time.monotonic() - start < 5 and calls[0] == 0.05
+
+    async def never(timeout=None):
+        await asyncio.sleep(timeout)
+        raise queue.Empty
+
+    with pytest.raises(queue.Empty):  # the total timeout still holds
+        asyncio.run(sliced_wait(never, slice_s=0.05)(timeout=0.2))

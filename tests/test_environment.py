@@ -1,8 +1,11 @@
 """Environment handling: the interpreter switch, defaults and the doctor."""
 
+import importlib.util
 import subprocess
 import sys
+import types
 
+import numpy as np
 import pytest
 
 from course_utils import environment
@@ -88,12 +91,44 @@ def test_cpu_sizes_stay_small_for_the_interpreter():
     assert _env(device="cuda", capability=(9, 0)).seq_len >= 1024
 
 
-def test_known_bad_triton_numpy_combination_is_reported(monkeypatch):
+def test_known_bad_triton_numpy_combination_is_repaired_or_reported(monkeypatch, tmp_path):
     versions = {"triton": "3.6.0", "numpy": "2.4.1"}
     monkeypatch.setattr(environment, "_version", lambda name: versions.get(name, "1.0"))
+    # The installed Triton's interpreter has the function the repair wraps: nothing to report.
+    assert not any("range" in p for p in environment.known_problems(_env()))
+    # An interpreter without it cannot be repaired: reported, with the versions.
+    fake = tmp_path / "triton"
+    (fake / "runtime").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "runtime" / "interpreter.py").write_text("# no _patch_lang_tensor here\n")
+    spec = importlib.util.spec_from_file_location("triton", fake / "__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "triton" else None)
     problems = environment.known_problems(_env())
     assert any("range" in p and "3.6.0" in p for p in problems)
     versions["triton"] = "3.8.0"
     assert not any("range" in p for p in environment.known_problems(_env()))
+
+
+def test_interpreter_index_repair_turns_a_one_element_array_into_an_int():
+    # triton 3.6's interpreter: `__index__` is int(data) on an array of shape (1,), refused by numpy >= 2.4.
+    class Scope:
+        def set_attr(self, obj, name, value):
+            setattr(obj, name, value)
+
+    class Tensor:
+        pass
+
+    def original(tensor, scope):
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    interpreter = types.SimpleNamespace(_patch_lang_tensor=original)
+    environment._patch_interpreter_index(interpreter)
+    environment._patch_interpreter_index(interpreter)  # twice is once
+    interpreter._patch_lang_tensor(Tensor, Scope())
+    t = Tensor()
+    t.handle = types.SimpleNamespace(data=np.array([7], dtype=np.int32))
+    assert list(range(t)) == list(range(7))
+
+
     t4 = _env(device="cuda", interpreter=False, gpu_name="Tesla T4", capability=(7, 5))
     assert any("no bf16" in p for p in environment.known_problems(t4))

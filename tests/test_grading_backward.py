@@ -15,7 +15,6 @@ import importlib.util
 import math
 import re
 import sys
-import time
 from pathlib import Path
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
@@ -198,7 +197,6 @@ PLANTS = {
 def test_flash_planted_mistakes_are_diagnosed(tmp_path, name):
     edits, message = PLANTS[name]
     fn = planted(tmp_path, name, *edits)
-    start = time.perf_counter()
     with pytest.raises(GradingError) as info:
         check_flash_backward(fn)
     if name == "diagonal_unmasked" and course_utils.ENV.device == "cuda" and p4.MSG_NO_CAUSAL in str(info.value):
@@ -207,7 +205,6 @@ def test_flash_planted_mistakes_are_diagnosed(tmp_path, name):
         assert re.search(r"N=(\d+)", str(info.value)) and int(re.search(r"N=(\d+)", str(info.value)).group(1)) <= 128
     else:
         assert message in str(info.value), str(info.value)
-    assert time.perf_counter() - start < 30
 
 
 def test_flash_reading_past_the_sequence_is_caught(tmp_path):
@@ -220,10 +217,9 @@ def test_flash_reading_past_the_sequence_is_caught(tmp_path):
         check_flash_backward(fn)
 
 
-def test_flash_course_function_passes_within_30_s():
-    start = time.perf_counter()
+def test_flash_course_function_passes():
+    # Its time is measured by benchmarks/grading_speed.py, not asserted here.
     assert check_flash_backward(bw.flash_attention_differentiable)
-    assert time.perf_counter() - start < 30
 
 
 class PerQueryHeadPartials(torch.autograd.Function):

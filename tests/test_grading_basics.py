@@ -296,10 +296,8 @@ def test_seed_replays_the_random_cases():
     assert (a.seed, a.cases, a.max_error) == (b.seed, b.cases, b.max_error)
 
 
-def test_whole_check_is_fast_on_the_cpu():
-    start = time.perf_counter()
-    check_triton_softmax(softmax_reference_kernel)
-    assert time.perf_counter() - start < 30
+def test_whole_check_passes_the_reference_kernel_with_its_default_seed():
+    assert check_triton_softmax(softmax_reference_kernel)
 
 
 def test_lesson_03_student_stub_raises_and_solution_passes(tmp_path):

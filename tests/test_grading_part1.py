@@ -681,14 +681,13 @@ def test_random_cases_cover_what_the_brief_asks():
     assert large and all(np.abs(p1._scores(q, k, False)).max() > 709 for _, q, k, *_ in large)
 
 
-def test_each_check_is_fast_on_reference_solutions():
+def test_each_check_passes_vectorised_solutions():
+    # Their times are measured by benchmarks/grading_speed.py, not asserted here.
     from course_utils import references as ref
 
     for check, fn in [(check_softmax, ref.softmax), (check_naive_attention, ref.attention),
                       (check_online_softmax, online_vectorised), (check_tiled_attention, tiled_vectorised)]:
-        start = time.perf_counter()
-        check(fn, seed=3)
-        assert time.perf_counter() - start < 5
+        assert check(fn, seed=3)
 
 
 # -- the references are off limits in the streaming/tiled exercises ----------------

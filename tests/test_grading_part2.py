@@ -129,10 +129,9 @@ def test_kv_head_learner_exception_keeps_its_type():
 
 
 # -- check_flash_forward: correct kernels ------------------------------------------
-def test_flash_forward_course_kernel_passes_quickly():
-    start = time.perf_counter()
+def test_flash_forward_course_kernel_passes():
+    # Its time is measured by benchmarks/grading_speed.py, not asserted here.
     assert check_flash_forward(forward.flash_attention_forward)
-    assert time.perf_counter() - start < 30
 
 
 @pytest.mark.parametrize("make", [
@@ -253,10 +252,8 @@ def test_flash_forward_wrong_result_type_gets_a_sentence(fn, text):
 
 
 # -- check_flash_gqa: correct kernels ---------------------------------------------
-def test_flash_gqa_course_kernel_passes_quickly():
-    start = time.perf_counter()
+def test_flash_gqa_course_kernel_passes():
     assert check_flash_gqa(gqa(forward))
-    assert time.perf_counter() - start < 30
 
 
 @pytest.mark.parametrize("make", [
@@ -308,17 +305,17 @@ GQA_MISTAKES = {
     "o_with_q_strides": ([(B, "batch * stride_ob + q_head * stride_oh", "batch * stride_qb + q_head * stride_qh"),
                           (B, "offs_m[:, None] * stride_on + offs_d[None, :] * stride_od",
                            "offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd")], pt.MSG_O_STRIDES),
+    # The same, with batch 0's programs storing last, as a GPU may order them (the interpreter runs
+    # the grid in order): then o looks like "batch index ignored" too, and both are named.
+    "o_with_q_strides_batch0_last": (
+        [(B, "batch = batch_head // N_Q_HEADS", "batch = (tl.num_programs(1) - 1 - batch_head) // N_Q_HEADS"),
+         (B, "batch * stride_ob + q_head * stride_oh", "batch * stride_qb + q_head * stride_qh"),
+         (B, "offs_m[:, None] * stride_on + offs_d[None, :] * stride_od",
+          "offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd")], pt.MSG_O_STRIDES),
 }
 
 
-# Seen on the H200 only (compiled, GPU blocks): these two plants were diagnosed as a kv head past
-# the last one and as a batch stride ignored. Not yet understood: marked, not hidden.
-_GPU_DIAGNOSIS_DIFFERS = {"v_load_unmasked", "o_with_q_strides"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    course_utils.ENV.device == "cuda" and n in _GPU_DIAGNOSIS_DIFFERS, strict=False,
-    reason="on the H200 another diagnosis fires first for this plant")) for n in GQA_MISTAKES])
+@pytest.mark.parametrize("name", list(GQA_MISTAKES))
 def test_flash_gqa_mistakes_are_diagnosed(variant, name):
     edits, message = GQA_MISTAKES[name]
     _fails(check_flash_gqa, gqa(variant("b_" + name, *edits)), message)

@@ -143,3 +143,32 @@ def test_kernels_from_a_notebook_travel_by_source():
     x = torch.zeros(8, device=DEVICE)
     rebuilt[(1,)](x, N=8)
     assert x.sum().item() == 8
+
+
+def test_kernels_of_two_cells_keep_their_own_source_in_the_worker():
+    # cloudpickle names every code object it sends "<dynamic-code>". Two cells whose kernels sit one
+    # line apart must not share that name in the worker: the higher kernel would take in the other's
+    # last (indented) line and fail to parse (seen on the H200 with planted backward kernels).
+    import inspect
+    import linecache
+    import pickle
+
+    body = ("@triton.jit\n"
+            "def cell_kernel(x, N: tl.constexpr):\n"
+            "    offs = tl.arange(0, N)\n"
+            "    tl.store(x + offs,\n"
+            "             tl.load(x + offs) + {add})\n")
+    payloads = []
+    for name, blank_lines, add in (("<cell-a>", 2, 1), ("<cell-b>", 1, 2)):
+        src = "import triton, triton.language as tl\n" + "\n" * blank_lines + body.format(add=add)
+        linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+        namespace = {"__name__": "__main__"}
+        exec(compile(src, name, "exec"), namespace)
+        payloads.append(worker.dumps(namespace["cell_kernel"]))
+        del linecache.cache[name]  # as in another process
+    for add, payload in ((1, payloads[0]), (2, payloads[1])):
+        kernel = pickle.loads(payload)
+        assert inspect.getsource(kernel.fn) == body.format(add=add)  # what a compiled kernel parses
+        x = torch.zeros(8, device=DEVICE)
+        kernel[(1,)](x, N=8)
+        assert x.sum().item() == 8 * add

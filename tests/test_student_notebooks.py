@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from course_utils.build import notebook_client
 from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +25,7 @@ def test_student_notebook_stops_at_its_first_stub(path):
     has_stub = any(c.cell_type == "code" and "raise NotImplementedError()" in c.source for c in nb.cells) or any(
         c.cell_type == "code" and "# YOUR CODE HERE" in c.source for c in nb.cells
     )
-    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}})
+    client = notebook_client(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "notebooks")}})
     if path.name in NO_EXERCISE:
         client.execute()
         return

@@ -146,6 +146,53 @@ class Diagnosis:
         r = rtol if self.rtol is None else self.rtol
         return bool(np.allclose(actual, wrong, atol=a, rtol=r, equal_nan=False))
 
+    def distance(self, actual: np.ndarray, atol: float, rtol: float) -> float | None:
+        """How far the answer is from this mistake's output, in tolerances (None: no single output)."""
+        if self.when is not None:
+            return None
+        if self.expected is None:  # a subclass that re-enacts the mistake records it when it matches
+            return getattr(self, "matched_distance", None)
+        wrong = self.expected() if callable(self.expected) else self.expected
+        return distance_to(actual, wrong, atol if self.atol is None else self.atol,
+                         rtol if self.rtol is None else self.rtol)
+
+
+def distance_to(actual, wrong, atol, rtol) -> float | None:
+    """The largest ``|actual - wrong| / (atol + rtol * |wrong|)``, or None where it has no meaning."""
+    if wrong is None:
+        return None
+    wrong = np.asarray(wrong, dtype=np.float64)
+    if wrong.shape != actual.shape:
+        return None
+    with np.errstate(all="ignore"):
+        d = np.abs(actual - wrong) / (atol + rtol * np.abs(wrong))
+    d = d[np.isfinite(d)]
+    return float(d.max()) if d.size else 0.0
+
+
+def pick_diagnosis(diagnoses, actual, atol, rtol):
+    """The diagnosis to name for this answer, or None.
+
+    The first that matches, in the order given; but where it models a single
+    wrong output, a later diagnosis that also matches and models an output
+    closer to the answer wins. With a GPU's looser tolerances (tf32) two
+    mistakes can both be within reach of an answer: the nearer one is named.
+    """
+    first = None
+    for diagnosis in diagnoses:
+        if not diagnosis.matches(actual, atol, rtol):
+            continue
+        if first is None:
+            first = diagnosis
+            best = diagnosis.distance(actual, atol, rtol)
+            if best is None:
+                return first
+            continue
+        d = diagnosis.distance(actual, atol, rtol)
+        if d is not None and d < best:
+            first, best = diagnosis, d
+    return first
+
 
 def time_limit_message(seconds: float, what: str) -> str:
     return (
@@ -304,10 +351,9 @@ class Run:
                 f"{float(np.max(np.where(bad, err, 0))):.3g}; at {_fmt_index(idx, axes)} got "
                 f"{actual[idx]:.6g}, expected {expected[idx]:.6g} (tolerance {tol[idx]:.2g})."
             )
-        for diagnosis in diagnoses:
-            if diagnosis.matches(actual, atol, rtol):
-                head += f"\nLikely cause: {diagnosis.message}"
-                break
+        diagnosis = pick_diagnosis(diagnoses, actual, atol, rtol)
+        if diagnosis is not None:
+            head += f"\nLikely cause: {diagnosis.message}"
         raise self.fail(head, case)
 
     def passed(self) -> Passed:

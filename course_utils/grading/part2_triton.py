@@ -39,7 +39,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import sandbox
-from .core import Diagnosis, Run, require_callable
+from .core import Diagnosis, Run, distance_to, require_callable
 
 __all__ = ["check_kv_head", "check_flash_forward", "check_flash_gqa"]
 
@@ -158,6 +158,11 @@ MSG_BATCH_STRIDE = (
     "only the first batch element is right: every program read and wrote batch 0, so the batch "
     "index is not used in the addresses (or its stride is 0). Add pid_z * stride_qz (and stride_kz, "
     "stride_vz, stride_oz) to each tensor's base pointer, with each tensor's own batch stride."
+)
+MSG_OR_O_STRIDES = (
+    " Or the output was written with q's strides: here q is shared across the batch (batch stride 0), "
+    "so every batch element wrote into the first one's place, and batch 0's store came last. Address O "
+    "with its own strides (o.stride())."
 )
 MSG_D_STRIDE = (
     "this is the first case whose head dim is not contiguous (q.stride(-1) != 1). A kernel "
@@ -501,6 +506,7 @@ class _Model(Diagnosis):
                 wrong = self.predict(size)
             if _same(actual, wrong, atol * _SLACK, rtol * _SLACK):
                 self.message = self.template.format(block=size)
+                self.matched_distance = distance_to(actual, wrong, atol, rtol)
                 return True
         return False
 
@@ -558,6 +564,10 @@ class _KvOutOfRange(Diagnosis):
         n_q, n_kv = self.q64.shape[1], self.k64.shape[1]
         bad = [h for h in range(n_q) if not np.isfinite(actual[:, h]).all()]
         if not bad or len(bad) == n_q or n_kv == n_q and n_q == 1:
+            return False
+        # A kv head that does not exist is read by every row of its query heads: each row is
+        # non-finite. NaN in some rows only (the last block's, say) is a read past the end instead.
+        if not all((~np.isfinite(actual[:, h])).any(axis=-1).all() for h in bad):
             return False
         for h in range(n_q):
             if h in bad:
@@ -670,7 +680,10 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
             # Every batch element computed and wrote batch 0's attention: o[0] right, the rest not.
             first_ok = np.allclose(actual[0], expected[0], atol=o_atol * _SLACK, rtol=o_rtol * _SLACK)
             return bool(first_ok and not np.allclose(actual[1:], expected[1:], atol=o_atol, rtol=o_rtol))
-        out.append(Diagnosis(MSG_BATCH_STRIDE, when=batch_stride_ignored))
+        # With q shared across the batch, O written with q's strides looks the same whenever batch 0's
+        # programs store last (on a GPU the order is not fixed): name both.
+        message = MSG_BATCH_STRIDE + (MSG_OR_O_STRIDES if c.layout == "qbcast" else "")
+        out.append(Diagnosis(message, when=batch_stride_ignored))
     if gqa:
         out.append(_KvMapping(q64, k64, v64, c.causal))
         out.append(_KvOutOfRange(q64, k64, v64, c.causal))

@@ -29,7 +29,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import sandbox
-from .core import Diagnosis, Run
+from .core import Diagnosis, Run, distance_to
 from .part2_triton import MSG_NO_KERNEL, _tensor_like
 
 __all__ = ["check_merge_partials", "check_decode_split", "check_decode_combine"]
@@ -320,7 +320,10 @@ class _Model(Diagnosis):
             return False
         if np.allclose(actual, self.right, atol=atol * self.slack, rtol=rtol * self.slack):
             return False
-        return bool(np.allclose(actual, wrong, atol=atol * self.slack, rtol=rtol * self.slack))
+        if not np.allclose(actual, wrong, atol=atol * self.slack, rtol=rtol * self.slack):
+            return False
+        self.matched_distance = distance_to(actual, wrong, atol, rtol)
+        return True
 
 
 def _tolerance(dtype: str):

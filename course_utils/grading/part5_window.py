@@ -34,7 +34,7 @@ from .. import references as ref
 from ..environment import current
 from ..kernels.forward import window_tile_bounds
 from . import sandbox
-from .core import Diagnosis, Run
+from .core import Diagnosis, Run, distance_to
 
 __all__ = ["check_window_tile_bounds", "check_window_forward", "check_window_backward"]
 
@@ -297,6 +297,7 @@ class _LoopModel(Diagnosis):
             if bad.all() or (bad != ~np.isfinite(actual)).any():
                 continue
             if np.allclose(actual[~bad], wrong[~bad], atol=atol * _SLACK, rtol=rtol * _SLACK):
+                self.matched_distance = distance_to(actual[~bad], wrong[~bad], atol, rtol)
                 return True
         return False
 
@@ -482,6 +483,7 @@ class _GradModel(Diagnosis):
         for blocks in (_DKDV_PAIRS if self.per_block else [None]):
             wrong = self.predict(blocks)[self.which]
             if np.allclose(actual, wrong, atol=atol * _SLACK, rtol=rtol * _SLACK):
+                self.matched_distance = distance_to(actual, wrong, atol, rtol)
                 return True
         return False
 

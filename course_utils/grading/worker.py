@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import linecache
 import os
 import subprocess
@@ -144,21 +145,38 @@ def _wrapped_reference(fn):
         return None
 
 
-def _rebuild_kernel(fn, lines, start, options):
+_copies = itertools.count()
+
+
+def _rebuild_kernel(fn, lines, start, options, filename=None):
     """The worker's side of a pickled ``@triton.jit`` kernel.
 
-    Triton reads a kernel's source with :mod:`inspect`. A kernel defined in a
-    notebook cell has no file on disk, so we register the source in
-    :mod:`linecache` under the cell's file name, at its line, as Jupyter does.
+    Triton reads a kernel's source with :mod:`inspect`, from the file its code
+    object names. cloudpickle renames every code object it sends by value
+    ``<dynamic-code>``, so the kernels of different cells and modules would
+    share one file name and overwrite each other's lines; and a kernel defined
+    in a notebook cell has no file on disk. So the kernel gets back its own
+    file name (a copy's name where the file on disk differs) and its source is
+    registered in :mod:`linecache` under it, at its line, as Jupyter does.
     """
-    filename = fn.__code__.co_filename
-    if not os.path.exists(filename):
-        cached = linecache.cache.get(filename)
-        have = list(cached[2]) if cached else []
-        end = start - 1 + len(lines)
-        have.extend("\n" for _ in range(end - len(have)))
-        have[start - 1 : end] = lines
-        linecache.cache[filename] = (sum(map(len, have)), None, have, filename)
+    filename = filename or fn.__code__.co_filename
+    end = start - 1 + len(lines)
+    if os.path.exists(filename):
+        on_disk = linecache.getlines(filename)
+        if on_disk[start - 1 : end] == list(lines):
+            fn.__code__ = fn.__code__.replace(co_filename=filename)
+            return _jit(fn, options)
+        filename = f"<{filename}, as sent to the grading worker #{next(_copies)}>"
+    cached = linecache.cache.get(filename)
+    have = list(cached[2]) if cached else []
+    have.extend("\n" for _ in range(end + 1 - len(have)))  # and a blank line after the kernel
+    have[start - 1 : end] = lines
+    linecache.cache[filename] = (sum(map(len, have)), None, have, filename)
+    fn.__code__ = fn.__code__.replace(co_filename=filename)
+    return _jit(fn, options)
+
+
+def _jit(fn, options):
     import triton
 
     return triton.jit(fn, **options)
@@ -178,7 +196,7 @@ def _reduce_kernel(kernel):
         if value:
             options[key] = list(value) if key == "do_not_specialize" else value
     # do_not_specialize holds indices once parsed; triton.jit accepts indices.
-    return _rebuild_kernel, (fn, lines, start, options)
+    return _rebuild_kernel, (fn, lines, start, options, fn.__code__.co_filename)
 
 
 def _kernel_classes():
