@@ -21,8 +21,9 @@ Providers, all on the same inputs:
   is the fastest of them at each point;
 - ``flex``: ``torch.nn.attention.flex_attention`` compiled (its decoding path
   for short queries), with ``enable_gqa=True``, where it runs;
-- ``ceiling``: a Triton kernel that only streams K and V (it sums them) with
-  plenty of programs: the bandwidth a decode kernel could reach here.
+- ``ceiling``: the fastest of a few ways to only read K and V at each point
+  (a Triton kernel that sums them, in several tile sizes and warps, and
+  ``torch.sum``): the bandwidth a decode kernel could reach here.
 
 How we measure: every output is first compared with a float32 reference for
 the first and last sequences of the batch (a wrong provider is reported, not
@@ -116,7 +117,7 @@ def _make_stream_kernel():
     return stream_cache_kernel
 
 
-def read_ceiling(k, v, chunk: int | None = None, block_n: int = 64):
+def read_ceiling(k, v, chunk: int | None = None, block_n: int = 64, num_warps: int = 4, chunks_per_sm: int = 4):
     """Stream contiguous ``k`` and ``v`` ``[B, Hkv, L, D]`` once; returns the per-program sums.
 
     ``chunk`` (tokens per program) defaults to what gives every SM several
@@ -132,12 +133,37 @@ def read_ceiling(k, v, chunk: int | None = None, block_n: int = 64):
     B, H, L, D = k.shape
     if chunk is None:
         sms = torch.cuda.get_device_properties(k.device).multi_processor_count if k.is_cuda else 4
-        want = max(1, B * H * L // (4 * sms))
+        want = max(1, B * H * L // (chunks_per_sm * sms))
         chunk = min(2048, max(block_n, 1 << (want.bit_length() - 1)))
     n_chunks = triton.cdiv(L, chunk)
     out = torch.empty((B * H, n_chunks), dtype=torch.float32, device=k.device)
-    _stream_kernel[(n_chunks, B * H)](k, v, out, L, chunk, D=D, BLOCK_N=block_n, num_warps=4, num_stages=4)
+    _stream_kernel[(n_chunks, B * H)](k, v, out, L, chunk, D=D, BLOCK_N=block_n, num_warps=num_warps, num_stages=4)
     return out
+
+
+# (block_n, num_warps, chunks_per_sm) of the stream kernel tried at each point, besides torch.sum.
+CEILING_CONFIGS = ((32, 4, 4), (64, 4, 4), (64, 8, 4), (128, 8, 4), (64, 4, 16), (32, 4, 16))
+
+
+def fastest_reader(k, v, rep_ms: int = 20):
+    """The fastest way found here to read ``k`` and ``v`` once, and its name: the read ceiling.
+
+    One stream kernel cannot be the best at every size, so a few are timed
+    (``do_bench``, L2 flushed) with ``torch.sum`` beside them.
+    """
+    import torch
+    import triton
+
+    candidates = [(f"Triton stream, BLOCK_N={bn}, {nw} warps, {c} chunks/SM",
+                   lambda bn=bn, nw=nw, c=c: read_ceiling(k, v, block_n=bn, num_warps=nw, chunks_per_sm=c))
+                  for bn, nw, c in CEILING_CONFIGS]
+    candidates.append(("torch.sum", lambda: (k.sum(dtype=torch.float32), v.sum(dtype=torch.float32))))
+    best = None
+    for name, fn in candidates:
+        ms = triton.testing.do_bench(fn, warmup=5, rep=rep_ms, return_mode="median")
+        if best is None or ms < best[0]:
+            best = (ms, name, fn)
+    return best[2], best[1]
 
 
 # --------------------------------------------------------------------------- #
@@ -198,8 +224,33 @@ def make_provider(name: str, q, k, v, seqlens):
         run()
         return run, ""
     if name == "ceiling":
-        return (lambda: read_ceiling(k, v)), "streams K and V only"
+        if not k.is_cuda:  # no do_bench without a GPU: the one stream kernel
+            return (lambda: read_ceiling(k, v)), "streams K and V only"
+        fn, which = fastest_reader(k, v)
+        return fn, f"streams K and V only: {which}"
     raise ValueError(f"unknown provider {name!r}")
+
+
+def cuda_graphed(fn):
+    """``fn`` captured once in a CUDA graph; returns the graph's replay.
+
+    Inference engines run decode steps from CUDA graphs (a step is a few
+    microseconds of GPU work, shorter than launching its kernels from Python),
+    so the benchmark replays every provider the same way: what is timed is the
+    GPU's work, not Python's. Raises if ``fn`` cannot be captured.
+    """
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (allocations, autotuning, compilation)
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def paged_copy(k, v, page_size: int, seed: int = 0):
@@ -241,8 +292,11 @@ def rel_error(o, refs) -> float:
 
 
 def measure_point(batch: int, context: int, providers=PROVIDERS, log=print, rep_ms: int = 60,
-                  device: str = "cuda", dtype=None) -> list[dict]:
-    """Check, then time, every provider at one (batch, context) point (bf16 on the GPU by default)."""
+                  device: str = "cuda", dtype=None, graphs: bool = True) -> list[dict]:
+    """Check, then time, every provider at one (batch, context) point (bf16 on the GPU by default).
+
+    With ``graphs`` (on a GPU) each provider is timed replaying a CUDA graph of one call.
+    """
     import torch
     import triton
 
@@ -270,6 +324,13 @@ def measure_point(batch: int, context: int, providers=PROVIDERS, log=print, rep_
                 if not row["rel_err"] <= TOLERANCE:
                     row["status"] = "wrong"
             if row["status"] == "ok":
+                if graphs and device == "cuda":
+                    try:
+                        fn = cuda_graphed(fn)
+                    except Exception as exc:  # noqa: BLE001  (timed from Python instead, and said so)
+                        torch.cuda.synchronize()
+                        row["note"] = (row["note"] + "; " if row["note"] else "") + \
+                            f"not capturable in a CUDA graph ({type(exc).__name__}): launched from Python"
                 row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
                 row["gbps"] = gb_per_s(nbytes, row["ms"])
         except Exception as exc:  # a backend that refuses the shape, or no FlexAttention here
@@ -336,7 +397,11 @@ def markdown(rows: list[dict], info: dict) -> str:
         f"cuDNN {info.get('cudnn', '?')}, {info.get('date', '?')}); bf16, {N_Q_HEADS} query heads / "
         f"{N_KV_HEADS} kv heads, D = {HEAD_DIM}, one new token per sequence, every sequence at the full "
         "context. GB/s = bytes of K and V cache read / median time (`triton.testing.do_bench`, L2 flushed); "
-        "each output checked against a float32 reference first. `python -m course_utils.bench decode`.",
+        "each output checked against a float32 reference first. "
+        + ("Every provider is timed replaying a CUDA graph of one call, as inference engines run decode "
+           "steps (Python's launch time left out for all alike). " if info.get("cuda_graphs") else
+           "Every provider is launched from Python (`--no-graphs`). ")
+        + "`python -m course_utils.bench decode`.",
         "",
         "| B | context | course GB/s | SDPA best GB/s (backend) | FlexAttention GB/s | read ceiling GB/s "
         "| course / SDPA best | course / ceiling | course / Flex | splits | course, paged GB/s |",
@@ -411,6 +476,8 @@ def _parse(argv):
                    help="leave out points whose K + V caches pass this size (default 16)")
     p.add_argument("--quick", action="store_true", help="four points only")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per shape)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="launch every provider from Python instead of replaying a CUDA graph")
     return p.parse_args(argv)
 
 
@@ -426,8 +493,9 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     rows = []
     for batch, context in points:
-        rows += measure_point(batch, context, providers)
+        rows += measure_point(batch, context, providers, graphs=not args.no_graphs)
     info = environment_info()
+    info["cuda_graphs"] = not args.no_graphs
     info["seconds"] = round(time.perf_counter() - start, 1)
     paths = write_results(rows, args.out, info)
     print(markdown(rows, info))

@@ -210,26 +210,26 @@ def _attn_bwd_dkdv(
         do_base = DO + b * stride_dob + q_head * stride_doh
         lse_base = LSE + b * stride_lseb + q_head * stride_lseh
         delta_base = DELTA + b * stride_deltab + q_head * stride_deltah
-        # Causal: BLOCK_N is a multiple of BLOCK_M, so query blocks start at
-        # start_n: those before it see none of these keys (skipped), the ones in
-        # [start_n, start_n + BLOCK_N) cross the diagonal (masked), the rest,
-        # up to N_Q, see every key of the block (no mask work). Not causal:
-        # every query block, unmasked.
+        # Which query rows see these keys? Causal: BLOCK_N is a multiple of
+        # BLOCK_M, so query blocks start at start_n: those before it see none of
+        # these keys (skipped), the ones in [start_n, start_n + BLOCK_N) cross the
+        # diagonal (masked), the rest, up to N_Q, see every key of the block (no
+        # mask work). Not causal: every query row, unmasked, and no masked range.
+        # Set [diag_lo, diag_hi) (masked) and [full_lo, full_hi) (unmasked).
         if CAUSAL:
-            diag_end = tl.minimum(start_n + BLOCK_N, N_Q)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qn, stride_qd, stride_don, stride_dod,
-                                 offs_n, offs_d, start_n, diag_end, N_Q, head_dim, qk_scale,
-                                 BLOCK_M, EVEN_M, PAD_D, True)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qn, stride_qd, stride_don, stride_dod,
-                                 offs_n, offs_d, start_n + BLOCK_N, N_Q, N_Q, head_dim, qk_scale,
-                                 BLOCK_M, EVEN_M, PAD_D, False)
+            diag_lo, diag_hi = start_n, tl.minimum(start_n + BLOCK_N, N_Q)
+            full_lo, full_hi = start_n + BLOCK_N, N_Q
         else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qn, stride_qd, stride_don, stride_dod,
-                                 offs_n, offs_d, 0, N_Q, N_Q, head_dim, qk_scale,
-                                 BLOCK_M, EVEN_M, PAD_D, False)
+            diag_lo, diag_hi = 0, 0
+            full_lo, full_hi = 0, N_Q
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                             stride_qn, stride_qd, stride_don, stride_dod,
+                             offs_n, offs_d, diag_lo, diag_hi, N_Q, head_dim, qk_scale,
+                             BLOCK_M, EVEN_M, PAD_D, True)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                             stride_qn, stride_qd, stride_don, stride_dod,
+                             offs_n, offs_d, full_lo, full_hi, N_Q, head_dim, qk_scale,
+                             BLOCK_M, EVEN_M, PAD_D, False)
 
     # dK = sm_scale * dS^T Q: the scale is applied once, here, not in every tile.
     dk *= sm_scale
@@ -316,21 +316,24 @@ def _attn_bwd_dq(
     k_base = K + b * stride_kb + kv_head * stride_kh
     v_base = V + b * stride_vb + kv_head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    # Causal: BLOCK_M is a multiple of BLOCK_N, so key blocks before start_m
-    # are fully visible (no mask), those in [start_m, start_m + BLOCK_M) cross
-    # the diagonal (masked), and later ones are skipped; clip both to N_K.
-    # Not causal: every key block, unmasked. Finally dQ = sm_scale * dS K.
+    # Which keys does this query block see? Causal: BLOCK_M is a multiple of
+    # BLOCK_N, so key blocks before start_m are fully visible (no mask), those
+    # in [start_m, start_m + BLOCK_M) cross the diagonal (masked), and later ones
+    # are skipped; clip both to N_K. Not causal: every key, unmasked, and no
+    # masked range. Set [full_lo, full_hi) (unmasked) and [diag_lo, diag_hi) (masked).
     if CAUSAL:
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_m, offs_d, 0, tl.minimum(start_m, N_K), N_K, head_dim, qk_scale,
-                       BLOCK_N, EVEN_N, PAD_D, False)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K, head_dim, qk_scale,
-                       BLOCK_N, EVEN_N, PAD_D, True)
+        full_lo, full_hi = 0, tl.minimum(start_m, N_K)
+        diag_lo, diag_hi = start_m, tl.minimum(start_m + BLOCK_M, N_K)
     else:
-        dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                       offs_m, offs_d, 0, N_K, N_K, head_dim, qk_scale,
-                       BLOCK_N, EVEN_N, PAD_D, False)
+        full_lo, full_hi = 0, N_K
+        diag_lo, diag_hi = 0, 0
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   offs_m, offs_d, full_lo, full_hi, N_K, head_dim, qk_scale,
+                   BLOCK_N, EVEN_N, PAD_D, False)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                   offs_m, offs_d, diag_lo, diag_hi, N_K, head_dim, qk_scale,
+                   BLOCK_N, EVEN_N, PAD_D, True)
+    # dQ = sm_scale * dS K: the scale is applied once, here, not in every tile.
     dq *= sm_scale
     _store_tile(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
                 dq.to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
