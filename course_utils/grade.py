@@ -264,7 +264,7 @@ def graded_notebook(submitted, course: CourseNotebook, cfg: dict, skip=()) -> nb
 
 # -- the worker: one (learner, notebook), in its own process ------------------------------
 def _client_class():
-    from .build import notebook_client_class
+    from course_utils.build import notebook_client_class
 
     class CappedClient(notebook_client_class()):
         """Drops outputs past a byte budget and stops the run when it is exceeded."""

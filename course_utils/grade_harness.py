@@ -26,6 +26,12 @@ import os
 import sys
 
 BORROWED = "[course-grader: borrowed answer]"
+# The one program a graded notebook may start besides compilers: the course's grading worker
+# (course_utils.grading.worker, which runs checks on a GPU in their own process). It is let
+# through only with GUARD_VAR in its environment, and installs this same guard before it reads
+# anything, so learner code that runs there is held to the same rules.
+WORKER_ENTRY = "import sys; from course_utils.grading.worker import main; sys.exit(main())"
+GUARD_VAR = "COURSE_GRADE_GUARD"
 
 
 def _box(token):
@@ -52,6 +58,9 @@ def prologue(cfg):
         except (ImportError, ValueError, OSError):
             pass
     _box(cfg["token_a"])
+    guard = json.dumps({"token_a": "worker", **{k: cfg.get(k) for k in
+                        ("write_roots", "hidden_dirs", "allowed_programs", "data_limit_bytes")}}, sort_keys=True)
+    os.environ[GUARD_VAR] = guard
     roots = tuple(os.path.realpath(p) for p in cfg["write_roots"])
     hidden = tuple(os.path.realpath(p) for p in cfg.get("hidden_dirs", ()))
     allowed_programs = frozenset(cfg.get("allowed_programs", ()))
@@ -102,6 +111,8 @@ def prologue(cfg):
                         refuse("list the grader's folder")
             elif event in ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.forkpty"):
                 refuse("run other programs")
+            elif event == "subprocess.Popen" and _is_guarded_worker(args, guard):
+                pass  # the course's grading worker, which installs this guard first (see WORKER_ENTRY)
             elif event == "subprocess.Popen":
                 exe = os.path.basename(os.fsdecode(args[0] if args[0] else (args[1][0] if not isinstance(args[1], (str, bytes)) else str(args[1]).split()[0])))
                 if exe not in allowed_programs:
@@ -125,6 +136,16 @@ _BLOCKED_SYMBOLS = frozenset(
     "popen posix_spawn posix_spawnp open open64 openat openat64 creat creat64 truncate truncate64 ftruncate "
     "chmod fchmod fchmodat chown lchown fchown kill killpg syscall link linkat symlink symlinkat mkdir".split()
 )
+
+
+def _is_guarded_worker(popen_args, guard):
+    """Whether a ``subprocess.Popen`` (audit arguments: executable, args, cwd, env) starts the course's worker, guarded."""
+    argv, env = popen_args[1], popen_args[3]
+    if not isinstance(argv, (list, tuple)) or len(argv) < 3:
+        return False
+    if [os.fsdecode(a) if isinstance(a, bytes) else a for a in argv[:3]] != [sys.executable, "-c", WORKER_ENTRY]:
+        return False
+    return (os.environ if env is None else env).get(GUARD_VAR) == guard
 
 
 def _is_child(pid, me):

@@ -436,3 +436,38 @@ def test_trips_refuse_the_course_answers_to_learner_code_but_not_to_course_code(
     for obj, attr, value in reversed(trips.restore):
         setattr(obj, attr, value)
     assert module.answer(1) == 4
+
+
+def test_a_graded_notebook_may_start_the_course_worker_which_keeps_the_guard(tmp_path):
+    # On a GPU every Triton check runs in the course's worker process (course_utils.grading.worker).
+    # Under the batch grader's guard that one program may start (any other is refused), and the
+    # worker holds the same guard: learner code run there cannot write outside the notebook's folder.
+    home = Path.home()
+    cfg = {"token_a": "t", "write_roots": [str(tmp_path), str(home / ".triton"), str(home / ".cache")],
+           "hidden_dirs": [], "allowed_programs": [], "data_limit_bytes": None}
+    outside = tmp_path.parent / f"outside-{tmp_path.name}.txt"
+    script = f"""
+import subprocess, sys
+sys.path.insert(0, {str(ROOT)!r})
+ns = {{"__name__": "harness"}}
+exec(open({str(ROOT / "course_utils" / "grade_harness.py")!r}).read(), ns)
+ns["prologue"]({cfg!r})
+try:
+    subprocess.run([sys.executable, "-c", "print(1)"])
+    print("OTHER PROGRAM RAN")
+except PermissionError:
+    print("other program refused")
+from course_utils.grading import worker
+
+def write_outside(fn):
+    open({str(outside)!r}, "w").write("x")
+
+w = worker.Worker("cpu")
+kind, value, printed, broken = w.run(worker.dumps((write_outside, None, {{}})), timeout_s=120)
+print("worker:", kind, "refused" if "does not let a notebook write" in value else value[-300:])
+w.kill()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "other program refused" in done.stdout, done.stdout + done.stderr
+    assert "worker: error refused" in done.stdout, done.stdout + done.stderr
+    assert not outside.exists()

@@ -356,8 +356,10 @@ def _grade_distributed(run, cases, seed, per_rank, world):
         grads_right = ref.attention_backward(q, k, v, do, causal=causal)
         for which, label in ((2, "dv"), (1, "dk"), (0, "dq")):
             got = ring.unshard_sequence([r["grads"][which] for r in records], world, layout, dim=2)
+            # Twice the forward's tolerance: the gradients sum more rounded products (seen on the H200's
+            # image, triton 3.6: dq off by 2.4e-4 against 2.3e-4 in the large-scores case).
             run.compare(got, grads_right[which], case=name, what=f"{label} (the course's ring backward run from "
-                        "your o and lse)", atol=atol, rtol=rtol,
+                        "your o and lse)", atol=2 * atol, rtol=2 * rtol,
                         axes=("b", "kv_head" if which else "q_head", "i", "d"))
     return run.passed()
 
