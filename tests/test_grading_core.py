@@ -346,3 +346,21 @@ def test_triton_imported_first_points_to_the_restart_at_the_first_launch(tmp_pat
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode != 0 and "active drivers" in out.stderr
     assert "Restart the kernel" in out.stderr and "import course_utils` first" in out.stderr
+
+
+def test_the_nearest_modelled_mistake_is_named_when_two_are_within_reach():
+    # With a GPU's looser (tf32) tolerances two mistakes' outputs can both be close enough to an
+    # answer: the one nearer to it is named, whatever the order; a predicate diagnosis that comes
+    # first still wins (it models no single output to measure).
+    from course_utils.grading.core import Diagnosis, pick_diagnosis
+
+    right = np.zeros(4)
+    first = Diagnosis("first", expected=np.full(4, 0.9))
+    second = Diagnosis("second", expected=np.full(4, 1.0))
+    answer = np.full(4, 1.01)
+    assert pick_diagnosis([first, second], answer, atol=0.2, rtol=0.0) is second
+    assert pick_diagnosis([second, first], answer, atol=0.2, rtol=0.0) is second
+    assert pick_diagnosis([first, second], np.full(4, 0.88), atol=0.2, rtol=0.0) is first
+    assert pick_diagnosis([first, second], right, atol=0.2, rtol=0.0) is None
+    rule = Diagnosis("rule", when=lambda a: True)
+    assert pick_diagnosis([rule, second], answer, atol=0.2, rtol=0.0) is rule
