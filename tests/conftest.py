@@ -78,9 +78,28 @@ def learner_copy(module, name):
     learner's), so the course's correct kernels stand in for a learner's
     through a copy.
     """
-    path = Path(module.__file__)
-    spec = importlib.util.spec_from_file_location(name, path)
-    copy = importlib.util.module_from_spec(spec)
-    sys.modules[name] = copy
-    spec.loader.exec_module(copy)
-    return copy
+    return module_from_source(Path(module.__file__), name=name)
+
+
+def module_from_source(path, src=None, name=None):
+    """``src`` (if given) written to ``path``, imported as a module (named after the file), in ``sys.modules``.
+
+    Planted variants of the course's kernels go through a real file: Triton reads
+    a ``@triton.jit`` function's source with :mod:`inspect`.
+    """
+    path = Path(path)
+    if src is not None:
+        path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def function_span(src: str, name: str) -> tuple[int, int]:
+    """Where top-level function ``name`` starts and ends in ``src`` (up to the next top-level item)."""
+    start = src.index(f"\ndef {name}(") + 1
+    ends = [i for i in (src.find("\n@triton.jit", start), src.find("\ndef ", start), src.find("\n# ---", start))
+            if i != -1]
+    return start, min(ends) if ends else len(src)

@@ -17,7 +17,6 @@ the fix by exactly the predicted factor, not by nothing.
 """
 
 import functools
-import importlib.util
 from pathlib import Path
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
@@ -26,7 +25,7 @@ import nbformat
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, module_from_source
 
 from course_utils import references as ref
 from course_utils.grading import GradingError
@@ -95,12 +94,7 @@ def _load(tmp_path, name, changes=()):
     for old, new in changes:
         assert old in src, f"{name}: the fixed cell no longer contains {old!r}; update FLAWS"
         src = src.replace(old, new)
-    path = tmp_path / f"nb05b_{name}.py"
-    path.write_text(HEADER + src)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return module_from_source(tmp_path / f"nb05b_{name}.py", HEADER + src)
 
 
 def test_every_flaw_is_listed_once():
@@ -219,11 +213,7 @@ def test_student_version_raises_until_filled_in(tmp_path):
 
     src = student_source(_fixed_cell(), "05b exercise")
     assert src.count(STUB_LINE) == 9 and "diag_start = (" not in src and "tl.log2(l_i)" not in src
-    path = tmp_path / "nb05b_student.py"
-    path.write_text(HEADER + src)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = module_from_source(tmp_path / "nb05b_student.py", HEADER + src)
     q = torch.randn(1, 2, 16, 16)
     with pytest.raises(NotImplementedError, match="_flash_attention_forward_gqa_kernel"):
         module.flash_attention_forward(q, q[:, :1], q[:, :1])

@@ -11,10 +11,8 @@ sizes, per-query-head partial gradients summed afterwards, no tiling at all
 in NumPy) must pass; answers without Triton in the backward must not.
 """
 
-import importlib.util
 import math
 import re
-import sys
 from pathlib import Path
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
@@ -23,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import learner_copy
+from conftest import learner_copy, module_from_source
 
 from course_utils import references as ref
 from course_utils.grading import GradingError
@@ -168,12 +166,7 @@ def planted(tmp_path, name, *edits):
     for old, new in edits:
         assert text.count(old) >= 1, f"planting {name}: {old!r} not found in backward.py"
         text = text.replace(old, new)
-    path = tmp_path / f"planted_{name}.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location(f"planted_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.flash_attention_differentiable
+    return module_from_source(tmp_path / f"planted_{name}.py", text).flash_attention_differentiable
 
 
 PLANTS = {

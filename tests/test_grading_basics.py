@@ -18,6 +18,7 @@ import triton.language as tl
 from course_utils.grading import GradingError, check_triton_softmax
 from course_utils.grading import part2_basics as pb
 from course_utils.grading.sandbox import KernelError
+from conftest import module_from_source
 
 LOG2E = 1.4426950408889634
 
@@ -303,7 +304,6 @@ def test_whole_check_passes_the_reference_kernel_with_its_default_seed():
 def test_lesson_03_student_stub_raises_and_solution_passes(tmp_path):
     # The notebook's exercise cell: the solution passes the check, and the student version
     # (what `python -m course_utils.build` makes of it) raises until the kernel is written.
-    import importlib.util
     from pathlib import Path
 
     import nbformat
@@ -315,12 +315,7 @@ def test_lesson_03_student_stub_raises_and_solution_passes(tmp_path):
     header = "import course_utils\nimport torch\nimport triton\nimport triton.language as tl\n\n"
 
     def load(name, src):
-        path = tmp_path / f"{name}.py"
-        path.write_text(header + src)
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return module_from_source(tmp_path / f"{name}.py", header + src)
 
     assert check_triton_softmax(load("nb03_solution", cell).triton_softmax)
     student = load("nb03_student", student_source(cell, "03 exercise"))

@@ -8,9 +8,7 @@ it. Correct answers written differently (other block sizes, natural-log
 exponentials, NumPy's logaddexp) must pass.
 """
 
-import importlib.util
 import inspect
-import sys
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
@@ -22,6 +20,7 @@ from course_utils import references as ref
 from course_utils.grading import GradingError, check_decode_combine, check_decode_split, check_merge_partials
 from course_utils.grading import part5_decode as p5
 from course_utils.kernels import decode
+from conftest import module_from_source
 
 _made: dict = {}
 
@@ -39,14 +38,8 @@ def variant(tmp_path_factory):
         for old, new in edits:
             assert src.count(old) == 1, f"{name}: {old!r} occurs {src.count(old)} times in decode.py"
             src = src.replace(old, new)
-        path = folder / f"decode_variant_{name}.py"
-        path.write_text(src)
-        spec = importlib.util.spec_from_file_location(f"decode_variant_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        _made[name] = module
-        return module
+        _made[name] = module_from_source(folder / f"decode_variant_{name}.py", src)
+        return _made[name]
 
     return make
 

@@ -9,9 +9,7 @@ written differently (other block sizes, tl.exp instead of exp2, another kv-head
 formula, a single masked loop) must pass.
 """
 
-import importlib.util
 import inspect
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 import pytest
 import torch
 
-from conftest import learner_copy
+from conftest import function_span, learner_copy, module_from_source
 import triton
 import triton.language as tl
 
@@ -39,13 +37,6 @@ LAUNCH_A = "flash_attention_forward"
 
 
 # -- planting mistakes in a copy of forward.py ---------------------------------
-def _span(src: str, name: str) -> tuple[int, int]:
-    """Where function ``name`` starts and ends in ``src`` (up to the next top-level item)."""
-    start = src.index(f"\ndef {name}(") + 1
-    ends = [i for i in (src.find("\n@triton.jit", start), src.find("\ndef ", start), src.find("\n# ---", start)) if i != -1]
-    return start, min(ends) if ends else len(src)
-
-
 _made: dict = {}
 
 
@@ -60,18 +51,12 @@ def variant(tmp_path_factory):
             return _made[name]
         src = source
         for func, old, new in edits:
-            a, b = _span(src, func)
+            a, b = function_span(src, func)
             body = src[a:b]
             assert body.count(old) == 1, f"{name}: {old!r} occurs {body.count(old)} times in {func}"
             src = src[:a] + body.replace(old, new) + src[b:]
-        path = folder / f"variant_{name}.py"
-        path.write_text(src)
-        spec = importlib.util.spec_from_file_location(f"variant_{name}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        _made[name] = module
-        return module
+        _made[name] = module_from_source(folder / f"variant_{name}.py", src)
+        return _made[name]
 
     return make
 

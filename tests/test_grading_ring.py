@@ -125,14 +125,18 @@ def test_correct_simulations_pass(fn):
     assert check_ring_simulation(fn, seed=7)
 
 
-@pytest.mark.parametrize("mistake, message", [
+# The planted mistakes of the ring, and the message each must get (simulation and distributed check).
+RING_MISTAKES = [
     ("no_shift", p6.MSG_NO_SHIFT),
     ("later_full", p6.MSG_LATER_NOT_SKIPPED),
     ("later_diagonal", p6.MSG_LATER_MASKED),
     ("rank_rule", p6.MSG_RANK_RULE),
     ("zigzag_strided", p6.MSG_ZIGZAG_OFF),
     ("zigzag_off_by_one", p6.MSG_ZIGZAG_OFF),
-])
+]
+
+
+@pytest.mark.parametrize("mistake, message", RING_MISTAKES)
 def test_planted_simulation_mistakes_are_diagnosed(mistake, message):
     def fn(q, k, v, causal=False, layout="zigzag"):
         return learner_simulation(q, k, v, causal, layout, mistake=mistake)
@@ -220,14 +224,7 @@ def _records(seed, cases, mistake, world=2):
     return per_rank
 
 
-@pytest.mark.parametrize("mistake, message", [
-    ("no_shift", p6.MSG_NO_SHIFT),
-    ("later_full", p6.MSG_LATER_NOT_SKIPPED),
-    ("later_diagonal", p6.MSG_LATER_MASKED),
-    ("rank_rule", p6.MSG_RANK_RULE),
-    ("zigzag_strided", p6.MSG_ZIGZAG_OFF),
-    ("zigzag_off_by_one", p6.MSG_ZIGZAG_OFF),
-])
+@pytest.mark.parametrize("mistake, message", RING_MISTAKES)
 def test_distributed_diagnoses(mistake, message):
     run = p6.Run("check_ring_attention", seed=11)
     cases = p6._dist_cases(run.rng)

@@ -7,9 +7,7 @@ loading the edited copy as a module, so every planted kernel is the real
 kernel with exactly one realistic bug.
 """
 
-import importlib.util
 import inspect
-import sys
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
@@ -21,6 +19,7 @@ from course_utils.grading import (GradingError, check_window_backward, check_win
 from course_utils.grading import part5_window as p5
 from course_utils.kernels import backward as bw
 from course_utils.kernels import forward
+from conftest import function_span, module_from_source
 
 
 def _fails(check, fn, message, **kwargs):
@@ -99,13 +98,6 @@ def test_bounds_wrong_type_gets_a_sentence():
 # -----------------------------------------------------------------------------
 # Planting mistakes in copies of forward.py and backward.py
 # -----------------------------------------------------------------------------
-def _span(src, name):
-    start = src.index(f"\ndef {name}(") + 1
-    ends = [i for i in (src.find("\n@triton.jit", start), src.find("\ndef ", start), src.find("\n# ---", start))
-            if i != -1]
-    return start, min(ends) if ends else len(src)
-
-
 _made = {}
 
 
@@ -115,18 +107,12 @@ def planted(tmp_path_factory, module, name, *edits):
         return _made[name]
     src = inspect.getsource(module)
     for func, old, new in edits:
-        a, b = _span(src, func)
+        a, b = function_span(src, func)
         body = src[a:b]
         assert old in body, f"{name}: {old!r} is not in {func}"
         src = src[:a] + body.replace(old, new) + src[b:]
-    path = tmp_path_factory.mktemp("planted") / f"planted_{name}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"planted_{name}", path)
-    loaded = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = loaded
-    spec.loader.exec_module(loaded)
-    _made[name] = loaded
-    return loaded
+    _made[name] = module_from_source(tmp_path_factory.mktemp("planted") / f"planted_{name}.py", src)
+    return _made[name]
 
 
 def fwd(module, **blocks):
