@@ -187,7 +187,14 @@ def test_forward_sdpa_is_not_a_triton_kernel():
 # -----------------------------------------------------------------------------
 # check_window_backward
 # -----------------------------------------------------------------------------
-def differentiable(module, config=None):
+def lesson_config(module, q, split_sinks=False):
+    """The package's tiles for ``q``; by default lesson 08's dK/dV kernel alone (the planted edits are in it)."""
+    cfg = module.default_config(q.shape[-1], q.device.type, course_utils.ENV.capability, q.dtype)
+    cfg.split_sinks = split_sinks
+    return cfg
+
+
+def differentiable(module, config=None, split_sinks=False):
     from course_utils.kernels import flash_attention_with_lse
 
     class Planted(torch.autograd.Function):
@@ -201,7 +208,8 @@ def differentiable(module, config=None):
         @staticmethod
         def backward(ctx, do):
             q, k, v, o, lse = ctx.saved_tensors
-            grads = module.attention_backward(q, k, v, o, lse, do, causal=True, config=config,
+            cfg = config or lesson_config(module, q, split_sinks)
+            grads = module.attention_backward(q, k, v, o, lse, do, causal=True, config=cfg,
                                               window_size=ctx.window[0], sink_size=ctx.window[1])
             return (*grads, None, None)
 
@@ -231,11 +239,12 @@ def test_backward_mistakes_are_diagnosed(tmp_path_factory, name):
 def test_backward_sink_diagnosis_with_other_blocks(tmp_path_factory):
     message, edits = BACKWARD_MISTAKES["sinks_not_accumulated"]
     module = planted(tmp_path_factory, bw, "bw_sinks_not_accumulated", *edits)
-    _fails(check_window_backward, differentiable(module, bw.BackwardConfig(16, 32, 32, 16)), message)
+    _fails(check_window_backward, differentiable(module, bw.BackwardConfig(16, 32, 32, 16, split_sinks=False)), message)
 
 
-def test_backward_course_kernels_pass():
-    assert check_window_backward(differentiable(bw))
+@pytest.mark.parametrize("split_sinks", [False, True], ids=["lesson-kernel", "sinks-split"])
+def test_backward_course_kernels_pass(split_sinks):
+    assert check_window_backward(differentiable(bw, split_sinks=split_sinks))
 
 
 def test_backward_math_only_is_rejected():

@@ -335,10 +335,46 @@ def test_dkdv_visits_exactly_the_query_blocks_that_see_its_keys(monkeypatch, n, 
     o, lse = forward.flash_attention_window_forward(q, k, v, window_size=w, sink_size=s)
     calls = _recorded(monkeypatch, bw, {"_dkdv_inner": False, "_dkdv_inner_window": True}, 12, 14)
     bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=w, sink_size=s,
-                          config=bw.BackwardConfig(block_m, block_n, 32, 16))
+                          config=bw.BackwardConfig(block_m, block_n, 32, 16, split_sinks=False))
     got = _tiles(calls, block_m)
     assert set(got) == set(want), "the dK/dV loop visits query blocks that see none of its keys, or misses some"
     assert all(masked or want[t] for t, masked in got.items()), "a partial tile was computed without the mask"
+    # The package's default spreads the sink keys' far queries over programs of their own: the
+    # window kernel then visits only the band, as if there were no sinks.
+    band = ref.window_mask(n, n, w, 0)
+    calls.clear()
+    bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=w, sink_size=s,
+                          config=bw.BackwardConfig(block_m, block_n, 32, 16))
+    want_band = {(bj, bi) for bj in range(0, n, block_n) for bi in range(0, n, block_m)
+                 if band[bi:bi + block_m, bj:bj + block_n].any()}
+    assert set(_tiles(calls, block_m)) == want_band
+
+
+@pytest.mark.parametrize("b,hq,hkv,n,d,w,s", [
+    (1, 4, 2, 200, 16, 40, 5),     # GQA, N not a multiple of the tiles
+    (2, 2, 1, 130, 32, 9, 70),     # sinks in two blocks of 64, most keys sinks
+    (1, 3, 3, 257, 24, 64, 1),     # one sink, padded head dim
+])
+def test_split_sink_gradients_equal_the_lesson_kernels(monkeypatch, b, hq, hkv, n, d, w, s):
+    """The sink keys' far queries in programs of their own: same dq, dk, dv as lesson 08's single
+    program (to fp32 rounding: only the order of the sums differs), the same bits on every run,
+    and the split really ran, over more than one query chunk."""
+    q, k, v, do = _inputs(b, hq, hkv, n, d, torch.float32, seed=3)
+    o, lse = flash_attention_with_lse(q, k, v, causal=True, window_size=w, sink_size=s)
+    cfg = bw.default_config(d, DEVICE, course_utils.ENV.capability, q.dtype)
+    chunks = []
+    real = bw._sink_chunks
+    monkeypatch.setattr(bw, "_sink_chunks", lambda *a: chunks.append(real(*a)) or chunks[-1])
+    split = bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=w, sink_size=s, config=cfg)
+    again = bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=w, sink_size=s, config=cfg)
+    assert len(chunks) == 2 and chunks[0] > 1, f"the split ran {len(chunks)} times over {chunks} chunks"
+    cfg.split_sinks = False
+    lesson = bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=w, sink_size=s, config=cfg)
+    assert len(chunks) == 2, "split_sinks=False still split"
+    scale = max(float(t.abs().max()) for t in lesson)
+    for name, a, b_, c in zip(("dq", "dk", "dv"), split, again, lesson):
+        assert torch.equal(a, b_), f"{name} differs between two runs"
+        torch.testing.assert_close(a, c, rtol=0, atol=(1e-5 if DEVICE == "cpu" else 2e-3) * scale, msg=name)
 
 
 def test_tile_picture_and_widget_build_headless():

@@ -40,7 +40,9 @@ def compiled():
 
 def test_every_lesson_kernel_is_compiled_for_both_targets(compiled):
     names = {"flash_attention_kernel", "_flash_attention_forward_gqa_kernel",
-             "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"}
+             "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
+             "_flash_attention_forward_window_kernel", "_attn_bwd_dkdv_window", "_attn_bwd_dkdv_sinks",
+             "_attn_bwd_dq_window"}
     for sm in (75, 80):
         assert {r["kernel"] for r in compiled if r["sm"] == sm} == names
 

@@ -447,6 +447,81 @@ def _attn_bwd_dkdv_window(
 
 
 @triton.jit
+def _attn_bwd_dkdv_sinks(
+    Q, K, V, DO, LSE, DELTA, DK_PART, DV_PART,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lseb, stride_lseh,
+    stride_deltab, stride_deltah,
+    n_kv_heads, group_size, N_Q, head_dim, sm_scale, WINDOW_SIZE, SINK_SIZE, CHUNK,
+    BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PAD_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """The sink keys' dK, dV from the queries that see them only as sinks, spread over programs.
+
+    Package-only (lesson 08's "Speed" section): in :func:`_attn_bwd_dkdv_window` the one
+    program owning the sink keys walks every later query block, N / W times the work of the
+    others, and the whole kernel waits for it. Here program ``(c, s, b * n_kv_heads + kv_head)``
+    takes sink keys ``[s * BLOCK_S, (s + 1) * BLOCK_S)`` and the ``c``-th chunk of ``CHUNK``
+    query rows, keeps only the pairs with ``i - j >= WINDOW_SIZE`` (the window kernel, run
+    with ``SINK_SIZE = 0``, has the others) and writes an fp32 partial sum to
+    ``DK_PART/DV_PART[c, b * n_kv_heads + kv_head, s * BLOCK_S + row, :]``. The launcher adds
+    the partials up in a fixed order: no atomics, the same bits on every run.
+    """
+    pid_c = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    start_s = pid_s * BLOCK_S
+    offs_n = start_s + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    k = _load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, SINK_SIZE, offs_d, head_dim, False, PAD_D)
+    v = _load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, SINK_SIZE, offs_d, head_dim, False, PAD_D)
+    dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_S, BLOCK_D], dtype=ACC)
+    # Chunks tile [WINDOW_SIZE rounded down to BLOCK_M, N_Q); this key block's first far row
+    # is start_s + WINDOW_SIZE, so the earlier tiles of the first chunks are skipped.
+    chunk_lo = WINDOW_SIZE // BLOCK_M * BLOCK_M + pid_c * CHUNK
+    lo = tl.maximum(chunk_lo, (start_s + WINDOW_SIZE) // BLOCK_M * BLOCK_M)
+    hi = tl.minimum(chunk_lo + CHUNK, N_Q)
+    for g in range(0, group_size):
+        q_head = kv_head * group_size + g
+        q_base = Q + b * stride_qb + q_head * stride_qh
+        do_base = DO + b * stride_dob + q_head * stride_doh
+        lse_base = LSE + b * stride_lseb + q_head * stride_lseh
+        delta_base = DELTA + b * stride_deltab + q_head * stride_deltah
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = _load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                           offs_m, N_Q, offs_d, head_dim, False, PAD_D)
+            do = _load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                            offs_m, N_Q, offs_d, head_dim, False, PAD_D)
+            lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
+            s_t = tl.dot(k, tl.trans(q))
+            p_t = tl.math.exp2(s_t * qk_scale - lse[None, :] * 1.4426950408889634)
+            far = ((offs_m[None, :] - offs_n[:, None]) >= WINDOW_SIZE) & (offs_n[:, None] < SINK_SIZE) \
+                & (offs_m[None, :] < N_Q)
+            p_t = tl.where(far, p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do)
+            dp_t = tl.dot(v, tl.trans(do))
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q)
+    dk *= sm_scale
+    rows = tl.arange(0, BLOCK_S)
+    part = (pid_c * tl.num_programs(2) + pid_bh) * (tl.num_programs(1) * BLOCK_S * BLOCK_D) + start_s * BLOCK_D
+    tl.store(DK_PART + part + rows[:, None] * BLOCK_D + offs_d[None, :], dk)
+    tl.store(DV_PART + part + rows[:, None] * BLOCK_D + offs_d[None, :], dv)
+
+
+@triton.jit
 def _dq_inner_window(
     dq, q, do, lse2, delta,
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -536,10 +611,13 @@ class BackwardConfig:
 
     ``dkdv_block_n`` must be a multiple of ``dkdv_block_m`` and ``dq_block_m``
     of ``dq_block_n`` (the causal loops split at block boundaries).
+    ``split_sinks`` (window backward with sinks): the sink keys' far queries get
+    programs of their own (:func:`_attn_bwd_dkdv_sinks`); ``False`` runs lesson
+    08's kernel alone, whose sink-key program walks every later query block.
     """
 
     def __init__(self, dkdv_block_m=16, dkdv_block_n=32, dq_block_m=32, dq_block_n=16,
-                 dkdv_warps=4, dkdv_stages=1, dq_warps=4, dq_stages=1, pre_block_m=None):
+                 dkdv_warps=4, dkdv_stages=1, dq_warps=4, dq_stages=1, pre_block_m=None, split_sinks=True):
         if dkdv_block_n % dkdv_block_m or dq_block_m % dq_block_n:
             raise ValueError("dkdv_block_n must be a multiple of dkdv_block_m, and dq_block_m of dq_block_n")
         for value in (dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n):
@@ -550,6 +628,7 @@ class BackwardConfig:
         self.dkdv_warps, self.dkdv_stages = dkdv_warps, dkdv_stages
         self.dq_warps, self.dq_stages = dq_warps, dq_stages
         self.pre_block_m = pre_block_m or dq_block_m
+        self.split_sinks = split_sinks
 
     def __repr__(self):
         return (f"BackwardConfig(dkdv {self.dkdv_block_m}x{self.dkdv_block_n} w{self.dkdv_warps} s{self.dkdv_stages}, "
@@ -703,13 +782,21 @@ def _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_siz
     if N_Q != N_K:
         raise ValueError(f"a window needs as many queries as keys, but there are {N_Q} queries and {N_K} keys.")
     bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    # With sinks, the program that owns the sink keys would walk every later query block
+    # (lesson 08's kernel does): spread that far part over programs of its own instead,
+    # and run the window kernel without sinks (it then covers every pair with i - j < W).
+    split = cfg.split_sinks and sink_size > 0 and N_Q > window_size
+    dkdv_sinks = 0 if split else sink_size
     _attn_bwd_dkdv_window[(triton.cdiv(N_K, bn), B * n_kv_heads)](
         q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
-        n_kv_heads, group_size, N_Q, N_K, D, sm_scale, window_size, sink_size,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=sink_size > 0,
+        n_kv_heads, group_size, N_Q, N_K, D, sm_scale, window_size, dkdv_sinks,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=dkdv_sinks > 0,
         EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )
+    if split:
+        _sink_far_gradients(q, k, v, lse, delta, do, dk, dv, common, cfg, group_size, sm_scale,
+                            window_size, sink_size, BLOCK_D, PAD_D, ACC)
     bm, bn = cfg.dq_block_m, cfg.dq_block_n
     _attn_bwd_dq_window[(triton.cdiv(N_Q, bm), B * n_q_heads)](
         q, k, v, do, lse, delta, dq, *common, *dq.stride(),
@@ -718,6 +805,45 @@ def _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_siz
         EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )
+
+
+def _sink_chunks(rows: int, block_m: int, programs_per_chunk: int, device: torch.device) -> int:
+    """How many query chunks :func:`_attn_bwd_dkdv_sinks` spreads ``rows`` far rows over.
+
+    On a GPU: enough programs to give every SM about four; in the interpreter three (each
+    program costs the same there, and three still tests the adding up of partials)."""
+    tiles = triton.cdiv(rows, block_m)
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(tiles, triton.cdiv(4 * sms, programs_per_chunk)))
+    return max(1, min(tiles, 3))
+
+
+def _sink_far_gradients(q, k, v, lse, delta, do, dk, dv, common, cfg, group_size, sm_scale,
+                        window_size, sink_size, BLOCK_D, PAD_D, ACC):
+    """Add the sink keys' dK, dV from the queries beyond their window (``i - j >= window_size``)."""
+    B, n_kv_heads, N_Q = q.shape[0], k.shape[1], q.shape[2]
+    bm = cfg.dkdv_block_m
+    block_s = min(64, max(16, triton.next_power_of_2(sink_size)))
+    sink_blocks = triton.cdiv(sink_size, block_s)
+    rows = N_Q - window_size // bm * bm
+    chunks = _sink_chunks(rows, bm, sink_blocks * B * n_kv_heads, q.device)
+    chunk = bm * triton.cdiv(triton.cdiv(rows, bm), chunks)
+    chunks = triton.cdiv(rows, chunk)
+    acc_torch = torch.float64 if ACC == tl.float64 else torch.float32
+    shape = (chunks, B * n_kv_heads, sink_blocks * block_s, BLOCK_D)
+    dk_part = torch.empty(shape, device=q.device, dtype=acc_torch)
+    dv_part = torch.empty(shape, device=q.device, dtype=acc_torch)
+    _attn_bwd_dkdv_sinks[(chunks, sink_blocks, B * n_kv_heads)](
+        q, k, v, do, lse, delta, dk_part, dv_part, *common,
+        n_kv_heads, group_size, N_Q, q.shape[3], sm_scale, window_size, sink_size, chunk,
+        BLOCK_M=bm, BLOCK_S=block_s, BLOCK_D=BLOCK_D, PAD_D=PAD_D, ACC=ACC,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )
+    D = q.shape[3]
+    for grad, part in ((dk, dk_part), (dv, dv_part)):
+        far = part.sum(0)[:, :sink_size, :D].reshape(B, n_kv_heads, sink_size, D)  # fixed order
+        grad[:, :, :sink_size] = (grad[:, :, :sink_size].to(acc_torch) + far).to(grad.dtype)
 
 
 # -----------------------------------------------------------------------------

@@ -206,7 +206,8 @@ def lesson_launches(sm: int, head_dim: int, causal: bool = True, dtype: torch.dt
     """The launches the lesson launchers make on a GPU of compute capability ``sm``.
 
     Yields ``(kernel, args, kwargs, case)``: kernel A (lesson 04), kernel B
-    (lesson 05), and the three backward kernels (lesson 07), in fp16 below
+    (lesson 05), the three backward kernels (lesson 07) and the window kernels
+    (lesson 08, with the package's split of the sink keys), in fp16 below
     sm_80 (no bf16 there) and bf16 from sm_80 on, for a GQA problem.
     """
     from . import backward, forward
@@ -220,6 +221,9 @@ def lesson_launches(sm: int, head_dim: int, causal: bool = True, dtype: torch.dt
         forward.flash_attention_forward(q, q, q, causal)
         forward.flash_attention_gqa_forward(q, k, k, causal)
         backward.attention_backward(q, k, k, q, torch.zeros(B, hq, n), q, causal)
+        # lesson 08: the window and sinks (forward, dK/dV with the sinks' far queries split off, dQ)
+        forward.flash_attention_window_forward(q, k, k, window_size=64, sink_size=4)
+        backward.attention_backward(q, k, k, q, torch.zeros(B, hq, n), q, True, window_size=64, sink_size=4)
     for kernel, args, kwargs in launches:
         yield kernel, args, kwargs, case
 
