@@ -18,7 +18,7 @@ How a notebook is graded (nothing it claims is trusted):
   dropped, its grader cells are replaced by the official ones (with the
   hidden tests of ``solutions/``), and it runs in a fresh kernel (nbclient),
   in its own process, with that folder as working directory and a guard
-  that refuses writes outside it (:mod:`course_utils.grade_harness`);
+  that refuses writes outside it (:mod:`course_utils.guard`, run by :mod:`course_utils.grade_harness`);
 - the last cell imports a pristine ``course_utils`` from the course's files and
   runs the official checks on the learner's functions; results travel through
   a file named with a token only the grader knows.
@@ -51,6 +51,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = ROOT / "solutions"
 HARNESS = Path(__file__).with_name("grade_harness.py")
+GUARD = Path(__file__).with_name("guard.py")
 
 STATUSES = ("passed", "failed", "error", "timeout", "crashed", "not_attempted", "missing", "invalid")
 COLUMNS = ("learner", "notebook", "exercise", "points", "max_points", "status", "message", "seconds")
@@ -208,10 +209,12 @@ def _code(source: str, cell_id: str):
 
 def _injected(function: str, cfg: dict, *, user_ns: bool = False) -> str:
     harness = HARNESS.read_text()
+    guard = GUARD.read_text()  # stdlib only: the harness's prologue calls its install()
     args = "globals(), " if user_ns else ""
     return (
         "# Added by the course's grader.\n"
         f"__course_grader = {{'__name__': '__course_grader__'}}\n"
+        f"exec(compile({guard!r}, '<course-guard>', 'exec'), __course_grader)\n"
         f"exec(compile({harness!r}, '<course-grader>', 'exec'), __course_grader)\n"
         f"__course_grader[{function!r}]({args}{cfg!r})\n"
         "del __course_grader"

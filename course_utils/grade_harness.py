@@ -26,12 +26,8 @@ import os
 import sys
 
 BORROWED = "[course-grader: borrowed answer]"
-# The one program a graded notebook may start besides compilers: the course's grading worker
-# (course_utils.grading.worker, which runs checks on a GPU in their own process). It is let
-# through only with GUARD_VAR in its environment, and installs this same guard before it reads
-# anything, so learner code that runs there is held to the same rules.
-WORKER_ENTRY = "import sys; from course_utils.grading.worker import main; sys.exit(main())"
-GUARD_VAR = "COURSE_GRADE_GUARD"
+if "install" not in globals():  # imported as a module; injected, course_utils.guard's text runs first
+    from .guard import install  # noqa: F401
 
 
 def _box(token):
@@ -48,112 +44,9 @@ def _box(token):
 
 # -- the first cell -----------------------------------------------------------
 def prologue(cfg):
-    """Install the write guard and the resource limits (before learner code)."""
-    if cfg.get("data_limit_bytes"):
-        try:
-            import resource
-
-            limit = int(cfg["data_limit_bytes"])
-            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-        except (ImportError, ValueError, OSError):
-            pass
+    """Install the write guard and the resource limits (before learner code); see :mod:`course_utils.guard`."""
     _box(cfg["token_a"])
-    guard = json.dumps({"token_a": "worker", **{k: cfg.get(k) for k in
-                        ("write_roots", "hidden_dirs", "allowed_programs", "data_limit_bytes")}}, sort_keys=True)
-    os.environ[GUARD_VAR] = guard
-    roots = tuple(os.path.realpath(p) for p in cfg["write_roots"])
-    hidden = tuple(os.path.realpath(p) for p in cfg.get("hidden_dirs", ()))
-    allowed_programs = frozenset(cfg.get("allowed_programs", ()))
-    me = os.getpid()
-    state = {"busy": False}
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-
-    def inside(path):
-        try:
-            if isinstance(path, int):
-                return True  # an already-open file descriptor
-            path = os.fsdecode(os.fspath(path))
-            if path in ("/dev/null", "/dev/stdout", "/dev/stderr") or path.startswith("/dev/shm/"):
-                return True
-            real = os.path.realpath(path)
-        except (TypeError, ValueError):
-            return False
-        return any(real == r or real.startswith(r + os.sep) for r in roots)
-
-    def refuse(what):
-        raise PermissionError(f"the grader does not let a notebook {what}")
-
-    def hook(event, args):
-        if state["busy"]:
-            return
-        state["busy"] = True
-        try:
-            if event == "open":
-                path, mode, flags = args
-                writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                    mode is None and isinstance(flags, int) and flags & write_flags
-                )
-                if writing and not inside(path):
-                    refuse(f"write to {path!r} (outside its own folder)")
-            elif event in ("os.remove", "os.rmdir", "os.truncate", "os.chmod", "os.chown", "os.utime", "os.mkdir"):
-                if not inside(args[0]):
-                    refuse(f"change {args[0]!r} (outside its own folder)")
-            elif event in ("os.rename", "os.link", "os.symlink"):
-                if not (inside(args[0]) and inside(args[1])):
-                    refuse(f"move or link {args[0]!r} (outside its own folder)")
-            elif event == "shutil.rmtree":
-                if not inside(args[0]):
-                    refuse(f"delete {args[0]!r} (outside its own folder)")
-            elif event in ("os.listdir", "os.scandir"):
-                if args and args[0] is not None and not isinstance(args[0], int):
-                    real = os.path.realpath(os.fsdecode(os.fspath(args[0])))
-                    if real in hidden:
-                        refuse("list the grader's folder")
-            elif event in ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.forkpty"):
-                refuse("run other programs")
-            elif event == "subprocess.Popen" and _is_guarded_worker(args, guard):
-                pass  # the course's grading worker, which installs this guard first (see WORKER_ENTRY)
-            elif event == "subprocess.Popen":
-                exe = os.path.basename(os.fsdecode(args[0] if args[0] else (args[1][0] if not isinstance(args[1], (str, bytes)) else str(args[1]).split()[0])))
-                if exe not in allowed_programs:
-                    refuse(f"run the program {exe!r}")
-            elif event in ("os.kill", "os.killpg"):
-                pid = args[0]
-                if pid not in (me, 0) and not _is_child(pid, me):
-                    refuse("signal other processes")
-            elif event == "ctypes.dlsym":
-                name = args[1] if len(args) > 1 else None
-                if isinstance(name, str) and name in _BLOCKED_SYMBOLS:
-                    refuse(f"call the C function {name!r}")
-        finally:
-            state["busy"] = False
-
-    sys.addaudithook(hook)
-
-
-_BLOCKED_SYMBOLS = frozenset(
-    "unlink unlinkat remove rmdir rename renameat renameat2 system execv execve execvp execvpe execl execlp "
-    "popen posix_spawn posix_spawnp open open64 openat openat64 creat creat64 truncate truncate64 ftruncate "
-    "chmod fchmod fchmodat chown lchown fchown kill killpg syscall link linkat symlink symlinkat mkdir".split()
-)
-
-
-def _is_guarded_worker(popen_args, guard):
-    """Whether a ``subprocess.Popen`` (audit arguments: executable, args, cwd, env) starts the course's worker, guarded."""
-    argv, env = popen_args[1], popen_args[3]
-    if not isinstance(argv, (list, tuple)) or len(argv) < 3:
-        return False
-    if [os.fsdecode(a) if isinstance(a, bytes) else a for a in argv[:3]] != [sys.executable, "-c", WORKER_ENTRY]:
-        return False
-    return (os.environ if env is None else env).get(GUARD_VAR) == guard
-
-
-def _is_child(pid, me):
-    try:
-        with open(f"/proc/{int(pid)}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1]) == me
-    except (OSError, ValueError, IndexError):
-        return False
+    install(cfg)
 
 
 # -- in place of each grader cell ---------------------------------------------
@@ -305,11 +198,6 @@ class _Trips:
         )
 
 
-# Errors after which a CUDA context cannot be used again.
-_FATAL_GPU = ("illegal memory access", "device-side assert", "unspecified launch failure", "misaligned address",
-              "CUDA error: an illegal instruction", "CUBLAS_STATUS_EXECUTION_FAILED")
-
-
 def _first_line(text):
     for line in str(text).splitlines():
         if line.strip():
@@ -340,7 +228,7 @@ def grade(cfg):
 
         grading = importlib.import_module("course_utils.grading")
         core = importlib.import_module("course_utils.grading.core")
-        sandbox = importlib.import_module("course_utils.grading.sandbox")
+        outcomes = importlib.import_module("course_utils.grading.outcome")
         trips = _Trips(old, set(cfg.get("allowed", ())), cfg["borrow_file"])
     except BaseException as exc:  # noqa: BLE001
         record["setup_error"] = f"{type(exc).__name__}: {exc}"
@@ -412,15 +300,10 @@ def grade(cfg):
             text = str(exc)
             notes = getattr(exc, "__notes__", None) or []
             if isinstance(exc, core.GradingError):
-                if "crashed the grading process" in text:
-                    entry["status"] = "crashed"
-                elif "did not finish within" in text or "ran for more than" in text:
-                    entry["status"] = "timeout"
-                else:
-                    entry["status"] = "failed"
+                entry["status"] = outcomes.status_of(exc)  # "failed", "timeout" or "crashed"
                 entry["message"] = text
             elif isinstance(exc, NotImplementedError) or (
-                isinstance(exc, sandbox.KernelError) and "\nNotImplementedError" in text
+                isinstance(exc, outcomes.KernelError) and "\nNotImplementedError" in text
             ):
                 entry["status"] = "not_attempted"
                 entry["message"] = f"{call['check']}: not attempted (your function still raises NotImplementedError)"
@@ -431,7 +314,7 @@ def grade(cfg):
                 name = type(exc).__name__
                 if isinstance(exc, SystemExit):
                     text = f"your code called sys.exit({exc.code!r})"
-                if isinstance(exc, sandbox.KernelError):  # the learner's traceback, from the check's own process
+                if isinstance(exc, outcomes.KernelError):  # the learner's traceback, from the check's own process
                     lines = [ln for ln in text.splitlines() if ln.strip()]
                     entry["message"] = f"{call['check']}: {lines[-1].strip()}\n{text}"
                 else:
@@ -440,7 +323,7 @@ def grade(cfg):
                     entry["message"] += "\n" + "\n".join(str(n) for n in notes)
         record["running"] = None
         record["results"].append(entry)
-        if exc is not None and any(p in str(exc) for p in _FATAL_GPU):
+        if exc is not None and outcomes.is_cuda_fault(str(exc)):
             # The CUDA context is lost: every later check would fail too. The grader
             # runs the notebook again for the checks that did not get their turn.
             record["poisoned"] = index

@@ -30,7 +30,7 @@ from conftest import DEVICE, module_from_source
 from course_utils import references as ref
 from course_utils.grading import GradingError
 from course_utils.grading.part2_triton import MSG_D_STRIDE, MSG_LSE_MIXED, MSG_O_STRIDES, check_flash_gqa
-from course_utils.grading.sandbox import KernelError
+from course_utils.grading.outcome import KernelError
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions" / "05b_debug_gqa_kernel.ipynb"
 HEADER = "import course_utils\nimport math\nimport torch\nimport triton\nimport triton.language as tl\n\n"

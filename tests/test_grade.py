@@ -450,6 +450,7 @@ def test_a_graded_notebook_may_start_the_course_worker_which_keeps_the_guard(tmp
 import subprocess, sys
 sys.path.insert(0, {str(ROOT)!r})
 ns = {{"__name__": "harness"}}
+exec(open({str(ROOT / "course_utils" / "guard.py")!r}).read(), ns)
 exec(open({str(ROOT / "course_utils" / "grade_harness.py")!r}).read(), ns)
 ns["prologue"]({cfg!r})
 try:
@@ -457,13 +458,14 @@ try:
     print("OTHER PROGRAM RAN")
 except PermissionError:
     print("other program refused")
+from course_utils import transport
 from course_utils.grading import worker
 
 def write_outside(fn):
     open({str(outside)!r}, "w").write("x")
 
 w = worker.Worker("cpu")
-kind, value, printed, broken = w.run(worker.dumps((write_outside, None, {{}})), timeout_s=120)
+(kind, value, status), printed, broken = w.run(transport.dumps((write_outside, None, {{}})), timeout_s=120)
 print("worker:", kind, "refused" if "does not let a notebook write" in value else value[-300:])
 w.kill()
 """

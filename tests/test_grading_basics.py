@@ -17,7 +17,7 @@ import triton.language as tl
 
 from course_utils.grading import GradingError, check_triton_softmax
 from course_utils.grading import part2_basics as pb
-from course_utils.grading.sandbox import KernelError
+from course_utils.grading.outcome import KernelError
 from conftest import module_from_source
 
 LOG2E = 1.4426950408889634
@@ -277,7 +277,7 @@ def test_wrong_return_gets_a_plain_sentence(fn, text):
 
 def test_check_survives_a_parent_that_ran_multithreaded_torch():
     # A large op in this (parent) process starts torch's OpenMP threads; without care, the
-    # forked grading process then hangs on its first large op (see sandbox._child).
+    # forked grading process then hangs on its first large op (see isolation._child).
     a = torch.randn(1000, 1000)
     assert torch.isfinite(torch.softmax(a @ a, dim=-1)).all()
     assert check_triton_softmax(softmax_reference_kernel, timeout_s=30)

@@ -11,7 +11,10 @@ import triton
 import triton.language as tl
 
 from course_utils.grading.core import Diagnosis, GradingError, Run
-from course_utils.grading.sandbox import KernelError, check_on_cpu, count_launches, isolated, nan_padded
+from course_utils.grading.inputs import nan_padded
+from course_utils.grading.isolation import check_on_cpu, isolated
+from course_utils.grading.outcome import KernelError
+from course_utils.grading.proof import count_launches
 
 from conftest import DEVICE, ON_GPU
 
@@ -163,7 +166,7 @@ def test_learner_error_in_the_child_shows_their_traceback_without_grader_frames(
         _check_copy(_broken_copy)
     text = str(err.value)
     assert "my own bug" in text and "_broken_copy" in text
-    assert "grading/sandbox.py" not in text and "grading/core.py" not in text
+    assert not any(f"grading/{name}.py" in text for name in ("isolation", "outcome", "worker", "core"))
 
 
 @pytest.mark.parametrize("isolate", [None, "worker"])
@@ -195,7 +198,7 @@ def test_nan_padded_views_hold_the_data_and_nan_around_it():
 
 
 # -- proof of work: which kernel wrote the answer ------------------------------------
-from course_utils.grading import sandbox  # noqa: E402
+from course_utils.grading import inputs, outcome, proof  # noqa: E402
 from course_utils.grading.core import require_callable  # noqa: E402
 
 
@@ -215,7 +218,7 @@ def _watched(fn, x):
     from course_utils.grading.core import Forbidden
 
     try:
-        with sandbox.Work(inputs=(x,)) as work:
+        with proof.Work(inputs=(x,)) as work:
             out = fn(x)
     except Forbidden as exc:  # Run.call turns this into a GradingError in a check
         return str(exc)
@@ -256,12 +259,12 @@ def test_work_refuses_course_kernels_and_a_result_from_an_earlier_call():
     from course_utils.kernels import flash_attention
 
     q = torch.randn(1, 1, 20, 16, device=DEVICE)
-    with sandbox.Work(inputs=(q,)) as work:
+    with proof.Work(inputs=(q,)) as work:
         o = flash_attention(q, q, q)
     assert "course_utils's own kernel" in work.problem(o=o)
     kept = _triton_copy(torch.randn(10, device=DEVICE))
     x = torch.randn(10, device=DEVICE)
-    with sandbox.Work(inputs=(x,)) as work:
+    with proof.Work(inputs=(x,)) as work:
         _triton_copy(x)
         out = kept
     assert "not written by any kernel during this call" in work.problem(o=out)
@@ -278,7 +281,7 @@ def test_a_kernel_stopped_by_the_time_limit_is_named_as_a_hang_not_an_interprete
 
 
 def test_zero_active_drivers_points_to_the_restart():
-    work = sandbox.Work()
+    work = proof.Work()
 
     def launch():
         raise RuntimeError("0 active drivers ([]). There should only be one.")
@@ -290,10 +293,10 @@ def test_zero_active_drivers_points_to_the_restart():
 
 def test_inputs_changed_in_place_are_named():
     q, k = torch.randn(3, 4), torch.randn(3, 4)
-    before = sandbox.snapshot(q=q, k=k)
-    assert sandbox.changed_input(before, q=q, k=k) is None
+    before = inputs.snapshot(q=q, k=k)
+    assert inputs.changed_input(before, q=q, k=k) is None
     k.mul_(0.5)
-    assert "changed its input `k` in place" in sandbox.changed_input(before, q=q, k=k)
+    assert "changed its input `k` in place" in inputs.changed_input(before, q=q, k=k)
 
 
 def test_wrong_usage_gets_one_plain_sentence():
@@ -304,8 +307,8 @@ def test_wrong_usage_gets_one_plain_sentence():
 
 
 def test_crash_hint_covers_sigabrt():
-    assert "mask=" in sandbox.crash_hint("SIGABRT") and "mask=" in sandbox.crash_hint("SIGSEGV")
-    assert sandbox.crash_hint("SIGTERM") == ""
+    assert "mask=" in outcome.crash_hint("SIGABRT") and "mask=" in outcome.crash_hint("SIGSEGV")
+    assert outcome.crash_hint("SIGTERM") == ""
 
 
 @triton.autotune(configs=[triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})], key=["n"])

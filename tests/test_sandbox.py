@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from course_utils.grading import GradingError, check_flash_forward
-from course_utils.grading import sandbox, worker
+from course_utils import transport
+from course_utils.grading import isolation, outcome
 
 from conftest import DEVICE, ON_GPU
 
@@ -108,7 +109,7 @@ def test_a_function_that_cannot_travel_runs_here_and_says_so_once(capsys):
         assert gen is not None
         return correct_forward(q, k, v, causal)
 
-    sandbox._TOLD_IN_PROCESS = False
+    isolation._TOLD_IN_PROCESS = False
     assert check_flash_forward(forward, isolate="worker")
     assert check_flash_forward(forward, isolate="worker")
     err = capsys.readouterr().err
@@ -117,8 +118,8 @@ def test_a_function_that_cannot_travel_runs_here_and_says_so_once(capsys):
 
 def test_in_process_cuda_fault_is_explained_in_one_sentence():
     text = "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
-    assert sandbox.is_cuda_fault(text) and not sandbox.is_cuda_fault("ValueError: shapes differ")
-    message = sandbox._cuda_fault_message("check_flash_gqa", text, in_process=True)
+    assert outcome.is_cuda_fault(text) and not outcome.is_cuda_fault("ValueError: shapes differ")
+    message = outcome.cuda_fault_message("check_flash_gqa", text, in_process=True)
     assert "restart the kernel" in message and "check_on_cpu(check_flash_gqa" in message
 
 
@@ -136,7 +137,7 @@ def test_kernels_from_a_notebook_travel_by_source():
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     namespace = {"__name__": "__main__"}
     exec(compile(src, filename, "exec"), namespace)
-    payload = worker.dumps(namespace["cell_kernel"])
+    payload = transport.dumps(namespace["cell_kernel"])
     del linecache.cache[filename]  # as in another process
     rebuilt = pickle.loads(payload)
     assert rebuilt is not namespace["cell_kernel"] and type(rebuilt) is type(namespace["cell_kernel"])
@@ -164,7 +165,7 @@ def test_kernels_of_two_cells_keep_their_own_source_in_the_worker():
         linecache.cache[name] = (len(src), None, src.splitlines(True), name)
         namespace = {"__name__": "__main__"}
         exec(compile(src, name, "exec"), namespace)
-        payloads.append(worker.dumps(namespace["cell_kernel"]))
+        payloads.append(transport.dumps(namespace["cell_kernel"]))
         del linecache.cache[name]  # as in another process
     for add, payload in ((1, payloads[0]), (2, payloads[1])):
         kernel = pickle.loads(payload)

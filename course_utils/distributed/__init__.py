@@ -468,15 +468,15 @@ def ring_attention(q, k, v, causal=False, *, layout="zigzag", group=None):
 class _Shipped:
     """A function that a spawned process cannot import by name (defined in a notebook), pickled by value.
 
-    The same mechanism as the grading worker's (:func:`course_utils.grading.worker.dumps`):
+    The same mechanism as the grading worker's (:func:`course_utils.transport.dumps`):
     notebook functions travel by value with cloudpickle, ``@triton.jit`` kernels as source.
     """
 
     def __init__(self, fn):
-        from ..grading import worker
+        from ..transport import dumps
 
         self.name = getattr(fn, "__name__", "your function")
-        self.payload = worker.dumps(fn)
+        self.payload = dumps(fn)
 
     def build(self):
         import cloudpickle
@@ -486,9 +486,9 @@ class _Shipped:
 
 def portable(fn):
     """``fn`` itself if a spawned process can import it, else a :class:`_Shipped` copy of it."""
-    from ..grading import worker
+    from ..transport import by_reference
 
-    if fn is None or not callable(fn) or worker._by_reference(fn) is not None:
+    if fn is None or not callable(fn) or by_reference(fn) is not None:
         return fn
     return _Shipped(fn)
 

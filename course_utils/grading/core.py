@@ -35,6 +35,8 @@ import numpy as np
 
 __all__ = [
     "GradingError",
+    "TimedOut",
+    "Crashed",
     "TimeLimitExceeded",
     "Forbidden",
     "require_callable",
@@ -46,7 +48,25 @@ __all__ = [
 
 
 class GradingError(AssertionError):
-    """A check found a wrong answer. The message says where, how wrong, and why."""
+    """A check found a wrong answer. The message says where, how wrong, and why.
+
+    ``status`` is what the batch grader records (see :mod:`.outcome`): ``"failed"`` here,
+    ``"timeout"`` for :class:`TimedOut`, ``"crashed"`` for :class:`Crashed`.
+    """
+
+    status = "failed"
+
+
+class TimedOut(GradingError):
+    """The learner's code ran past its time limit and was stopped (status ``"timeout"``)."""
+
+    status = "timeout"
+
+
+class Crashed(GradingError):
+    """The learner's code killed the process that ran it (status ``"crashed"``)."""
+
+    status = "crashed"
 
 
 class TimeLimitExceeded(BaseException):
@@ -281,7 +301,9 @@ class Run:
                         raise timeout from None
                     exc.add_note(f"[{self.exercise}] raised by your function on {self.where(case)}")
                     raise
-        except (TimeLimitExceeded, Forbidden) as exc:
+        except TimeLimitExceeded as exc:
+            raise TimedOut(f"{self.exercise} failed on {self.where(case)}:\n{exc}") from None
+        except Forbidden as exc:
             raise GradingError(f"{self.exercise} failed on {self.where(case)}:\n{exc}") from None
 
     # -- checking what came back ------------------------------------------

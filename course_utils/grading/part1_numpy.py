@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from .. import references as ref
-from . import sandbox
+from . import proof
 from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_softmax", "check_naive_attention", "check_online_softmax", "check_tiled_attention"]
@@ -719,7 +719,7 @@ def _watching(log):
     """Turn ``log`` on for the learner's call, with the references off limits."""
     log["active"] = True
     try:
-        with sandbox.references_forbidden(), _conversions_keep_watching():
+        with proof.references_forbidden(), _conversions_keep_watching():
             yield
     finally:
         log["active"] = False
@@ -763,7 +763,7 @@ def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
         x_in, log = _watched(x)
         log["active"] = True
         try:
-            with sandbox.references_forbidden(), _conversions_keep_watching():
+            with proof.references_forbidden(), _conversions_keep_watching():
                 out = run.call(fn, x_in, block, case=case)
         finally:
             log["active"] = False

@@ -21,7 +21,7 @@ built to expose the usual first-kernel mistakes one at a time:
 
 Each diagnosis is recognised by simulating the mistaken kernel in NumPy (or,
 for mistakes that produce NaN, by a predicate on where the NaN are). The
-check runs in a forked process on the CPU (:func:`.sandbox.isolated`), so a
+check runs in a forked process on the CPU (:func:`.isolation.isolated`), so a
 kernel that segfaults in the interpreter does not take the notebook down.
 """
 
@@ -33,7 +33,7 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
-from . import sandbox
+from . import inputs, isolation, proof
 from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_triton_softmax"]
@@ -106,7 +106,7 @@ def _make_input(rng, n_rows, n_cols, dtype, device, *, strided, scale=1.0, offse
     """A ``[n_rows, n_cols]`` tensor inside a NaN-filled buffer.
 
     ``strided``: rows are ``n_cols + pad`` apart with NaN in the gap (and
-    NaN rows after the last row), via :func:`.sandbox.nan_padded`. Otherwise
+    NaN rows after the last row), via :func:`.inputs.nan_padded`. Otherwise
     the rows are packed (contiguous) and NaN follows the last row, so reading
     past the end of the last row still reads NaN rather than stray memory.
     """
@@ -118,7 +118,7 @@ def _make_input(rng, n_rows, n_cols, dtype, device, *, strided, scale=1.0, offse
     t = torch.tensor(values, dtype=dtype, device=device)
     if strided:
         pad = int(rng.integers(1, 9))
-        return sandbox.nan_padded(t[None, None], cols=pad)[0, 0]
+        return inputs.nan_padded(t[None, None], cols=pad)[0, 0]
     # 4096 NaN after the end covers any unmasked read of one block.
     buf = torch.full((n_rows * n_cols + 4096,), float("nan"), dtype=dtype, device=device)
     x = buf[: n_rows * n_cols].view(n_rows, n_cols)
@@ -398,8 +398,8 @@ def _check_triton_softmax(fn, *, seed=None):
     for desc, rows, cols, dtype, strided, scale, offsets in _cases(run.rng, device):
         x = _make_input(run.rng, rows, cols, dtype, device, strided=strided, scale=scale, offsets=offsets)
         x64 = x.detach().cpu().double().numpy()  # the values the kernel sees, after rounding to dtype
-        before = sandbox.snapshot(x=x)
-        with sandbox.Work(inputs=(x,)) as work, _GuardedOutputs(x) as guard:
+        before = inputs.snapshot(x=x)
+        with proof.Work(inputs=(x,)) as work, _GuardedOutputs(x) as guard:
             out = run.call(fn, x, case=desc)
         if out is None:
             raise run.fail("your function returned None: did you forget `return y`?", desc)
@@ -408,7 +408,7 @@ def _check_triton_softmax(fn, *, seed=None):
         problem = work.problem(no_kernel=MSG_NO_KERNEL, y=out)
         if problem:
             raise run.fail(problem, desc)
-        changed = sandbox.changed_input(before, x=x)
+        changed = inputs.changed_input(before, x=x)
         if changed:
             raise run.fail(changed, desc)
         if guard.overrun():
@@ -424,7 +424,7 @@ def _check_triton_softmax(fn, *, seed=None):
     return run.passed()
 
 
-_isolated_check = sandbox.isolated(_check_triton_softmax)
+_isolated_check = isolation.isolated(_check_triton_softmax)
 
 
 def check_triton_softmax(fn, *, seed=None, isolate=None, timeout_s=60.0):

@@ -39,7 +39,7 @@ import numpy as np
 
 from .. import references
 from ..environment import current
-from . import sandbox
+from . import isolation
 from .core import GradingError, Run
 
 __all__ = ["check_flaw_hunt", "FLAWS", "int32_overflow", "classmate_variant"]
@@ -424,7 +424,7 @@ def _check_flaw_hunt(findings, *, seed=None):
     return run.passed()
 
 
-check_flaw_hunt = sandbox.isolated(_check_flaw_hunt)
+check_flaw_hunt = isolation.isolated(_check_flaw_hunt)
 check_flaw_hunt.__doc__ = """Grade a list of findings about the classmate's kernel of lesson 05b.
 
 Each finding is ``dict(line=..., why=..., inputs=dict(q=, k=, v=, [is_causal, block_m, block_n]))``;

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..environment import current
-from . import sandbox
+from . import isolation, proof
 from .core import Diagnosis, Run
 
 __all__ = ["check_tile_copy"]
@@ -79,7 +79,7 @@ def _read(x, strides):
         return None
 
 
-@sandbox.isolated
+@isolation.isolated
 def _check_tile_copy(fn, *, seed=None):
     import torch
 
@@ -96,7 +96,7 @@ def _check_tile_copy(fn, *, seed=None):
             values = torch.from_numpy(run.rng.standard_normal((r, c))).to(dtype)
             x = _layout(values.to(env.device), layout, env.device)
             case = f"{r} x {c}, {str(dtype).replace('torch.', '')}, {layout} (strides {tuple(x.stride())})"
-            with sandbox.count_launches() as launched:
+            with proof.count_launches() as launched:
                 out = run.call(fn, x, case=case)
             if not launched:
                 raise run.fail(MSG_NO_KERNEL, case)

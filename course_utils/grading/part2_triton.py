@@ -13,10 +13,10 @@ The Triton checks compare with the float64 references of
 :mod:`course_utils.references`, on fixed cases first (each adds one
 difficulty: a tail block, a batch, a transposed layout, ...) and then on fresh
 random cases every call. Every input lives in a NaN-filled buffer
-(:func:`.sandbox.nan_padded` and friends), so a load that reads past the end of
+(:func:`.inputs.nan_padded` and friends), so a load that reads past the end of
 a row, a head or the sequence brings NaN into the output instead of plausible
-garbage. A Triton kernel must run (:func:`.sandbox.count_launches`), and on the
-CPU the check runs in a forked process (:func:`.sandbox.isolated`), so a
+garbage. A Triton kernel must run (:func:`.proof.count_launches`), and on the
+CPU the check runs in a forked process (:func:`.isolation.isolated`), so a
 kernel that crashes the interpreter does not take the notebook down.
 
 A wrong answer is explained by the first diagnosis whose mistake it matches.
@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
-from . import sandbox
+from . import inputs, isolation, proof
 from .core import Diagnosis, Run, distance_to, require_callable
 
 __all__ = ["check_kv_head", "check_flash_forward", "check_flash_gqa"]
@@ -329,9 +329,9 @@ def _place(t, layout, rng):
     if layout == "contiguous":
         return _guarded_contiguous(t)
     if layout == "padded":
-        return sandbox.nan_padded(t, cols=int(rng.integers(1, 9)))
+        return inputs.nan_padded(t, cols=int(rng.integers(1, 9)))
     if layout == "transposed":
-        return sandbox.nan_padded(t, transpose_heads=True)
+        return inputs.nan_padded(t, transpose_heads=True)
     if layout == "dstride":
         return _dstrided(t, int(rng.integers(1, 9)))
     raise ValueError(layout)
@@ -354,7 +354,7 @@ def _make_inputs(rng, c: _Case, device):
     q, k, v = (torch.tensor(x, dtype=dtype, device=device) for x in (qv, kv, vv))
     if c.layout == "qbcast":
         q = _guarded_contiguous(q).expand(c.B, c.Hq, c.N, c.D)
-        k, v = sandbox.nan_padded(k), sandbox.nan_padded(v)
+        k, v = inputs.nan_padded(k), inputs.nan_padded(v)
     else:
         q, k, v = (_place(t, c.layout, rng) for t in (q, k, v))
     q64, k64, v64 = (t.detach().cpu().double().numpy() for t in (q, k, v))
@@ -770,8 +770,8 @@ def _run_case(run, fn, c: _Case, gqa: bool):
 
     device = current().device
     q, k, v, q64, k64, v64 = _make_inputs(run.rng, c, device)
-    before = sandbox.snapshot(q=q, k=k, v=v)
-    with sandbox.Work(inputs=(q, k, v)) as work:
+    before = inputs.snapshot(q=q, k=k, v=v)
+    with proof.Work(inputs=(q, k, v)) as work:
         if gqa:
             out = run.call(fn, q, k, v, case=c.desc)
         else:
@@ -795,7 +795,7 @@ def _run_case(run, fn, c: _Case, gqa: bool):
     problem = work.problem(no_kernel=MSG_NO_KERNEL, **({"o": o, "lse": lse} if gqa else {"o": o}))
     if problem:
         raise run.fail(problem, c.desc)
-    changed = sandbox.changed_input(before, q=q, k=k, v=v)
+    changed = inputs.changed_input(before, q=q, k=k, v=v)
     if changed:
         raise run.fail(changed, c.desc)
     _tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
@@ -831,8 +831,8 @@ def _check_flash_gqa(fn, *, seed=None):
     return _check(fn, exercise="check_flash_gqa", gqa=True, seed=seed)
 
 
-_isolated_forward = sandbox.isolated(_check_flash_forward)
-_isolated_gqa = sandbox.isolated(_check_flash_gqa)
+_isolated_forward = isolation.isolated(_check_flash_forward)
+_isolated_gqa = isolation.isolated(_check_flash_gqa)
 
 
 def check_flash_forward(fn, *, seed=None, isolate=None, timeout_s=240.0):

@@ -6,7 +6,7 @@
   ``fn(q, k, v, causal=False) -> o`` (torch ``[B, H, N, D]``, GQA): it runs
   ``o.backward(do)`` with a random ``do`` and compares ``o``, ``dq``, ``dk``
   and ``dv`` with float64 references. It runs in a separate process on the
-  CPU (:func:`~course_utils.grading.sandbox.isolated`), feeds NaN-padded,
+  CPU (:func:`~course_utils.grading.isolation.isolated`), feeds NaN-padded,
   non-contiguous inputs, and requires that Triton kernels ran during the
   forward AND during the backward: plain ``torch.autograd`` through a math
   implementation does not pass.
@@ -30,7 +30,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import part1_numpy as p1
-from . import sandbox
+from . import inputs, isolation, proof
 from .core import Diagnosis, Run, require_callable
 
 __all__ = ["check_tiled_backward", "check_flash_backward"]
@@ -353,12 +353,12 @@ def _leaf_view(t, transpose_heads):
     strided view of it, so reading past a row or past the sequence reads NaN,
     and the gradient with respect to the view is what their backward returned.
     """
-    padded = sandbox.nan_padded(t, transpose_heads=transpose_heads)
+    padded = inputs.nan_padded(t, transpose_heads=transpose_heads)
     base = padded._base.detach().requires_grad_(True)
     return base.as_strided(padded.size(), padded.stride(), padded.storage_offset())
 
 
-@sandbox.isolated
+@isolation.isolated
 def check_flash_backward(fn, *, seed=None):
     """Grade ``fn(q, k, v, causal=False) -> o``, differentiable, with Triton in both passes.
 
@@ -389,11 +389,11 @@ def check_flash_backward(fn, *, seed=None):
         q64, k64, v64, do64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
         q, k, v = (_leaf_view(torch.from_numpy(a).to(dtype).to(env.device), transpose_heads=(i == 1))
                    for i, a in enumerate((q64, k64, v64)))
-        do = sandbox.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
+        do = inputs.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
 
-        before = sandbox.snapshot(q=q, k=k, v=v, do=do)
+        before = inputs.snapshot(q=q, k=k, v=v, do=do)
         # The forward may use the course's forward kernel (lesson 07 does); the backward must be the learner's.
-        with sandbox.Work(inputs=(q, k, v, do), course_kernels_ok=True) as forward_work:
+        with proof.Work(inputs=(q, k, v, do), course_kernels_ok=True) as forward_work:
             o = run.call(fn, q, k, v, causal=causal, case=name)
         if o is None:
             raise run.fail("your function returned None: did you forget a `return`? Return o "
@@ -410,7 +410,7 @@ def check_flash_backward(fn, *, seed=None):
         if o.grad_fn is None:
             raise run.fail(MSG_NOT_DIFFERENTIABLE, name)
 
-        with sandbox.Work(inputs=(q, k, v, do, o)) as backward_work:
+        with proof.Work(inputs=(q, k, v, do, o)) as backward_work:
             grads = run.call(torch.autograd.grad, o, (q, k, v), do, allow_unused=True, case=name + " (backward)")
         run.cases -= 1  # the forward and the backward of one case count once
         for which, label in ((0, "dq"), (1, "dk"), (2, "dv")):
@@ -421,7 +421,7 @@ def check_flash_backward(fn, *, seed=None):
         if problem:
             raise run.fail(problem + " (in the backward pass: the gradients must come from your backward "
                            "kernels, not from torch or course_utils.kernels)", name)
-        changed = sandbox.changed_input(before, q=q, k=k, v=v, do=do)
+        changed = inputs.changed_input(before, q=q, k=k, v=v, do=do)
         if changed:
             raise run.fail(changed, name)
         right = ref.attention_backward(q64, k64, v64, do64, causal=causal)

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
-from . import sandbox
+from . import inputs, isolation, proof
 from .core import Diagnosis, Run, distance_to
 from .part2_triton import MSG_NO_KERNEL, _tensor_like
 
@@ -235,7 +235,7 @@ def _decode_inputs(rng, c: _DecodeCase, device: str):
     v = rng.standard_normal((c.b, c.hkv, c.n_max, c.d))
     tensors = [torch.from_numpy(x).to(device=device, dtype=dtype) for x in (q, k, v)]
     q64, k64, v64 = (t.double().cpu().numpy() for t in tensors)  # the values the kernel sees
-    qt, kt, vt = (sandbox.nan_padded(t) for t in tensors)
+    qt, kt, vt = (inputs.nan_padded(t) for t in tensors)
     for i, n in enumerate(c.lengths):
         kt[i, :, n:] = float("nan")
         vt[i, :, n:] = float("nan")
@@ -335,7 +335,7 @@ def _run_split_case(run, fn, c: _DecodeCase):
 
     device = current().device
     (q, k, v, seqlens), (q64, k64, v64) = _decode_inputs(run.rng, c, device)
-    with sandbox.count_launches() as launched:
+    with proof.count_launches() as launched:
         out = run.call(fn, q, k, v, seqlens, c.num_splits, case=c.desc)
     if not launched:
         raise run.fail(MSG_NO_KERNEL, c.desc)
@@ -386,7 +386,7 @@ def _check_decode_split(fn, *, seed=None):
     return run.passed()
 
 
-_isolated_split = sandbox.isolated(_check_decode_split)
+_isolated_split = isolation.isolated(_check_decode_split)
 
 
 def check_decode_split(fn, *, seed=None, isolate=None, timeout_s=240.0):
@@ -469,7 +469,7 @@ def _check_decode_combine(fn, *, seed=None):
         l32 = torch.from_numpy(lse).to(device=device, dtype=torch.float32)
         o64, lse64 = o32.double().cpu().numpy(), l32.double().cpu().numpy()
         expected, _ = ref.merge_partials(o64, lse64)
-        with sandbox.count_launches() as launched:
+        with proof.count_launches() as launched:
             out = run.call(fn, _guarded(o32), _guarded(l32), case=desc)
         if not launched:
             raise run.fail(MSG_NO_KERNEL, desc)
@@ -482,7 +482,7 @@ def _check_decode_combine(fn, *, seed=None):
     return run.passed()
 
 
-_isolated_combine = sandbox.isolated(_check_decode_combine)
+_isolated_combine = isolation.isolated(_check_decode_combine)
 
 
 def check_decode_combine(fn, *, seed=None, isolate=None, timeout_s=180.0):

@@ -33,7 +33,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from ..kernels.forward import window_tile_bounds
-from . import sandbox
+from . import inputs, isolation, proof
 from .core import Diagnosis, Run, distance_to
 
 __all__ = ["check_window_tile_bounds", "check_window_forward", "check_window_backward"]
@@ -366,7 +366,7 @@ def _inputs(run, c: _Case, device):
     raw = [run.rng.standard_normal((c.B, h, c.N, c.D)) for h in (c.n_q_heads, c.n_kv_heads, c.n_kv_heads)]
     # Use the values rounded to the test dtype in the references: only the kernel's arithmetic is graded.
     q64, k64, v64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
-    q, k, v = (sandbox.nan_padded(torch.from_numpy(a).to(dtype).to(device), transpose_heads=c.transpose and i == 1)
+    q, k, v = (inputs.nan_padded(torch.from_numpy(a).to(dtype).to(device), transpose_heads=c.transpose and i == 1)
                for i, a in enumerate((q64, k64, v64)))
     return (q64, k64, v64), (q, k, v)
 
@@ -406,7 +406,7 @@ def _tensor_out(run, out, name, shape, case):
     return out.detach().double().cpu().numpy()
 
 
-@sandbox.isolated
+@isolation.isolated
 def check_window_forward(fn, *, seed=None):
     """Grade ``fn(q, k, v, *, window_size, sink_size) -> (o, lse)``: causal GQA with a window and sinks.
 
@@ -424,7 +424,7 @@ def check_window_forward(fn, *, seed=None):
     run = Run("check_window_forward", seed, time_limit_s=30.0)
     for c in _forward_cases(run.rng, env.device):
         (q64, k64, v64), (q, k, v) = _inputs(run, c, env.device)
-        with sandbox.count_launches() as launches:
+        with proof.count_launches() as launches:
             out = run.call(fn, q, k, v, window_size=c.window_size, sink_size=c.sink_size, case=c.name)
         if not isinstance(out, tuple) or len(out) != 2:
             raise run.fail(f"your function returned a {type(out).__name__}; return a pair (o, lse).", c.name)
@@ -541,12 +541,12 @@ def _backward_cases(rng, device):
 
 
 def _leaf_view(t, transpose_heads):
-    padded = sandbox.nan_padded(t, transpose_heads=transpose_heads)
+    padded = inputs.nan_padded(t, transpose_heads=transpose_heads)
     base = padded._base.detach().requires_grad_(True)
     return base.as_strided(padded.size(), padded.stride(), padded.storage_offset())
 
 
-@sandbox.isolated
+@isolation.isolated
 def check_window_backward(fn, *, seed=None):
     """Grade ``fn(q, k, v, *, window_size, sink_size) -> o``, differentiable, Triton in both passes.
 
@@ -571,8 +571,8 @@ def check_window_backward(fn, *, seed=None):
         q64, k64, v64, do64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
         q, k, v = (_leaf_view(torch.from_numpy(a).to(dtype).to(env.device), c.transpose and i == 1)
                    for i, a in enumerate((q64, k64, v64)))
-        do = sandbox.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
-        with sandbox.count_launches() as forward_launches:
+        do = inputs.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
+        with proof.count_launches() as forward_launches:
             o = run.call(fn, q, k, v, window_size=c.window_size, sink_size=c.sink_size, case=c.name)
         if not isinstance(o, torch.Tensor):
             raise run.fail(f"your function returned a {type(o).__name__}; return the output tensor o.", c.name)
@@ -584,7 +584,7 @@ def check_window_backward(fn, *, seed=None):
             raise run.fail(MSG_NO_TRITON, c.name)
         if o.grad_fn is None:
             raise run.fail(MSG_NOT_DIFFERENTIABLE, c.name)
-        with sandbox.count_launches() as backward_launches:
+        with proof.count_launches() as backward_launches:
             grads = run.call(torch.autograd.grad, o, (q, k, v), do, allow_unused=True, case=c.name + " (backward)")
         run.cases -= 1  # the forward and the backward of one case count once
         if not backward_launches:

@@ -286,7 +286,7 @@ def ring_check_worker(rank, world, fn, seed, cases):
 
     import torch
 
-    from . import sandbox
+    from . import inputs, proof
 
     fn = ring._unwrap(fn)
     results = []
@@ -297,10 +297,10 @@ def ring_check_worker(rank, world, fn, seed, cases):
                        for t in _dist_inputs(seed, index, case))
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         # Strided views inside NaN-filled buffers: reading past a shard's rows shows up as NaN.
-        padded = [sandbox.nan_padded(t, transpose_heads=(i == 1)) for i, t in enumerate((q, k, v))]
+        padded = [inputs.nan_padded(t, transpose_heads=(i == 1)) for i, t in enumerate((q, k, v))]
         record = {}
         try:
-            with sandbox.count_launches() as launches:
+            with proof.count_launches() as launches:
                 with torch.no_grad():
                     out = fn(*padded, causal, layout=layout, group=None)
             if not isinstance(out, (tuple, list)) or len(out) != 2:
