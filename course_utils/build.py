@@ -23,7 +23,7 @@ Usage::
 
 Points: each grader cell (a ``check_*(fn)`` call) of ``solutions/`` declares
 its points once, in ``metadata["course"]["points"]`` (``--points`` fills in
-the defaults of ``DEFAULT_POINTS``, never changing a value already there; 1
+the points of its exercise in ``course_utils.grading.exercises``, never changing a value already there; 1
 when absent). The student notebook shows them as a first line ``# Graded: N
 points`` of the grader cell and carries nbgrader metadata (grade ids, points,
 locked grader cells), for instructors who use nbgrader.
@@ -103,7 +103,7 @@ def _install_cell():
 def _jit_ranges(source: str) -> list[tuple[int, int]]:
     """1-based line ranges of the ``@triton.jit`` functions in ``source``."""
     try:
-        tree = ast.parse(_strip_magics(source))
+        tree = ast.parse(strip_magics(source))
     except SyntaxError:
         return []
     ranges = []
@@ -117,7 +117,7 @@ def _jit_ranges(source: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def _strip_magics(source: str) -> str:
+def strip_magics(source: str) -> str:
     # IPython magics (%pip, !ls) are not Python; blank them so ast can parse.
     return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.split("\n"))
 
@@ -195,15 +195,37 @@ def _num(x):
     return int(x) if float(x).is_integer() else x
 
 
-def grader_checks(source: str) -> list[str]:
-    """Names of the ``check_*`` functions a grader cell calls at top level ([] if not a grader cell)."""
+def is_exercise_call(node: ast.stmt, checks=None) -> bool:
+    """Whether a top-level statement is a bare call to an exercise's check (``check_flash_forward(fn)``).
+
+    The exercises are those of :data:`course_utils.grading.exercises.EXERCISES` (or the
+    names ``checks``, for a process that should not import the graders); other calls
+    (``check_on_cpu``, hidden tests) are not exercises.
+    """
+    if checks is None:
+        from course_utils.grading.exercises import EXERCISES
+
+        checks = [exercise.name for exercise in EXERCISES]
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name) and node.value.func.id in checks)
+
+
+def exercise_calls(source: str, checks=None) -> list[ast.Call] | None:
+    """A cell's top-level calls to the exercises' checks, or None if it makes none (or does not parse)."""
     try:
-        tree = ast.parse(_strip_magics(source))
+        tree = ast.parse(strip_magics(source))
     except SyntaxError:
-        return []
-    return [node.value.func.id for node in tree.body
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, ast.Name) and node.value.func.id.startswith("check_")]
+        return None
+    if checks is None:
+        from course_utils.grading.exercises import EXERCISES
+
+        checks = [exercise.name for exercise in EXERCISES]
+    return [node.value for node in tree.body if is_exercise_call(node, checks)] or None
+
+
+def grader_checks(source: str) -> list[str]:
+    """Names of the exercises' checks a grader cell calls at top level ([] if not a grader cell)."""
+    return [call.func.id for call in exercise_calls(source) or []]
 
 
 def _after_solution(cells, index) -> bool:
@@ -211,20 +233,15 @@ def _after_solution(cells, index) -> bool:
     return any(c.cell_type == "code" and BEGIN_SOLUTION in c.source for c in cells[:index])
 
 
-# Points of each check, for `--points` (a grader cell keeps any value it already has).
-DEFAULT_POINTS = {
-    "check_softmax": 1, "check_naive_attention": 2, "check_online_softmax": 2, "check_tiled_attention": 3,
-    "check_triton_softmax": 2, "check_flash_forward": 3, "check_kv_head": 1, "check_flash_gqa": 3,
-    "check_attention_flops": 1, "check_roofline": 1, "check_tiled_backward": 3, "check_flash_backward": 4,
-}
-
-
 def add_points(solutions: Path = SOLUTIONS) -> list[str]:
     """Give every grader cell of ``solutions/`` a ``metadata["course"]["points"]``; idempotent.
 
-    Values already there are kept; a check not in ``DEFAULT_POINTS`` gets 1.
+    Values already there are kept; a new grader cell gets its exercise's points from
+    :data:`course_utils.grading.exercises.EXERCISES`.
     Returns the notebooks it changed (it rewrites only those).
     """
+    from .grading.exercises import by_name
+
     changed = []
     for path in sorted(solutions.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
@@ -232,7 +249,7 @@ def add_points(solutions: Path = SOLUTIONS) -> list[str]:
         for index, cell in enumerate(nb.cells):
             checks = grader_checks(cell.source) if cell.cell_type == "code" and _after_solution(nb.cells, index) else []
             if checks and "points" not in cell.metadata.get("course", {}):
-                cell.metadata.setdefault("course", {})["points"] = DEFAULT_POINTS.get(checks[0], 1)
+                cell.metadata.setdefault("course", {})["points"] = by_name(checks[0]).points
                 touched = True
         if touched:
             nbformat.write(nb, path)
@@ -242,7 +259,7 @@ def add_points(solutions: Path = SOLUTIONS) -> list[str]:
 
 def _defined_names(source: str) -> set[str]:
     try:
-        tree = ast.parse(_strip_magics(source))
+        tree = ast.parse(strip_magics(source))
     except SyntaxError:
         return set()
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))}

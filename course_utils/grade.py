@@ -87,42 +87,28 @@ class CourseNotebook:
     exercises: list[Exercise]
     grader_cells: list[dict]  # {"id", "after_id", "calls", "hidden", "source"}
     allowed: list[str]  # helpers from course_utils.kernels the lesson gives learners
+    checks: list[str] = dataclasses.field(default_factory=list)  # every exercise's check (the table's names)
 
 
-def check_calls(source: str) -> list[ast.Call] | None:
-    """The ``check_*(...)`` calls of a grader cell, or None if the cell is not one.
+def check_calls(source: str, checks=None) -> list[ast.Call] | None:
+    """The calls of a grader cell to the exercises' checks, or None if the cell is not one.
 
     A grader cell is a code cell whose top-level statements include at least one
-    bare ``check_*(...)`` call (other statements are hidden tests).
+    bare call to an exercise's check (:mod:`course_utils.grading.exercises`, or the
+    names ``checks``); its other statements are hidden tests.
     """
-    try:
-        tree = ast.parse(_strip_magics(source))
-    except SyntaxError:
-        return None
-    calls = []
-    for node in tree.body:
-        if (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
-                and isinstance(node.value.func, ast.Name) and node.value.func.id.startswith("check_")):
-            calls.append(node.value)
-    return calls or None
+    from course_utils.build import exercise_calls  # absolute: the grading worker runs this file as a script
 
-
-def _strip_magics(source: str) -> str:
-    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.split("\n"))
+    return exercise_calls(source, checks)
 
 
 def _hidden_source(source: str) -> str:
     """The cell's code minus its check calls, with hidden-test markers removed."""
-    from .build import BEGIN_HIDDEN, END_HIDDEN
+    from .build import BEGIN_HIDDEN, END_HIDDEN, is_exercise_call, strip_magics
 
     lines = [ln for ln in source.split("\n") if ln.strip() not in (BEGIN_HIDDEN, END_HIDDEN)]
-    tree = ast.parse(_strip_magics("\n".join(lines)))
-    keep = []
-    for node in tree.body:
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) \
-                and node.value.func.id.startswith("check_"):
-            continue
-        keep.append(ast.get_source_segment("\n".join(lines), node))
+    tree = ast.parse(strip_magics("\n".join(lines)))
+    keep = [ast.get_source_segment("\n".join(lines), node) for node in tree.body if not is_exercise_call(node)]
     return "\n".join(s for s in keep if s)
 
 
@@ -134,6 +120,7 @@ def points_of(cell) -> float:
 def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
     """Every graded notebook of the course and its exercises, in order."""
     from .build import BEGIN_SOLUTION, student_notebook
+    from .grading.exercises import EXERCISES
 
     found = []
     for path in sorted(solutions.glob("*.ipynb")):
@@ -174,7 +161,8 @@ def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
                 "hidden": _hidden_source(source),
             })
         if exercises:
-            found.append(CourseNotebook(path.stem, path, list(exercises.values()), graders, sorted(allowed)))
+            found.append(CourseNotebook(path.stem, path, list(exercises.values()), graders, sorted(allowed),
+                                        [e.name for e in EXERCISES]))
     return found
 
 
@@ -189,8 +177,10 @@ def _source_cell(solution_nb, student_cell):
 
 def _kernel_helpers(source: str) -> set[str]:
     """Names a cell imports from course_utils.kernels (the helpers a lesson gives)."""
+    from .build import strip_magics
+
     try:
-        tree = ast.parse(_strip_magics(source))
+        tree = ast.parse(strip_magics(source))
     except SyntaxError:
         return set()
     names = set()
@@ -241,7 +231,7 @@ def graded_notebook(submitted, course: CourseNotebook, cfg: dict, skip=()) -> nb
         target = by_id.get(grader["id"])
         if target is None:  # the learner's copy lost the cell's id: find the same check call
             target = next((i for i, c in enumerate(cells) if i not in replaced
-                           and {n.func.id for n in (check_calls(c.source) or [])} == names), None)
+                           and {n.func.id for n in (check_calls(c.source, course.checks) or [])} == names), None)
         if target is not None:
             cells[target] = collect
             replaced.add(target)
@@ -252,7 +242,7 @@ def graded_notebook(submitted, course: CourseNotebook, cfg: dict, skip=()) -> nb
             by_id = {c.id: i for i, c in enumerate(cells)}
             replaced = {i + (i >= position) for i in replaced} | {position}
     for i, cell in enumerate(cells):  # the learner's own grader-like cells would only cost time
-        if i not in replaced and not cell.id.startswith("grader-") and check_calls(cell.source):
+        if i not in replaced and not cell.id.startswith("grader-") and check_calls(cell.source, course.checks):
             cell.source = "# (a check call of the learner: the grader runs the official checks at the end)"
     prologue = _code(_injected("prologue", {k: cfg[k] for k in ("token_a", "write_roots", "hidden_dirs",
                                                                 "allowed_programs", "data_limit_bytes")}), "grader-prologue")
@@ -468,7 +458,7 @@ def _course_from_task(task) -> CourseNotebook:
     exercises = [Exercise(e["notebook"], e["name"], e["points"], [Call(**c) for c in e["calls"]]) for e in data["exercises"]]
     calls = {c.index: c for e in exercises for c in e.calls}
     graders = [dict(g, calls=[calls[c["index"]] for c in g["calls"]]) for g in data["grader_cells"]]
-    return CourseNotebook(data["stem"], Path(data["path"]), exercises, graders, data["allowed"])
+    return CourseNotebook(data["stem"], Path(data["path"]), exercises, graders, data["allowed"], data["checks"])
 
 
 def _worker_main(task_file: str) -> int:
@@ -555,7 +545,7 @@ def _digest(path: Path | None) -> str:
 
 
 def _course_dict(c: CourseNotebook) -> dict:
-    return {"stem": c.stem, "path": str(c.path), "allowed": c.allowed,
+    return {"stem": c.stem, "path": str(c.path), "allowed": c.allowed, "checks": c.checks,
             "exercises": [dataclasses.asdict(e) for e in c.exercises],
             "grader_cells": [dict(g, calls=[dataclasses.asdict(x) for x in g["calls"]]) for g in c.grader_cells]}
 

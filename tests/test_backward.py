@@ -242,7 +242,7 @@ def _bad_inputs():
 # one copy of each kernel: the notebook defines the same @triton.jit functions
 # -----------------------------------------------------------------------------
 MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
-KERNELS = ("_load_tile", "_store_tile", "_attn_bwd_preprocess", "_dkdv_inner", "_attn_bwd_dkdv", "_dq_inner", "_attn_bwd_dq")
+KERNELS = ("load_tile", "store_tile", "attn_bwd_preprocess", "dkdv_inner", "_attn_bwd_dkdv", "_dq_inner", "_attn_bwd_dq")
 
 
 def _strip(text):

@@ -29,7 +29,8 @@ from conftest import DEVICE, module_from_source
 
 from course_utils import references as ref
 from course_utils.grading import GradingError
-from course_utils.grading.part2_triton import MSG_D_STRIDE, MSG_LSE_MIXED, MSG_O_STRIDES, check_flash_gqa
+from course_utils.grading import check_flash_gqa
+from course_utils.grading.part2_triton import MSG_D_STRIDE, MSG_LSE_MIXED, MSG_O_STRIDES_CAUSE
 from course_utils.grading.outcome import KernelError
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions" / "05b_debug_gqa_kernel.ipynb"
@@ -157,7 +158,10 @@ def test_output_with_q_strides_is_rejected(tmp_path):
     mod = _load(tmp_path, "ostrides", FLAWS["o_from_q_strides"])
     with pytest.raises(GradingError) as info:
         check_flash_gqa(mod.flash_attention_forward)
-    assert MSG_O_STRIDES in str(info.value)
+    # The cause, which both diagnoses name: the interpreter runs the grid in order (O written with q's
+    # strides is seen as such), while on a GPU batch 0's programs may store last (then o looks like
+    # "batch index ignored" too, and both are named).
+    assert MSG_O_STRIDES_CAUSE in str(info.value)
 
 
 def test_p_cast_to_bf16_is_rejected(tmp_path):

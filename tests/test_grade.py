@@ -282,8 +282,9 @@ def test_points_are_declared_in_solutions_and_shown_to_learners(tmp_path):
     sol.mkdir()
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell("def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION"),
-                nbformat.v4.new_code_cell("check_softmax(f)"), nbformat.v4.new_code_cell("check_unknown(f)"),
-                nbformat.v4.new_code_cell("check_unknown(functools.partial(f))")]
+                nbformat.v4.new_code_cell("check_softmax(f)"), nbformat.v4.new_code_cell("check_naive_attention(f)"),
+                nbformat.v4.new_code_cell("check_naive_attention(functools.partial(f))"),
+                nbformat.v4.new_code_cell("check_unknown(f)")]  # not in grading/exercises.py: not an exercise
     nb.cells[2].metadata["course"] = {"points": 5}
     nbformat.write(nb, sol / "01_x.ipynb")
     assert build.add_points(sol) == ["01_x.ipynb"]
@@ -291,13 +292,16 @@ def test_points_are_declared_in_solutions_and_shown_to_learners(tmp_path):
     assert build.add_points(sol) == [] and (sol / "01_x.ipynb").read_text() == text  # idempotent
     # A check called by two grader cells is one exercise worth both cells' points.
     exercises = grade.discover(sol)[0].exercises
-    assert [(e.name, e.points, len(e.calls)) for e in exercises] == [("check_softmax", 1, 1), ("check_unknown", 6, 2)]
+    assert [(e.name, e.points, len(e.calls)) for e in exercises] == [("check_softmax", 1, 1),
+                                                                      ("check_naive_attention", 7, 2)]
     assert exercises[1].calls[1].args == ["functools.partial(f)"]
     build.build(sol, tmp_path / "notebooks")
     student = nbformat.read(tmp_path / "notebooks" / "01_x.ipynb", as_version=4)
     assert student.cells[3].source == "# Graded: 1 point.\ncheck_softmax(f)"
     assert student.cells[4].source.startswith("# Graded: 5 points.")
     assert student.cells[4].metadata["nbgrader"]["points"] == 5 and student.cells[4].metadata["nbgrader"]["locked"]
+    assert student.cells[5].source.startswith("# Graded: 2 points.")  # the table's points for a new grader cell
+    assert student.cells[6].source == "check_unknown(f)"  # no exercise, no points
     # The course's own student notebooks show the points too.
     course = nbformat.read(ROOT / "notebooks" / "01_naive_attention.ipynb", as_version=4)
     assert any(c.source == "# Graded: 2 points.\ncheck_naive_attention(naive_attention)" for c in course.cells)

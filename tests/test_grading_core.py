@@ -1,5 +1,6 @@
 """The machinery every check shares: runs, comparisons, time limits, isolation."""
 
+import os
 import time
 
 import numpy as np
@@ -10,7 +11,8 @@ import course_utils  # noqa: F401  (configures the interpreter before triton)
 import triton
 import triton.language as tl
 
-from course_utils.grading.core import Diagnosis, GradingError, Run
+from course_utils.grading import outcome
+from course_utils.grading.core import Crashed, Diagnosis, GradingError, Run, TimedOut
 from course_utils.grading.inputs import nan_padded
 from course_utils.grading.isolation import check_on_cpu, isolated
 from course_utils.grading.outcome import KernelError
@@ -179,6 +181,48 @@ def test_isolated_hang_is_stopped(isolate):
     assert time.monotonic() - start < 15
 
 
+# -- the outcome protocol: the status travels on the exception, not in its words ----------
+@isolated
+def _check_slow(fn, *, seed=None):
+    run = Run("_check_slow", seed, time_limit_s=1)
+    run.call(fn, case="one call")
+    return run.passed()
+
+
+def _loop_forever():
+    while True:
+        pass
+
+
+@pytest.mark.parametrize("isolate", [False, None, "worker"])
+def test_a_time_limit_keeps_its_status_across_the_process_boundary(isolate):
+    with pytest.raises(TimedOut, match="ran for more than 1 s") as err:
+        _check_slow(_loop_forever, isolate=isolate)
+    assert outcome.status_of(err.value) == "timeout"
+
+
+@pytest.mark.parametrize("isolate", [None, "worker"])
+def test_a_stopped_check_and_a_crash_carry_their_status(isolate):
+    with pytest.raises(TimedOut) as err:
+        _check_copy(lambda x: time.sleep(60), timeout_s=2, isolate=isolate)
+    assert outcome.status_of(err.value) == "timeout"
+    with pytest.raises(Crashed, match="crashed the grading process") as err:
+        _check_copy(lambda x: os._exit(3), isolate=isolate)
+    assert outcome.status_of(err.value) == "crashed" and "exit code 3" in str(err.value)
+
+
+def test_the_status_is_not_read_from_the_message():
+    # A wrong answer whose message happens to hold a crash's words is still a plain failure.
+    words = "your code crashed the grading process; it did not finish within 1 s; it ran for more than 2 s"
+    kind, value, status = outcome.run_check(lambda fn: (_ for _ in ()).throw(GradingError(words)), None, {})
+    assert (kind, status) == ("failed", "failed")
+    with pytest.raises(GradingError) as err:
+        outcome.raise_outcome("check_x", (kind, value, status))
+    assert type(err.value) is GradingError and outcome.status_of(err.value) == "failed"
+    assert outcome.status_of(ValueError("x")) == "error"
+    assert outcome.run_check(lambda fn: 1 / 0, None, {})[::2] == ("error", "error")
+
+
 def test_count_launches_names_kernels_and_restores_run():
     kernel_class = type(_copy_kernel)  # InterpretedFunction or JITFunction
     before = kernel_class.run
@@ -198,7 +242,7 @@ def test_nan_padded_views_hold_the_data_and_nan_around_it():
 
 
 # -- proof of work: which kernel wrote the answer ------------------------------------
-from course_utils.grading import inputs, outcome, proof  # noqa: E402
+from course_utils.grading import inputs, proof  # noqa: E402
 from course_utils.grading.core import require_callable  # noqa: E402
 
 

@@ -17,12 +17,7 @@ import pytest
 import course_utils  # noqa: F401  (configures the environment first, as the notebooks do)
 from course_utils.grading import GradingError, Passed
 from course_utils.grading import part1_numpy as p1
-from course_utils.grading.part1_numpy import (
-    check_naive_attention,
-    check_online_softmax,
-    check_softmax,
-    check_tiled_attention,
-)
+from course_utils.grading import check_naive_attention, check_online_softmax, check_softmax, check_tiled_attention
 
 SEEDS = [0, 1, 2, 3, 12345]
 

@@ -32,7 +32,7 @@ forward = learner_copy(course_forward, "learner_forward")
 
 A = "flash_attention_kernel"
 B = "_flash_attention_forward_gqa_kernel"
-INNER = "_attn_fwd_inner"
+INNER = "attn_fwd_inner"
 LAUNCH_A = "flash_attention_forward"
 
 

@@ -206,6 +206,30 @@ def test_an_error_on_one_rank_is_reported_without_hanging():
     assert "rank 1 raised" in str(info.value) and "planted failure on rank 1" in str(info.value)
 
 
+def dies_on_rank_one(q, k, v, causal=False, *, layout="zigzag", group=None):
+    if dist.get_rank(group) == 1:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSEGV)  # as a far out-of-bounds access in the interpreter would
+    return ring_forward(q, k, v, causal, layout=layout, group=group)
+
+
+@pytest.mark.cpu_processes("gloo processes on the CPU run the kernels in Triton's interpreter")
+def test_a_rank_that_dies_is_a_crash_with_a_message_not_an_escaped_exception():
+    from course_utils.grading.core import Crashed
+
+    with pytest.raises(Crashed, match=r"crashed the grading process \(SIGSEGV\).*mask=") as info:
+        check_ring_attention(dies_on_rank_one, timeout_s=120)
+    assert info.value.status == "crashed"
+
+
+def test_ring_checks_refuse_what_is_not_a_function_with_a_grading_error():
+    for check in (check_ring_attention, check_ring_simulation):
+        with pytest.raises(GradingError, match="expects a function"):
+            check(3)
+
+
 def _records(seed, cases, mistake, world=2):
     """What each rank would return with a planted mistake: (o, lse) shards from the NumPy learner."""
     per_rank = [[] for _ in range(world)]

@@ -253,7 +253,7 @@ def test_lse_is_natural_log():
 
 
 def test_public_functions_route_to_the_fast_kernel_where_supported(monkeypatch):
-    """kernels._forward is the one dispatch point: fast kernel if supported, else lesson 05's."""
+    """kernels.dispatch is the one dispatch point: fast kernel if supported (asked once), else lesson 05's."""
     import course_utils.kernels as kernels
 
     q = torch.randn(1, 2, 64, 16, device=DEVICE)
@@ -261,9 +261,27 @@ def test_public_functions_route_to_the_fast_kernel_where_supported(monkeypatch):
     calls = []
     sentinel = (torch.zeros_like(q), torch.zeros(1, 2, 64, device=DEVICE))
     monkeypatch.setattr(kernels.fast, "is_supported", lambda *a: True)
-    monkeypatch.setattr(kernels.fast, "attention_forward_fast", lambda *a, **kw: calls.append(kw) or sentinel)
+    monkeypatch.setattr(kernels.fast, "attention_forward_tuned", lambda *a, **kw: calls.append(kw) or sentinel)
     assert kernels.flash_attention_with_lse(q, k, v, causal=True) is sentinel
     assert calls == [{"causal": True}]
     monkeypatch.setattr(kernels.fast, "is_supported", lambda *a: False)
     o, lse = kernels.flash_attention_with_lse(q, k, v, causal=True)
     assert len(calls) == 1 and lse.shape == (1, 2, 64) and torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_call_is_validated_once_and_the_fast_path_decided_once(monkeypatch, grad):
+    """flash_attention: one validate(), one is_supported(), whether or not autograd is involved."""
+    import course_utils.kernels as kernels
+
+    q = torch.randn(1, 2, 64, 16, device=DEVICE, requires_grad=grad)
+    k = v = torch.randn(1, 1, 64, 16, device=DEVICE)
+    asked, checked = [], []
+    real_validate = forward.validate
+    monkeypatch.setattr(kernels.fast, "is_supported", lambda *a: asked.append(1) or False)
+    monkeypatch.setattr(forward, "validate", lambda *a: checked.append(1) or real_validate(*a))
+    o = kernels.flash_attention(q, k, v, causal=True)
+    assert (o.grad_fn is not None) == grad
+    assert asked == [1] and checked == [1]
+    with pytest.raises(ValueError, match="head dim"):  # and the one check still refuses bad input
+        kernels.flash_attention(q[..., :8], k[..., :8], v[..., :8], causal=True)

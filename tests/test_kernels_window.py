@@ -303,7 +303,7 @@ def test_forward_and_dq_visit_exactly_the_visible_tiles(monkeypatch, n, w, s):
     states = course_utils.plots.window_tile_states(n, block_m, block_n, w, s)
     want = {(bi * block_m, bj * block_n): states[bi, bj] for bi, bj in zip(*np.nonzero(states))}
     q, k, v, do = _inputs(1, 1, 1, n, 16, torch.float32)
-    calls = _recorded(monkeypatch, forward, {"_attn_fwd_inner": False, "_attn_fwd_inner_window": True}, 10, 13)
+    calls = _recorded(monkeypatch, forward, {"attn_fwd_inner": False, "_attn_fwd_inner_window": True}, 10, 13)
     o, lse = forward.flash_attention_window_forward(q, k, v, window_size=w, sink_size=s,
                                                     block_m=block_m, block_n=block_n)
     got = _tiles(calls, block_n)
@@ -333,7 +333,7 @@ def test_dkdv_visits_exactly_the_query_blocks_that_see_its_keys(monkeypatch, n, 
                 want[(bj, bi)] = bool(tile.all())
     q, k, v, do = _inputs(1, 1, 1, n, 16, torch.float32)
     o, lse = forward.flash_attention_window_forward(q, k, v, window_size=w, sink_size=s)
-    calls = _recorded(monkeypatch, bw, {"_dkdv_inner": False, "_dkdv_inner_window": True}, 12, 14)
+    calls = _recorded(monkeypatch, bw, {"dkdv_inner": False, "_dkdv_inner_window": True}, 12, 14)
     bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=w, sink_size=s,
                           config=bw.BackwardConfig(block_m, block_n, 32, 16, split_sinks=False))
     got = _tiles(calls, block_m)

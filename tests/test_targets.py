@@ -40,9 +40,9 @@ def compiled():
 
 def test_every_lesson_kernel_is_compiled_for_both_targets(compiled):
     names = {"flash_attention_kernel", "_flash_attention_forward_gqa_kernel",
-             "_attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
+             "attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
              "_flash_attention_forward_window_kernel", "_attn_bwd_dkdv_window", "_attn_bwd_dkdv_sinks",
-             "_attn_bwd_dq_window"}
+             "attn_bwd_dq_window"}
     for sm in (75, 80):
         assert {r["kernel"] for r in compiled if r["sm"] == sm} == names
 
@@ -51,14 +51,14 @@ def test_every_lesson_kernel_is_compiled_for_both_targets(compiled):
 def test_each_kernel_fits_the_chips_shared_memory(compiled, sm):
     limit = targets.TARGETS[sm][1]
     for r in (r for r in compiled if r["sm"] == sm):
-        assert 0 < r["shared_bytes"] <= limit or r["kernel"] == "_attn_bwd_preprocess", r
+        assert 0 < r["shared_bytes"] <= limit or r["kernel"] == "attn_bwd_preprocess", r
         assert r["fits"], f"{r['kernel']} needs {r['shared_bytes']} bytes of shared memory on sm_{sm} (limit {limit})"
 
 
 def test_a_t4_gets_fp16_and_no_multi_stage_pipeline(compiled):
     t4 = [r for r in compiled if r["sm"] == 75]
     assert all("float16" in r["case"] for r in t4)
-    assert all(r["num_stages"] == 1 for r in t4 if r["kernel"] != "_attn_bwd_preprocess")
+    assert all(r["num_stages"] == 1 for r in t4 if r["kernel"] != "attn_bwd_preprocess")
 
 
 def test_the_tool_refuses_to_run_in_the_interpreter():

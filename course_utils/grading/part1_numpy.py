@@ -19,17 +19,27 @@ arguments in place cannot disturb the references.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 
 import numpy as np
 
 from .. import references as ref
-from . import proof
+from . import inputs, proof
 from .core import Diagnosis, Run, require_callable
+from .inputs import Watched as _Watched  # noqa: F401  (the tests check that results stay watched)
+from .mistakes import MSG_NOT_TILED
+# The texts this module shows under the short names its tests look them up by
+# (other exercises word these mistakes differently: .mistakes has each text under its own name).
+from .mistakes import MSG_ACC_NOT_RESCALED_NUMPY as MSG_ACC_NOT_RESCALED
+from .mistakes import MSG_L_NOT_RESCALED_NUMPY as MSG_L_NOT_RESCALED
+from .mistakes import MSG_LSE_BASE2_NUMPY as MSG_LSE_BASE2
+from .mistakes import MSG_LSE_MIXED_NUMPY as MSG_LSE_MIXED
+from .mistakes import MSG_LSE_NO_MAX_NUMPY as MSG_LSE_NO_MAX
+from .mistakes import MSG_M_INIT_ZERO_NUMPY as MSG_M_INIT_ZERO
+from .mistakes import MSG_NO_CAUSAL_NUMPY as MSG_NO_CAUSAL
+from .mistakes import MSG_NO_SCALE_NUMPY as MSG_NO_SCALE
 
-__all__ = ["check_softmax", "check_naive_attention", "check_online_softmax", "check_tiled_attention"]
+__all__ = ["grade_softmax", "grade_naive_attention", "grade_online_softmax", "grade_tiled_attention"]
 
 # The learner works in float64 like the references; these leave room for a
 # learner who computes in float32 on small inputs, and are far below the size
@@ -37,7 +47,8 @@ __all__ = ["check_softmax", "check_naive_attention", "check_online_softmax", "ch
 ATOL = 1e-6
 RTOL = 1e-5
 
-# One plain sentence per diagnosis; the tests look for these texts.
+# One plain sentence per diagnosis; the tests look for these texts (those that other
+# exercises share or word their own way are in .mistakes, imported above).
 MSG_OVERFLOW = (
     "np.exp overflowed on large inputs (exp(1000) is inf, and inf/inf or 0/0 is NaN). "
     "Subtract each row's maximum before exponentiating: softmax(x) == softmax(x - max(x)), "
@@ -56,13 +67,11 @@ MSG_NO_KEEPDIMS = (
     "axis (row i's values were divided by row j's sum). Use keepdims=True."
 )
 MSG_WRONG_AXIS = "the softmax was taken along the wrong axis"
-MSG_NO_SCALE = "the scores are not scaled: multiply q @ k^T by 1/sqrt(d) before the softmax."
 MSG_SCALE_D = "the scores were scaled by 1/d; the scale is 1/sqrt(d)."
 MSG_SOFTMAX_QUERIES = (
     "the softmax was taken over the queries (axis -2); each query's weights must sum to 1 "
     "over the keys, so normalise along the last axis."
 )
-MSG_NO_CAUSAL = "the causal mask was not applied: with causal=True, query i must not see keys j > i."
 MSG_MASK_TRANSPOSED = (
     "the causal mask is transposed: query i saw keys j >= i. Keep the keys j <= i "
     "(np.tril, or k_index <= q_index)."
@@ -78,15 +87,6 @@ MSG_MASK_TILE_LOCAL = (
     "the causal mask was built from indices inside the tile (0 .. block_m-1 and 0 .. block_n-1) "
     "instead of positions in the sequence: compare q_start + row with k_start + col "
     "(np.arange(q_start, q_end)[:, None] >= np.arange(k_start, k_end)[None, :])."
-)
-MSG_M_INIT_ZERO = (
-    "the rows whose values are all far below 0 (around -1000) came out NaN while the others are right: "
-    "the running max m starts at 0 instead of -inf, so for those rows every exp(x - m) underflows to 0 "
-    "and the running sum stays 0 (0/0). Start it at -inf: np.full(shape, -np.inf)."
-)
-MSG_LSE_MIXED = (
-    "lse mixes bases: one of m_i and log(l_i) is in log2 units and the other in natural log. "
-    "With np.exp, lse = m_i + np.log(l_i)."
 )
 MSG_MASK_BOTTOM_RIGHT = (
     "the causal mask is aligned bottom-right (query i sees j <= i + Nk - Nq, FlashAttention's "
@@ -110,23 +110,9 @@ MSG_NOT_STREAMING = (
     "time (x[..., start:start + block_size]), keep a running max m and a running sum l, rescale l "
     "by exp(m_old - m_new) when the max grows, and only at the end write exp(x - m) / l."
 )
-MSG_NOT_TILED = (
-    "your values are right, but your function did not tile: it computed {what} of shape {shape} at once, "
-    "larger than one tile (block_m={bm} query rows x block_n={bn} keys). Loop over query blocks "
-    "q[..., i0:i0 + block_m, :] and key blocks k[..., j0:j0 + block_n, :], and only ever form one "
-    "block_m x block_n tile of scores at a time."
-)
 MSG_TAIL_DROPPED = (
     "the last, partial block was dropped: when N is not a multiple of the block size, loop "
     "with range(0, N, block) and slice x[start:start + block] (NumPy clips the end)."
-)
-MSG_ACC_NOT_RESCALED = (
-    "acc (the unnormalised output) is not rescaled when the maximum changes: multiply it by "
-    "alpha = exp(m_old - m_new) before adding p @ v."
-)
-MSG_L_NOT_RESCALED = (
-    "the running sum l_i is not rescaled when the maximum changes: multiply it by "
-    "alpha = exp(m_old - m_new) before adding the tile's row sums."
 )
 MSG_BOTH_NOT_RESCALED = (
     "neither acc nor l_i is rescaled when the maximum changes: multiply both by "
@@ -139,11 +125,6 @@ MSG_KV_TAIL_DROPPED = (
 MSG_Q_TAIL_DROPPED = (
     "the last, partial block of queries was dropped (those output rows were never written): "
     "loop over query blocks with range(0, Nq, block_m)."
-)
-MSG_LSE_BASE2 = "lse is in base 2; it must be the natural-log logsumexp (multiply a log2 result by ln 2)."
-MSG_LSE_NO_MAX = (
-    "lse is missing the running max: with l_i = sum exp(s - m_i), lse = m_i + log(l_i), "
-    "not log(l_i)."
 )
 
 
@@ -362,7 +343,7 @@ def _softmax_cases(rng):
     yield f"random #5: shape {shape}, values around +-1000", x, -1, True
 
 
-def check_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
+def grade_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
     """Grade ``fn(x, axis=-1)``: a numerically stable softmax of a NumPy array along ``axis``."""
     __tracebackhide__ = True
     require_callable(fn, "check_softmax")
@@ -477,7 +458,7 @@ def _mask_diagnoses(q, k, v, causal, tiles=None):
     return found
 
 
-def check_naive_attention(fn, *, seed=None, time_limit_s: float = 10.0):
+def grade_naive_attention(fn, *, seed=None, time_limit_s: float = 10.0):
     """Grade ``fn(q, k, v, causal=False)``: softmax(q k^T / sqrt(d)) v, optionally causal.
 
     ``q [..., Nq, d]``, ``k``/``v [..., Nk, d]``; causal masking is top-left
@@ -541,195 +522,11 @@ def _online_cases(rng):
     yield f"random #5: shape {shape}, block_size={block}, values around +-1000", x, block, True
 
 
-_ROW_REDUCTIONS = (np.maximum, np.fmax, np.add, np.logaddexp, np.logaddexp2)
-# NumPy functions that look at a whole row at once without a ufunc reduction (np.sort(x)[..., -1] is a max).
-_ROW_FUNCTIONS = {np.sort, np.argsort, np.partition, np.argpartition, np.median, np.quantile, np.percentile,
-                  np.nanmax, np.nanmin, np.nansum, np.cumsum, np.nancumsum, np.ptp}
-_PRODUCT_FUNCTIONS = {np.dot, np.inner, np.tensordot, np.einsum, np.vdot, np.outer, np.kron}
-_CONVERSIONS = ("array", "asarray", "asanyarray", "ascontiguousarray", "asfortranarray", "copy")
-
-
-def _plain(a):
-    return np.ndarray.view(a, np.ndarray) if isinstance(a, _Watched) else a
-
-
-class _Watched(np.ndarray):
-    """The learner's inputs: ordinary arrays that note how the whole problem is read.
-
-    Each carries a shared log and a set of tags (which inputs it was computed
-    from: "q", "k", "x", ...). Slices, views, copies and element-wise results
-    keep watching (``np.array``, ``np.asarray``, ``np.copy`` and
-    ``.view(np.ndarray)`` included, while the log is active); reductions hand
-    back plain arrays. The log's hooks decide what counts:
-
-    - ``row``: for the online softmax, a max, sum, logaddexp, cumulative sum,
-      sort or partition along an axis as long as the row (``log["n"]``) is
-      recorded with a copy of what was reduced; a reduction of the very
-      values the function returns (a self-check such as
-      ``assert np.allclose(out.sum(-1), 1)``) is forgiven afterwards;
-    - ``tiles``: for the tiled exercises, a product of something computed
-      from ``q`` alone with something computed from ``k`` alone (or ``do``
-      with ``v``) bigger than one ``block_m x block_n`` tile is recorded.
-    """
-
-    def __array_finalize__(self, obj):
-        self._log = getattr(obj, "_log", None)
-        self._tags = getattr(obj, "_tags", frozenset())
-
-    def view(self, *args, **kwargs):
-        result = np.ndarray.view(self, *args, **kwargs)
-        if (self._log is not None and self._log["active"] and isinstance(result, np.ndarray)
-                and not isinstance(result, _Watched)):
-            result = _rewatch(result, self)
-        return result
-
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        watched = [i for i in inputs if isinstance(i, _Watched) and i._log is not None]
-        log = watched[0]._log if watched else None
-        plain = [_plain(i) for i in inputs]
-        if "out" in kwargs:
-            kwargs["out"] = tuple(_plain(o) for o in kwargs["out"])
-        if log is not None and log["active"]:
-            if method in ("reduce", "accumulate") and ufunc in _ROW_REDUCTIONS:
-                _note_row(log, plain[0], kwargs.get("axis", 0))
-        result = getattr(ufunc, method)(*plain, **kwargs)
-        if (log is not None and log["active"] and method == "__call__" and ufunc is np.matmul
-                and len(inputs) == 2 and isinstance(result, np.ndarray)):
-            _note_product(log, inputs[0], inputs[1], shape=result.shape if result.ndim >= 2 else None,
-                          size=result.size)
-        if method == "__call__" and log is not None and isinstance(result, np.ndarray):
-            tags = frozenset().union(*(i._tags for i in watched if i.size > 1))
-            result = result.view(_Watched)
-            result._log, result._tags = log, tags
-        return result
-
-    def __array_function__(self, func, types, args, kwargs):
-        watched = [a for a in args if isinstance(a, _Watched) and a._log is not None]
-        log = watched[0]._log if watched else None
-        if log is not None and log["active"]:
-            if func in _ROW_FUNCTIONS and args:
-                default = -1 if func in (np.sort, np.argsort, np.partition, np.argpartition) else None
-                axis = kwargs.get("axis", args[2] if func in (np.partition, np.argpartition) and len(args) > 2
-                                  else args[1] if len(args) > 1 and func not in (np.partition, np.argpartition,
-                                                                                  np.quantile, np.percentile)
-                                  else default)
-                _note_row(log, _plain(args[0]), axis if isinstance(axis, (int, np.integer, tuple, type(None))) else default)
-        result = super().__array_function__(func, types, args, kwargs)
-        if log is not None and log["active"] and func in _PRODUCT_FUNCTIONS:
-            operands = [a for a in args if isinstance(a, np.ndarray)]
-            if len(operands) >= 2:
-                _note_product(log, operands[0], operands[1], shape=None, size=np.size(result))
-        if func is np.copy and log is not None and isinstance(result, np.ndarray) and not isinstance(result, _Watched):
-            result = _rewatch(result, watched[0])
-        return result
-
-
-def _rewatch(result, like):
-    out = np.ndarray.view(result, _Watched)
-    out._log, out._tags = like._log, like._tags
-    return out
-
-
-def _note_row(log, arr, axis):
-    hook = log.get("row")
-    if hook is None:
-        return
-    arr = np.asarray(arr)
-    axes = range(arr.ndim) if axis is None else np.atleast_1d(axis)
-    if any(arr.ndim and arr.shape[int(a)] == log["n"] for a in axes):
-        hook(arr)
-
-
-def _note_product(log, a, b, shape=None, size=None):
-    hook = log.get("tiles")
-    if hook is None:
-        return
-    ta = a._tags if isinstance(a, _Watched) else frozenset()
-    tb = b._tags if isinstance(b, _Watched) else frozenset()
-    hook(ta, tb, shape, size)
-
-
-@contextlib.contextmanager
-def _conversions_keep_watching():
-    """``np.array(x)``, ``np.asarray(x)``, ``np.copy(x)`` ... of a watched array stay watched (during the call)."""
-    saved = {name: getattr(np, name) for name in _CONVERSIONS}
-
-    def make(original):
-        @functools.wraps(original)
-        def convert(a, *args, **kwargs):
-            result = original(a, *args, **kwargs)
-            if (isinstance(a, _Watched) and a._log is not None and a._log["active"]
-                    and isinstance(result, np.ndarray) and not isinstance(result, _Watched)):
-                result = _rewatch(result, a)
-            return result
-        return convert
-
-    for name, original in saved.items():
-        setattr(np, name, make(original))
-    try:
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(np, name, original)
-
-
-def _watch(arrays: dict, log: dict) -> dict:
-    """Copies of ``arrays`` as :class:`_Watched`, tagged with their names, writing to ``log``."""
-    out = {}
-    for name, a in arrays.items():
-        w = np.array(a, copy=True).view(_Watched)
-        w._log, w._tags = log, frozenset([name])
-        out[name] = w
-    return out
-
-
-def _tile_log(batch_count: int, block_m: int, block_n: int) -> dict:
-    """A log whose hook records the first score product larger than one block_m x block_n tile.
-
-    The score products are q x k (S, or S^T in a backward) and do x v (dP):
-    the operands computed from those inputs alone, whatever the code.
-    """
-    log = {"active": False, "untiled": None}
-    pairs = {("q", "k"): "the scores q @ k^T", ("do", "v"): "dP = do @ v^T"}
-
-    def tiles(ta, tb, shape, size):
-        if log["untiled"] is not None:
-            return
-        for (x, y), what in pairs.items():
-            if (ta, tb) == ({x}, {y}):
-                limit = (block_m, block_n)
-            elif (ta, tb) == ({y}, {x}):
-                limit = (block_n, block_m)
-            else:
-                continue
-            if shape is not None:
-                bad = shape[-2] > limit[0] or shape[-1] > limit[1]
-            else:
-                bad = size > batch_count * block_m * block_n
-            if bad:
-                log["untiled"] = MSG_NOT_TILED.format(what=what, shape=tuple(shape) if shape is not None
-                                                      else f"(… {size} elements)", bm=block_m, bn=block_n)
-
-    log["tiles"] = tiles
-    return log
-
-
-@contextlib.contextmanager
-def _watching(log):
-    """Turn ``log`` on for the learner's call, with the references off limits."""
-    log["active"] = True
-    try:
-        with proof.references_forbidden(), _conversions_keep_watching():
-            yield
-    finally:
-        log["active"] = False
-
-
 def _watched(x: np.ndarray) -> tuple[np.ndarray, dict]:
     """``x`` watched for whole-row reductions, and the log (off until the call)."""
     log = {"n": x.shape[-1], "active": False, "whole_row": False, "reduced": []}
     log["row"] = log["reduced"].append
-    w = _watch({"x": x}, log)["x"]
+    w = inputs.watch({"x": x}, log)["x"]
     return w, log
 
 
@@ -745,13 +542,13 @@ def _whole_row_after_call(log, out) -> bool:
     return False
 
 
-def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
+def grade_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
     """Grade ``fn(x, block_size)``: softmax over the last axis in one streaming pass over blocks.
 
     The values are graded first; the cases make the usual streaming mistakes
     visible: a max that grows from block to block, lengths that are not
     multiples of ``block_size``, and values around 1000. Then the way they
-    were computed: ``x`` is handed over as a :class:`_RowWatcher`, and right
+    were computed: ``x`` is handed over as a :class:`.inputs.Watched`, and right
     values from a max or a sum over a whole row (when the row is longer than
     one block) fail with :data:`MSG_NOT_STREAMING`.
     """
@@ -761,14 +558,9 @@ def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
     for case, x, block, large in _online_cases(run.rng):
         expected = ref.online_softmax(x, block)
         x_in, log = _watched(x)
-        log["active"] = True
-        try:
-            with proof.references_forbidden(), _conversions_keep_watching():
-                out = run.call(fn, x_in, block, case=case)
-        finally:
-            log["active"] = False
-        if isinstance(out, _Watched):
-            out = _plain(out)
+        with proof.references_forbidden(), inputs.watching(log):
+            out = run.call(fn, x_in, block, case=case)
+        out = inputs.plain(out)
         log["whole_row"] = _whole_row_after_call(log, out if isinstance(out, np.ndarray) else None)
         got = run.array(out, expected_shape=x.shape, case=case)
         diagnoses = [
@@ -789,7 +581,7 @@ def check_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
 # -----------------------------------------------------------------------------
 # check_tiled_attention
 # -----------------------------------------------------------------------------
-def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
+def grade_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
     """Grade ``fn(q, k, v, block_m, block_n, causal=False) -> (o, lse)``.
 
     ``o`` is the attention output ``[..., Nq, d]``; ``lse`` ``[..., Nq]`` is
@@ -800,16 +592,16 @@ def check_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
     run = Run("check_tiled_attention", seed, time_limit_s=time_limit_s)
     for case, q, k, v, causal, large, bm, bn in _attention_cases(run.rng, blocks=True):
         o_ref, lse_ref = ref.attention_lse(q, k, v, causal=causal)
-        log = _tile_log(math.prod(np.broadcast_shapes(q.shape[:-2], k.shape[:-2])), bm, bn)
-        watched = _watch({"q": q, "k": k, "v": v}, log)
-        with _watching(log):
+        log = inputs.tile_log(math.prod(np.broadcast_shapes(q.shape[:-2], k.shape[:-2])), bm, bn, MSG_NOT_TILED)
+        watched = inputs.watch({"q": q, "k": k, "v": v}, log)
+        with proof.references_forbidden(), inputs.watching(log):
             out = run.call(fn, watched["q"], watched["k"], watched["v"], bm, bn, causal=causal, case=case)
         if out is None:
             raise run.fail("your function returned None: did you forget a `return`? Return the pair (o, lse).", case)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             what = f"a {type(out).__name__}" if not isinstance(out, (tuple, list)) else f"{len(out)} values"
             raise run.fail(f"your function returned {what}; return the pair (o, lse).", case)
-        out = [_plain(a) for a in out]
+        out = [inputs.plain(a) for a in out]
         o = run.array(out[0], expected_shape=o_ref.shape, case=case, name="o (the first value you returned)")
         lse = run.array(out[1], expected_shape=lse_ref.shape, case=case, name="lse (the second value you returned)")
 

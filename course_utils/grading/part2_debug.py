@@ -39,10 +39,9 @@ import numpy as np
 
 from .. import references
 from ..environment import current
-from . import isolation
 from .core import GradingError, Run
 
-__all__ = ["check_flaw_hunt", "FLAWS", "int32_overflow", "classmate_variant"]
+__all__ = ["grade_flaw_hunt", "FLAWS", "int32_overflow", "classmate_variant"]
 
 EXHIBIT = Path(__file__).resolve().parent.parent / "exhibits" / "causal_forward_kernel.py"
 INT32_MAX = 2**31 - 1
@@ -349,7 +348,13 @@ def _wrong(run: Run, forward, inputs, expected) -> str | None:
     return None
 
 
-def _check_flaw_hunt(findings, *, seed=None):
+def grade_flaw_hunt(findings, *, seed=None):
+    """Grade a list of findings about the classmate's kernel of lesson 05b.
+    
+    Each finding is ``dict(line=..., why=..., inputs=dict(q=, k=, v=, [is_causal, block_m, block_n]))``;
+    for the int32 flaw, ``shape=(B, Hq, Hkv, N, D)`` instead of ``inputs``; for flaws no input can
+    show, the line alone. Passes when every planted flaw has a finding that shows it.
+    """
     __tracebackhide__ = True
     run = Run("check_flaw_hunt", seed, time_limit_s=120.0)
     if not isinstance(findings, (list, tuple)) or not all(isinstance(f, dict) for f in findings):
@@ -422,12 +427,3 @@ def _check_flaw_hunt(findings, *, seed=None):
             "promise it makes is a place to look."
         )
     return run.passed()
-
-
-check_flaw_hunt = isolation.isolated(_check_flaw_hunt)
-check_flaw_hunt.__doc__ = """Grade a list of findings about the classmate's kernel of lesson 05b.
-
-Each finding is ``dict(line=..., why=..., inputs=dict(q=, k=, v=, [is_causal, block_m, block_n]))``;
-for the int32 flaw, ``shape=(B, Hq, Hkv, N, D)`` instead of ``inputs``; for flaws no input can
-show, the line alone. Passes when every planted flaw has a finding that shows it.
-"""

@@ -13,15 +13,16 @@ The Triton checks compare with the float64 references of
 :mod:`course_utils.references`, on fixed cases first (each adds one
 difficulty: a tail block, a batch, a transposed layout, ...) and then on fresh
 random cases every call. Every input lives in a NaN-filled buffer
-(:func:`.inputs.nan_padded` and friends), so a load that reads past the end of
+(:func:`.inputs.nan_padded` and :data:`.inputs.LAYOUTS`), so a load that reads past the end of
 a row, a head or the sequence brings NaN into the output instead of plausible
 garbage. A Triton kernel must run (:func:`.proof.count_launches`), and on the
-CPU the check runs in a forked process (:func:`.isolation.isolated`), so a
+CPU the check runs in a forked process (:mod:`.isolation`), so a
 kernel that crashes the interpreter does not take the notebook down.
 
 A wrong answer is explained by the first diagnosis whose mistake it matches.
 Each is recognised by computing, in NumPy, what the mistaken kernel would
-output on the same inputs. Several mistakes (a causal loop that skips or
+output on the same inputs (the models and their messages are in
+:mod:`.mistakes`; this module picks the ones that fit each case). Several mistakes (a causal loop that skips or
 repeats the diagonal block, an accumulator that is not rescaled) give
 outputs that depend on the learner's block sizes, so the models try every
 power of two from 16 up and name the one that fits.
@@ -38,121 +39,65 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
-from . import inputs, isolation, proof
-from .core import Diagnosis, Run, distance_to, require_callable
+from . import inputs, proof
+from .core import Diagnosis, Run, require_callable
+from .mistakes import (
+    MSG_BOUND_FLOORED,
+    MSG_CAUSAL_SHIFTED,
+    MSG_CAUSAL_STRICT,
+    MSG_DIAG_SKIPPED,
+    MSG_DIAG_TWICE,
+    MSG_DIAG_UNMASKED,
+    MSG_EXP2_NO_LOG2E,
+    MSG_EXP_WITH_LOG2E,
+    MSG_KV_DIV_NKV,
+    MSG_KV_INTERLEAVED,
+    MSG_KV_OTHER,
+    MSG_KV_OUT_OF_RANGE,
+    MSG_NO_RUNNING_MAX,
+    MSG_NOT_RESCALED,
+    MSG_OVERLAP,
+    MSG_SCALE_TWICE,
+    MSG_TAIL_UNMASKED,
+    SLACK,
+    KvMapping,
+    KvOutOfRange,
+    Model,
+    causal_weights,
+    floored_weights,
+    online,
+    shift_diagnoses,
+    weighted,
+)
+# The texts this module shows under the short names its tests look them up by
+# (other exercises word these mistakes differently: .mistakes has each text under its own name).
+from .mistakes import MSG_ACC_NOT_RESCALED_TRITON as MSG_ACC_NOT_RESCALED
+from .mistakes import MSG_L_NOT_RESCALED_TRITON as MSG_L_NOT_RESCALED
+from .mistakes import MSG_LSE_BASE2_TRITON as MSG_LSE_BASE2
+from .mistakes import MSG_LSE_MIXED_TRITON as MSG_LSE_MIXED
+from .mistakes import MSG_LSE_NO_MAX_TRITON as MSG_LSE_NO_MAX
+from .mistakes import MSG_M_INIT_ZERO_TRITON as MSG_M_INIT_ZERO  # noqa: F401  (named by shift_diagnoses)
+from .mistakes import MSG_NO_CAUSAL_TRITON as MSG_NO_CAUSAL
+from .mistakes import MSG_NO_KERNEL_ATTENTION as MSG_NO_KERNEL
+from .mistakes import MSG_NO_SCALE_TRITON as MSG_NO_SCALE
 
-__all__ = ["check_kv_head", "check_flash_forward", "check_flash_gqa"]
+__all__ = ["grade_kv_head", "grade_flash_forward", "grade_flash_gqa"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
-# -- messages: one plain sentence or two each; the tests look for these texts --
-MSG_NO_KERNEL = (
-    "no Triton kernel ran: your function must compute attention by launching your "
-    "@triton.jit kernel (`kernel[grid](...)`), not with torch code such as "
-    "torch.nn.functional.scaled_dot_product_attention."
-)
-MSG_KV_INTERLEAVED = (
-    "this is `q_head % n_kv_heads`, the interleaved mapping. The query heads that share a "
-    "key/value head are consecutive: heads 0 .. group_size-1 use kv head 0, the next "
-    "group_size use kv head 1, so kv_head = q_head // group_size with "
-    "group_size = n_q_heads // n_kv_heads."
-)
-MSG_KV_DIV_NKV = (
-    "this is `q_head // n_kv_heads`: divide by the group size (group_size = n_q_heads // "
-    "n_kv_heads, the number of query heads per kv head), not by the number of kv heads."
-)
-MSG_KV_OUT_OF_RANGE = (
-    "query heads {heads} came out NaN while the others read a real kv head: they read a kv head that "
-    "does not exist (an index >= n_kv_heads = {n_kv}, in the memory after k and v). The map must stay "
-    "below n_kv_heads: kv_head = q_head // group_size, with group_size = n_q_heads // n_kv_heads = {group}."
-)
-MSG_KV_OTHER = "kv_head = q_head // group_size, with group_size = n_q_heads // n_kv_heads."
+# -- messages: one plain sentence or two each; the tests look for these texts. The mistakes that
+# a NumPy model recognises are in .mistakes with their messages; these are this check's own. --
 MSG_KV_FLOAT = (
     "returned a float: use integer division `//` (a head index is an int; `/` gives a float)."
 )
-MSG_NO_CAUSAL = (
-    "the causal mask was not applied: with causal=True, query i must not see keys j > i "
-    "(set those scores to -inf with tl.where(offs_m[:, None] >= offs_n[None, :], s, -inf))."
-)
-MSG_CAUSAL_STRICT = (
-    "the causal mask is off by one: it hides the diagonal too (query i sees only keys j < i, "
-    "so row 0 sees nothing and comes out NaN). Keep keys with offs_m >= offs_n, not >."
-)
-MSG_CAUSAL_SHIFTED = (
-    "the causal mask is off by one: query i also sees key i + 1. Keep keys with "
-    "offs_m[:, None] >= offs_n[None, :]."
-)
-MSG_DIAG_SKIPPED = (
-    "the causal loop stops before the diagonal block (BLOCK_M = {block} fits): each query "
-    "block only sees the keys of earlier blocks, so the first block's rows come out NaN. "
-    "The keys a query block can see end at min(N, (pid_m + 1) * BLOCK_M), and the diagonal "
-    "block needs the masked pass."
-)
-MSG_DIAG_UNMASKED = (
-    "the diagonal block was processed without the causal mask (BLOCK_M = {block} fits): "
-    "each row also sees the later keys of its own query block. Mask that block with "
-    "offs_m[:, None] >= offs_n[None, :] (in a two-phase loop, the unmasked phase must end "
-    "at pid_m * BLOCK_M, where the masked diagonal phase starts)."
-)
-MSG_DIAG_TWICE = (
-    "the diagonal block was counted twice (BLOCK_M = {block} fits): the unmasked phase ran "
-    "up to (pid_m + 1) * BLOCK_M and the masked phase then did the diagonal block again. "
-    "Phase 1 covers [0, pid_m * BLOCK_M), phase 2 [pid_m * BLOCK_M, (pid_m + 1) * BLOCK_M)."
-)
-MSG_OVERLAP = (
-    "keys before the diagonal block were counted twice (BLOCK_M = {block} fits): the masked "
-    "phase started at 0 instead of at pid_m * BLOCK_M, where the unmasked phase ended."
-)
-MSG_TAIL_UNMASKED = (
-    "keys past the end of the sequence were not masked (BLOCK_N = {block} fits): in the last, "
-    "partial K/V block the padding keys load as 0, score 0 and count in the softmax. Set "
-    "their scores to -inf with tl.where(offs_n[None, :] < N, s, -inf)."
-)
-MSG_ACC_NOT_RESCALED = (
-    "the accumulator is not rescaled (BLOCK_N = {block} fits): when the running max grows "
-    "from m_i to m_new, multiply acc by alpha = exp(m_i - m_new) before adding p @ v, as "
-    "you do for l_i."
-)
-MSG_NOT_RESCALED = (
-    "neither acc nor l_i is rescaled when the running max grows (BLOCK_N = {block} fits): "
-    "multiply both by alpha = exp(m_i - m_new) before adding the new block."
-)
-MSG_NO_SCALE = "the scores are not scaled: multiply q @ k^T by sm_scale = 1/sqrt(D) before the softmax."
-MSG_SCALE_TWICE = "the scores were scaled twice (by 1/D): multiply by sm_scale = 1/sqrt(D) once."
-MSG_EXP2_NO_LOG2E = (
-    "the kernel uses exp2 on natural-log scores: exp(x) == exp2(x * log2(e)), so fold "
-    "log2(e) = 1.4427 into the scale (qk_scale = sm_scale * 1.4427) when you use tl.exp2."
-)
-MSG_M_INIT_ZERO = (
-    "the rows whose scores are all far below 0 (about -150) came out NaN while the others are right: "
-    "m_i starts at 0 instead of -inf, so for those rows exp(s - m_i) underflows to 0 for every key, "
-    "l_i stays 0 and o = 0/0. Start the running max at -inf: tl.full([BLOCK_M], float('-inf'), tl.float32)."
-)
-MSG_NO_RUNNING_MAX = (
-    "the rows whose scores are large (about +-150) came out inf or NaN while small scores are right: "
-    "the scores are exponentiated without subtracting the running max (exp(150) overflows, exp(-150) "
-    "underflows to 0). Keep m_i, the largest score seen so far, use p = exp(s - m_new) and rescale acc "
-    "and l_i by alpha = exp(m_i - m_new)."
-)
-MSG_L_NOT_RESCALED = (
-    "l_i is not rescaled (BLOCK_N = {block} fits): when the running max grows from m_i to m_new, "
-    "multiply l_i by alpha = exp(m_i - m_new) before adding the new block's row sums, as you do for acc."
-)
-MSG_EXP_WITH_LOG2E = (
-    "the kernel uses tl.exp on scores that include the log2(e) = 1.4427 factor: that factor is for "
-    "tl.exp2 (exp(x) == exp2(x * log2(e))). With tl.exp, scale by sm_scale alone."
-)
-MSG_BOUND_FLOORED = (
-    "the causal loop's end is rounded down to a whole K/V block (BLOCK_M, BLOCK_N = {block} fits): the "
-    "keys of the last, partial block before min(N, (pid_m + 1) * BLOCK_M) are never visited. Loop "
-    "`for start_n in range(0, kv_end, BLOCK_N)` with kv_end = min(N, (pid_m + 1) * BLOCK_M), and mask "
-    "the keys past kv_end, or round the number of blocks up with tl.cdiv."
-)
+# The cause, in words both diagnoses of O written with q's strides share: which one a kernel
+# meets depends on the order in which its programs store (see _output_diagnoses).
+MSG_O_STRIDES_CAUSE = "the output was written with q's strides instead of its own (o.stride())."
 MSG_O_STRIDES = (
-    "the output was written with q's strides: here q is shared across the batch (batch stride "
-    "0), so every batch element wrote into the first one's place. Address O with its own "
-    "strides (o.stride()), which differ from q's whenever q is not laid out like o."
+    MSG_O_STRIDES_CAUSE + " Here q is shared across the batch (batch stride 0), so every batch element "
+    "wrote into the first one's place. Address O with its own strides, which differ from q's whenever "
+    "q is not laid out like o."
 )
 MSG_BATCH_STRIDE = (
     "only the first batch element is right: every program read and wrote batch 0, so the batch "
@@ -160,9 +105,9 @@ MSG_BATCH_STRIDE = (
     "stride_vz, stride_oz) to each tensor's base pointer, with each tensor's own batch stride."
 )
 MSG_OR_O_STRIDES = (
-    " Or the output was written with q's strides: here q is shared across the batch (batch stride 0), "
-    "so every batch element wrote into the first one's place, and batch 0's store came last. Address O "
-    "with its own strides (o.stride())."
+    " Or " + MSG_O_STRIDES_CAUSE + " Here q is shared across the batch (batch stride 0), so every batch "
+    "element wrote into the first one's place, and batch 0's store came last. Address O with its own "
+    "strides."
 )
 MSG_D_STRIDE = (
     "this is the first case whose head dim is not contiguous (q.stride(-1) != 1). A kernel "
@@ -174,18 +119,6 @@ MSG_OOB = (
     "data (here everything past the last row, head or column is NaN; in real memory it is "
     "garbage). Mask every tl.load whose offsets can pass the end: the last, partial block of "
     "queries or keys (offs < N) and, if D is padded, the head-dim columns (offs_d < D)."
-)
-MSG_LSE_BASE2 = (
-    "lse is in base 2: m_i and log2(l_i) are in log2 units when you use exp2. Multiply "
-    "(m_i + log2(l_i)) by ln(2) = 0.6931 to get the natural-log lse the backward pass uses."
-)
-MSG_LSE_MIXED = (
-    "lse mixes bases: one of m_i and log(l_i) is in log2 units and the other in natural "
-    "log. With exp2, use (m_i + tl.log2(l_i)) * ln(2); with exp, m_i + tl.log(l_i)."
-)
-MSG_LSE_NO_MAX = (
-    "lse is missing the running max: l_i sums exp(s - m_i), so lse = m_i + log(l_i), "
-    "not log(l_i) alone."
 )
 
 # o: (atol, rtol); lse: atol. Float32 is exact in the interpreter but uses tf32
@@ -200,20 +133,6 @@ _TOLERANCES = {
 }
 
 _BLOCKS = (16, 32, 64, 128, 256)  # block sizes the models try
-
-# A mistaken kernel's output matches its model only up to the kernel's own rounding,
-# which some mistakes amplify (without 1/sqrt(D) the softmax is sharp, and tf32's score
-# errors show). So models are matched with this many times the check's tolerance; the
-# mistakes differ from each other and from the right answer by far more.
-_SLACK = 4.0
-
-LAYOUTS = {
-    "contiguous": "contiguous",
-    "padded": "rows and heads spaced apart (NaN between them)",
-    "transposed": "a [B, N, H, D] buffer viewed as [B, H, N, D]",
-    "dstride": "head dim not contiguous (stride(-1) != 1)",
-    "qbcast": "q shared across the batch (q.stride(0) == 0)",
-}
 
 
 # =============================================================================
@@ -230,7 +149,7 @@ def _kv_combos(rng):
     return small + random
 
 
-def check_kv_head(fn, *, seed=None):
+def grade_kv_head(fn, *, seed=None):
     """Grade ``fn(q_head, n_q_heads, n_kv_heads) -> kv_head`` (plain Python ints).
 
     In grouped-query attention ``n_q_heads`` query heads share ``n_kv_heads``
@@ -284,7 +203,7 @@ class _Case:
     layout: str
     causal: bool
     v_offsets: bool = False  # kv head j's values shifted by j, so heads are told apart at a glance
-    shifted: bool = False  # query rows' scores shifted by up to +-1000 (see _SHIFTS)
+    shifted: bool = False  # query rows' scores shifted by up to +-150 (see inputs.SHIFTS)
     same_shape_as: int | None = None  # a repeat of fixed case i's shape with new values
 
 
@@ -300,41 +219,7 @@ def _describe(c: _Case, prefix: str, gqa: bool) -> str:
     if c.same_shape_as is not None:
         extra += f", the shape of fixed {c.same_shape_as + 1} again with new values"
     return (f"{prefix}: B={c.B}, {heads}{kind}, N={c.N}, D={c.D}, {c.dtype}{causal}, "
-            f"{LAYOUTS[c.layout]}{extra}")
-
-
-def _guarded_contiguous(t):
-    """A contiguous copy of ``t`` followed by NaN in memory (reads past its end read NaN)."""
-    import torch
-
-    n = t.numel()
-    buf = torch.full((n + 4096,), float("nan"), dtype=t.dtype, device=t.device)
-    view = buf[:n].view(t.shape)
-    view.copy_(t)
-    return view
-
-
-def _dstrided(t, pad):
-    """``t`` viewed from a NaN-filled ``[B, H, D, N + pad]`` buffer: the head dim has stride N + pad."""
-    import torch
-
-    B, H, N, D = t.shape
-    buf = torch.full((B, H, D, N + pad), float("nan"), dtype=t.dtype, device=t.device)
-    view = buf[..., :N].transpose(-1, -2)
-    view.copy_(t)
-    return view
-
-
-def _place(t, layout, rng):
-    if layout == "contiguous":
-        return _guarded_contiguous(t)
-    if layout == "padded":
-        return inputs.nan_padded(t, cols=int(rng.integers(1, 9)))
-    if layout == "transposed":
-        return inputs.nan_padded(t, transpose_heads=True)
-    if layout == "dstride":
-        return _dstrided(t, int(rng.integers(1, 9)))
-    raise ValueError(layout)
+            f"{inputs.LAYOUTS[c.layout]}{extra}")
 
 
 def _make_inputs(rng, c: _Case, device):
@@ -347,25 +232,16 @@ def _make_inputs(rng, c: _Case, device):
     vv = rng.standard_normal((c.B, c.Hkv, c.N, c.D))
     if c.v_offsets:
         vv = vv + np.arange(c.Hkv)[None, :, None, None]
-    if c.shifted:  # s_ij = q_i0 * ALPHA / sqrt(D) + O(1): every key of row i shifted alike
-        kv[..., 0] = _SHIFT_ALPHA
-        beta = np.resize(np.array(_SHIFTS) * math.sqrt(c.D) / _SHIFT_ALPHA, c.N)
-        qv[..., 0] = np.round(beta)  # the reference uses the values after rounding to the dtype
+    if c.shifted:  # row i's scores near inputs.SHIFTS[i % 5]
+        inputs.shift_scores(qv, kv)  # the reference uses the values after rounding to the dtype
     q, k, v = (torch.tensor(x, dtype=dtype, device=device) for x in (qv, kv, vv))
     if c.layout == "qbcast":
-        q = _guarded_contiguous(q).expand(c.B, c.Hq, c.N, c.D)
+        q = inputs.guarded_contiguous(q).expand(c.B, c.Hq, c.N, c.D)
         k, v = inputs.nan_padded(k), inputs.nan_padded(v)
     else:
-        q, k, v = (_place(t, c.layout, rng) for t in (q, k, v))
+        q, k, v = (inputs.laid_out(t, c.layout, rng) for t in (q, k, v))
     q64, k64, v64 = (t.detach().cpu().double().numpy() for t in (q, k, v))
     return q, k, v, q64, k64, v64
-
-
-_SHIFT_ALPHA = 16.0
-# Row i's scores sit near _SHIFTS[i % 5]. The kernels compute scores in float32, where exp
-# overflows above 88.7 and underflows below -103.9, so +-150 is beyond both; larger shifts
-# would only add float32 rounding (about |s| * 6e-8) to a correct kernel's scores.
-_SHIFTS = (-150.0, 0.0, 150.0, -60.0, 60.0)
 
 
 def _fixed_cases(gqa: bool, device: str) -> list[_Case]:
@@ -438,203 +314,10 @@ def _random_cases(rng, gqa: bool, device: str, count: int = 3) -> list[_Case]:
 
 
 # =============================================================================
-# What mistaken kernels output (NumPy, float64)
+# The known mistakes for each case (their models: .mistakes)
 # =============================================================================
 def _scores(q64, k64, scale):
     return scale * (q64 @ np.swapaxes(k64, -1, -2))
-
-
-def _weighted(s, v, w, phantom=None):
-    """Attention where key j counts ``w[i, j]`` times for query i.
-
-    ``phantom[i]`` extra keys with score 0 and value 0 also count (what a kernel
-    sees when it loads padding keys as 0 and forgets to mask their scores).
-    Rows with nothing to attend to come out NaN (0/0), as in a kernel.
-    Returns ``(o, lse)``.
-    """
-    with np.errstate(all="ignore"):
-        s = np.where(w > 0, s, -np.inf)
-        m = np.max(s, axis=-1)
-        if phantom is not None:
-            m = np.maximum(m, np.where(phantom > 0, 0.0, -np.inf))
-        e = np.where(w > 0, w * np.exp(s - m[..., None]), 0.0)
-        l = e.sum(-1)
-        if phantom is not None:
-            l = l + phantom * np.exp(-m)
-        o = (e @ v) / l[..., None]
-        lse = m + np.log(l)
-    return o, lse
-
-
-def _online(s, v, block_n, rescale_acc=True, rescale_l=True):
-    """The online softmax over K/V blocks of ``block_n``, optionally without the rescaling."""
-    with np.errstate(all="ignore"):
-        m = np.full(s.shape[:-1], -np.inf)
-        l = np.zeros(s.shape[:-1])
-        acc = np.zeros(s.shape[:-1] + (v.shape[-1],))
-        for start in range(0, s.shape[-1], block_n):
-            sb = s[..., start:start + block_n]
-            m_new = np.maximum(m, sb.max(-1))
-            alpha = np.exp(m - m_new)
-            p = np.exp(sb - m_new[..., None])
-            l = (l * alpha if rescale_l else l) + p.sum(-1)
-            acc = (acc * alpha[..., None] if rescale_acc else acc) + p @ v[..., start:start + block_n, :]
-            m = m_new
-        return acc / l[..., None]
-
-
-def _same(actual, wrong, atol, rtol) -> bool:
-    """``actual`` is ``wrong``: non-finite in the same places, close elsewhere."""
-    if wrong is None or wrong.shape != actual.shape:
-        return False
-    bad = ~np.isfinite(wrong)
-    if bad.all() or (bad != ~np.isfinite(actual)).any():
-        return False
-    return bool(np.allclose(actual[~bad], wrong[~bad], atol=atol, rtol=rtol))
-
-
-class _Model(Diagnosis):
-    """A mistake recognised by its predicted output, for each candidate block size."""
-
-    def __init__(self, message, predict, sizes=(None,)):
-        super().__init__(message)
-        self.template, self.predict, self.sizes = message, predict, sizes
-
-    def matches(self, actual, atol, rtol):
-        for size in self.sizes:
-            with np.errstate(all="ignore"):
-                wrong = self.predict(size)
-            if _same(actual, wrong, atol * _SLACK, rtol * _SLACK):
-                self.message = self.template.format(block=size)
-                self.matched_distance = distance_to(actual, wrong, atol, rtol)
-                return True
-        return False
-
-
-class _KvMapping(Diagnosis):
-    """Each query head's output is the attention of some kv head: say which, if not the right one."""
-
-    def __init__(self, q64, k64, v64, causal):
-        super().__init__("")
-        self.q64, self.k64, self.v64, self.causal = q64, k64, v64, causal
-
-    def matches(self, actual, atol, rtol):
-        n_q, n_kv = self.q64.shape[1], self.k64.shape[1]
-        if n_kv < 2 and n_q < 2:
-            return False
-        read = []
-        for h in range(n_q):
-            for j in range(n_kv):
-                o = ref.attention(self.q64[:, h], self.k64[:, j], self.v64[:, j], causal=self.causal)
-                if _same(actual[:, h], o, atol * _SLACK, rtol * _SLACK):
-                    read.append(j)
-                    break
-            else:
-                return False
-        group = n_q // n_kv
-        want = [h // group for h in range(n_q)]
-        if read == want:
-            return False
-        shown = min(n_q, 16)
-        pairs = ", ".join(f"{h}->{j}" for h, j in zip(range(shown), read))
-        want_pairs = ", ".join(f"{h}->{j}" for h, j in zip(range(shown), want))
-        more = ", ..." if n_q > shown else ""
-        head = (f"query heads read the wrong key/value heads (query head -> kv head): "
-                f"{pairs}{more}; expected {want_pairs}{more} (n_q_heads={n_q}, n_kv_heads={n_kv}, "
-                f"group_size={group}). ")
-        q = np.arange(n_q)
-        if read == list(q % n_kv):
-            why = MSG_KV_INTERLEAVED
-        elif read == list(q // n_kv):
-            why = MSG_KV_DIV_NKV
-        else:
-            why = MSG_KV_OTHER
-        self.message = head + why[0].upper() + why[1:]
-        return True
-
-
-class _KvOutOfRange(Diagnosis):
-    """Some query heads came out non-finite while the others read a real kv head: a map past the last kv head."""
-
-    def __init__(self, q64, k64, v64, causal):
-        super().__init__("")
-        self.q64, self.k64, self.v64, self.causal = q64, k64, v64, causal
-
-    def matches(self, actual, atol, rtol):
-        n_q, n_kv = self.q64.shape[1], self.k64.shape[1]
-        bad = [h for h in range(n_q) if not np.isfinite(actual[:, h]).all()]
-        if not bad or len(bad) == n_q or n_kv == n_q and n_q == 1:
-            return False
-        # A kv head that does not exist is read by every row of its query heads: each row is
-        # non-finite. NaN in some rows only (the last block's, say) is a read past the end instead.
-        if not all((~np.isfinite(actual[:, h])).any(axis=-1).all() for h in bad):
-            return False
-        for h in range(n_q):
-            if h in bad:
-                continue
-            if not any(_same(actual[:, h], ref.attention(self.q64[:, h], self.k64[:, j], self.v64[:, j],
-                                                         causal=self.causal), atol * _SLACK, rtol * _SLACK)
-                       for j in range(n_kv)):
-                return False
-        heads = ", ".join(str(h) for h in bad[:16]) + (", ..." if len(bad) > 16 else "")
-        self.message = MSG_KV_OUT_OF_RANGE.format(heads=heads, n_kv=n_kv, group=n_q // n_kv)
-        return True
-
-
-def _causal_weights(n, kind, block_m):
-    """Weights ``w[i, j]`` (how often key j counts for query i) of a causal loop, and phantom counts.
-
-    ``block_m`` is the learner's query-block size; ``start``/``end`` are the
-    first key of each row's diagonal block and the key after it.
-    """
-    i = np.arange(n)[:, None]
-    j = np.arange(n)[None, :]
-    start = (i // block_m) * block_m
-    end = start + block_m
-    below = j <= i
-    phantom = np.maximum(0, end[:, 0] - n).astype(np.float64)
-    if kind == "skip":
-        return (j < start).astype(float), None
-    if kind == "unmasked":
-        return (j < end).astype(float), phantom
-    if kind == "unmasked_guarded":
-        return (j < end).astype(float), None
-    if kind == "twice":
-        return (j < end).astype(float) + ((j >= start) & below), phantom
-    if kind == "twice_guarded":
-        return (j < end).astype(float) + ((j >= start) & below), None
-    if kind == "shifted":  # j <= i + 1, but the loop still stops at the end of the query block
-        return ((j <= i + 1) & (j < end)).astype(float), None
-    if kind == "overlap":
-        return (j < start).astype(float) + below, None
-    raise ValueError(kind)
-
-
-def _floored_weights(n, block_m, block_n):
-    """A causal loop whose end min(N, (pid_m + 1) * BLOCK_M) is rounded down to a multiple of BLOCK_N."""
-    i = np.arange(n)[:, None]
-    j = np.arange(n)[None, :]
-    end = np.minimum(n, (i // block_m + 1) * block_m) // block_n * block_n
-    w = ((j <= i) & (j < end)).astype(float)
-    return w
-
-
-def _shift_diagnoses(row_max):
-    """Rows with scores near -1000 or +1000 wrong while the rest are right: which stability mistake."""
-    low, high = row_max < -110.0, row_max > 90.0
-
-    def bad_rows(actual):
-        return ~np.isfinite(actual).all(-1)
-
-    def m_init_zero(actual):
-        bad = bad_rows(actual)
-        return bool(bad.any() and not (bad & ~low).any() and bad[low].all())
-
-    def no_max(actual):
-        bad = bad_rows(actual)
-        return bool(bad.any() and not (bad & ~(low | high)).any() and bad[high].all())
-
-    return [Diagnosis(MSG_M_INIT_ZERO, when=m_init_zero), Diagnosis(MSG_NO_RUNNING_MAX, when=no_max)]
 
 
 def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bool):
@@ -652,11 +335,11 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
         return np.where(ref.causal_mask(n, n), s, -np.inf) if c.causal else s
 
     def causal_loop(kind):
-        return lambda bm: _weighted(scores(), v_rep, _causal_weights(n, kind, bm)[0],
-                                    _causal_weights(n, kind, bm)[1])[0]
+        return lambda bm: weighted(scores(), v_rep, causal_weights(n, kind, bm)[0],
+                                   causal_weights(n, kind, bm)[1])[0]
 
     def mask_kind(w):
-        return lambda _: _weighted(scores(), v_rep, w)[0]
+        return lambda _: weighted(scores(), v_rep, w)[0]
 
     def scaled(scale):
         return lambda _: ref.attention(q64, k64, v64, causal=c.causal, scale=scale)
@@ -668,7 +351,7 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
         def o_with_q_strides(actual):
             # Every batch element wrote into the first one's place: its rows hold some batch's
             # right answer, and at least one of them a later batch's (reading k, v per batch).
-            close = [np.isclose(actual[0], expected[b], atol=o_atol * _SLACK, rtol=o_rtol * _SLACK).all(-1)
+            close = [np.isclose(actual[0], expected[b], atol=o_atol * SLACK, rtol=o_rtol * SLACK).all(-1)
                      for b in range(c.B)]
             per_row = np.logical_or.reduce(close)
             later = np.logical_or.reduce(close[1:]) & ~close[0]
@@ -678,46 +361,46 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
     if c.B > 1:
         def batch_stride_ignored(actual):
             # Every batch element computed and wrote batch 0's attention: o[0] right, the rest not.
-            first_ok = np.allclose(actual[0], expected[0], atol=o_atol * _SLACK, rtol=o_rtol * _SLACK)
+            first_ok = np.allclose(actual[0], expected[0], atol=o_atol * SLACK, rtol=o_rtol * SLACK)
             return bool(first_ok and not np.allclose(actual[1:], expected[1:], atol=o_atol, rtol=o_rtol))
         # With q shared across the batch, O written with q's strides looks the same whenever batch 0's
         # programs store last (on a GPU the order is not fixed): name both.
         message = MSG_BATCH_STRIDE + (MSG_OR_O_STRIDES if c.layout == "qbcast" else "")
         out.append(Diagnosis(message, when=batch_stride_ignored))
     if gqa:
-        out.append(_KvMapping(q64, k64, v64, c.causal))
-        out.append(_KvOutOfRange(q64, k64, v64, c.causal))
+        out.append(KvMapping(q64, k64, v64, c.causal))
+        out.append(KvOutOfRange(q64, k64, v64, c.causal))
     if c.causal:
         out += [
-            _Model(MSG_NO_CAUSAL, mask_kind(np.ones((n, n)))),
-            _Model(MSG_CAUSAL_STRICT, mask_kind((j < i).astype(float))),
-            _Model(MSG_CAUSAL_SHIFTED, mask_kind((j <= i + 1).astype(float))),
-            _Model(MSG_CAUSAL_SHIFTED, causal_loop("shifted"), blocks),
-            _Model(MSG_DIAG_SKIPPED, causal_loop("skip"), blocks),
-            _Model(MSG_DIAG_TWICE, causal_loop("twice"), blocks),
-            _Model(MSG_DIAG_TWICE, causal_loop("twice_guarded"), blocks),
-            _Model(MSG_DIAG_UNMASKED, causal_loop("unmasked"), blocks),
-            _Model(MSG_DIAG_UNMASKED, causal_loop("unmasked_guarded"), blocks),
-            _Model(MSG_OVERLAP, causal_loop("overlap"), blocks),
+            Model(MSG_NO_CAUSAL, mask_kind(np.ones((n, n)))),
+            Model(MSG_CAUSAL_STRICT, mask_kind((j < i).astype(float))),
+            Model(MSG_CAUSAL_SHIFTED, mask_kind((j <= i + 1).astype(float))),
+            Model(MSG_CAUSAL_SHIFTED, causal_loop("shifted"), blocks),
+            Model(MSG_DIAG_SKIPPED, causal_loop("skip"), blocks),
+            Model(MSG_DIAG_TWICE, causal_loop("twice"), blocks),
+            Model(MSG_DIAG_TWICE, causal_loop("twice_guarded"), blocks),
+            Model(MSG_DIAG_UNMASKED, causal_loop("unmasked"), blocks),
+            Model(MSG_DIAG_UNMASKED, causal_loop("unmasked_guarded"), blocks),
+            Model(MSG_OVERLAP, causal_loop("overlap"), blocks),
         ]
     else:
         def tail(bn):
             pad = -n % bn
-            return None if pad == 0 else _weighted(scores(), v_rep, np.ones((n, n)), np.full(n, float(pad)))[0]
-        out.append(_Model(MSG_TAIL_UNMASKED, tail, blocks))
+            return None if pad == 0 else weighted(scores(), v_rep, np.ones((n, n)), np.full(n, float(pad)))[0]
+        out.append(Model(MSG_TAIL_UNMASKED, tail, blocks))
     if c.causal:
         pairs = tuple((bm, bn) for bm in blocks for bn in blocks)
-        out.append(_Model(MSG_BOUND_FLOORED, lambda mn: _weighted(scores(), v_rep, _floored_weights(n, *mn))[0], pairs))
+        out.append(Model(MSG_BOUND_FLOORED, lambda mn: weighted(scores(), v_rep, floored_weights(n, *mn))[0], pairs))
     if c.shifted:
-        out += _shift_diagnoses(masked(scores()).max(-1))
+        out += shift_diagnoses(masked(scores()).max(-1))
     out += [
-        _Model(MSG_ACC_NOT_RESCALED, lambda bn: _online(masked(scores()), v_rep, bn, rescale_acc=False), blocks),
-        _Model(MSG_L_NOT_RESCALED, lambda bn: _online(masked(scores()), v_rep, bn, rescale_l=False), blocks),
-        _Model(MSG_NOT_RESCALED, lambda bn: _online(masked(scores()), v_rep, bn, False, False), blocks),
-        _Model(MSG_NO_SCALE, scaled(1.0)),
-        _Model(MSG_SCALE_TWICE, scaled(1.0 / d)),
-        _Model(MSG_EXP2_NO_LOG2E, scaled(sm_scale * LN2)),
-        _Model(MSG_EXP_WITH_LOG2E, scaled(sm_scale * LOG2E)),
+        Model(MSG_ACC_NOT_RESCALED, lambda bn: online(masked(scores()), v_rep, bn, rescale_acc=False), blocks),
+        Model(MSG_L_NOT_RESCALED, lambda bn: online(masked(scores()), v_rep, bn, rescale_l=False), blocks),
+        Model(MSG_NOT_RESCALED, lambda bn: online(masked(scores()), v_rep, bn, False, False), blocks),
+        Model(MSG_NO_SCALE, scaled(1.0)),
+        Model(MSG_SCALE_TWICE, scaled(1.0 / d)),
+        Model(MSG_EXP2_NO_LOG2E, scaled(sm_scale * LN2)),
+        Model(MSG_EXP_WITH_LOG2E, scaled(sm_scale * LOG2E)),
     ]
     if c.layout == "dstride":
         out.append(Diagnosis(MSG_D_STRIDE, when=lambda a: True))
@@ -745,22 +428,6 @@ def _lse_diagnoses(c: _Case, q64, k64, lse):
 # =============================================================================
 # The Triton checks
 # =============================================================================
-def _tensor_like(run, out, name, shape, dtype, device, case, hint=""):
-    """A plain sentence for a result that is not the tensor expected."""
-    import torch
-
-    if out is None:
-        raise run.fail(f"{name} is None: did you forget a `return`?", case)
-    if not isinstance(out, torch.Tensor):
-        raise run.fail(f"{name} is a {type(out).__name__}; return a torch tensor.{hint}", case)
-    if tuple(out.shape) != tuple(shape):
-        raise run.fail(f"{name} has shape {tuple(out.shape)}, expected {tuple(shape)}.{hint}", case)
-    if out.dtype != dtype:
-        raise run.fail(f"{name} has dtype {out.dtype}, expected {dtype}.{hint}", case)
-    if out.device != device:
-        raise run.fail(f"{name} is on {out.device}; the inputs are on {device}.", case)
-
-
 def _tolerance(dtype: str):
     return _TOLERANCES[(current().device, dtype)]
 
@@ -789,19 +456,19 @@ def _run_case(run, fn, c: _Case, gqa: bool):
     else:
         o, lse = out, None
     if not isinstance(o, torch.Tensor):  # a slip (e.g. `.numpy()` at the end): say that first
-        _tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
+        inputs.tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
     if gqa and not isinstance(lse, torch.Tensor):
-        _tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc)
+        inputs.tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc)
     problem = work.problem(no_kernel=MSG_NO_KERNEL, **({"o": o, "lse": lse} if gqa else {"o": o}))
     if problem:
         raise run.fail(problem, c.desc)
     changed = inputs.changed_input(before, q=q, k=k, v=v)
     if changed:
         raise run.fail(changed, c.desc)
-    _tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
+    inputs.tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
     if gqa:
-        _tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc,
-                     hint=" lse is float32 [B, Hq, N], one number per query row, whatever q's dtype.")
+        inputs.tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc,
+                           hint=" lse is float32 [B, Hq, N], one number per query row, whatever q's dtype.")
     expected_o, expected_lse = ref.attention_lse(q64, k64, v64, causal=c.causal)
     atol, rtol, lse_atol = _tolerance(c.dtype)
     got = o.detach().cpu().double().numpy()
@@ -823,19 +490,7 @@ def _check(fn, *, exercise, gqa, seed=None):
     return run.passed()
 
 
-def _check_flash_forward(fn, *, seed=None):
-    return _check(fn, exercise="check_flash_forward", gqa=False, seed=seed)
-
-
-def _check_flash_gqa(fn, *, seed=None):
-    return _check(fn, exercise="check_flash_gqa", gqa=True, seed=seed)
-
-
-_isolated_forward = isolation.isolated(_check_flash_forward)
-_isolated_gqa = isolation.isolated(_check_flash_gqa)
-
-
-def check_flash_forward(fn, *, seed=None, isolate=None, timeout_s=240.0):
+def grade_flash_forward(fn, *, seed=None):
     """Grade ``fn(q, k, v, causal=False) -> o``: multi-head attention by a Triton kernel.
 
     ``q, k, v`` are torch ``[B, H, N, D]`` tensors (the same H) of any
@@ -847,12 +502,10 @@ def check_flash_forward(fn, *, seed=None, isolate=None, timeout_s=240.0):
     runs in a separate process, so a crash cannot kill the notebook;
     ``timeout_s`` bounds the whole check. ``seed`` replays a call.
     """
-    __tracebackhide__ = True
-    require_callable(fn, "check_flash_forward", "your launcher")
-    return _isolated_forward(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)
+    return _check(fn, exercise="check_flash_forward", gqa=False, seed=seed)
 
 
-def check_flash_gqa(fn, *, seed=None, isolate=None, timeout_s=240.0):
+def grade_flash_gqa(fn, *, seed=None):
     """Grade ``fn(q, k, v) -> (o, lse)``: causal attention with GQA/MQA by a Triton kernel.
 
     ``q`` is ``[B, Hq, N, D]``, ``k`` and ``v`` ``[B, Hkv, N, D]`` with Hq a
@@ -863,6 +516,6 @@ def check_flash_gqa(fn, *, seed=None, isolate=None, timeout_s=240.0):
     MQA, and kv heads whose values are shifted apart so that a wrong mapping
     is named. Isolated on the CPU; ``seed`` replays a call.
     """
-    __tracebackhide__ = True
-    require_callable(fn, "check_flash_gqa", "your launcher")
-    return _isolated_gqa(fn, seed=seed, isolate=isolate, timeout_s=timeout_s)
+    return _check(fn, exercise="check_flash_gqa", gqa=True, seed=seed)
+
+

@@ -16,7 +16,7 @@ import numpy as np
 
 from .core import Diagnosis, Run
 
-__all__ = ["check_attention_flops", "check_roofline", "check_programs_per_sm", "H200", "RECORDED_COMPILES"]
+__all__ = ["grade_attention_flops", "grade_roofline", "grade_programs_per_sm", "H200", "RECORDED_COMPILES"]
 
 
 def _number(run: Run, out, case: str) -> float:
@@ -32,7 +32,7 @@ def _flops(b, h, n, d, causal):
     return 4.0 * b * h * n * n * d / (2 if causal else 1)
 
 
-def check_attention_flops(fn, *, seed=None):
+def grade_attention_flops(fn, *, seed=None):
     """Grade ``fn(batch, n_heads, n, head_dim, causal) -> FLOPs`` of one attention forward.
 
     ``4 * batch * n_heads * n**2 * head_dim``, halved when causal. Fixed
@@ -78,7 +78,7 @@ def check_attention_flops(fn, *, seed=None):
     return run.passed()
 
 
-def check_roofline(fn, *, seed=None):
+def grade_roofline(fn, *, seed=None):
     """Grade ``fn(intensity, peak_tflops, bandwidth_gbps) -> TFLOP/s``, the roofline.
 
     ``min(peak_tflops, intensity * bandwidth_gbps / 1000)``: a kernel doing
@@ -167,7 +167,7 @@ def programs_per_sm(registers_per_thread, num_warps, shared_kib, *, reserve=True
     return int(combine(limits[:2])) if combine is max else int(min(limits))
 
 
-def check_programs_per_sm(fn, *, seed=None):
+def grade_programs_per_sm(fn, *, seed=None):
     """Grade ``fn(registers_per_thread, num_warps, shared_kib) -> programs per SM`` on an H200.
 
     The fewest of: the register file (65,536 registers; registers per thread

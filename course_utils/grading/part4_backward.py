@@ -6,7 +6,7 @@
   ``fn(q, k, v, causal=False) -> o`` (torch ``[B, H, N, D]``, GQA): it runs
   ``o.backward(do)`` with a random ``do`` and compares ``o``, ``dq``, ``dk``
   and ``dv`` with float64 references. It runs in a separate process on the
-  CPU (:func:`~course_utils.grading.isolation.isolated`), feeds NaN-padded,
+  CPU (:mod:`~course_utils.grading.isolation`), feeds NaN-padded,
   non-contiguous inputs, and requires that Triton kernels ran during the
   forward AND during the backward: plain ``torch.autograd`` through a math
   implementation does not pass.
@@ -29,11 +29,16 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
-from . import part1_numpy as p1
-from . import inputs, isolation, proof
+from . import inputs, proof
 from .core import Diagnosis, Run, require_callable
+from .mistakes import MSG_NOT_TILED
+# The texts this module shows under the short names its tests look them up by
+# (other exercises word these mistakes differently: .mistakes has each text under its own name).
+from .mistakes import MSG_NO_CAUSAL_BACKWARD as MSG_NO_CAUSAL
+from .mistakes import MSG_NO_TRITON_BACKWARD_FLASH as MSG_NO_TRITON_BACKWARD
+from .mistakes import MSG_NOT_DIFFERENTIABLE_FLASH as MSG_NOT_DIFFERENTIABLE
 
-__all__ = ["check_tiled_backward", "check_flash_backward"]
+__all__ = ["grade_tiled_backward", "grade_flash_backward"]
 
 LOG2E = 1.4426950408889634
 
@@ -71,11 +76,6 @@ MSG_DQ_TAIL_UNMASKED = (
     "as 0, score 0, and P = exp(0 - lse) overflows when lse is very negative. Zero P for offs_n >= N "
     "(tl.where(offs_n[None, :] < N_K, p, 0.0)) in the dq loop too."
 )
-MSG_NO_CAUSAL = (
-    "the backward pass has no causal mask: P recomputed as exp(S - lse) is not 0 above the "
-    "diagonal by itself (lse comes from the masked row). Zero P where key j > query i, and skip "
-    "the tiles entirely above the diagonal."
-)
 MSG_DIAGONAL_UNMASKED = (
     "the tiles that cross the diagonal are not masked: skipping the tiles entirely above the "
     "diagonal is not enough; inside a diagonal tile, zero P where key j > query i."
@@ -85,18 +85,9 @@ MSG_LSE_BASE = (
     "P = exp(S - lse) = exp2(S * log2(e) - lse * log2(e)). With exp2, multiply BOTH the scaled "
     "scores and lse by log2(e)."
 )
-MSG_NOT_DIFFERENTIABLE = (
-    "o has no grad_fn: autograd cannot differentiate it. Return the output of "
-    "YourFunction.apply(q, k, v, causal) (a torch.autograd.Function), and do not detach it."
-)
 MSG_NO_TRITON_FORWARD = (
     "no Triton kernel ran during the forward pass: compute o with your Triton kernels "
     "(e.g. flash_attention_with_lse), not with torch operations."
-)
-MSG_NO_TRITON_BACKWARD = (
-    "no Triton kernel ran during backward: the gradients came from torch operations (for example "
-    "autograd through a math implementation). Write a torch.autograd.Function whose backward "
-    "launches your Triton kernels."
 )
 
 
@@ -269,7 +260,7 @@ def _learner_blocks(fn) -> tuple[int, int]:
     return sizes[0], sizes[1]
 
 
-def check_tiled_backward(fn, *, seed=None):
+def grade_tiled_backward(fn, *, seed=None):
     """Grade ``fn(q, k, v, o, lse, do, causal=False) -> (dq, dk, dv)`` (NumPy, float64).
 
     ``q [..., Nq, d]``, ``k``/``v [..., Nk, d]``, ``o``/``do [..., Nq, d]``
@@ -292,13 +283,13 @@ def check_tiled_backward(fn, *, seed=None):
         right = ref.attention_backward(q, k, v, do, causal=causal)
         # Watched copies: in-place edits cannot touch ours, and a product bigger than a tile is seen.
         bm, bn = _learner_blocks(fn)
-        log = p1._tile_log(math.prod(np.broadcast_shapes(q.shape[:-2], k.shape[:-2])), bm, bn)
-        args = p1._watch({"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do}, log)
-        with p1._watching(log):
+        log = inputs.tile_log(math.prod(np.broadcast_shapes(q.shape[:-2], k.shape[:-2])), bm, bn, MSG_NOT_TILED)
+        args = inputs.watch({"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do}, log)
+        with proof.references_forbidden(), inputs.watching(log):
             out = run.call(fn, *args.values(), causal=causal, case=name)
         if out is None:
             raise run.fail("your function returned None: did you forget a `return`? Return (dq, dk, dv).", name)
-        out = [p1._plain(a) for a in _as_triple(run, out, name)]
+        out = [inputs.plain(a) for a in _as_triple(run, out, name)]
         for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):
             got = run.array(out[which], expected_shape=shape, case=name, name=f"{label} (item {which} of your tuple)")
             run.compare(got, right[which], case=name, what=label, atol=ATOL, rtol=RTOL,
@@ -311,11 +302,6 @@ def check_tiled_backward(fn, *, seed=None):
 # -----------------------------------------------------------------------------
 # check_flash_backward (Triton, through torch.autograd)
 # -----------------------------------------------------------------------------
-# Row i's scores near _SHIFTS[i % 5] in the shifted case (beyond float32's exp range: +-150)
-_SHIFT_ALPHA = 16.0
-_SHIFTS = (-150.0, 0.0, 150.0, -60.0, 60.0)
-
-
 def _flash_cases(rng, device):
     """(name, B, n_q_heads, n_kv_heads, N, D, causal, dtype name, shifted scores)."""
     # Scores near +-150 need exact products: float32 in the interpreter, the GPU's half precision
@@ -346,20 +332,7 @@ def _flash_cases(rng, device):
     return cases
 
 
-def _leaf_view(t, transpose_heads):
-    """A NaN-padded, non-contiguous view of ``t`` through which gradients flow.
-
-    The NaN buffer becomes the leaf that requires grad; the learner gets a
-    strided view of it, so reading past a row or past the sequence reads NaN,
-    and the gradient with respect to the view is what their backward returned.
-    """
-    padded = inputs.nan_padded(t, transpose_heads=transpose_heads)
-    base = padded._base.detach().requires_grad_(True)
-    return base.as_strided(padded.size(), padded.stride(), padded.storage_offset())
-
-
-@isolation.isolated
-def check_flash_backward(fn, *, seed=None):
+def grade_flash_backward(fn, *, seed=None):
     """Grade ``fn(q, k, v, causal=False) -> o``, differentiable, with Triton in both passes.
 
     ``q [B, Hq, N, D]``, ``k``/``v [B, Hkv, N, D]`` (``Hq`` a multiple of
@@ -383,11 +356,10 @@ def check_flash_backward(fn, *, seed=None):
         # Draw in float64, round to the test dtype, and use the ROUNDED values
         # in the references: only the kernel's own arithmetic is graded.
         raw = [run.rng.standard_normal((B, h, N, D)) for h in (n_q_heads, n_kv_heads, n_kv_heads, n_q_heads)]
-        if shifted:  # s_ij = q_i0 * ALPHA / sqrt(D) + O(1): every key of row i shifted alike
-            raw[1][..., 0] = _SHIFT_ALPHA
-            raw[0][..., 0] = np.round(np.resize(np.array(_SHIFTS) * math.sqrt(D) / _SHIFT_ALPHA, N))
+        if shifted:  # row i's scores near inputs.SHIFTS[i % 5] (beyond float32's exp range: +-150)
+            inputs.shift_scores(raw[0], raw[1])
         q64, k64, v64, do64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
-        q, k, v = (_leaf_view(torch.from_numpy(a).to(dtype).to(env.device), transpose_heads=(i == 1))
+        q, k, v = (inputs.nan_padded_leaf(torch.from_numpy(a).to(dtype).to(env.device), transpose_heads=(i == 1))
                    for i, a in enumerate((q64, k64, v64)))
         do = inputs.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
 

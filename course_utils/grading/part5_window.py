@@ -33,10 +33,16 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from ..kernels.forward import window_tile_bounds
-from . import inputs, isolation, proof
-from .core import Diagnosis, Run, distance_to
+from . import inputs, proof
+from .core import Diagnosis, Run, distance_to, require_callable
+from .mistakes import SLACK, Model, weighted
+# The texts this module shows under the short names its tests look them up by
+# (other exercises word these mistakes differently: .mistakes has each text under its own name).
+from .mistakes import MSG_NO_TRITON_BACKWARD_WINDOW as MSG_NO_TRITON_BACKWARD
+from .mistakes import MSG_NO_TRITON_WINDOW as MSG_NO_TRITON
+from .mistakes import MSG_NOT_DIFFERENTIABLE_WINDOW as MSG_NOT_DIFFERENTIABLE
 
-__all__ = ["check_window_tile_bounds", "check_window_forward", "check_window_backward"]
+__all__ = ["grade_window_tile_bounds", "grade_window_forward", "grade_window_backward"]
 
 # One plain sentence (or two) per diagnosis; the tests look for these texts.
 MSG_NOT_ALIGNED = (
@@ -85,17 +91,6 @@ MSG_BWD_SINKS = (
     "is seen by EVERY later query, so its loop over query blocks must run to the end of the "
     "sequence (q_end = N), not stop at the window's far edge."
 )
-MSG_NO_TRITON = (
-    "no Triton kernel ran: compute the attention with your Triton kernel (lesson 08's "
-    "_flash_attention_forward_window_kernel), not with torch or NumPy."
-)
-MSG_NO_TRITON_BACKWARD = (
-    "no Triton kernel ran during the backward pass: the gradients must come from your Triton "
-    "backward kernels (attention_backward with window_size and sink_size), not from torch."
-)
-MSG_NOT_DIFFERENTIABLE = (
-    "o has no grad_fn: return the output of a torch.autograd.Function's apply, and do not detach it."
-)
 
 # Block sizes (block_m, block_n) a kernel might use: the models try each.
 _BLOCK_PAIRS = [(bm, bn) for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128) if bm % bn == 0]
@@ -108,7 +103,6 @@ _FWD_TOL = {("cpu", "float32"): (2e-4, 2e-4, 2e-4), ("cuda", "float32"): (3e-3, 
             ("cuda", "bfloat16"): (3e-2, 3e-2, 3e-2)}
 _BWD_TOL = {"float32": (3e-3, 3e-3), "float16": (2e-2, 2e-2), "bfloat16": (6e-2, 6e-2)}
 _BWD_TOL_GPU_FP32 = (1e-2, 1e-2)
-_SLACK = 4.0  # models are matched within this many times the tolerance
 
 
 # =============================================================================
@@ -168,7 +162,7 @@ def _bounds_cases(rng):
     return cases
 
 
-def check_window_tile_bounds(fn, *, seed=None):
+def grade_window_tile_bounds(fn, *, seed=None):
     """Grade ``fn(start_m, block_m, block_n, seq_len, window_size, sink_size) -> (sink_end, band_start, band_end)``.
 
     Query block ``start_m`` (rows ``start_m * block_m`` up to ``(start_m + 1)
@@ -269,39 +263,6 @@ def _visits(n, block_m, block_n, window_size, sink_size, *, bounds=None, mask_mi
     return count, nan_rows
 
 
-def _weighted_attention(s, v, weights):
-    """``(o, lse)`` of scores ``s`` where pair (i, j) counts ``weights[i, j]`` times (0 = masked)."""
-    s = np.where(weights > 0, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    with np.errstate(all="ignore"):
-        p = weights * np.exp(s - m)
-        l_sum = p.sum(-1, keepdims=True)
-        o = (p / l_sum) @ v
-        lse = (m + np.log(l_sum))[..., 0]
-    return o, lse
-
-
-class _LoopModel(Diagnosis):
-    """A loop mistake, re-enacted for each block size pair; matched on the output ``o``."""
-
-    def __init__(self, message, predict):
-        super().__init__(message)
-        self.predict = predict
-
-    def matches(self, actual, atol, rtol):
-        for block_m, block_n in _BLOCK_PAIRS:
-            wrong = self.predict(block_m, block_n)
-            if wrong is None:
-                continue
-            bad = ~np.isfinite(wrong)
-            if bad.all() or (bad != ~np.isfinite(actual)).any():
-                continue
-            if np.allclose(actual[~bad], wrong[~bad], atol=atol * _SLACK, rtol=rtol * _SLACK):
-                self.matched_distance = distance_to(actual[~bad], wrong[~bad], atol, rtol)
-                return True
-        return False
-
-
 class _NanRows(Diagnosis):
     """NaN exactly in (some of) the rows an unguarded kernel would turn NaN, for some block sizes."""
 
@@ -377,22 +338,26 @@ def _forward_diagnoses(c: _Case, q64, k64, v64):
     n, w, sinks = c.N, c.window_size, c.sink_size
 
     def loops(bounds=None, mask_mistake=None):
-        def predict(block_m, block_n):
+        def predict(blocks):
+            block_m, block_n = blocks
             count = _visits(n, block_m, block_n, w, sinks, bounds=bounds, mask_mistake=mask_mistake)[0]
-            return _weighted_attention(s, v_rep, count)[0]
+            return weighted(s, v_rep, count)[0]
         return predict
+
+    def loop_model(message, predict):  # a loop mistake, re-enacted for each block size pair
+        return Model(message, predict, _BLOCK_PAIRS)
 
     diagnoses = [_NanRows(MSG_NAN_EMPTY_TILE, n, w, sinks)]
     if w < n:
-        diagnoses += [_LoopModel(MSG_WINDOW_OFF_BY_ONE, loops(mask_mistake="window_plus_one"))]
+        diagnoses += [loop_model(MSG_WINDOW_OFF_BY_ONE, loops(mask_mistake="window_plus_one"))]
         if w > 1:
-            diagnoses += [_LoopModel(MSG_WINDOW_OFF_BY_ONE, loops(mask_mistake="window_minus_one"))]
+            diagnoses += [loop_model(MSG_WINDOW_OFF_BY_ONE, loops(mask_mistake="window_minus_one"))]
     if sinks:
-        diagnoses += [_LoopModel(MSG_SINKS_FUTURE, loops(mask_mistake="sinks_future")),
-                      _LoopModel(MSG_SINKS_SKIPPED, loops("sinks_skipped")),
-                      _LoopModel(MSG_SINK_ROUNDED_DOWN, loops("sink_rounded_down")),
-                      _LoopModel(MSG_SINKS_TWICE, loops("sinks_twice"))]
-    diagnoses += [_LoopModel(MSG_NOT_ALIGNED, loops("unaligned"))]
+        diagnoses += [loop_model(MSG_SINKS_FUTURE, loops(mask_mistake="sinks_future")),
+                      loop_model(MSG_SINKS_SKIPPED, loops("sinks_skipped")),
+                      loop_model(MSG_SINK_ROUNDED_DOWN, loops("sink_rounded_down")),
+                      loop_model(MSG_SINKS_TWICE, loops("sinks_twice"))]
+    diagnoses += [loop_model(MSG_NOT_ALIGNED, loops("unaligned"))]
     return diagnoses
 
 
@@ -406,8 +371,7 @@ def _tensor_out(run, out, name, shape, case):
     return out.detach().double().cpu().numpy()
 
 
-@isolation.isolated
-def check_window_forward(fn, *, seed=None):
+def grade_window_forward(fn, *, seed=None):
     """Grade ``fn(q, k, v, *, window_size, sink_size) -> (o, lse)``: causal GQA with a window and sinks.
 
     ``q [B, Hq, N, D]``, ``k``/``v [B, Hkv, N, D]``; ``o`` like ``q``, ``lse``
@@ -418,8 +382,7 @@ def check_window_forward(fn, *, seed=None):
     A Triton kernel must run.
     """
     __tracebackhide__ = True
-    if not callable(fn):
-        raise TypeError(f"check_window_forward needs your function, got {type(fn).__name__}")
+    require_callable(fn, "check_window_forward")
     env = current()
     run = Run("check_window_forward", seed, time_limit_s=30.0)
     for c in _forward_cases(run.rng, env.device):
@@ -452,7 +415,7 @@ def _grads_with(q64, k64, v64, do64, weights, window_size, sink_size):
     s = scale * (q64 @ np.swapaxes(k_rep, -1, -2))
     n = s.shape[-1]
     right = np.broadcast_to(ref.window_mask(n, n, window_size, sink_size), s.shape)
-    lse = _weighted_attention(s, v_rep, right.astype(float))[1]
+    lse = weighted(s, v_rep, right.astype(float))[1]
     p_right = np.where(right, np.exp(s - lse[..., None]), 0.0)
     o = p_right @ v_rep
     p = np.where(weights > 0, weights * np.exp(np.minimum(s - lse[..., None], 50.0)), 0.0)
@@ -482,7 +445,7 @@ class _GradModel(Diagnosis):
     def matches(self, actual, atol, rtol):
         for blocks in (_DKDV_PAIRS if self.per_block else [None]):
             wrong = self.predict(blocks)[self.which]
-            if np.allclose(actual, wrong, atol=atol * _SLACK, rtol=rtol * _SLACK):
+            if np.allclose(actual, wrong, atol=atol * SLACK, rtol=rtol * SLACK):
                 self.matched_distance = distance_to(actual, wrong, atol, rtol)
                 return True
         return False
@@ -540,14 +503,7 @@ def _backward_cases(rng, device):
     return cases
 
 
-def _leaf_view(t, transpose_heads):
-    padded = inputs.nan_padded(t, transpose_heads=transpose_heads)
-    base = padded._base.detach().requires_grad_(True)
-    return base.as_strided(padded.size(), padded.stride(), padded.storage_offset())
-
-
-@isolation.isolated
-def check_window_backward(fn, *, seed=None):
+def grade_window_backward(fn, *, seed=None):
     """Grade ``fn(q, k, v, *, window_size, sink_size) -> o``, differentiable, Triton in both passes.
 
     For each case the check calls ``fn``, then ``torch.autograd.grad(o, (q,
@@ -559,8 +515,7 @@ def check_window_backward(fn, *, seed=None):
     __tracebackhide__ = True
     import torch
 
-    if not callable(fn):
-        raise TypeError(f"check_window_backward needs your function, got {type(fn).__name__}")
+    require_callable(fn, "check_window_backward")
     env = current()
     run = Run("check_window_backward", seed, time_limit_s=60.0)
     for c in _backward_cases(run.rng, env.device):
@@ -569,7 +524,7 @@ def check_window_backward(fn, *, seed=None):
         raw = [run.rng.standard_normal((c.B, h, c.N, c.D)) for h in (c.n_q_heads, c.n_kv_heads, c.n_kv_heads,
                                                                       c.n_q_heads)]
         q64, k64, v64, do64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
-        q, k, v = (_leaf_view(torch.from_numpy(a).to(dtype).to(env.device), c.transpose and i == 1)
+        q, k, v = (inputs.nan_padded_leaf(torch.from_numpy(a).to(dtype).to(env.device), c.transpose and i == 1)
                    for i, a in enumerate((q64, k64, v64)))
         do = inputs.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
         with proof.count_launches() as forward_launches:

@@ -23,23 +23,24 @@ the zigzag layout, and a zigzag chunk mapping that is off.
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 
 from .. import distributed as ring
 from .. import references as ref
-from .core import Diagnosis, GradingError, Run
+from .core import Crashed, Diagnosis, GradingError, Run, TimedOut, require_callable
+from .outcome import crash_message
+# The texts this module shows under the short names its tests look them up by
+# (other exercises word these mistakes differently: .mistakes has each text under its own name).
+from .mistakes import MSG_NO_SHIFT_RING as MSG_NO_SHIFT
+from .mistakes import MSG_NO_TRITON_RING as MSG_NO_TRITON
 
-__all__ = ["check_ring_simulation", "check_ring_attention", "simulate"]
+__all__ = ["grade_ring_simulation", "grade_ring_attention", "simulate"]
 
 ATOL, RTOL = 1e-8, 1e-6  # NumPy answers (float64)
 TORCH_TOL = {"float32": (2e-4, 2e-4), "float16": (2e-2, 2e-2)}  # interpreter, fp32 tl.dot exact
 
-MSG_NO_SHIFT = (
-    "the merge exponentiates lse without subtracting the max first: exp(lse) overflows to inf once "
-    "the scores are large (lse > 709 in float64, > 88 in float32) and inf / inf is NaN. Shift by "
-    "m = max(lse_a, lse_b): weights exp(lse_a - m) and exp(lse_b - m), new lse = m + log(sum of weights) "
-    "(np.logaddexp / torch.logaddexp do this)."
-)
 MSG_LATER_NOT_SKIPPED = (
     "with causal=True, blocks of keys that come AFTER the queries (from later chunks of the sequence) "
     "were attended to: a query chunk must skip every key chunk with a larger global index."
@@ -59,10 +60,6 @@ MSG_ZIGZAG_OFF = (
     "the zigzag chunk mapping is off: with world_size ranks the sequence has 2*world_size chunks and "
     "rank r holds chunks r and 2*world_size - 1 - r (first and last for rank 0). The causal decisions "
     "used other chunk indices."
-)
-MSG_NO_TRITON = (
-    "no Triton kernel ran: compute each block with the course's kernels "
-    "(course_utils.kernels.flash_attention_with_lse), not with torch operations."
 )
 
 
@@ -211,7 +208,7 @@ def _as_list(run, out, world, name, case):
     return out
 
 
-def check_ring_simulation(fn, *, seed=None):
+def grade_ring_simulation(fn, *, seed=None):
     """Grade ``fn(q_shards, k_shards, v_shards, causal=False, layout="zigzag") -> (o_shards, lse_shards)``.
 
     ``q_shards[r]`` is rank ``r``'s ``[..., N/world, d]`` shard of ``q``
@@ -222,8 +219,7 @@ def check_ring_simulation(fn, *, seed=None):
     layouts, causal or not, and one case whose scores are in the hundreds.
     """
     __tracebackhide__ = True
-    if not callable(fn):
-        raise TypeError(f"check_ring_simulation needs your function, got {type(fn).__name__}")
+    require_callable(fn, "check_ring_simulation")
     run = Run("check_ring_simulation", seed)
     for name, world, layout, causal, batch, n_q, n_kv, n, d, magnitude in _sim_cases(run.rng):
         q, k, v = _draw(run.rng, batch, n_q, n_kv, n, d, magnitude)
@@ -364,7 +360,7 @@ def _grade_distributed(run, cases, seed, per_rank, world):
     return run.passed()
 
 
-def check_ring_attention(fn, *, seed=None, world_size=2, timeout_s=180.0):
+def grade_ring_attention(fn, *, seed=None, world_size=2, timeout_s=180.0):
     """Grade one rank's ring forward ``fn(q, k, v, causal=False, *, layout="zigzag", group=None) -> (o, lse)``.
 
     Starts ``world_size`` processes (spawn, gloo, Triton's interpreter on the
@@ -378,19 +374,23 @@ def check_ring_attention(fn, *, seed=None, world_size=2, timeout_s=180.0):
     travels to the processes as source, with the notebook functions it calls.
     """
     __tracebackhide__ = True
-    if not callable(fn):
-        raise TypeError(f"check_ring_attention needs your function, got {type(fn).__name__}")
+    require_callable(fn, "check_ring_attention")
     from ..environment import interpreter_problem
 
     if interpreter_problem():  # its two gloo processes run the kernels in Triton's interpreter
         raise GradingError("check_ring_attention cannot grade on this machine: its two CPU processes run "
                            "Triton's interpreter, and " + interpreter_problem())
+    from torch.multiprocessing import ProcessExitedException
+
     run = Run("check_ring_attention", seed, time_limit_s=None)
     cases = _dist_cases(run.rng)
     try:
         per_rank = ring.run_distributed(ring_check_worker, world_size, args=(ring.portable(fn), run.seed, cases),
                                         device="cpu", timeout_s=timeout_s)
     except TimeoutError as exc:
-        raise GradingError(f"check_ring_attention: {exc} Look for a send without a matching receive (every rank "
-                           "must post the same exchanges in the same order) or a loop that never ends.") from None
+        raise TimedOut(f"check_ring_attention: {exc} Look for a send without a matching receive (every rank "
+                       "must post the same exchanges in the same order) or a loop that never ends.") from None
+    except ProcessExitedException as exc:  # a rank died (a segfault, os._exit, the system killing it)
+        code = -signal.Signals[exc.signal_name].value if exc.signal_name else exc.exit_code
+        raise Crashed(crash_message("check_ring_attention", code)) from None
     return _grade_distributed(run, cases, run.seed, per_rank, world_size)

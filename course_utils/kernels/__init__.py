@@ -27,17 +27,20 @@ Modules: :mod:`.backward` holds the backward kernels and the autograd
 wiring (lesson 07), :mod:`.fast` holds the Hopper-tuned forward kernel (lesson 06),
 :mod:`.forward` holds the lesson kernels (04's
 ``flash_attention_kernel``, 05's ``_flash_attention_forward_gqa_kernel``)
-and their launchers. Both public functions go through :func:`_forward`, the
-one place that picks which forward kernel runs.
+and their launchers. :mod:`.dispatch` is the one place that validates a call
+and picks which forward kernel runs; both public functions and
+:class:`.backward.FlashAttentionFunction` go through it (imports point
+downward only: no submodule imports this package face).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import fast, forward
-from . import decode
+from . import decode, dispatch, fast, forward
+from .backward import FlashAttentionFunction
 from .decode import decode_attention
+from .dispatch import check_call, launch_forward
 from .forward import (flash_attention_forward, flash_attention_gqa_forward, flash_attention_window_forward,
                       validate, validate_window)
 
@@ -55,22 +58,6 @@ __all__ = [
 ]
 
 
-def _forward(q, k, v, causal: bool, window_size=None, sink_size=0):
-    """The dispatch point: run a forward kernel and return ``(o, lse)``.
-
-    With a window (lesson 08), the window kernel of :mod:`.forward` on every
-    machine. Otherwise, on a Hopper GPU, for the shapes it covers (bf16/fp16,
-    D of 64 or 128, N a multiple of 64), the autotuned kernel of :mod:`.fast`
-    (lesson 06); for everything else, and in the interpreter, the course's
-    GQA kernel from lesson 05, which handles MHA, GQA and MQA, causal or not.
-    """
-    if window_size is not None:
-        return flash_attention_window_forward(q, k, v, window_size=window_size, sink_size=sink_size)
-    if fast.is_supported(q, k, v):
-        return fast.attention_forward_fast(q, k, v, causal=causal)
-    return flash_attention_gqa_forward(q, k, v, causal=causal)
-
-
 def flash_attention(q, k, v, causal: bool = False, *, window_size=None, sink_size=0):
     """Attention ``softmax(q k^T / sqrt(D)) v`` per head, by Triton kernels.
 
@@ -82,13 +69,11 @@ def flash_attention(q, k, v, causal: bool = False, *, window_size=None, sink_siz
     grad, the backward pass runs the Triton kernels of :mod:`.backward`
     (lesson 07), which rebuild the softmax from the saved ``lse``.
     """
-    validate(q, k, v)
-    validate_window(causal, window_size, sink_size)
+    check_call(q, k, v, causal, window_size, sink_size)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        from .backward import FlashAttentionFunction
-
-        return FlashAttentionFunction.apply(q, k, v, bool(causal), window_size, sink_size)
-    return _forward(q, k, v, bool(causal), window_size, sink_size)[0]
+        # validated=True: the autograd function's forward does not check the call again
+        return FlashAttentionFunction.apply(q, k, v, bool(causal), window_size, sink_size, True)
+    return launch_forward(q, k, v, bool(causal), window_size, sink_size)[0]
 
 
 def flash_attention_with_lse(q, k, v, causal: bool = False, *, window_size=None, sink_size=0):
@@ -98,6 +83,5 @@ def flash_attention_with_lse(q, k, v, causal: bool = False, *, window_size=None,
     (masked keys excluded): the statistic the backward pass uses to rebuild
     the softmax ``p_ij = exp(s_ij - lse_i)`` without storing it.
     """
-    validate(q, k, v)
-    validate_window(causal, window_size, sink_size)
-    return _forward(q, k, v, bool(causal), window_size, sink_size)
+    check_call(q, k, v, causal, window_size, sink_size)
+    return launch_forward(q, k, v, bool(causal), window_size, sink_size)

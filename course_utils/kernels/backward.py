@@ -5,7 +5,7 @@ natural-log logsumexp ``lse`` of each query row) and the upstream gradient
 ``do``, three kernels compute ``dq, dk, dv`` without ever holding an
 ``N x N`` matrix:
 
-1. :func:`_attn_bwd_preprocess` - ``delta = rowsum(do * o)``, one float per
+1. :func:`attn_bwd_preprocess` - ``delta = rowsum(do * o)``, one float per
    query row. It is the ``D`` in ``dS = P * (dP - D)``: the softmax Jacobian's
    correction term, computed once instead of once per key block.
 2. :func:`_attn_bwd_dkdv` - one program per (block of keys, kv head). It keeps
@@ -22,14 +22,18 @@ Exponentials use ``exp2`` (one hardware instruction) with ``log2(e)`` folded
 into the scale: ``P = exp(s * sm_scale - lse) = exp2(s * sm_scale * log2(e) -
 lse * log2(e))``; ``lse`` stays a natural log everywhere outside the kernels.
 
-:class:`FlashAttentionFunction` wires the package's forward
-(:func:`course_utils.kernels.flash_attention_with_lse`) and this backward
-into ``torch.autograd``.
+:class:`FlashAttentionFunction` wires the package's forward dispatch
+(:func:`course_utils.kernels.dispatch.launch_forward`, imported downward: this
+module never imports the package face ``course_utils.kernels``) and this
+backward into ``torch.autograd``.
 
 The ``@triton.jit`` functions here are the ones lesson 07
 (``solutions/07_backward.ipynb``) defines, with ``### BEGIN/END SOLUTION``
 lines around the learner's parts; ``tests/test_backward.py`` keeps the two
-identical. Edit both together.
+identical. Edit both together. The helpers later lessons reuse have public
+names (lesson 08 imports :func:`load_tile`, :func:`store_tile`,
+:func:`attn_bwd_preprocess`, :func:`dkdv_inner` and :func:`attn_bwd_dq_window`);
+a leading underscore marks what only this module calls.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from course_utils.kernels.forward import (  # absolute: tests load copies of this file
+from course_utils.kernels.dispatch import check_call, launch_forward  # absolute: tests load copies of this file
+from course_utils.kernels.forward import (
     _capability, _window_bounds, _window_keep, bf16_problem, validate_window,
 )
 
@@ -52,6 +57,11 @@ __all__ = [
     "BackwardConfig",
     "default_config",
     "check_backward_inputs",
+    "load_tile",
+    "store_tile",
+    "attn_bwd_preprocess",
+    "dkdv_inner",
+    "attn_bwd_dq_window",
 ]
 
 # log2(e): exp(x) == exp2(x * LOG2E). The kernels write it out as a literal:
@@ -65,7 +75,7 @@ LOG2E = 1.4426950408889634
 # EVEN and PAD_D are compile-time flags, so the common case pays for no mask.
 # -----------------------------------------------------------------------------
 @triton.jit
-def _load_tile(ptrs, offs_rows, n_rows, offs_d, head_dim, EVEN: tl.constexpr, PAD_D: tl.constexpr):
+def load_tile(ptrs, offs_rows, n_rows, offs_d, head_dim, EVEN: tl.constexpr, PAD_D: tl.constexpr):
     if EVEN:
         if PAD_D:
             tile = tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=0.0)
@@ -80,7 +90,7 @@ def _load_tile(ptrs, offs_rows, n_rows, offs_d, head_dim, EVEN: tl.constexpr, PA
 
 
 @triton.jit
-def _store_tile(ptrs, tile, offs_rows, n_rows, offs_d, head_dim, EVEN: tl.constexpr, PAD_D: tl.constexpr):
+def store_tile(ptrs, tile, offs_rows, n_rows, offs_d, head_dim, EVEN: tl.constexpr, PAD_D: tl.constexpr):
     if EVEN:
         if PAD_D:
             tl.store(ptrs, tile, mask=offs_d[None, :] < head_dim)
@@ -97,7 +107,7 @@ def _store_tile(ptrs, tile, offs_rows, n_rows, offs_d, head_dim, EVEN: tl.conste
 # 1. delta = rowsum(dO * O)
 # -----------------------------------------------------------------------------
 @triton.jit
-def _attn_bwd_preprocess(
+def attn_bwd_preprocess(
     O, DO, DELTA,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_dob, stride_doh, stride_don, stride_dod,
@@ -114,8 +124,8 @@ def _attn_bwd_preprocess(
     offs_d = tl.arange(0, BLOCK_D)
     o_ptrs = O + b * stride_ob + q_head * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
     do_ptrs = DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod
-    o = _load_tile(o_ptrs, offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D).to(ACC)
-    do = _load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D).to(ACC)
+    o = load_tile(o_ptrs, offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D).to(ACC)
+    do = load_tile(do_ptrs, offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D).to(ACC)
     # delta_i = sum over d of o[i, d] * do[i, d]: one number per query row.
     delta = tl.sum(o * do, axis=1)
     delta_ptrs = DELTA + b * stride_deltab + q_head * stride_deltah + offs_m
@@ -129,7 +139,7 @@ def _attn_bwd_preprocess(
 # 2. dK, dV: one program per (key block, batch * kv head)
 # -----------------------------------------------------------------------------
 @triton.jit
-def _dkdv_inner(
+def dkdv_inner(
     dk, dv, k, v,
     q_base, do_base, lse_base, delta_base,
     stride_qn, stride_qd, stride_don, stride_dod,
@@ -143,10 +153,10 @@ def _dkdv_inner(
     """
     for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        q = load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                      offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+        do = load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
                        offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
-        do = _load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                        offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
         if EVEN_M:
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
@@ -195,10 +205,10 @@ def _attn_bwd_dkdv(
     offs_d = tl.arange(0, BLOCK_D)
     qk_scale = sm_scale * 1.4426950408889634
 
-    k = _load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                   offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
-    v = _load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                   offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    k = load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                  offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    v = load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                  offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
 
@@ -222,21 +232,21 @@ def _attn_bwd_dkdv(
         else:
             diag_lo, diag_hi = 0, 0
             full_lo, full_hi = 0, N_Q
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qn, stride_qd, stride_don, stride_dod,
-                             offs_n, offs_d, diag_lo, diag_hi, N_Q, head_dim, qk_scale,
-                             BLOCK_M, EVEN_M, PAD_D, True)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qn, stride_qd, stride_don, stride_dod,
-                             offs_n, offs_d, full_lo, full_hi, N_Q, head_dim, qk_scale,
-                             BLOCK_M, EVEN_M, PAD_D, False)
+        dk, dv = dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                            stride_qn, stride_qd, stride_don, stride_dod,
+                            offs_n, offs_d, diag_lo, diag_hi, N_Q, head_dim, qk_scale,
+                            BLOCK_M, EVEN_M, PAD_D, True)
+        dk, dv = dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                            stride_qn, stride_qd, stride_don, stride_dod,
+                            offs_n, offs_d, full_lo, full_hi, N_Q, head_dim, qk_scale,
+                            BLOCK_M, EVEN_M, PAD_D, False)
 
     # dK = sm_scale * dS^T Q: the scale is applied once, here, not in every tile.
     dk *= sm_scale
-    _store_tile(DK + b * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-                dk.to(DK.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
-    _store_tile(DV + b * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-                dv.to(DV.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    store_tile(DK + b * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+               dk.to(DK.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    store_tile(DV + b * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+               dv.to(DV.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
 
 
 # -----------------------------------------------------------------------------
@@ -252,10 +262,10 @@ def _dq_inner(
     """Add the contributions of key blocks [start_n_lo, start_n_hi) to one dq tile."""
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                       offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
-        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                       offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                      offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                      offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
         # P = exp2(qk_scale * Q K^T - lse2), zeroed where key j > query i on the
         # diagonal tiles (MASK) and, when N_K is not a multiple of BLOCK_N, for
         # the keys past the end (loaded as zeros, their score 0 is not -inf).
@@ -299,10 +309,10 @@ def _attn_bwd_dq(
     offs_d = tl.arange(0, BLOCK_D)
     qk_scale = sm_scale * 1.4426950408889634
 
-    q = _load_tile(Q + b * stride_qb + q_head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+    q = load_tile(Q + b * stride_qb + q_head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                  offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    do = load_tile(DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
                    offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
-    do = _load_tile(DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                    offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
     lse_ptrs = LSE + b * stride_lseb + q_head * stride_lseh + offs_m
     delta_ptrs = DELTA + b * stride_deltab + q_head * stride_deltah + offs_m
     if EVEN_M:
@@ -335,8 +345,8 @@ def _attn_bwd_dq(
                    BLOCK_N, EVEN_N, PAD_D, True)
     # dQ = sm_scale * dS K: the scale is applied once, here, not in every tile.
     dq *= sm_scale
-    _store_tile(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
-                dq.to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    store_tile(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+               dq.to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
 
 
 # -----------------------------------------------------------------------------
@@ -353,13 +363,13 @@ def _dkdv_inner_window(
     offs_n, offs_d, start_m_lo, start_m_hi, N_Q, head_dim, qk_scale, WINDOW_SIZE, SINK_SIZE,
     BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, PAD_D: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """:func:`_dkdv_inner` on partial tiles: P^T is zeroed where the window/sink mask hides key j from query i."""
+    """:func:`dkdv_inner` on partial tiles: P^T is zeroed where the window/sink mask hides key j from query i."""
     for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        q = load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                      offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+        do = load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
                        offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
-        do = _load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                        offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
         lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
         s_t = tl.dot(k, tl.trans(q))
@@ -401,10 +411,10 @@ def _attn_bwd_dkdv_window(
     offs_d = tl.arange(0, BLOCK_D)
     qk_scale = sm_scale * 1.4426950408889634
 
-    k = _load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                   offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
-    v = _load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                   offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    k = load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                  offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    v = load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                  offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
 
@@ -430,20 +440,20 @@ def _attn_bwd_dkdv_window(
                                     stride_qn, stride_qd, stride_don, stride_dod,
                                     offs_n, offs_d, start_n, diag_end, N_Q, head_dim, qk_scale,
                                     WINDOW_SIZE, SINK_SIZE, BLOCK_M, EVEN_M, PAD_D, HAS_SINKS)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                             stride_qn, stride_qd, stride_don, stride_dod,
-                             offs_n, offs_d, diag_end, full_end, N_Q, head_dim, qk_scale,
-                             BLOCK_M, EVEN_M, PAD_D, False)
+        dk, dv = dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                            stride_qn, stride_qd, stride_don, stride_dod,
+                            offs_n, offs_d, diag_end, full_end, N_Q, head_dim, qk_scale,
+                            BLOCK_M, EVEN_M, PAD_D, False)
         dk, dv = _dkdv_inner_window(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
                                     stride_qn, stride_qd, stride_don, stride_dod,
                                     offs_n, offs_d, full_end, q_end, N_Q, head_dim, qk_scale,
                                     WINDOW_SIZE, SINK_SIZE, BLOCK_M, EVEN_M, PAD_D, HAS_SINKS)
 
     dk *= sm_scale
-    _store_tile(DK + b * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-                dk.to(DK.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
-    _store_tile(DV + b * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
-                dv.to(DV.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    store_tile(DK + b * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+               dk.to(DK.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    store_tile(DV + b * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+               dv.to(DV.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
 
 
 @triton.jit
@@ -480,10 +490,10 @@ def _attn_bwd_dkdv_sinks(
     offs_d = tl.arange(0, BLOCK_D)
     qk_scale = sm_scale * 1.4426950408889634
 
-    k = _load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                   offs_n, SINK_SIZE, offs_d, head_dim, False, PAD_D)
-    v = _load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                   offs_n, SINK_SIZE, offs_d, head_dim, False, PAD_D)
+    k = load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                  offs_n, SINK_SIZE, offs_d, head_dim, False, PAD_D)
+    v = load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                  offs_n, SINK_SIZE, offs_d, head_dim, False, PAD_D)
     dk = tl.zeros([BLOCK_S, BLOCK_D], dtype=ACC)
     dv = tl.zeros([BLOCK_S, BLOCK_D], dtype=ACC)
     # Chunks tile [WINDOW_SIZE rounded down to BLOCK_M, N_Q); this key block's first far row
@@ -499,10 +509,10 @@ def _attn_bwd_dkdv_sinks(
         delta_base = DELTA + b * stride_deltab + q_head * stride_deltah
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = _load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+            q = load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                          offs_m, N_Q, offs_d, head_dim, False, PAD_D)
+            do = load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
                            offs_m, N_Q, offs_d, head_dim, False, PAD_D)
-            do = _load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                            offs_m, N_Q, offs_d, head_dim, False, PAD_D)
             lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
             delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
             s_t = tl.dot(k, tl.trans(q))
@@ -531,10 +541,10 @@ def _dq_inner_window(
     """:func:`_dq_inner` on partial tiles: P is zeroed where the window/sink mask hides key j from query i."""
     for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                       offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
-        v = _load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                       offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                      offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                      offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
         s = tl.dot(q, tl.trans(k))
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         keep = _window_keep(offs_m[:, None], offs_n[None, :], N_K, WINDOW_SIZE, SINK_SIZE, HAS_SINKS)
@@ -546,7 +556,7 @@ def _dq_inner_window(
 
 
 @triton.jit
-def _attn_bwd_dq_window(
+def attn_bwd_dq_window(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -571,10 +581,10 @@ def _attn_bwd_dq_window(
     offs_d = tl.arange(0, BLOCK_D)
     qk_scale = sm_scale * 1.4426950408889634
 
-    q = _load_tile(Q + b * stride_qb + q_head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+    q = load_tile(Q + b * stride_qb + q_head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                  offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    do = load_tile(DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
                    offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
-    do = _load_tile(DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
-                    offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
     lse = tl.load(LSE + b * stride_lseb + q_head * stride_lseh + offs_m, mask=offs_m < N_Q, other=0.0)
     delta = tl.load(DELTA + b * stride_deltab + q_head * stride_deltah + offs_m, mask=offs_m < N_Q, other=0.0)
     lse2 = lse * 1.4426950408889634
@@ -599,8 +609,8 @@ def _attn_bwd_dq_window(
                           offs_m, offs_d, start_m, band_end, N_K, head_dim, qk_scale, WINDOW_SIZE, SINK_SIZE,
                           BLOCK_N, EVEN_N, PAD_D, HAS_SINKS)
     dq *= sm_scale
-    _store_tile(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
-                dq.to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    store_tile(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+               dq.to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
 
 
 # -----------------------------------------------------------------------------
@@ -743,7 +753,7 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
         return dq.zero_(), dk.zero_(), dv.zero_()
 
     pre_m = cfg.pre_block_m
-    _attn_bwd_preprocess[(triton.cdiv(N_Q, pre_m), B * n_q_heads)](
+    attn_bwd_preprocess[(triton.cdiv(N_Q, pre_m), B * n_q_heads)](
         o, do, delta,
         *o.stride(), *do.stride(), delta.stride(0), delta.stride(1),
         n_q_heads, N_Q, D,
@@ -798,7 +808,7 @@ def _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_siz
         _sink_far_gradients(q, k, v, lse, delta, do, dk, dv, common, cfg, group_size, sm_scale,
                             window_size, sink_size, BLOCK_D, PAD_D, ACC)
     bm, bn = cfg.dq_block_m, cfg.dq_block_n
-    _attn_bwd_dq_window[(triton.cdiv(N_Q, bm), B * n_q_heads)](
+    attn_bwd_dq_window[(triton.cdiv(N_Q, bm), B * n_q_heads)](
         q, k, v, do, lse, delta, dq, *common, *dq.stride(),
         n_q_heads, group_size, N_Q, N_K, D, sm_scale, window_size, sink_size,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=sink_size > 0,
@@ -858,10 +868,10 @@ class FlashAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False, window_size=None, sink_size=0):
-        from course_utils.kernels import flash_attention_with_lse  # the package's forward dispatch point
-
-        o, lse = flash_attention_with_lse(q, k, v, causal=causal, window_size=window_size, sink_size=sink_size)
+    def forward(ctx, q, k, v, causal=False, window_size=None, sink_size=0, validated=False):
+        if not validated:  # a direct caller; course_utils.kernels.flash_attention has checked already
+            check_call(q, k, v, causal, window_size, sink_size)
+        o, lse = launch_forward(q, k, v, bool(causal), window_size, sink_size)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = bool(causal)
         ctx.window = (window_size, sink_size)
@@ -873,7 +883,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         window_size, sink_size = ctx.window
         dq, dk, dv = attention_backward(q, k, v, o, lse, do, causal=ctx.causal,
                                         window_size=window_size, sink_size=sink_size)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def flash_attention_differentiable(q, k, v, causal=False):

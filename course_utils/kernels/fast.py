@@ -46,7 +46,9 @@ on capable GPUs):
 
 - :func:`is_supported` says whether the fast path can run these tensors;
 - :func:`attention_forward_fast` returns ``(o, lse)`` and falls back to the
-  course's lesson-05 kernel (``course_utils.kernels.forward``) otherwise.
+  course's lesson-05 kernel (``course_utils.kernels.forward``) otherwise;
+- :func:`attention_forward_tuned` is its fast path alone, for callers that
+  asked :func:`is_supported` already (the package's dispatch).
 
 Limits, on purpose (each falls back cleanly): NVIDIA compute capability 9.x
 (Hopper: H100/H200, where it was measured), bf16/fp16, head dim 64 or 128, ``N`` a multiple of 64, equal
@@ -643,6 +645,16 @@ def attention_forward_fast(q, k, v, causal=False, sm_scale=None, *, lazy_rescale
     """
     if not is_supported(q, k, v):
         return _fallback(q, k, v, causal, sm_scale)
+    return attention_forward_tuned(q, k, v, causal=causal, sm_scale=sm_scale, lazy_rescale=lazy_rescale)
+
+
+def attention_forward_tuned(q, k, v, causal=False, sm_scale=None, *, lazy_rescale=False):
+    """The autotuned kernel's ``(o, lse)`` for tensors :func:`is_supported` has accepted (not asked again).
+
+    The package's dispatch (:mod:`course_utils.kernels.dispatch`) decides once and comes
+    here; :func:`attention_forward_fast` decides for direct callers. Warp-specialised
+    configurations first, then the plain ones, then :data:`SAFE_CONFIG`.
+    """
     q, k, v, o, lse, scale = _prepare(q, k, v, sm_scale)
     causal = bool(causal)
     if _WS_STATE["enabled"][causal]:

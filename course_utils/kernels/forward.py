@@ -10,8 +10,8 @@ Two kernels, each taught in a lesson and kept here as the one copy:
   the causal loop split in two phases (blocks wholly below the diagonal need
   no mask; only the diagonal blocks do), ``exp2`` with ``log2(e)`` folded into
   the scale, and the per-row logsumexp ``lse`` written for the backward pass.
-  Its inner loop is :func:`_attn_fwd_inner`, as in Triton's fused-attention
-  tutorial.
+  Its inner loop is :func:`attn_fwd_inner`, as in Triton's fused-attention
+  tutorial (a public name: lesson 08 imports it for its window kernel).
 
 One copy: the solution notebooks ``solutions/04_flash_attention_forward.ipynb``
 and ``solutions/05_causal_gqa.ipynb`` define these same ``@triton.jit``
@@ -24,7 +24,9 @@ requires the rest to be equal, character for character (trailing whitespace
 aside). Edit both together.
 
 Launchers: :func:`flash_attention_forward` (kernel A, returns ``o``) and
-:func:`flash_attention_gqa_forward` (kernel B, returns ``(o, lse)``). Both take
+:func:`flash_attention_gqa_forward` (kernel B, returns ``(o, lse)``); the
+package's dispatch (:mod:`course_utils.kernels.dispatch`), which has validated
+its input already, passes ``_validated=True`` to skip the checks. Both take
 torch tensors ``[B, H, N, D]`` of any strides, fp16, bf16 (GPU only) or fp32,
 head dims 16 to 256 (a head dim that is not a power of two is padded to the
 next one inside the kernel and masked), and reject bad input with a
@@ -44,7 +46,7 @@ import triton.language as tl
 __all__ = [
     "flash_attention_kernel",
     "_flash_attention_forward_gqa_kernel",
-    "_attn_fwd_inner",
+    "attn_fwd_inner",
     "flash_attention_forward",
     "flash_attention_gqa_forward",
     "validate",
@@ -160,7 +162,7 @@ def flash_attention_kernel(
 # Kernel B (lesson 05): causal GQA/MQA, two-phase loop, exp2, logsumexp.
 # -----------------------------------------------------------------------------
 @triton.jit
-def _attn_fwd_inner(
+def attn_fwd_inner(
     acc, l_i, m_i, q,
     k_base, v_base,
     stride_kn, stride_kd, stride_vn, stride_vd,
@@ -267,14 +269,14 @@ def _flash_attention_forward_gqa_kernel(
         mask_lo = SEQ_LEN - SEQ_LEN % BLOCK_N  # only the last, partial block needs a mask
         mask_hi = SEQ_LEN
     ### END SOLUTION
-    acc, l_i, m_i = _attn_fwd_inner(
+    acc, l_i, m_i = attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base,
         stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_d, d_ok,
         0, mask_lo, SEQ_LEN, qk_scale,
         MASK=False, IS_CAUSAL=IS_CAUSAL, BLOCK_N=BLOCK_N,
     )
-    acc, l_i, m_i = _attn_fwd_inner(
+    acc, l_i, m_i = attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base,
         stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_d, d_ok,
@@ -368,7 +370,7 @@ def _attn_fwd_inner_window(
     The window/sink mask is applied, and a row that has seen no key yet (all
     of its scores so far -inf) stays at ``m_i = -inf, l_i = 0, acc = 0``
     instead of turning into NaN. Full blocks go through lesson 05's
-    :func:`_attn_fwd_inner` with ``MASK=False``.
+    :func:`attn_fwd_inner` with ``MASK=False``.
     """
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -419,7 +421,7 @@ def _flash_attention_forward_window_kernel(
     Key ``j`` is visible from query ``i`` iff ``j <= i and (i - j <
     WINDOW_SIZE or j < SINK_SIZE)``. Each query block visits only the sink
     tiles and the tiles of its band, in five phases (:func:`_window_bounds`):
-    full tiles without any mask (lesson 05's ``_attn_fwd_inner``), partial
+    full tiles without any mask (lesson 05's ``attn_fwd_inner``), partial
     ones with the mask (:func:`_attn_fwd_inner_window`).
     """
     tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal phase starts on a tile boundary
@@ -451,7 +453,7 @@ def _flash_attention_forward_window_kernel(
     sink_full, sink_end, band_start, full_start, band_end = _window_bounds(
         q_first, SEQ_LEN, WINDOW_SIZE, SINK_SIZE, BLOCK_M, BLOCK_N)
     if HAS_SINKS:
-        acc, l_i, m_i = _attn_fwd_inner(  # 1. sink tiles every row sees whole
+        acc, l_i, m_i = attn_fwd_inner(  # 1. sink tiles every row sees whole
             acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
             offs_m, offs_d, d_ok, 0, sink_full, SEQ_LEN, qk_scale,
             MASK=False, IS_CAUSAL=True, BLOCK_N=BLOCK_N,
@@ -466,7 +468,7 @@ def _flash_attention_forward_window_kernel(
         offs_m, offs_d, d_ok, band_start, full_start, SEQ_LEN, qk_scale, WINDOW_SIZE, SINK_SIZE,
         HAS_SINKS=HAS_SINKS, BLOCK_N=BLOCK_N,
     )
-    acc, l_i, m_i = _attn_fwd_inner(  # 4. the band's full tiles: no mask
+    acc, l_i, m_i = attn_fwd_inner(  # 4. the band's full tiles: no mask
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_m, offs_d, d_ok, full_start, q_first, SEQ_LEN, qk_scale,
         MASK=False, IS_CAUSAL=True, BLOCK_N=BLOCK_N,
@@ -657,7 +659,8 @@ def flash_attention_forward(q, k, v, causal: bool = False, *, block_m: int | Non
     return o
 
 
-def flash_attention_gqa_forward(q, k, v, causal: bool = False, *, block_m: int | None = None, block_n: int | None = None):
+def flash_attention_gqa_forward(q, k, v, causal: bool = False, *, block_m: int | None = None, block_n: int | None = None,
+                                _validated: bool = False):
     """Grouped-query attention with kernel B (:func:`_flash_attention_forward_gqa_kernel`).
 
     ``q``: ``[B, Hq, N, D]``; ``k, v``: ``[B, Hkv, N, D]`` with ``Hq`` a
@@ -665,9 +668,11 @@ def flash_attention_gqa_forward(q, k, v, causal: bool = False, *, block_m: int |
     Returns ``(o, lse)``: ``o`` like ``q``, ``lse`` float32 ``[B, Hq, N]``,
     the natural-log logsumexp of each query row's scaled scores (what the
     backward pass needs to rebuild the softmax without storing it).
-    ``block_m`` must be a multiple of ``block_n``.
+    ``block_m`` must be a multiple of ``block_n``. ``_validated=True``: the
+    caller has run :func:`validate` already (the package's dispatch).
     """
-    validate(q, k, v)
+    if not _validated:
+        validate(q, k, v)
     B, Hq, N, D = q.shape
     Hkv = k.shape[1]
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -710,15 +715,17 @@ def validate_window(causal, window_size, sink_size) -> None:
 
 
 def flash_attention_window_forward(q, k, v, *, window_size, sink_size=0,
-                                   block_m: int | None = None, block_n: int | None = None):
+                                   block_m: int | None = None, block_n: int | None = None, _validated: bool = False):
     """Causal GQA attention with a sliding window and sinks, by :func:`_flash_attention_forward_window_kernel`.
 
     Tensors as in :func:`flash_attention_gqa_forward`; returns ``(o, lse)``.
     Key ``j`` is visible from query ``i`` iff ``j <= i and (i - j <
-    window_size or j < sink_size)``.
+    window_size or j < sink_size)``. ``_validated=True``: the caller has run
+    :func:`validate` and :func:`validate_window` (with ``causal=True``) already.
     """
-    validate(q, k, v)
-    validate_window(True, window_size, sink_size)
+    if not _validated:
+        validate(q, k, v)
+        validate_window(True, window_size, sink_size)
     B, Hq, N, D = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)

@@ -1,0 +1,131 @@
+"""The course's exercises, declared once: the one table to touch when adding an exercise.
+
+Each :class:`Exercise` names the public check (``check_flash_forward``), the
+lesson that introduces it, the grading function that does the work (in the
+lesson's ``part*.py`` module: it takes the learner's function and ``seed=``,
+and returns a :class:`~.core.Passed` or raises a :class:`~.core.GradingError`),
+whether it runs in a separate process (:mod:`.isolation`) and for how long,
+and its points. The public ``check_*`` functions of :mod:`course_utils.grading`
+are made from this table (:func:`make_check`), and everything that needs the
+list of exercises reads it from here: the batch grader (:mod:`course_utils.grade`),
+the points of the build (``python -m course_utils.build --points``),
+``benchmarks/grading_speed.py`` and the tests.
+
+Adding an exercise: write ``grade_<name>(fn, *, seed=None)`` in the lesson's
+``part*.py`` module, add one row below, and put ``check_<name>(...)`` in a grader
+cell of the lesson's solution notebook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Callable
+
+from . import (part1_numpy, part2_basics, part2_debug, part2_tiles, part2_triton, part3_performance, part4_backward,
+               part5_decode, part5_window, part6_ring)
+from .core import require_callable
+from .isolation import run_isolated
+
+__all__ = ["Exercise", "EXERCISES", "by_name", "make_check"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Exercise:
+    """One exercise: its public check, where it is taught, how it is graded, what it is worth."""
+
+    name: str  # the public check's name, ``check_<exercise>``
+    lesson: str  # the solution notebook that introduces it (its stem)
+    function: Callable  # the grading function: ``function(fn, *, seed=None, ...) -> Passed``
+    isolated: bool  # run in a separate process (a crash or a hang cannot take the notebook down)
+    timeout_s: float | None  # the whole check's time limit when isolated (None: not isolated)
+    points: float  # the grader cell's points (``python -m course_utils.build --points``)
+    callable_as: str | None = None  # checked callable before isolating ("your launcher"), if at all
+
+    @property
+    def check(self) -> Callable:
+        """The public ``check_*`` function (made once)."""
+        return _CHECKS[self.name]
+
+
+EXERCISES: tuple[Exercise, ...] = (
+    # name, lesson, grading function, isolated, timeout_s, points[, checked callable as]
+    Exercise("check_softmax", "01_naive_attention", part1_numpy.grade_softmax, False, None, 1),
+    Exercise("check_naive_attention", "01_naive_attention", part1_numpy.grade_naive_attention, False, None, 2),
+    Exercise("check_online_softmax", "02_online_softmax", part1_numpy.grade_online_softmax, False, None, 2),
+    Exercise("check_tiled_attention", "02_online_softmax", part1_numpy.grade_tiled_attention, False, None, 3),
+    Exercise("check_triton_softmax", "03_triton_basics", part2_basics.grade_triton_softmax, True, 60.0, 2,
+             "your launcher"),
+    Exercise("check_tile_copy", "03_triton_basics", part2_tiles.grade_tile_copy, True, 120.0, 1),
+    Exercise("check_flash_forward", "04_flash_attention_forward", part2_triton.grade_flash_forward, True, 240.0, 3,
+             "your launcher"),
+    Exercise("check_kv_head", "05_causal_gqa", part2_triton.grade_kv_head, False, None, 1),
+    Exercise("check_flash_gqa", "05_causal_gqa", part2_triton.grade_flash_gqa, True, 240.0, 3, "your launcher"),
+    Exercise("check_flaw_hunt", "05b_debug_gqa_kernel", part2_debug.grade_flaw_hunt, True, 120.0, 1),
+    Exercise("check_attention_flops", "06_performance", part3_performance.grade_attention_flops, False, None, 1),
+    Exercise("check_roofline", "06_performance", part3_performance.grade_roofline, False, None, 1),
+    Exercise("check_programs_per_sm", "06_performance", part3_performance.grade_programs_per_sm, False, None, 1),
+    Exercise("check_tiled_backward", "07_backward", part4_backward.grade_tiled_backward, False, None, 3),
+    Exercise("check_flash_backward", "07_backward", part4_backward.grade_flash_backward, True, 120.0, 4),
+    Exercise("check_window_tile_bounds", "08_sliding_window_and_sinks", part5_window.grade_window_tile_bounds,
+             False, None, 1),
+    Exercise("check_window_forward", "08_sliding_window_and_sinks", part5_window.grade_window_forward,
+             True, 120.0, 1),
+    Exercise("check_window_backward", "08_sliding_window_and_sinks", part5_window.grade_window_backward,
+             True, 120.0, 1),
+    Exercise("check_merge_partials", "09_decoding", part5_decode.grade_merge_partials, False, None, 1),
+    Exercise("check_decode_split", "09_decoding", part5_decode.grade_decode_split, True, 240.0, 1),
+    Exercise("check_decode_combine", "09_decoding", part5_decode.grade_decode_combine, True, 180.0, 1),
+    # The ring checks start their own processes (one per rank): not isolated again.
+    Exercise("check_ring_simulation", "10_ring_attention", part6_ring.grade_ring_simulation, False, None, 1),
+    Exercise("check_ring_attention", "10_ring_attention", part6_ring.grade_ring_attention, False, None, 1),
+)
+
+
+def by_name(name: str) -> Exercise | None:
+    """The exercise whose public check is ``name`` (None if ``name`` is not an exercise)."""
+    return _BY_NAME.get(name)
+
+
+def make_check(exercise: Exercise) -> Callable:
+    """The public check of ``exercise``: its grading function, isolated if declared so.
+
+    Its signature is the grading function's, plus ``isolate=None`` and
+    ``timeout_s=`` for an isolated exercise; its docstring is the grading
+    function's. Unknown arguments raise ``TypeError`` as for any function.
+    """
+    function = exercise.function
+    own = inspect.signature(function)
+    params = list(own.parameters.values())
+    if exercise.isolated:
+        params += [inspect.Parameter("isolate", inspect.Parameter.KEYWORD_ONLY, default=None),
+                   inspect.Parameter("timeout_s", inspect.Parameter.KEYWORD_ONLY, default=exercise.timeout_s)]
+    signature = own.replace(parameters=params)
+
+    @functools.wraps(function)
+    def check(*args, **kwargs):
+        __tracebackhide__ = True
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        fn = arguments.pop(params[0].name)
+        if exercise.callable_as:
+            require_callable(fn, exercise.name, exercise.callable_as)
+        if not exercise.isolated:
+            return function(fn, **arguments)
+        isolate, timeout_s = arguments.pop("isolate"), arguments.pop("timeout_s")
+        return run_isolated(exercise.name, function, fn, arguments, isolate=isolate, timeout_s=timeout_s)
+
+    del check.__wrapped__  # its own signature, not the grading function's
+    check.__signature__ = signature
+    check.__name__ = check.__qualname__ = exercise.name
+    check.__module__ = __name__
+    check.exercise = exercise
+    return check
+
+
+_BY_NAME = {exercise.name: exercise for exercise in EXERCISES}
+_CHECKS = {exercise.name: make_check(exercise) for exercise in EXERCISES}
+globals().update(_CHECKS)  # course_utils.grading.exercises.check_x: importable by name in another process
+__all__ += list(_CHECKS)

@@ -1,0 +1,48 @@
+"""The forward dispatch: validate once at the entry, decide once which kernel runs, launch.
+
+Both public functions of :mod:`course_utils.kernels` and the autograd function
+of :mod:`.backward` come here; nothing here calls back up to the package::
+
+    kernels.flash_attention / flash_attention_with_lse / backward.FlashAttentionFunction
+        -> check_call (once; FlashAttentionFunction skips it when flash_attention has run it)
+        -> launch_forward (the one decision)
+            -> forward.flash_attention_window_forward  (a window: lesson 08, every machine)
+            -> fast.attention_forward_tuned            (plain attention the Hopper kernel supports)
+            -> forward.flash_attention_gqa_forward     (everything else: lesson 05's kernel)
+
+The launchers get ``_validated=True`` (or are the fast kernel's unchecked
+path): the input was checked by :func:`check_call`, so it is not checked again.
+"""
+
+from __future__ import annotations
+
+from . import fast, forward
+
+__all__ = ["check_call", "launch_forward"]
+
+
+def check_call(q, k, v, causal=False, window_size=None, sink_size=0) -> None:
+    """Raise ``ValueError`` (one sentence) unless the call can go to a forward kernel.
+
+    The tensors first (:func:`.forward.validate`), then the mask settings
+    (:func:`.forward.validate_window`).
+    """
+    forward.validate(q, k, v)
+    forward.validate_window(causal, window_size, sink_size)
+
+
+def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0):
+    """``(o, lse)`` by the one kernel that fits, for a call :func:`check_call` has accepted.
+
+    With a window (lesson 08), the window kernel of :mod:`.forward` on every
+    machine. Otherwise, on a Hopper GPU, for the shapes it covers (bf16/fp16,
+    D of 64 or 128, N a multiple of 64), the autotuned kernel of :mod:`.fast`
+    (lesson 06); for everything else, and in the interpreter, the course's
+    GQA kernel from lesson 05, which handles MHA, GQA and MQA, causal or not.
+    """
+    if window_size is not None:
+        return forward.flash_attention_window_forward(q, k, v, window_size=window_size, sink_size=sink_size,
+                                                      _validated=True)
+    if fast.is_supported(q, k, v):
+        return fast.attention_forward_tuned(q, k, v, causal=causal)
+    return forward.flash_attention_gqa_forward(q, k, v, causal=causal, _validated=True)
