@@ -2,6 +2,8 @@
 #   make lab        install everything in .venv and open the course in JupyterLab
 #                   (in my-work/: your own copy of notebooks/, made once, never overwritten)
 #   make grade SUBMISSIONS="class/"  grade handed-in notebooks into gradebook/ (GRADE_ARGS="--jobs 4 ...")
+#   make release    student notebooks + course_utils wheel + learner README in RELEASE_DIR/ and
+#                   RELEASE_DIR.zip, to hand out through an LMS (RELEASE_DIR=dist/release unless given)
 #   make test       install everything in .venv and run the whole test suite
 #   make notebooks  regenerate notebooks/ from solutions/
 #   make solutions  re-execute the solution notebooks in place
@@ -21,7 +23,7 @@ TORCH_CPU ?=
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP_INDEX := $(if $(TORCH_CPU),--extra-index-url $(TORCH_INDEX),)
 
-.PHONY: setup lab test notebooks solutions doctor grade
+.PHONY: setup lab test notebooks solutions doctor grade release
 
 $(VENV)/.installed: pyproject.toml constraints/ci.txt
 	$(PYTHON) -m venv $(VENV)
@@ -59,3 +61,9 @@ doctor: setup
 grade: setup
 	@test -n "$(SUBMISSIONS)" || { echo 'usage: make grade SUBMISSIONS="class/" [GRADE_ARGS="--jobs 4"]'; exit 2; }
 	$(PY) -m course_utils.grade $(SUBMISSIONS) $(GRADE_ARGS)
+
+# Hand out the course without a public repository (see README, "For instructors"):
+# the student notebooks, a wheel of course_utils and a README for learners.
+RELEASE_DIR ?= dist/release
+release: setup
+	$(PY) -m course_utils.release $(RELEASE_DIR)

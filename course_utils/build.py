@@ -88,14 +88,23 @@ def _badge_cell(name: str):
 
 
 def _install_cell():
+    # course_utils/colab_install.py, verbatim, run in a private namespace (it cannot be imported:
+    # course_utils is what it installs). The cell shows only its title: in Colab a form cell, in
+    # JupyterLab a collapsed source.
+    helper = Path(__file__).with_name("colab_install.py").read_text().strip("\n")
+    if "'''" in helper or helper.endswith("\\"):
+        raise BuildError("course_utils/colab_install.py cannot go into a r'''...''' string")
     src = (
-        "# In Colab, install the course package first (elsewhere this cell does nothing).\n"
-        "import sys\n"
-        "if \"google.colab\" in sys.modules:\n"
-        f"    %pip install -q \"course_utils @ git+{repository_url()}\""
+        "# @title Run this cell first: it installs the course package in Colab (elsewhere it only checks)\n"
+        "_course_install = {\"__name__\": \"course_install\"}\n"
+        f"exec(r'''\n{helper}\n''', _course_install)\n"
+        f"_course_install[\"install\"]({repository_url()!r})\n"
+        "del _course_install"
     )
     cell = nbformat.v4.new_code_cell(src)
     cell.metadata["tags"] = [INSTALL_TAG]
+    cell.metadata["cellView"] = "form"
+    cell.metadata["jupyter"] = {"source_hidden": True}
     return cell
 
 

@@ -9,6 +9,18 @@ is first imported. Set later, kernels fail with the misleading messages
 ``import course_utils``: :func:`configure` runs on that import, before
 anything else imports Triton.
 
+On a GPU older than Ampere (compute capability below 8.0, such as Colab's
+T4, sm_75) Triton does not promise to run: its README has required 8.0+
+since triton-lang/triton#5066, which also turned its tensor-core ``tl.dot``
+off below sm_80 (an FMA fallback instead), and its maintainers call sm_75
+unsupported (triton-lang/triton#10918). There :func:`configure` first runs a
+16x16 ``tl.dot`` kernel in a separate Python (:func:`_probe_tl_dot`; this
+process must not import Triton before the interpreter is decided). Its
+verdict is cached (:func:`_probe_cache_path`). If it fails, the course runs
+in the interpreter on the CPU, as on a machine without a GPU; if it runs, the
+GPU is kept, with smaller default sizes. Either way one sentence says so
+(on stderr, and in the doctor's report). On sm_80+ nothing is probed.
+
 ``python -m course_utils`` (the *doctor*) prints :func:`report`.
 """
 
@@ -17,14 +29,20 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+import json
 import os
 import pathlib
 import platform
 import re
+import subprocess
 import sys
 import warnings
 
 INTERPRET_VAR = "TRITON_INTERPRET"
+# Set once the old-GPU sentence has been printed, so that child processes (grading workers,
+# which import course_utils again) do not print it again.
+_NOTE_SAID_VAR = "COURSE_UTILS_GPU_NOTE_SAID"
+PROBE_TIMEOUT_S = 120  # compiling the probe's tiny kernel takes a few seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +54,13 @@ class Environment:
     gpu_name: str | None
     capability: tuple[int, int] | None
     triton_imported_too_early: bool
+    # On a GPU below sm_80: the sentence saying what the tl.dot probe found (None elsewhere).
+    gpu_note: str | None = None
+
+    @property
+    def tensor_cores(self) -> bool:
+        """Triton's ``tl.dot`` uses tensor cores: on a GPU of sm_80+ only (below, an FMA fallback)."""
+        return self.device == "cuda" and self.capability is not None and self.capability >= (8, 0)
 
     @property
     def bf16_ok(self) -> bool:
@@ -61,9 +86,13 @@ class Environment:
         """A sequence length that keeps a notebook cell to seconds.
 
         The interpreter costs about 4 ms per program per K/V block, so on the
-        CPU we stay at N <= 256.
+        CPU we stay at N <= 256. A GPU below sm_80 (a T4) runs ``tl.dot``
+        without tensor cores, so it gets 256: between the CPU's 128 and the
+        1024 of an Ampere/Hopper GPU.
         """
-        return 1024 if self.device == "cuda" else 128
+        if self.device != "cuda":
+            return 128
+        return 1024 if self.tensor_cores else 256
 
 
 _ENV: Environment | None = None
@@ -90,6 +119,135 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _capability() -> tuple[int, int] | None:
+    """The CUDA GPU's compute capability, or None without one (no torch, a CPU-only torch, no device)."""
+    if not _cuda_available():
+        return None
+    import torch
+
+    return tuple(torch.cuda.get_device_capability())
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+# Run by _probe_tl_dot in a fresh Python (from a file), with the interpreter off: compile and run one 16x16
+# tl.dot on the GPU and compare it with torch. Prints "ok", or why not (exit status not 0).
+_PROBE_CODE = r"""
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+if not torch.cuda.is_available():
+    print("no GPU: torch.cuda.is_available() is False here")
+    sys.exit(2)
+import triton
+import triton.language as tl
+
+@triton.jit
+def _dot16(a, b, c, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tile = i[:, None] * N + i[None, :]
+    tl.store(c + tile, tl.dot(tl.load(a + tile), tl.load(b + tile)))
+
+a, b = (torch.randn(16, 16, device="cuda", dtype=torch.float16) for _ in range(2))
+c = torch.empty(16, 16, device="cuda", dtype=torch.float32)
+_dot16[(1,)](a, b, c, N=16)
+torch.cuda.synchronize()
+err = (c - a.float() @ b.float()).abs().max().item()
+if not err < 1e-2:
+    print(f"tl.dot computed a wrong product (max error {err:.3g})")
+    sys.exit(3)
+print("ok")
+"""
+
+
+def _last_line(text: str, limit: int = 160) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    line = lines[-1] if lines else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _probe_tl_dot() -> tuple[bool, str]:
+    """Compile and run a 16x16 ``tl.dot`` on the GPU in a fresh Python: (it ran right, what happened).
+
+    A subprocess, because this process must not import Triton before
+    :func:`configure` has decided on the interpreter. Limited to
+    :data:`PROBE_TIMEOUT_S` seconds. Without a GPU it answers ``(False, "no GPU...")``.
+    """
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != INTERPRET_VAR}
+    try:
+        # A file, not `python -c`: @triton.jit reads its function's source from the file.
+        with tempfile.TemporaryDirectory(prefix="course_utils_probe_") as folder:
+            script = pathlib.Path(folder) / "tl_dot_probe.py"
+            script.write_text(_PROBE_CODE)
+            out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                                 env=env, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, f"the test kernel did not finish in {PROBE_TIMEOUT_S} s"
+    except OSError as exc:
+        return False, f"could not start Python for the test kernel: {exc}"
+    if out.returncode == 0 and out.stdout.strip().endswith("ok"):
+        return True, "ok"
+    detail = _last_line(out.stdout) if out.returncode in (2, 3) else _last_line(out.stderr)
+    return False, detail or f"the test kernel's Python exited with status {out.returncode}"
+
+
+def _probe_cache_path() -> pathlib.Path:
+    """``$XDG_CACHE_HOME/course_utils/gpu_probe.json`` (``~/.cache/...`` without XDG_CACHE_HOME)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "course_utils" / "gpu_probe.json"
+
+
+def _probe_key(name: str, cap: tuple[int, int]) -> str:
+    return f"{name} | sm_{cap[0]}{cap[1]} | triton {_version('triton')} | torch {_version('torch')}"
+
+
+def _tl_dot_verdict(name: str, cap: tuple[int, int]) -> tuple[bool, str]:
+    """:func:`_probe_tl_dot`'s answer for this GPU, capability, triton and torch, cached on disk.
+
+    Delete the cache file to probe again; a cache that cannot be read or
+    written only means probing again next time.
+    """
+    path, key = _probe_cache_path(), _probe_key(name, cap)
+    try:
+        cache = json.loads(path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, ValueError):
+        cache = {}
+    hit = cache.get(key)
+    if isinstance(hit, dict) and isinstance(hit.get("ok"), bool):
+        return hit["ok"], str(hit.get("detail", ""))
+    ok, detail = _probe_tl_dot()
+    cache[key] = {"ok": ok, "detail": detail}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return ok, detail
+
+
+OLD_GPU_NOTE = (
+    "course_utils: {name} has compute capability {major}.{minor}, and Triton needs 8.0+ for `tl.dot` "
+    "(Triton PR #5066, issue #10918): a test kernel failed here ({detail}), so the lessons run in "
+    "Triton's interpreter on the CPU instead."
+)
+NO_TENSOR_CORES_NOTE = (
+    "course_utils: {name} has compute capability {major}.{minor}, below the 8.0 that Triton's "
+    "tensor-core `tl.dot` needs (Triton PR #5066), so `tl.dot` runs without tensor cores here "
+    "(an FMA fallback, much slower than on an Ampere or Hopper GPU) and the lessons use smaller sizes "
+    "(default N {seq_len})."
+)
 
 
 AUTOTUNE_NOTE = (
@@ -215,13 +373,30 @@ def configure() -> Environment:
 
     Runs once, on ``import course_utils``. Without a GPU it sets
     ``TRITON_INTERPRET=1``, which only works if Triton is not imported yet;
-    if it was, it warns in one sentence and says how to recover.
+    if it was, it warns in one sentence and says how to recover. On a GPU
+    below sm_80 it first asks :func:`_tl_dot_verdict` whether ``tl.dot``
+    runs there: if not, it goes on as without a GPU; if so, it keeps the GPU
+    (``seq_len`` 256); either way it prints one sentence (``gpu_note``).
     """
     global _ENV
     if _ENV is not None:
         return _ENV
     triton_was_imported = "triton" in sys.modules
-    has_gpu = _cuda_available()
+    cap = _capability()
+    has_gpu = cap is not None
+    name = _gpu_name() if has_gpu else None
+    note = None
+    if has_gpu and cap < (8, 0):  # below Ampere: does Triton's tl.dot compile and run here?
+        ok, detail = _tl_dot_verdict(name, cap)
+        fields = dict(name=name, major=cap[0], minor=cap[1], detail=detail)
+        if ok:
+            note = NO_TENSOR_CORES_NOTE.format(seq_len=Environment("cuda", False, name, cap, False).seq_len, **fields)
+        else:  # as on a machine without a GPU
+            note = OLD_GPU_NOTE.format(**fields)
+            has_gpu, name, cap = False, None, None
+        if os.environ.get(_NOTE_SAID_VAR) != "1":
+            print(note, file=sys.stderr)
+            os.environ[_NOTE_SAID_VAR] = "1"
     too_early = False
     if not has_gpu and os.environ.get(INTERPRET_VAR) != "0":  # "0": asked for the compiler (targets.py)
         if os.environ.get(INTERPRET_VAR) != "1":
@@ -240,18 +415,13 @@ def configure() -> Environment:
         _autotune_first_config_in_interpreter()
     if too_early:
         _explain_missing_driver_at_launch()
-    name = cap = None
-    if has_gpu:
-        import torch
-
-        name = torch.cuda.get_device_name()
-        cap = tuple(torch.cuda.get_device_capability())
     _ENV = Environment(
         device="cuda" if has_gpu else "cpu",
         interpreter=interpreter,
         gpu_name=name,
         capability=cap,
         triton_imported_too_early=too_early,
+        gpu_note=note,
     )
     return _ENV
 
@@ -339,12 +509,17 @@ def report(env: Environment | None = None) -> str:
     if env.device == "cuda":
         major, minor = env.capability
         lines.append(f"  GPU           {env.gpu_name} (compute capability {major}.{minor})")
+        lines.append(f"  tl.dot        {'tensor cores' if env.tensor_cores else 'without tensor cores (FMA fallback)'}")
+    elif env.gpu_note:
+        lines.append("  GPU           not used: Triton kernels run in the interpreter on the CPU (see the note)")
     else:
         lines.append("  GPU           none: Triton kernels run in the interpreter on the CPU")
     lines.append(f"  interpreter   {'on' if env.interpreter else 'off'} ({INTERPRET_VAR}={os.environ.get(INTERPRET_VAR, '')!r})")
     if has_torch:
         lines.append(f"  default dtype {str(env.dtype).replace('torch.', '')}")
     lines.append(f"  default N     {env.seq_len}")
+    if env.gpu_note:
+        lines.append(f"Note: {env.gpu_note.removeprefix('course_utils: ')}")
     problems = known_problems(env)
     if problems:
         lines.append("Problems:")

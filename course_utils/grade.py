@@ -53,7 +53,7 @@ SOLUTIONS = ROOT / "solutions"
 HARNESS = Path(__file__).with_name("grade_harness.py")
 GUARD = Path(__file__).with_name("guard.py")
 
-STATUSES = ("passed", "failed", "error", "timeout", "crashed", "not_attempted", "missing", "invalid")
+STATUSES = ("passed", "failed", "error", "timeout", "crashed", "not_attempted", "missing", "invalid", "grader_error")
 COLUMNS = ("learner", "notebook", "exercise", "points", "max_points", "status", "message", "seconds")
 MAX_NOTEBOOK_BYTES = 50 * 2**20  # a handed-in file larger than this is not read
 MAX_OUTPUT_BYTES = 5 * 2**20  # a notebook that prints more than this is stopped
@@ -88,6 +88,7 @@ class CourseNotebook:
     grader_cells: list[dict]  # {"id", "after_id", "calls", "hidden", "source"}
     allowed: list[str]  # helpers from course_utils.kernels the lesson gives learners
     checks: list[str] = dataclasses.field(default_factory=list)  # every exercise's check (the table's names)
+    exercise_cells: list[dict] = dataclasses.field(default_factory=list)  # {"id", "label", "stub"}: learners' code
 
 
 def check_calls(source: str, checks=None) -> list[ast.Call] | None:
@@ -119,7 +120,9 @@ def points_of(cell) -> float:
 
 def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
     """Every graded notebook of the course and its exercises, in order."""
+    from . import STUB_LINE
     from .build import BEGIN_SOLUTION, student_notebook
+    from .build import _defined_names as build_defined_names
     from .grading.exercises import EXERCISES
 
     found = []
@@ -161,8 +164,10 @@ def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
                 "hidden": _hidden_source(source),
             })
         if exercises:
+            cells = [{"id": c.id, "label": ", ".join(sorted(build_defined_names(c.source))) or c.id, "stub": c.source}
+                     for c in student.cells if c.cell_type == "code" and STUB_LINE in c.source]
             found.append(CourseNotebook(path.stem, path, list(exercises.values()), graders, sorted(allowed),
-                                        [e.name for e in EXERCISES]))
+                                        [e.name for e in EXERCISES], cells))
     return found
 
 
@@ -534,6 +539,21 @@ def collect_submissions(paths: list[Path], course: list[CourseNotebook]) -> dict
     return learners
 
 
+def grader_version(solutions: Path = SOLUTIONS, package: Path = Path(__file__).resolve().parent) -> str:
+    """A short hash of what grades: the ``course_utils`` package's files and the solution notebooks.
+
+    A stored grade is reused only when both the hand-in and this version are unchanged, so
+    a fixed check or an edited hidden test grades the class again.
+    """
+    h = hashlib.sha256()
+    files = [p for p in sorted(package.rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+             and p.suffix not in (".pyc", ".pyo")]
+    files += sorted(Path(solutions).glob("*.ipynb"))
+    for path in files:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def _digest(path: Path | None) -> str:
     if path is None:
         return "missing"
@@ -555,8 +575,36 @@ def _safe(name: str) -> str:
 
 
 def grade_one(learner: str, course: CourseNotebook, path: Path | None, state_dir: Path, timeout: float,
-              data_limit: int | None) -> list[dict]:
-    """Grade one (learner, notebook) in a worker process; store and return its rows."""
+              data_limit: int | None, version: str = "") -> list[dict]:
+    """Grade one (learner, notebook) in a worker process; store and return its rows.
+
+    Never raises: an exception in the grader's own code becomes a ``grader_error`` row for each of
+    this notebook's exercises, so one hand-in can never stop the others (nor the reports).
+    """
+    try:
+        return _grade_one(learner, course, path, state_dir, timeout, data_limit, version)
+    except Exception as exc:  # noqa: BLE001 - the grader's bug, not the learner's
+        message = (f"the grader itself failed on this notebook ({type(exc).__name__}: {str(exc)[:300]}); "
+                   "this is not your fault: your instructor will grade it again")
+        rows = [{"learner": learner, "notebook": course.stem, "exercise": ex.name, "points": 0, "max_points": ex.points,
+                 "status": "grader_error", "message": message, "seconds": 0.0, "full_message": message, "seeds": [],
+                 "notebook_seconds": 0.0, "grader": version} for ex in course.exercises]
+        try:
+            _store(state_dir, learner, course, {"learner": learner, "notebook": course.stem, "digest": "grader_error",
+                                                "grader": version, "rows": rows})
+        except Exception:  # noqa: BLE001 - the rows are still returned
+            pass
+        return rows
+
+
+def _store(state_dir: Path, learner: str, course: CourseNotebook, record: dict) -> None:
+    target = state_dir / _safe(learner) / f"{course.stem}.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.with_suffix(".tmp").write_text(json.dumps(record))
+    os.replace(target.with_suffix(".tmp"), target)
+
+
+def _grade_one(learner, course, path, state_dir, timeout, data_limit, version) -> list[dict]:
     start = time.monotonic()
     result = None
     if path is not None:
@@ -582,11 +630,10 @@ def grade_one(learner: str, course: CourseNotebook, path: Path | None, state_dir
                 result = {"calls": {}, "problem_status": "crashed",
                           "problem": f"the grading process died ({tail[0][:200]})"}
     rows = rows_for(learner, course, result, time.monotonic() - start)
-    record = {"learner": learner, "notebook": course.stem, "digest": _digest(path), "rows": rows}
-    target = state_dir / _safe(learner) / f"{course.stem}.json"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.with_suffix(".tmp").write_text(json.dumps(record))
-    os.replace(target.with_suffix(".tmp"), target)
+    for row in rows:
+        row["grader"] = version
+    _store(state_dir, learner, course,
+           {"learner": learner, "notebook": course.stem, "digest": _digest(path), "grader": version, "rows": rows})
     return rows
 
 
@@ -629,7 +676,7 @@ def summarize(rows) -> dict:
     return per
 
 
-def write_summary(rows, out: Path) -> None:
+def write_summary(rows, out: Path, extra=()) -> None:
     per = summarize(rows)
     learners = sorted({r["learner"] for r in rows})
     totals = {name: (sum(r["points"] for r in rows if r["learner"] == name),
@@ -650,6 +697,15 @@ def write_summary(rows, out: Path) -> None:
         lines.append("No check failed.")
     lines += ["", "## Points", "", "| learner | points | of |", "|---|---:|---:|"]
     lines += [f"| {name} | {_num(p)} | {_num(m)} |" for name, (p, m) in totals.items()]
+    versions: dict[str, set] = {}
+    for r in rows:
+        versions.setdefault(r.get("grader") or "unknown (graded before versions were kept)", set()).add(r["learner"])
+    lines += ["", "## Grader versions", "",
+              "Each row was graded by the grader whose version is the hash of `course_utils` and `solutions/` "
+              "then (a changed grader grades again).", "", "| grader version | rows | learners |", "|---|---:|---|"]
+    lines += [f"| `{v}` | {sum(1 for r in rows if (r.get('grader') or 'unknown (graded before versions were kept)') == v)} "
+              f"| {', '.join(sorted(who))} |" for v, who in sorted(versions.items())]
+    lines += [""] + list(extra)
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     _plot(per, out / "summary.png")
 
@@ -662,7 +718,8 @@ def _plot(per, path: Path) -> None:
 
     labels = [f"{nb[:2]} {ex}" for nb, ex in per]
     colors = {"passed": "tab:green", "failed": "tab:red", "error": "tab:orange", "timeout": "tab:purple",
-              "crashed": "black", "not_attempted": "lightgray", "missing": "white", "invalid": "tab:brown"}
+              "crashed": "black", "not_attempted": "lightgray", "missing": "white", "invalid": "tab:brown",
+              "grader_error": "tab:pink"}
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(per) + 1.5), layout="constrained")
     left = [0.0] * len(per)
     for status in STATUSES:
@@ -694,11 +751,62 @@ def write_feedback(rows, out: Path) -> None:
         (folder / f"{_safe(learner)}.md").write_text("\n".join(lines))
 
 
-def write_reports(out: Path, course: list[CourseNotebook]) -> list[dict]:
+def learners_cells(course: list[CourseNotebook], submissions: dict) -> dict:
+    """``{(notebook, exercise cell label): (stub, {learner: their code})}`` from the hand-ins, for the similarity report.
+
+    A learner's cell is the one with the exercise cell's id, else the one defining the same names;
+    a hand-in that cannot be read is left out (it is graded ``invalid`` anyway).
+    """
+    from .build import _defined_names
+
+    found = {}
+    for c in course:
+        for cell in c.exercise_cells:
+            found[(c.stem, cell["label"])] = (cell["stub"], {})
+        for learner, files in submissions.items():
+            path = files.get(c.stem)
+            if path is None:
+                continue
+            try:
+                if os.path.getsize(path) > MAX_NOTEBOOK_BYTES:
+                    continue
+                nb = nbformat.read(path, as_version=4)
+                code = [(str(x.get("id")), x.get("source") if isinstance(x.get("source"), str) else "".join(x.get("source") or []))
+                        for x in nb.cells if x.get("cell_type") == "code"]
+            except Exception:  # noqa: BLE001 - an unreadable hand-in
+                continue
+            for cell in c.exercise_cells:
+                names = set(cell["label"].split(", "))
+                source = next((src for cid, src in code if cid == cell["id"]), None)
+                if source is None:
+                    source = next((src for _, src in code if names and _defined_names(src) == names), None)
+                if source is not None:
+                    found[(c.stem, cell["label"])][1][learner] = source
+    return found
+
+
+def write_reports(out: Path, course: list[CourseNotebook], *, roster: Path | None = None,
+                  submissions: dict | None = None) -> list[dict]:
+    """Write gradebook.csv/.json, summary.md/.png, feedback/, and with a roster canvas.csv; return the rows.
+
+    ``submissions`` (``{learner: {notebook: path}}``): the hand-ins, for the similarity report.
+    """
+    from . import lms_export, similarity
+
     rows = load_rows(out, course)
     write_csv(rows, out / "gradebook.csv")
     (out / "gradebook.json").write_text(json.dumps({"columns": list(COLUMNS), "rows": rows}, indent=1))
-    write_summary(rows, out)
+    extra = []
+    if roster is not None:
+        missing = lms_export.write_canvas(rows, lms_export.read_roster(roster), out / "canvas.csv",
+                                          [c.stem for c in course])
+        extra += ["## Canvas export", "", f"`canvas.csv`: Canvas's gradebook import format, from `{roster}`.", ""]
+        extra.append("Graded learners missing from the roster (in canvas.csv with empty identities): "
+                     + ", ".join(missing) if missing else "Every graded learner is in the roster.")
+        extra.append("")
+    if submissions:
+        extra += similarity.report(learners_cells(course, submissions), out) + [""]
+    write_summary(rows, out, extra)
     write_feedback(rows, out)
     return rows
 
@@ -717,13 +825,18 @@ def default_memory_limit(jobs: int) -> int | None:
 
 
 def grade(submissions: list[Path], out: Path, *, jobs: int | None = None, timeout: float = 300.0, force: bool = False,
-          solutions: Path = SOLUTIONS, progress: bool = True, data_limit: int | None = None) -> list[dict]:
+          solutions: Path = SOLUTIONS, progress: bool = True, data_limit: int | None = None,
+          roster: Path | None = None) -> list[dict]:
     """Grade ``submissions`` into ``out``; return every row of the gradebook.
 
     ``data_limit``: bytes each notebook's kernel may allocate (default :func:`default_memory_limit`).
+    ``roster``: a CSV mapping learners' folders to LMS identities; then ``out/canvas.csv`` is written
+    (:mod:`course_utils.lms_export`).
     """
     course = discover(solutions)
-    learners = collect_submissions(submissions, course)
+    version = grader_version(solutions)
+    # Absolute: each notebook is graded from a temporary working directory.
+    learners = collect_submissions([Path(p).resolve() for p in submissions], course)
     out.mkdir(parents=True, exist_ok=True)
     state = out / ".state"
     tasks = []
@@ -735,8 +848,9 @@ def grade(submissions: list[Path], out: Path, *, jobs: int | None = None, timeou
             stored = state / _safe(learner) / f"{c.stem}.json"
             if not force and stored.exists():
                 try:
-                    if json.loads(stored.read_text()).get("digest") == _digest(path):
-                        continue
+                    kept = json.loads(stored.read_text())
+                    if kept.get("digest") == _digest(path) and kept.get("grader") == version:
+                        continue  # the same hand-in, graded by the same grader
                 except ValueError:
                     pass
             tasks.append((learner, c, path))
@@ -748,16 +862,16 @@ def grade(submissions: list[Path], out: Path, *, jobs: int | None = None, timeou
     bar = tqdm(total=sum(1 for n in left.values() if n), unit="learner", desc="grading", disable=not progress)
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(grade_one, learner, c, path, state, timeout, data_limit): learner
+        futures = {pool.submit(grade_one, learner, c, path, state, timeout, data_limit, version): learner
                    for learner, c, path in tasks}
         for future in as_completed(futures):
             learner = futures[future]
-            future.result()
+            future.result()  # grade_one never raises: the grader's own failures are grader_error rows
             left[learner] -= 1
             if left[learner] == 0:
                 bar.update(1)
     bar.close()
-    rows = write_reports(out, course)
+    rows = write_reports(out, course, roster=roster, submissions=learners)
     ran = sum(1 for t in tasks if t[2] is not None)
     handed_in = sum(1 for files in learners.values() for c in course if files.get(c.stem) is not None)
     got = sum(r["points"] for r in rows)
@@ -782,14 +896,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="grade again what is already graded")
     parser.add_argument("--memory", type=float, default=None, metavar="GB",
                         help="memory each notebook may allocate (default: the machine's memory / jobs; none on a GPU machine)")
+    parser.add_argument("--roster", type=Path, default=None, metavar="CSV",
+                        help="learners' folders -> LMS identities (columns folder, Student, ID, SIS User ID, SIS Login "
+                             "ID, Section): also write DIR/canvas.csv for Canvas's gradebook import")
     parser.add_argument("--solutions", type=Path, default=SOLUTIONS,
                         help="the course's solution notebooks (default: solutions/ of the course's repository)")
     args = parser.parse_args(argv)
     if not list(args.solutions.glob("*.ipynb")):
         parser.error(f"no solution notebooks in {args.solutions}: run the grader from the course's repository "
                      "(pip install -e .) or pass --solutions")
+    if args.roster is not None:
+        from .lms_export import read_roster
+
+        try:
+            read_roster(args.roster)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
     grade(args.submissions, args.out, jobs=args.jobs, timeout=args.timeout, force=args.force, solutions=args.solutions,
-          data_limit=int(args.memory * 2**30) if args.memory else None)
+          data_limit=int(args.memory * 2**30) if args.memory else None, roster=args.roster)
     return 0
 
 

@@ -30,7 +30,7 @@ from conftest import DEVICE, module_from_source
 from course_utils import references as ref
 from course_utils.grading import GradingError
 from course_utils.grading import check_flash_gqa
-from course_utils.grading.part2_triton import MSG_D_STRIDE, MSG_LSE_MIXED, MSG_O_STRIDES_CAUSE
+from course_utils.grading.part2_triton import MSG_D_STRIDE, MSG_LSE_MIXED_TRITON, MSG_O_STRIDES_CAUSE
 from course_utils.grading.outcome import KernelError
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions" / "05b_debug_gqa_kernel.ipynb"
@@ -151,7 +151,7 @@ def test_lse_in_mixed_bases_is_rejected(tmp_path):
     mod = _load(tmp_path, "mixed", FLAWS["lse_mixed_bases"])
     with pytest.raises(GradingError) as info:
         check_flash_gqa(mod.flash_attention_forward)
-    assert "lse is wrong" in str(info.value) and MSG_LSE_MIXED in str(info.value)
+    assert "lse is wrong" in str(info.value) and MSG_LSE_MIXED_TRITON in str(info.value)
 
 
 def test_output_with_q_strides_is_rejected(tmp_path):

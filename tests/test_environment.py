@@ -132,3 +132,146 @@ def test_interpreter_index_repair_turns_a_one_element_array_into_an_int():
 
     t4 = _env(device="cuda", interpreter=False, gpu_name="Tesla T4", capability=(7, 5))
     assert any("no bf16" in p for p in environment.known_problems(t4))
+
+
+# A GPU below sm_80 (Colab's T4): configure() probes tl.dot once, in a subprocess, and caches the verdict.
+# These run configure() in this process with the GPU, the probe and the versions mocked; monkeypatch
+# restores _ENV, TRITON_INTERPRET and sys.modules afterwards, and nothing here imports triton.
+
+
+@pytest.fixture
+def old_gpu(monkeypatch, tmp_path):
+    """configure() on a mocked GPU: returns (run, probe calls); ``run(cap, ok)`` configures afresh."""
+    calls = []
+    state = {"ok": False, "detail": "PassManager::run failed"}
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(environment._NOTE_SAID_VAR, raising=False)
+    monkeypatch.delitem(sys.modules, "triton", raising=False)  # as in a fresh notebook: triton not imported yet
+    monkeypatch.setattr(environment, "_gpu_name", lambda: "Tesla T4")
+
+    def probe():
+        calls.append(1)
+        return state["ok"], state["detail"] if not state["ok"] else "ok"
+
+    monkeypatch.setattr(environment, "_probe_tl_dot", probe)
+
+    def run(cap, ok=False, note_said=False):
+        state["ok"] = ok
+        monkeypatch.setattr(environment, "_capability", lambda: cap)
+        monkeypatch.setattr(environment, "_ENV", None)
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        if not note_said:
+            monkeypatch.delenv(environment._NOTE_SAID_VAR, raising=False)
+        return environment.configure()
+
+    return run, calls
+
+
+def test_old_gpu_where_tl_dot_fails_runs_in_the_interpreter_with_one_sentence(old_gpu, capsys):
+    run, calls = old_gpu
+    env = run((7, 5), ok=False)
+    assert calls == [1]
+    assert (env.device, env.interpreter, env.gpu_name, env.capability) == ("cpu", True, None, None)
+    assert __import__("os").environ["TRITON_INTERPRET"] == "1"
+    assert str(env.dtype) == "torch.float32" and env.seq_len == _env().seq_len
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.count("course_utils:") == 1
+    for words in ("Tesla T4", "compute capability 7.5", "8.0+", "#5066", "#10918", "interpreter on the CPU"):
+        assert words in err
+    assert env.gpu_note and env.gpu_note in err
+    report = environment.report(env)
+    assert env.gpu_note.removeprefix("course_utils: ") in report and "not used" in report
+    # A child process (a grading worker) that imports course_utils again does not repeat the sentence.
+    run((7, 5), ok=False, note_said=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_old_gpu_where_tl_dot_runs_keeps_the_gpu_without_tensor_cores_and_smaller_sizes(old_gpu, capsys):
+    run, calls = old_gpu
+    env = run((7, 5), ok=True)
+    assert calls == [1]
+    assert (env.device, env.interpreter, env.gpu_name, env.capability) == ("cuda", False, "Tesla T4", (7, 5))
+    assert "TRITON_INTERPRET" not in __import__("os").environ
+    assert not env.tensor_cores and str(env.dtype) == "torch.float16"
+    assert _env().seq_len <= env.seq_len < _env(device="cuda", capability=(9, 0)).seq_len
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "without tensor cores" in err and "FMA" in err and "Tesla T4" in err
+    report = environment.report(env)
+    assert env.gpu_note.removeprefix("course_utils: ") in report
+    assert "without tensor cores (FMA fallback)" in report
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (9, 0)])
+def test_ampere_and_hopper_are_never_probed(old_gpu, capsys, cap):
+    run, calls = old_gpu
+    env = run(cap, ok=False)
+    assert calls == []
+    assert (env.device, env.interpreter, env.gpu_note, env.tensor_cores, env.seq_len) == ("cuda", False, None, True, 1024)
+    assert capsys.readouterr().err == ""
+    assert "Note:" not in environment.report(env)
+
+
+def test_no_gpu_is_never_probed(old_gpu, capsys):
+    run, calls = old_gpu
+    env = run(None)
+    assert calls == [] and (env.device, env.interpreter, env.gpu_note) == ("cpu", True, None)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_probe_verdict_is_cached_per_gpu_and_versions(old_gpu, monkeypatch, tmp_path):
+    run, calls = old_gpu
+    versions = {"triton": "3.8.0", "torch": "2.13.0"}
+    monkeypatch.setattr(environment, "_version", lambda name: versions.get(name, "1.0"))
+    assert run((7, 5), ok=False).device == "cpu" and calls == [1]
+    cache = tmp_path / "cache" / "course_utils" / "gpu_probe.json"
+    assert environment._probe_cache_path() == cache and cache.exists()
+    # Same GPU, capability and versions: the cached verdict, even where the probe would now say otherwise.
+    assert run((7, 5), ok=True).device == "cpu" and calls == [1]
+    versions["triton"] = "3.9.0"  # another Triton: probe again
+    assert run((7, 5), ok=True).device == "cuda" and calls == [1, 1]
+    assert run((7, 0), ok=True).device == "cuda" and calls == [1, 1, 1]  # another capability (a V100)
+    assert len(__import__("json").loads(cache.read_text())) == 3
+
+
+def test_a_cache_that_cannot_be_written_only_means_probing_again(old_gpu, monkeypatch, tmp_path):
+    run, calls = old_gpu
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # mkdir under a file fails
+    assert run((7, 5), ok=True).device == "cuda"
+    assert run((7, 5), ok=True).device == "cuda"
+    assert calls == [1, 1]
+
+
+def test_the_cache_defaults_to_dot_cache_without_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert environment._probe_cache_path() == tmp_path / ".cache" / "course_utils" / "gpu_probe.json"
+
+
+def test_the_real_probe_without_a_gpu_says_so_quickly(monkeypatch):
+    # The real subprocess: on this machine (or with CUDA hidden) it finds no GPU and stops before Triton.
+    import time
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    start = time.monotonic()
+    ok, detail = environment._probe_tl_dot()
+    assert not ok and "no GPU" in detail, detail
+    assert time.monotonic() - start < 60
+
+
+def test_the_probe_kernel_is_valid_triton_in_the_interpreter(monkeypatch):
+    # The real _probe_tl_dot with its own script, changed to CPU tensors in the interpreter (fp32: the
+    # interpreter's fp16 products round): a broken probe would send every T4 to the CPU.
+    code = environment._PROBE_CODE
+    for old, new in [('os.environ.pop("TRITON_INTERPRET", None)', 'os.environ["TRITON_INTERPRET"] = "1"'),
+                     ("if not torch.cuda.is_available():", "if False:"),
+                     ('device="cuda"', 'device="cpu"'), ("torch.float16", "torch.float32"),
+                     ("torch.cuda.synchronize()", "pass")]:
+        assert old in code, old
+        code = code.replace(old, new)
+    # The compiler (not the interpreter) reads a @triton.jit function's source: the script must be a file.
+    code = "__file__  # a NameError under `python -c`\n" + code
+    monkeypatch.setattr(environment, "_PROBE_CODE", code)
+    assert environment._probe_tl_dot() == (True, "ok")

@@ -23,7 +23,7 @@ import nbformat
 import pytest
 
 from course_utils import STUB_LINE, build, grade
-from course_utils.grading.part1_numpy import MSG_NO_SCALE, MSG_OVERFLOW
+from course_utils.grading.part1_numpy import MSG_NO_SCALE_NUMPY, MSG_OVERFLOW
 
 ROOT = Path(__file__).resolve().parent.parent
 STEMS = ("01_naive_attention", "02_online_softmax")
@@ -196,7 +196,7 @@ def _expected_rows():
         return ("missing", f"{stem}.ipynb was not handed in")
 
     overflow = ("failed", _overflow())
-    no_scale = ("failed", grade.first_line("Likely cause: " + MSG_NO_SCALE))
+    no_scale = ("failed", grade.first_line("Likely cause: " + MSG_NO_SCALE_NUMPY))
     sys_exit = ("invalid", "the notebook calls sys.exit() in a cell; a handed-in notebook must run from top to bottom")
     timeout = ("timeout", re.compile(r"the notebook did not finish within 40 s \(stopped in the cell starting `import time`\).*"))
     died = ("crashed", re.compile(r"the kernel died in the cell starting `import os` .*"))
@@ -477,3 +477,165 @@ w.kill()
     assert "other program refused" in done.stdout, done.stdout + done.stderr
     assert "worker: error refused" in done.stdout, done.stdout + done.stderr
     assert not outside.exists()
+
+
+# -- the instructor's loop: regrading when the grader changes, LMS export, similar hand-ins ------------
+def test_a_changed_grader_grades_the_class_again_and_the_summary_names_its_version(tmp_path):
+    root, out = tmp_path / "class", tmp_path / "gb"
+    (root / "ann").mkdir(parents=True)
+    course, _ = _tiny_course(tmp_path)
+    sol = course.path.parent
+    (root / "ann" / "01_x.ipynb").write_text("{not json")  # graded without starting a kernel
+    version = grade.grader_version(sol)
+    rows = grade.grade([root], out, jobs=1, progress=False, solutions=sol)
+    assert rows[0]["grader"] == version
+    assert f"`{version}`" in (out / "summary.md").read_text()
+    state = out / ".state" / "ann" / "01_x.json"
+    stamp = state.stat().st_mtime_ns
+    grade.grade([root], out, jobs=1, progress=False, solutions=sol)
+    assert state.stat().st_mtime_ns == stamp  # nothing changed: nothing graded again
+    nb = nbformat.read(course.path, as_version=4)
+    nb.cells[2].source += "\nassert f(3) == 3"  # the instructor edits a hidden test
+    nbformat.write(nb, course.path)
+    assert grade.grader_version(sol) != version
+    rows = grade.grade([root], out, jobs=1, progress=False, solutions=sol)
+    assert state.stat().st_mtime_ns != stamp and rows[0]["grader"] == grade.grader_version(sol)
+    # the package counts too: a copy of course_utils with one file changed has another version
+    package = tmp_path / "pkg"
+    (package / "grading").mkdir(parents=True)
+    (package / "grading" / "core.py").write_text("x = 1\n")
+    before = grade.grader_version(sol, package)
+    (package / "grading" / "core.py").write_text("x = 2\n")
+    assert grade.grader_version(sol, package) != before
+
+
+def test_canvas_export_has_canvas_columns_points_possible_and_keeps_learners_missing_from_the_roster(tmp_path):
+    from course_utils import lms_export
+
+    def row(learner, notebook, exercise, points, max_points):
+        return {"learner": learner, "notebook": notebook, "exercise": exercise, "points": points, "max_points": max_points}
+
+    rows = [row("ann", "01_a", "check_x", 1, 1), row("ann", "01_a", "check_y", 0, 2), row("ann", "02_b", "check_z", 3, 3),
+            row("zed", "01_a", "check_x", 1, 1), row("zed", "01_a", "check_y", 2, 2), row("zed", "02_b", "check_z", 0, 3)]
+    roster_csv = tmp_path / "roster.csv"
+    roster_csv.write_text("folder,Student,ID,SIS User ID,SIS Login ID,Section\n"
+                          "ann,\"Lee, Ann\",101,S1,ann@u,Sec A\nbo,\"Chen, Bo\",102,S2,bo@u,Sec B\n")
+    roster = lms_export.read_roster(roster_csv)
+    missing = lms_export.write_canvas(rows, roster, tmp_path / "canvas.csv", ["01_a", "02_b"])
+    assert missing == ["zed"]
+    table = list(csv.reader(open(tmp_path / "canvas.csv", newline="")))
+    assert table[0] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section", "01_a", "02_b"]
+    assert table[1] == ["Points Possible", "", "", "", "", "3", "3"]
+    assert table[2] == ["Lee, Ann", "101", "S1", "ann@u", "Sec A", "1", "3"]
+    assert table[3] == ["Chen, Bo", "102", "S2", "bo@u", "Sec B", "", ""]  # in the roster, nothing handed in
+    assert table[4] == ["zed", "", "", "", "", "3", "0"]  # graded, not in the roster: kept
+    bad = tmp_path / "bad.csv"
+    bad.write_text("name,ID\nann,1\n")
+    with pytest.raises(ValueError, match="needs a `folder` column"):
+        lms_export.read_roster(bad)
+
+
+def test_the_grader_writes_canvas_csv_with_a_roster_and_lists_who_is_missing(tmp_path):
+    root, out = tmp_path / "class", tmp_path / "gb"
+    for name in ("ann", "ben"):
+        (root / name).mkdir(parents=True)
+    course, _ = _tiny_course(tmp_path)
+    (root / "ann" / "01_x.ipynb").write_text("{not json")
+    roster = tmp_path / "roster.csv"
+    roster.write_text("folder,Student,ID,SIS User ID,SIS Login ID,Section\nann,Ann,1,,,\n")
+    grade.grade([root], out, jobs=1, progress=False, solutions=course.path.parent, roster=roster)
+    table = list(csv.reader(open(out / "canvas.csv", newline="")))
+    assert [r[0] for r in table] == ["Student", "Points Possible", "Ann", "ben"]
+    assert "missing from the roster (in canvas.csv with empty identities): ben" in (out / "summary.md").read_text()
+
+
+SOFTMAX_A = '''def softmax(x, axis=-1):
+    """Stable softmax."""
+    m = np.max(x, axis=axis, keepdims=True)  # shift by the max
+    e = np.exp(x - m)
+    total = np.sum(e, axis=axis, keepdims=True)
+    return e / total
+'''
+SOFTMAX_RENAMED = '''def softmax(scores, axis=-1):
+    biggest = np.max(scores, axis=axis, keepdims=True)
+
+    expd = np.exp(scores - biggest)   # my own comment
+    s = np.sum(expd, axis=axis, keepdims=True)
+    return expd / s
+'''
+SOFTMAX_OTHER = '''def softmax(x, axis=-1):
+    x = np.moveaxis(x, axis, -1)
+    out = np.empty_like(x)
+    for idx in np.ndindex(x.shape[:-1]):
+        row = x[idx]
+        w = np.exp(row - row.max())
+        out[idx] = w / w.sum()
+    return np.moveaxis(out, -1, axis)
+'''
+
+
+def test_similar_hand_ins_are_found_after_renaming_and_comments_and_never_change_a_grade(tmp_path):
+    from course_utils import similarity
+
+    assert similarity.tokens(SOFTMAX_A) == similarity.tokens(SOFTMAX_RENAMED)  # names, comments, blank lines, docstring
+    stub = "def softmax(x, axis=-1):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
+    cells = {"ann": SOFTMAX_A, "ben": SOFTMAX_RENAMED, "cat": SOFTMAX_OTHER, "dan": stub, "eve": stub,
+             "fay": "def softmax(x, axis=-1):\n    return x\n", "gus": "def softmax(x, axis=-1):\n    return x\n"}
+    pairs = similarity.similar_pairs(cells, stub)
+    assert [(a, b) for a, b, _ in pairs] == [("ann", "ben")]  # stubs and too-short cells are not compared
+    lines = similarity.report({("01_naive_attention", "softmax"): (stub, cells)}, tmp_path)
+    assert any("ann and ben, 100% alike" in line for line in lines)
+    (page,) = (tmp_path / "similar").glob("*.html")
+    assert "biggest" in page.read_text() and "shift by the max" in page.read_text()
+    assert similarity.report({("01_naive_attention", "softmax"): (stub, {"cat": SOFTMAX_OTHER, "ann": SOFTMAX_A})},
+                             tmp_path / "none")[-1] == "No pair above the threshold."
+
+
+def test_the_grader_reports_similar_hand_ins_in_the_summary(tmp_path):
+    root, out = tmp_path / "class", tmp_path / "gb"
+    course, student = _tiny_course(tmp_path)
+    body = "def f(x):\n" + "".join(f"    y{i} = x + {i} * (x - 1) * (x + 2)\n" for i in range(6)) + "    return x\n"
+    renamed = body.replace("y", "z")
+    for name, code in (("ann", body), ("ben", renamed)):
+        nb = nbformat.read(tmp_path / "notebooks" / "01_x.ipynb", as_version=4)
+        (cell,) = [c for c in nb.cells if STUB_LINE in c.source]
+        cell.source = code
+        _write(root, name, "01_x", nb)
+    grade.grade([root], out, jobs=1, progress=False, solutions=course.path.parent, timeout=120)
+    summary = (out / "summary.md").read_text()
+    assert "## Similar hand-ins" in summary and "ann and ben, 100% alike" in summary, summary
+    assert list((out / "similar").glob("01_x__f__ann__ben.html"))
+
+
+def test_a_failure_of_the_grader_itself_is_a_grader_error_row_and_every_report_is_still_written(tmp_path, monkeypatch):
+    root, out = tmp_path / "class", tmp_path / "gb"
+    for name in ("ann", "ben"):
+        (root / name).mkdir(parents=True)
+        (root / name / "01_x.ipynb").write_text("{not json")
+    course, _ = _tiny_course(tmp_path)
+    real = grade.rows_for
+
+    def rows_for(learner, *args, **kwargs):
+        if learner == "ann":
+            raise TypeError("unhashable type: 'dict'")  # as a hostile hand-in's metadata once made it
+        return real(learner, *args, **kwargs)
+
+    monkeypatch.setattr(grade, "rows_for", rows_for)
+    rows = grade.grade([root], out, jobs=2, progress=False, solutions=course.path.parent)
+    assert [(r["learner"], r["status"]) for r in rows] == [("ann", "grader_error"), ("ben", "invalid")]
+    assert "unhashable type" in rows[0]["message"] and rows[0]["points"] == 0
+    assert (out / "feedback" / "ann.md").exists() and (out / "feedback" / "ben.md").exists()
+    assert "grader_error" in (out / "summary.md").read_text() and (out / "gradebook.csv").exists()
+    monkeypatch.setattr(grade, "rows_for", real)  # fixed grader: ann is graded again (her stored row is no grade)
+    rows = grade.grade([root], out, jobs=1, progress=False, solutions=course.path.parent)
+    assert [(r["learner"], r["status"]) for r in rows] == [("ann", "invalid"), ("ben", "invalid")]
+
+
+def test_a_relative_submissions_path_is_graded_like_an_absolute_one(tmp_path, monkeypatch):
+    # Each notebook is graded from a temporary working directory: a relative path once made every row "crashed".
+    (tmp_path / "class" / "ann").mkdir(parents=True)
+    (tmp_path / "class" / "ann" / "01_x.ipynb").write_text("{not json")
+    course, _ = _tiny_course(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    rows = grade.grade([Path("class")], Path("gb"), jobs=1, progress=False, solutions=course.path.parent)
+    assert [(r["learner"], r["status"]) for r in rows] == [("ann", "invalid")]

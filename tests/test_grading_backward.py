@@ -116,7 +116,7 @@ def test_tiled_backward_may_not_call_the_references():
     ("delta_missing", p4.MSG_DELTA),
     ("dq_no_scale", p4.MSG_DQ_SCALE),
     ("dk_no_scale", p4.MSG_DK_SCALE),
-    ("no_causal_mask", p4.MSG_NO_CAUSAL),
+    ("no_causal_mask", p4.MSG_NO_CAUSAL_BACKWARD),
     ("diagonal_unmasked", p4.MSG_DIAGONAL_UNMASKED),
     ("lse_base2", p4.MSG_LSE_BASE),
 ])
@@ -176,7 +176,7 @@ PLANTS = {
     "dk_no_scale": ([("    dk *= sm_scale\n", "")], p4.MSG_DK_SCALE),
     "gqa_first_head_only": ([("for g in range(0, group_size):", "for g in range(0, 1):")], p4.MSG_GQA),
     "gqa_last_head_only": ([("for g in range(0, group_size):", "for g in range(group_size - 1, group_size):")], p4.MSG_GQA),
-    "no_causal_mask": ([("CAUSAL=bool(causal),", "CAUSAL=False,")], p4.MSG_NO_CAUSAL),
+    "no_causal_mask": ([("CAUSAL=bool(causal),", "CAUSAL=False,")], p4.MSG_NO_CAUSAL_BACKWARD),
     "gqa_without_plus_g": ([("q_head = kv_head * group_size + g", "q_head = kv_head * group_size")], p4.MSG_GQA_NO_G),
     "dq_key_tail_unmasked": ([("            p = tl.where(offs_n[None, :] < N_K, p, 0.0)", "            p = p")],
                              p4.MSG_DQ_TAIL_UNMASKED),
@@ -192,7 +192,7 @@ def test_flash_planted_mistakes_are_diagnosed(tmp_path, name):
     fn = planted(tmp_path, name, *edits)
     with pytest.raises(GradingError) as info:
         check_flash_backward(fn)
-    if name == "diagonal_unmasked" and course_utils.ENV.device == "cuda" and p4.MSG_NO_CAUSAL in str(info.value):
+    if name == "diagonal_unmasked" and course_utils.ENV.device == "cuda" and p4.MSG_NO_CAUSAL_BACKWARD in str(info.value):
         # The GPU's dK/dV tiles hold 128 keys: on a case with N <= 128 every tile crosses the
         # diagonal, so "diagonal tiles unmasked" is exactly "no causal mask" there.
         assert re.search(r"N=(\d+)", str(info.value)) and int(re.search(r"N=(\d+)", str(info.value)).group(1)) <= 128

@@ -228,7 +228,7 @@ def test_unstable_softmax_is_diagnosed():
 
 
 def test_row_stride_assumed_n_cols_is_diagnosed():
-    msg = _fails_with(stride_is_n_cols, pb.MSG_ROW_STRIDE)
+    msg = _fails_with(stride_is_n_cols, pb.MSG_ROW_STRIDE_SOFTMAX)
     assert "rows not contiguous" in msg
 
 

@@ -411,3 +411,22 @@ def test_the_nearest_modelled_mistake_is_named_when_two_are_within_reach():
     assert pick_diagnosis([first, second], right, atol=0.2, rtol=0.0) is None
     rule = Diagnosis("rule", when=lambda a: True)
     assert pick_diagnosis([rule, second], answer, atol=0.2, rtol=0.0) is rule
+
+
+def test_a_function_with_the_wrong_signature_gets_a_message_not_a_crash():
+    from course_utils.grading import check_naive_attention, check_softmax
+
+    def softmax(x):  # no axis
+        return x
+
+    with pytest.raises(GradingError, match=r"cannot take the arguments the check passes .*`softmax\(x\)` is called with"):
+        check_softmax(softmax)
+    with pytest.raises(GradingError, match=r"`_two_args_attention\(q, k\)` is called with .*ndarray of shape"):
+        check_naive_attention(_two_args_attention)
+    run = Run("check_x", 0)
+    assert run.call(lambda *a, **k: 1, 1, 2, case="c", z=3) == 1  # *args/**kwargs take anything
+    assert run.call(max, 1, 2, case="c") == 2  # a builtin without a signature is simply called
+
+
+def _two_args_attention(q, k):
+    return q

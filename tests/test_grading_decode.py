@@ -114,10 +114,10 @@ def _merge_lse_no_max(o_parts, lse_parts):
 
 
 @pytest.mark.parametrize("fn, message", [
-    (_merge_no_shift, p5.MSG_NO_SHIFT),
+    (_merge_no_shift, p5.MSG_NO_SHIFT_MERGE),
     (_merge_not_renormalised, p5.MSG_NOT_RENORMALISED),
     (_merge_average, p5.MSG_PLAIN_AVERAGE),
-    (_merge_lse_no_max, p5.MSG_LSE_NO_MAX),
+    (_merge_lse_no_max, p5.MSG_LSE_NO_MAX_MERGE),
 ], ids=["no-shift", "not-renormalised", "average", "lse-no-max"])
 def test_merge_mistakes_are_diagnosed(fn, message):
     with np.errstate(all="ignore"):
@@ -192,7 +192,7 @@ def test_combine_correct_variants_pass(variant):
 
 COMBINE_MISTAKES = {
     "no-shift": (("m = tl.max(lse, axis=0)  # every row has a split that sees a key, so m is finite",
-                  "m = 0.0"), p5.MSG_NO_SHIFT),
+                  "m = 0.0"), p5.MSG_NO_SHIFT_MERGE),
     "not-renormalised": (("w = w / tl.sum(w, axis=0)", "w = w"), p5.MSG_NOT_RENORMALISED),
     "pad-lanes": (("mask=s_ok, other=float(\"-inf\"))", "mask=s_ok, other=0.0)"), p5.MSG_PAD_LANES),
 }

@@ -164,7 +164,7 @@ def _scores(q, k, scale=None):
 
 def test_attention_no_scale():
     rejected(check_naive_attention, lambda q, k, v, causal=False: attention_matmul(q * math.sqrt(q.shape[-1]), k, v, causal),
-             p1.MSG_NO_SCALE)
+             p1.MSG_NO_SCALE_NUMPY)
 
 
 def test_attention_scale_1_over_d():
@@ -195,7 +195,7 @@ def test_attention_unstable_softmax_overflows():
 
 
 def test_attention_causal_ignored():
-    rejected(check_naive_attention, lambda q, k, v, causal=False: attention_matmul(q, k, v, False), p1.MSG_NO_CAUSAL)
+    rejected(check_naive_attention, lambda q, k, v, causal=False: attention_matmul(q, k, v, False), p1.MSG_NO_CAUSAL_NUMPY)
 
 
 def test_attention_mask_transposed():
@@ -221,7 +221,7 @@ def test_attention_mask_off_by_one(kind, message):
 
 
 def test_online_softmax_m_starting_at_0_is_not_called_an_overflow():
-    text = rejected(check_online_softmax, _online_planted(m_init=0.0), p1.MSG_M_INIT_ZERO)
+    text = rejected(check_online_softmax, _online_planted(m_init=0.0), p1.MSG_M_INIT_ZERO_NUMPY)
     assert p1.MSG_OVERFLOW not in text
 
 
@@ -517,21 +517,21 @@ def test_tiled_planted_helper_is_right_when_unplanted():
 @pytest.mark.parametrize(
     "mistake, message",
     [
-        (dict(scale=False), p1.MSG_NO_SCALE),
-        (dict(rescale_acc=False), p1.MSG_ACC_NOT_RESCALED),
-        (dict(rescale_l=False), p1.MSG_L_NOT_RESCALED),
+        (dict(scale=False), p1.MSG_NO_SCALE_NUMPY),
+        (dict(rescale_acc=False), p1.MSG_ACC_NOT_RESCALED_NUMPY),
+        (dict(rescale_l=False), p1.MSG_L_NOT_RESCALED_NUMPY),
         (dict(rescale_acc=False, rescale_l=False), p1.MSG_BOTH_NOT_RESCALED),
         (dict(drop_kv_tail=True), p1.MSG_KV_TAIL_DROPPED),
         (dict(drop_q_tail=True), p1.MSG_Q_TAIL_DROPPED),
-        (dict(mask="none"), p1.MSG_NO_CAUSAL),
+        (dict(mask="none"), p1.MSG_NO_CAUSAL_NUMPY),
         (dict(mask="transposed"), p1.MSG_MASK_TRANSPOSED),
         (dict(mask="bottom-right"), p1.MSG_MASK_BOTTOM_RIGHT),
         (dict(stable=False), p1.MSG_OVERFLOW),
-        (dict(lse_kind="log2"), p1.MSG_LSE_BASE2),
-        (dict(lse_kind="no max"), p1.MSG_LSE_NO_MAX),
-        (dict(lse_kind="mixed"), p1.MSG_LSE_MIXED),
+        (dict(lse_kind="log2"), p1.MSG_LSE_BASE2_NUMPY),
+        (dict(lse_kind="no max"), p1.MSG_LSE_NO_MAX_NUMPY),
+        (dict(lse_kind="mixed"), p1.MSG_LSE_MIXED_NUMPY),
         (dict(mask="tile-local"), p1.MSG_MASK_TILE_LOCAL),
-        (dict(m_init=0.0), p1.MSG_M_INIT_ZERO),
+        (dict(m_init=0.0), p1.MSG_M_INIT_ZERO_NUMPY),
     ],
     ids=lambda x: "-".join(f"{k}={v}" for k, v in x.items()) if isinstance(x, dict) else "",
 )

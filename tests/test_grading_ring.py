@@ -127,7 +127,7 @@ def test_correct_simulations_pass(fn):
 
 # The planted mistakes of the ring, and the message each must get (simulation and distributed check).
 RING_MISTAKES = [
-    ("no_shift", p6.MSG_NO_SHIFT),
+    ("no_shift", p6.MSG_NO_SHIFT_RING),
     ("later_full", p6.MSG_LATER_NOT_SKIPPED),
     ("later_diagonal", p6.MSG_LATER_MASKED),
     ("rank_rule", p6.MSG_RANK_RULE),

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from course_utils.grading import GradingError, check_tile_copy
-from course_utils.grading.part2_tiles import MSG_COL_STRIDE, MSG_NO_KERNEL, MSG_ROW_STRIDE, MSG_SENTINEL, MSG_SWAPPED
+from course_utils.grading.part2_tiles import MSG_COL_STRIDE, MSG_NO_KERNEL_TILE_COPY, MSG_ROW_STRIDE_TILE_COPY, MSG_SENTINEL, MSG_SWAPPED
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def test_correct_copies_pass(fn):
     assert check_tile_copy(fn, seed=0)
 
 
-@pytest.mark.parametrize("mistake, message", [(1, MSG_ROW_STRIDE), (2, MSG_COL_STRIDE), (3, MSG_SWAPPED)],
+@pytest.mark.parametrize("mistake, message", [(1, MSG_ROW_STRIDE_TILE_COPY), (2, MSG_COL_STRIDE), (3, MSG_SWAPPED)],
                          ids=["row-stride", "col-stride", "swapped"])
 def test_planted_mistakes_get_their_message(mistake, message):
     with pytest.raises(GradingError) as info:
@@ -73,7 +73,7 @@ def test_planted_mistakes_get_their_message(mistake, message):
 def test_torch_copy_is_not_a_kernel():
     with pytest.raises(GradingError, match="no Triton kernel ran"):
         check_tile_copy(lambda x: x.contiguous().clone(), seed=0)
-    assert "no Triton kernel ran" in MSG_NO_KERNEL
+    assert "no Triton kernel ran" in MSG_NO_KERNEL_TILE_COPY
 
 
 def _one_column_off(x):

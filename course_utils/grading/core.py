@@ -257,6 +257,32 @@ def _time_limit_inside(exc: BaseException) -> TimeLimitExceeded | None:
     return None
 
 
+def _describe(value) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"a {type(value).__name__} of shape {tuple(shape)}"
+    return type(value).__name__
+
+
+def _signature_mismatch(fn, args, kwargs) -> str | None:
+    """One sentence when ``fn`` cannot take these arguments (its parameters, and how the check calls it)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an object without a signature: just call it
+        return None
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        given = [_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()]
+        name = getattr(fn, "__name__", "your function")
+        return (f"your function cannot take the arguments the check passes ({exc}): `{name}{signature}` is called "
+                f"with {len(given)} argument{'s' if len(given) != 1 else ''} ({', '.join(given)}). Give it the "
+                "signature the exercise asks for.")
+    return None
+
+
 def _fmt_index(idx: tuple[int, ...], axes: tuple[str, ...] | None) -> str:
     if axes and len(axes) == len(idx):
         return "[" + ", ".join(f"{a}={i}" for a, i in zip(axes, idx)) + "]"
@@ -289,6 +315,9 @@ class Run:
         """
         __tracebackhide__ = True
         self.cases += 1
+        mismatch = _signature_mismatch(fn, args, kwargs)
+        if mismatch is not None:
+            raise self.fail(mismatch, case)
         try:
             with time_limit(self.time_limit_s, self.where(case)):
                 try:

@@ -28,16 +28,14 @@ from . import inputs, proof
 from .core import Diagnosis, Run, require_callable
 from .inputs import Watched as _Watched  # noqa: F401  (the tests check that results stay watched)
 from .mistakes import MSG_NOT_TILED
-# The texts this module shows under the short names its tests look them up by
-# (other exercises word these mistakes differently: .mistakes has each text under its own name).
-from .mistakes import MSG_ACC_NOT_RESCALED_NUMPY as MSG_ACC_NOT_RESCALED
-from .mistakes import MSG_L_NOT_RESCALED_NUMPY as MSG_L_NOT_RESCALED
-from .mistakes import MSG_LSE_BASE2_NUMPY as MSG_LSE_BASE2
-from .mistakes import MSG_LSE_MIXED_NUMPY as MSG_LSE_MIXED
-from .mistakes import MSG_LSE_NO_MAX_NUMPY as MSG_LSE_NO_MAX
-from .mistakes import MSG_M_INIT_ZERO_NUMPY as MSG_M_INIT_ZERO
-from .mistakes import MSG_NO_CAUSAL_NUMPY as MSG_NO_CAUSAL
-from .mistakes import MSG_NO_SCALE_NUMPY as MSG_NO_SCALE
+from .mistakes import MSG_ACC_NOT_RESCALED_NUMPY
+from .mistakes import MSG_L_NOT_RESCALED_NUMPY
+from .mistakes import MSG_LSE_BASE2_NUMPY
+from .mistakes import MSG_LSE_MIXED_NUMPY
+from .mistakes import MSG_LSE_NO_MAX_NUMPY
+from .mistakes import MSG_M_INIT_ZERO_NUMPY
+from .mistakes import MSG_NO_CAUSAL_NUMPY
+from .mistakes import MSG_NO_SCALE_NUMPY
 
 __all__ = ["grade_softmax", "grade_naive_attention", "grade_online_softmax", "grade_tiled_attention"]
 
@@ -443,7 +441,7 @@ def _mask_diagnoses(q, k, v, causal, tiles=None):
     """
     if not causal:
         return []
-    mistakes = [(MSG_NO_CAUSAL, "none"), (MSG_MASK_TRANSPOSED, "transposed")]
+    mistakes = [(MSG_NO_CAUSAL_NUMPY, "none"), (MSG_MASK_TRANSPOSED, "transposed")]
     if q.shape[-2] != k.shape[-2]:  # before "shifted": with Nk = Nq + 1 they are the same mask
         mistakes.append((MSG_MASK_BOTTOM_RIGHT, "bottom-right"))
     mistakes += [(MSG_MASK_STRICT, "strict"), (MSG_MASK_SHIFTED, "shifted")]
@@ -473,7 +471,7 @@ def grade_naive_attention(fn, *, seed=None, time_limit_s: float = 10.0):
         got = run.array(out, expected_shape=expected.shape, case=case)
         d = q.shape[-1]
         diagnoses = [
-            Diagnosis(MSG_NO_SCALE, when=_like(lambda: _variant_attention(q, k, v, causal=causal, scale=1.0))),
+            Diagnosis(MSG_NO_SCALE_NUMPY, when=_like(lambda: _variant_attention(q, k, v, causal=causal, scale=1.0))),
             Diagnosis(MSG_SCALE_D, when=_like(lambda: _variant_attention(q, k, v, causal=causal, scale=1.0 / d))),
             *_mask_diagnoses(q, k, v, causal),
         ]
@@ -568,7 +566,7 @@ def grade_online_softmax(fn, *, seed=None, time_limit_s: float = 10.0):
             Diagnosis(MSG_RESCALE_BACKWARDS, when=_like(lambda: _variant_online_softmax(x, block, rescale="backwards"))),
             Diagnosis(MSG_TAIL_DROPPED, when=_like(lambda: _variant_online_softmax(x, block, drop_tail=True))),
             Diagnosis(MSG_TAIL_DROPPED, when=_like(lambda: _variant_online_softmax(x, block, drop_tail=True, zero_tail=True))),
-            Diagnosis(MSG_M_INIT_ZERO, when=_like(lambda: _variant_online_softmax(x, block, m_init=0.0))),
+            Diagnosis(MSG_M_INIT_ZERO_NUMPY, when=_like(lambda: _variant_online_softmax(x, block, m_init=0.0))),
         ]
         if large:
             diagnoses.append(Diagnosis(MSG_OVERFLOW, when=_not_finite))
@@ -609,14 +607,14 @@ def grade_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
             return _like(lambda: _variant_tiled(q, k, v, bm, bn, causal, **mistake))
 
         diagnoses = [
-            Diagnosis(MSG_NO_SCALE, when=_like(lambda: _variant_attention(q, k, v, causal=causal, scale=1.0))),
+            Diagnosis(MSG_NO_SCALE_NUMPY, when=_like(lambda: _variant_attention(q, k, v, causal=causal, scale=1.0))),
             Diagnosis(MSG_BOTH_NOT_RESCALED, when=variant(rescale_acc=False, rescale_l=False)),
-            Diagnosis(MSG_ACC_NOT_RESCALED, when=variant(rescale_acc=False)),
-            Diagnosis(MSG_L_NOT_RESCALED, when=variant(rescale_l=False)),
+            Diagnosis(MSG_ACC_NOT_RESCALED_NUMPY, when=variant(rescale_acc=False)),
+            Diagnosis(MSG_L_NOT_RESCALED_NUMPY, when=variant(rescale_l=False)),
             Diagnosis(MSG_KV_TAIL_DROPPED, when=variant(drop_kv_tail=True)),
             Diagnosis(MSG_Q_TAIL_DROPPED, when=variant(drop_q_tail=True)),
             *_mask_diagnoses(q, k, v, causal, tiles=(bm, bn)),
-            Diagnosis(MSG_M_INIT_ZERO, when=variant(m_init=0.0)),
+            Diagnosis(MSG_M_INIT_ZERO_NUMPY, when=variant(m_init=0.0)),
         ]
         if large:
             diagnoses.append(Diagnosis(MSG_OVERFLOW, when=_not_finite))
@@ -625,10 +623,10 @@ def grade_tiled_attention(fn, *, seed=None, time_limit_s: float = 10.0):
 
         row_max = _scores(q, k, causal).max(axis=-1)
         lse_diagnoses = [
-            Diagnosis(MSG_LSE_BASE2, when=_like(lambda: lse_ref / math.log(2.0))),
-            Diagnosis(MSG_LSE_NO_MAX, when=_like(lambda: lse_ref - row_max)),
-            Diagnosis(MSG_LSE_MIXED, when=_like(lambda: row_max + (lse_ref - row_max) / math.log(2.0))),
-            Diagnosis(MSG_LSE_MIXED, when=_like(lambda: row_max / math.log(2.0) + (lse_ref - row_max))),
+            Diagnosis(MSG_LSE_BASE2_NUMPY, when=_like(lambda: lse_ref / math.log(2.0))),
+            Diagnosis(MSG_LSE_NO_MAX_NUMPY, when=_like(lambda: lse_ref - row_max)),
+            Diagnosis(MSG_LSE_MIXED_NUMPY, when=_like(lambda: row_max + (lse_ref - row_max) / math.log(2.0))),
+            Diagnosis(MSG_LSE_MIXED_NUMPY, when=_like(lambda: row_max / math.log(2.0) + (lse_ref - row_max))),
         ]
         run.compare(lse, lse_ref, case=case, what="lse", atol=ATOL, rtol=RTOL,
                     diagnoses=lse_diagnoses, axes=_axes(lse.ndim, "query"))

@@ -35,10 +35,8 @@ from .. import references as ref
 from ..environment import current
 from . import inputs, proof
 from .core import Diagnosis, Run, require_callable
-# The texts this module shows under the short names its tests look them up by
-# (other exercises word these mistakes differently: .mistakes has each text under its own name).
-from .mistakes import MSG_NO_KERNEL_SOFTMAX as MSG_NO_KERNEL
-from .mistakes import MSG_ROW_STRIDE_SOFTMAX as MSG_ROW_STRIDE
+from .mistakes import MSG_NO_KERNEL_SOFTMAX
+from .mistakes import MSG_ROW_STRIDE_SOFTMAX
 
 __all__ = ["grade_triton_softmax"]
 
@@ -208,7 +206,7 @@ def _diagnoses(x, x64, expected, atol, rtol):
 
     return [
         _BlockTooSmall(""),
-        Diagnosis(MSG_ROW_STRIDE, when=row_stride_mistake),
+        Diagnosis(MSG_ROW_STRIDE_SOFTMAX, when=row_stride_mistake),
         Diagnosis(MSG_UNSTABLE, when=unstable),
         Diagnosis(MSG_MISSING_MASK, when=missing_mask),
         _OtherZero(x64, expected),
@@ -409,7 +407,7 @@ def grade_triton_softmax(fn, *, seed=None):
             raise run.fail("your function returned None: did you forget `return y`?", desc)
         if not isinstance(out, torch.Tensor):  # a slip (e.g. `.numpy()` at the end): say that first
             _check_result(run, out, x, desc)
-        problem = work.problem(no_kernel=MSG_NO_KERNEL, y=out)
+        problem = work.problem(no_kernel=MSG_NO_KERNEL_SOFTMAX, y=out)
         if problem:
             raise run.fail(problem, desc)
         changed = inputs.changed_input(before, x=x)

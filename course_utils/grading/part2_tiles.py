@@ -24,10 +24,8 @@ import numpy as np
 from ..environment import current
 from . import proof
 from .core import Diagnosis, Run
-# The texts this module shows under the short names its tests look them up by
-# (other exercises word these mistakes differently: .mistakes has each text under its own name).
-from .mistakes import MSG_NO_KERNEL_TILE_COPY as MSG_NO_KERNEL
-from .mistakes import MSG_ROW_STRIDE_TILE_COPY as MSG_ROW_STRIDE
+from .mistakes import MSG_NO_KERNEL_TILE_COPY
+from .mistakes import MSG_ROW_STRIDE_TILE_COPY
 
 __all__ = ["grade_tile_copy"]
 
@@ -105,7 +103,7 @@ def grade_tile_copy(fn, *, seed=None):
             with proof.count_launches() as launched:
                 out = run.call(fn, x, case=case)
             if not launched:
-                raise run.fail(MSG_NO_KERNEL, case)
+                raise run.fail(MSG_NO_KERNEL_TILE_COPY, case)
             if out is None or not hasattr(out, "shape"):
                 raise run.fail("your function must return the copy (a torch tensor).", case)
             if tuple(out.shape) != (r, c):
@@ -117,7 +115,7 @@ def grade_tile_copy(fn, *, seed=None):
             want = values.double().numpy()
             sr, sc = x.stride()
             diagnoses = [
-                Diagnosis(MSG_ROW_STRIDE, expected=lambda x=x, sc=sc, c=c: _read(x, (c * sc, sc))),
+                Diagnosis(MSG_ROW_STRIDE_TILE_COPY, expected=lambda x=x, sc=sc, c=c: _read(x, (c * sc, sc))),
                 Diagnosis(MSG_COL_STRIDE, expected=lambda x=x, sr=sr: _read(x, (sr, 1))),
                 Diagnosis(MSG_SWAPPED, expected=lambda x=x, sr=sr, sc=sc: _read(x, (sc, sr))),
                 Diagnosis(MSG_SENTINEL, when=lambda a: bool(np.any(a == SENTINEL))),

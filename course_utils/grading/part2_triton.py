@@ -69,17 +69,15 @@ from .mistakes import (
     shift_diagnoses,
     weighted,
 )
-# The texts this module shows under the short names its tests look them up by
-# (other exercises word these mistakes differently: .mistakes has each text under its own name).
-from .mistakes import MSG_ACC_NOT_RESCALED_TRITON as MSG_ACC_NOT_RESCALED
-from .mistakes import MSG_L_NOT_RESCALED_TRITON as MSG_L_NOT_RESCALED
-from .mistakes import MSG_LSE_BASE2_TRITON as MSG_LSE_BASE2
-from .mistakes import MSG_LSE_MIXED_TRITON as MSG_LSE_MIXED
-from .mistakes import MSG_LSE_NO_MAX_TRITON as MSG_LSE_NO_MAX
-from .mistakes import MSG_M_INIT_ZERO_TRITON as MSG_M_INIT_ZERO  # noqa: F401  (named by shift_diagnoses)
-from .mistakes import MSG_NO_CAUSAL_TRITON as MSG_NO_CAUSAL
-from .mistakes import MSG_NO_KERNEL_ATTENTION as MSG_NO_KERNEL
-from .mistakes import MSG_NO_SCALE_TRITON as MSG_NO_SCALE
+from .mistakes import MSG_ACC_NOT_RESCALED_TRITON
+from .mistakes import MSG_L_NOT_RESCALED_TRITON
+from .mistakes import MSG_LSE_BASE2_TRITON
+from .mistakes import MSG_LSE_MIXED_TRITON
+from .mistakes import MSG_LSE_NO_MAX_TRITON
+from .mistakes import MSG_M_INIT_ZERO_TRITON  # noqa: F401  (named by shift_diagnoses)
+from .mistakes import MSG_NO_CAUSAL_TRITON
+from .mistakes import MSG_NO_KERNEL_ATTENTION
+from .mistakes import MSG_NO_SCALE_TRITON
 
 __all__ = ["grade_kv_head", "grade_flash_forward", "grade_flash_gqa"]
 
@@ -372,7 +370,7 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
         out.append(KvOutOfRange(q64, k64, v64, c.causal))
     if c.causal:
         out += [
-            Model(MSG_NO_CAUSAL, mask_kind(np.ones((n, n)))),
+            Model(MSG_NO_CAUSAL_TRITON, mask_kind(np.ones((n, n)))),
             Model(MSG_CAUSAL_STRICT, mask_kind((j < i).astype(float))),
             Model(MSG_CAUSAL_SHIFTED, mask_kind((j <= i + 1).astype(float))),
             Model(MSG_CAUSAL_SHIFTED, causal_loop("shifted"), blocks),
@@ -394,10 +392,10 @@ def _output_diagnoses(c: _Case, q64, k64, v64, expected, o_atol, o_rtol, gqa: bo
     if c.shifted:
         out += shift_diagnoses(masked(scores()).max(-1))
     out += [
-        Model(MSG_ACC_NOT_RESCALED, lambda bn: online(masked(scores()), v_rep, bn, rescale_acc=False), blocks),
-        Model(MSG_L_NOT_RESCALED, lambda bn: online(masked(scores()), v_rep, bn, rescale_l=False), blocks),
+        Model(MSG_ACC_NOT_RESCALED_TRITON, lambda bn: online(masked(scores()), v_rep, bn, rescale_acc=False), blocks),
+        Model(MSG_L_NOT_RESCALED_TRITON, lambda bn: online(masked(scores()), v_rep, bn, rescale_l=False), blocks),
         Model(MSG_NOT_RESCALED, lambda bn: online(masked(scores()), v_rep, bn, False, False), blocks),
-        Model(MSG_NO_SCALE, scaled(1.0)),
+        Model(MSG_NO_SCALE_TRITON, scaled(1.0)),
         Model(MSG_SCALE_TWICE, scaled(1.0 / d)),
         Model(MSG_EXP2_NO_LOG2E, scaled(sm_scale * LN2)),
         Model(MSG_EXP_WITH_LOG2E, scaled(sm_scale * LOG2E)),
@@ -417,11 +415,11 @@ def _lse_diagnoses(c: _Case, q64, k64, lse):
     m = s.max(-1)
     log_l = lse - m  # natural log of sum exp(s - m)
     return [
-        Diagnosis(MSG_LSE_BASE2, expected=lse * LOG2E),
-        Diagnosis(MSG_LSE_MIXED, expected=m * LOG2E + log_l),
-        Diagnosis(MSG_LSE_MIXED, expected=m + log_l * LOG2E),
-        Diagnosis(MSG_LSE_NO_MAX, expected=log_l),
-        Diagnosis(MSG_LSE_NO_MAX, expected=log_l * LOG2E),
+        Diagnosis(MSG_LSE_BASE2_TRITON, expected=lse * LOG2E),
+        Diagnosis(MSG_LSE_MIXED_TRITON, expected=m * LOG2E + log_l),
+        Diagnosis(MSG_LSE_MIXED_TRITON, expected=m + log_l * LOG2E),
+        Diagnosis(MSG_LSE_NO_MAX_TRITON, expected=log_l),
+        Diagnosis(MSG_LSE_NO_MAX_TRITON, expected=log_l * LOG2E),
     ]
 
 
@@ -448,7 +446,7 @@ def _run_case(run, fn, c: _Case, gqa: bool):
                        + (" Return the pair (o, lse)." if gqa else " Return o."), c.desc)
     if gqa:
         if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            problem = work.problem(no_kernel=MSG_NO_KERNEL)
+            problem = work.problem(no_kernel=MSG_NO_KERNEL_ATTENTION)
             if problem:
                 raise run.fail(problem, c.desc)
             raise run.fail(f"your function returned a {type(out).__name__}; return the pair (o, lse).", c.desc)
@@ -459,7 +457,7 @@ def _run_case(run, fn, c: _Case, gqa: bool):
         inputs.tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
     if gqa and not isinstance(lse, torch.Tensor):
         inputs.tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc)
-    problem = work.problem(no_kernel=MSG_NO_KERNEL, **({"o": o, "lse": lse} if gqa else {"o": o}))
+    problem = work.problem(no_kernel=MSG_NO_KERNEL_ATTENTION, **({"o": o, "lse": lse} if gqa else {"o": o}))
     if problem:
         raise run.fail(problem, c.desc)
     changed = inputs.changed_input(before, q=q, k=k, v=v)

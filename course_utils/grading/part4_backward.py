@@ -32,11 +32,9 @@ from ..environment import current
 from . import inputs, proof
 from .core import Diagnosis, Run, require_callable
 from .mistakes import MSG_NOT_TILED
-# The texts this module shows under the short names its tests look them up by
-# (other exercises word these mistakes differently: .mistakes has each text under its own name).
-from .mistakes import MSG_NO_CAUSAL_BACKWARD as MSG_NO_CAUSAL
-from .mistakes import MSG_NO_TRITON_BACKWARD_FLASH as MSG_NO_TRITON_BACKWARD
-from .mistakes import MSG_NOT_DIFFERENTIABLE_FLASH as MSG_NOT_DIFFERENTIABLE
+from .mistakes import MSG_NO_CAUSAL_BACKWARD
+from .mistakes import MSG_NO_TRITON_BACKWARD_FLASH
+from .mistakes import MSG_NOT_DIFFERENTIABLE_FLASH
 
 __all__ = ["grade_tiled_backward", "grade_flash_backward"]
 
@@ -197,7 +195,7 @@ def _diagnoses(q, k, v, do, causal, right, which, rtol):
     if which in (0, 1):
         mistakes += [("delta_rowsum_do", MSG_DELTA), ("delta_rowsum_do_v", MSG_DELTA), ("delta_missing", MSG_DELTA)]
     if causal:
-        mistakes.append(("no_causal_mask", MSG_NO_CAUSAL))
+        mistakes.append(("no_causal_mask", MSG_NO_CAUSAL_BACKWARD))
         mistakes += [(f"diagonal_unmasked_{bm}_{bn}", MSG_DIAGONAL_UNMASKED) for bm, bn in _TILES]
     mistakes += [("lse_base2", MSG_LSE_BASE), ("lse_scores_base_e", MSG_LSE_BASE)]
     return [Diagnosis(message, when=_closer_to(variant(m), right, max(rtol, 1e-4))) for m, message in mistakes]
@@ -380,7 +378,7 @@ def grade_flash_backward(fn, *, seed=None):
         run.compare(got_o, o_right, case=name, what="the forward output o", atol=atol, rtol=rtol,
                     axes=("b", "q_head", "i", "d"))
         if o.grad_fn is None:
-            raise run.fail(MSG_NOT_DIFFERENTIABLE, name)
+            raise run.fail(MSG_NOT_DIFFERENTIABLE_FLASH, name)
 
         with proof.Work(inputs=(q, k, v, do, o)) as backward_work:
             grads = run.call(torch.autograd.grad, o, (q, k, v), do, allow_unused=True, case=name + " (backward)")
@@ -389,7 +387,7 @@ def grade_flash_backward(fn, *, seed=None):
             if grads[which] is None:
                 raise run.fail(f"{label} is None: your backward must return a gradient for {label[1:]} "
                                "(in the order of forward's inputs).", name)
-        problem = backward_work.problem(no_kernel=MSG_NO_TRITON_BACKWARD, dq=grads[0], dk=grads[1], dv=grads[2])
+        problem = backward_work.problem(no_kernel=MSG_NO_TRITON_BACKWARD_FLASH, dq=grads[0], dk=grads[1], dv=grads[2])
         if problem:
             raise run.fail(problem + " (in the backward pass: the gradients must come from your backward "
                            "kernels, not from torch or course_utils.kernels)", name)

@@ -31,11 +31,9 @@ from ..environment import current
 from . import inputs, proof
 from .core import Diagnosis, Run, distance_to
 from .mistakes import SLACK
-# The texts this module shows under the short names its tests look them up by
-# (other exercises word these mistakes differently: .mistakes has each text under its own name).
-from .mistakes import MSG_LSE_NO_MAX_MERGE as MSG_LSE_NO_MAX
-from .mistakes import MSG_NO_KERNEL_ATTENTION as MSG_NO_KERNEL
-from .mistakes import MSG_NO_SHIFT_MERGE as MSG_NO_SHIFT
+from .mistakes import MSG_LSE_NO_MAX_MERGE
+from .mistakes import MSG_NO_KERNEL_ATTENTION
+from .mistakes import MSG_NO_SHIFT_MERGE
 
 __all__ = ["grade_merge_partials", "grade_decode_split", "grade_decode_combine"]
 
@@ -135,14 +133,14 @@ def _merge_diagnoses(o_parts, lse_parts, large: bool):
         lse_no_max = np.log(total)[..., 0]
         lse_max = m[..., 0]
     o_diag = [
-        Diagnosis(MSG_NO_SHIFT, when=lambda a: large and _model_nonfinite(a)),
+        Diagnosis(MSG_NO_SHIFT_MERGE, when=lambda a: large and _model_nonfinite(a)),
         Diagnosis(MSG_NOT_RENORMALISED, expected=unnormalised),
         Diagnosis(MSG_NOT_RENORMALISED, expected=raw),
         Diagnosis(MSG_PLAIN_AVERAGE, expected=average),
     ]
     lse_diag = [
-        Diagnosis(MSG_NO_SHIFT, when=lambda a: large and _model_nonfinite(a)),
-        Diagnosis(MSG_LSE_NO_MAX, expected=lse_no_max),
+        Diagnosis(MSG_NO_SHIFT_MERGE, when=lambda a: large and _model_nonfinite(a)),
+        Diagnosis(MSG_LSE_NO_MAX_MERGE, expected=lse_no_max),
         Diagnosis(MSG_LSE_MAX_ONLY, expected=lse_max),
     ]
     return o_diag, lse_diag
@@ -340,7 +338,7 @@ def _run_split_case(run, fn, c: _DecodeCase):
     with proof.count_launches() as launched:
         out = run.call(fn, q, k, v, seqlens, c.num_splits, case=c.desc)
     if not launched:
-        raise run.fail(MSG_NO_KERNEL, c.desc)
+        raise run.fail(MSG_NO_KERNEL_ATTENTION, c.desc)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise run.fail(f"your function returned a {type(out).__name__}; return the pair (o_parts, lse_parts).",
                        c.desc)
@@ -467,7 +465,7 @@ def grade_decode_combine(fn, *, seed=None):
             out = run.call(fn, inputs.guarded_contiguous(o32, after=256), inputs.guarded_contiguous(l32, after=256),
                            case=desc)
         if not launched:
-            raise run.fail(MSG_NO_KERNEL, desc)
+            raise run.fail(MSG_NO_KERNEL_ATTENTION, desc)
         inputs.tensor_like(run, out, "o", (b, hq, t, d), torch.float32, o32.device, desc,
                            hint=" o is float32 [B, Hq, T, D].")
         got = out.detach().cpu().double().numpy()

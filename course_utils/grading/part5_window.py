@@ -36,11 +36,9 @@ from ..kernels.forward import window_tile_bounds
 from . import inputs, proof
 from .core import Diagnosis, Run, distance_to, require_callable
 from .mistakes import SLACK, Model, weighted
-# The texts this module shows under the short names its tests look them up by
-# (other exercises word these mistakes differently: .mistakes has each text under its own name).
-from .mistakes import MSG_NO_TRITON_BACKWARD_WINDOW as MSG_NO_TRITON_BACKWARD
-from .mistakes import MSG_NO_TRITON_WINDOW as MSG_NO_TRITON
-from .mistakes import MSG_NOT_DIFFERENTIABLE_WINDOW as MSG_NOT_DIFFERENTIABLE
+from .mistakes import MSG_NO_TRITON_BACKWARD_WINDOW
+from .mistakes import MSG_NO_TRITON_WINDOW
+from .mistakes import MSG_NOT_DIFFERENTIABLE_WINDOW
 
 __all__ = ["grade_window_tile_bounds", "grade_window_forward", "grade_window_backward"]
 
@@ -399,7 +397,7 @@ def grade_window_forward(fn, *, seed=None):
         run.compare(o, want_o, case=c.name, what="the output o", atol=atol, rtol=rtol,
                     axes=("b", "q_head", "i", "d"), diagnoses=_forward_diagnoses(c, q64, k64, v64))
         if not launches:
-            raise run.fail(MSG_NO_TRITON, c.name)
+            raise run.fail(MSG_NO_TRITON_WINDOW, c.name)
         run.compare(lse, want_lse, case=c.name, what="lse", atol=lse_atol, rtol=0.0, axes=("b", "q_head", "i"))
     return run.passed()
 
@@ -536,14 +534,14 @@ def grade_window_backward(fn, *, seed=None):
         run.compare(got_o, o_right, case=c.name, what="the forward output o", atol=atol, rtol=rtol,
                     axes=("b", "q_head", "i", "d"))
         if not forward_launches:
-            raise run.fail(MSG_NO_TRITON, c.name)
+            raise run.fail(MSG_NO_TRITON_WINDOW, c.name)
         if o.grad_fn is None:
-            raise run.fail(MSG_NOT_DIFFERENTIABLE, c.name)
+            raise run.fail(MSG_NOT_DIFFERENTIABLE_WINDOW, c.name)
         with proof.count_launches() as backward_launches:
             grads = run.call(torch.autograd.grad, o, (q, k, v), do, allow_unused=True, case=c.name + " (backward)")
         run.cases -= 1  # the forward and the backward of one case count once
         if not backward_launches:
-            raise run.fail(MSG_NO_TRITON_BACKWARD, c.name)
+            raise run.fail(MSG_NO_TRITON_BACKWARD_WINDOW, c.name)
         right = ref.attention_backward(q64, k64, v64, do64, causal=True, window_size=c.window_size,
                                        sink_size=c.sink_size)
         for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):

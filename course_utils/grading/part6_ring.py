@@ -31,10 +31,8 @@ from .. import distributed as ring
 from .. import references as ref
 from .core import Crashed, Diagnosis, GradingError, Run, TimedOut, require_callable
 from .outcome import crash_message
-# The texts this module shows under the short names its tests look them up by
-# (other exercises word these mistakes differently: .mistakes has each text under its own name).
-from .mistakes import MSG_NO_SHIFT_RING as MSG_NO_SHIFT
-from .mistakes import MSG_NO_TRITON_RING as MSG_NO_TRITON
+from .mistakes import MSG_NO_SHIFT_RING
+from .mistakes import MSG_NO_TRITON_RING
 
 __all__ = ["grade_ring_simulation", "grade_ring_attention", "simulate"]
 
@@ -158,7 +156,7 @@ def _diagnoses(shards, causal, layout, which, unshard=False, atol=None, rtol=Non
 
         return compute
 
-    found = [Diagnosis(MSG_NO_SHIFT, when=lambda a: not np.all(np.isfinite(a)))]
+    found = [Diagnosis(MSG_NO_SHIFT_RING, when=lambda a: not np.all(np.isfinite(a)))]
     for mistake, message in _MISTAKES:
         if not causal and mistake != "no_shift":
             continue
@@ -348,7 +346,7 @@ def _grade_distributed(run, cases, seed, per_rank, world):
         run.compare(lse, lse_right, case=name, what="lse (the whole sequence, unsharded)", atol=atol, rtol=rtol,
                     axes=axes, diagnoses=_diagnoses(shards, causal, layout, 1, unshard=True))
         if not all(record["launches"] for record in records):
-            raise run.fail(MSG_NO_TRITON, name)
+            raise run.fail(MSG_NO_TRITON_RING, name)
         grads_right = ref.attention_backward(q, k, v, do, causal=causal)
         for which, label in ((2, "dv"), (1, "dk"), (0, "dq")):
             got = ring.unshard_sequence([r["grads"][which] for r in records], world, layout, dim=2)
