@@ -245,11 +245,13 @@ def test_training_table_shows_ratios_and_failures():
     assert "Fake GPU" in md
 
 
-def test_packaged_results_are_the_recorded_ones():
-    """A pip install (Colab) has no results/ folder: lesson 06 reads course_utils/data/ there."""
+@pytest.mark.parametrize("name", ["forward_bench", "forward_bench_quick", "window_bench", "decode_bench", "ring_bench",
+                                  "training_bench"])
+def test_packaged_results_are_the_recorded_ones(name):
+    """A pip install (Colab) has no results/ folder: the lessons read course_utils/data/ there."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    recorded = (root / "results" / "forward_bench.json").read_bytes()
-    packaged = (root / "course_utils" / "data" / "forward_bench.json").read_bytes()
-    assert packaged == recorded, "copy results/forward_bench.json to course_utils/data/ after a new GPU run"
+    recorded = (root / "results" / f"{name}.json").read_bytes()
+    packaged = (root / "course_utils" / "data" / f"{name}.json").read_bytes()
+    assert packaged == recorded, f"copy results/{name}.json to course_utils/data/ after a new GPU run"

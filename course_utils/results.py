@@ -1,0 +1,204 @@
+"""Recorded GPU benchmark results, rendered for the lessons.
+
+A lesson never copies a measured number by hand: it calls :func:`table` for a recorded table and
+:func:`figure` for one number (a range, a median) taken from ``results/<name>.json``, and
+``tests/test_results.py`` checks that the figures quoted in the lessons' prose are the ones these
+functions derive. ``results/`` is the repository's folder beside ``course_utils/``; an installed
+package falls back to ``course_utils/data/``, which ships a copy of each JSON the lessons read
+(``tests/test_bench.py`` checks the copies equal ``results/``).
+
+    >>> from course_utils import results
+    >>> results.figure("window_bench", "course_over_flex", mode="forward")   # doctest: +SKIP
+    '0.85–1.05×'
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+DATA_DIR = Path(__file__).resolve().parent / "data"
+
+# Each table: its columns, in order, as (key, header, format, unit). Rows hold these keys.
+COLUMNS = {
+    "window_bench": [
+        ("mode", "pass", "", ""), ("W", "W", "d", ""), ("S", "S", "d", ""), ("N", "N", "d", ""),
+        ("course_ms", "course ms", ".2f", ""), ("course_tflops", "course TFLOP/s", ".0f", ""),
+        ("flex_tflops", "Flex TFLOP/s", ".0f", ""), ("sdpa_mask_tflops", "SDPA+mask TFLOP/s", ".0f", ""),
+        ("course_over_flex", "course / Flex", ".2f", "×"),
+    ],
+    "decode_bench": [
+        ("B", "B", "d", ""), ("context", "context", "d", ""), ("course_gbps", "course GB/s", ".0f", ""),
+        ("sdpa_best_gbps", "SDPA best GB/s", ".0f", ""), ("ceiling_gbps", "read ceiling GB/s", ".0f", ""),
+        ("course_over_sdpa", "course / SDPA best", ".2f", "×"), ("course_over_ceiling", "course / ceiling", ".0f", "%"),
+        ("splits", "splits", "d", ""), ("paged_gbps", "paged GB/s", ".0f", ""),
+        ("paged_over_contiguous", "paged / contiguous", ".2f", "×"),
+    ],
+    "ring_bench": [
+        ("N", "N", "d", ""), ("pass", "pass", "", ""), ("one_gpu_toks", "1 GPU tok/s", ",.0f", ""),
+        ("ring_toks", "ring tok/s", ",.0f", ""), ("ring_over_one_gpu", "ring / 1 GPU", ".2f", "×"),
+        ("torch_cp_toks", "torch CP (all-gather) tok/s", ",.0f", ""), ("ring_over_torch_cp", "ring / torch CP", ".2f", "×"),
+    ],
+    "training_bench": [
+        ("N", "N", "d", ""), ("B", "B", "d", ""), ("course_ms", "course ms", ".2f", ""),
+        ("course_tflops", "course TFLOP/s", ".0f", ""), ("flash_ms", "SDPA flash ms", ".2f", ""),
+        ("cudnn_ms", "SDPA cuDNN ms", ".2f", ""), ("course_over_flash", "course / flash", ".2f", "×"),
+        ("course_over_cudnn", "course / cuDNN", ".2f", "×"),
+    ],
+}
+
+
+def path(name: str) -> Path:
+    """The file ``<name>.json`` of the recorded results; FileNotFoundError when neither folder has it."""
+    for folder in (RESULTS_DIR, DATA_DIR):
+        if (folder / f"{name}.json").is_file():
+            return folder / f"{name}.json"
+    raise FileNotFoundError(f"no recorded {name}.json in {RESULTS_DIR} or {DATA_DIR}: it was measured on a GPU "
+                            "and is in the course repository's results/ folder.")
+
+
+def load(name: str) -> dict:
+    """The recorded JSON of benchmark ``name`` (e.g. ``"window_bench"``), as written by its bench."""
+    return json.loads(path(name).read_text())
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _window(d):
+    by = {(r["mode"], r["window_size"], r["sink_size"], r["n"], r["provider"]): r for r in d["rows"]}
+    out = []
+    for q in d["ratios"]:
+        key = (q["mode"], q["window_size"], q["sink_size"], q["n"])
+        tf = {p: (by.get(key + (p,)) or {}).get("tflops") for p in ("course", "flex", "sdpa_mask")}
+        out.append(dict(mode=key[0], W=key[1], S=key[2], N=key[3], course_ms=(by.get(key + ("course",)) or {}).get("ms"),
+                        course_tflops=tf["course"], flex_tflops=tf["flex"], sdpa_mask_tflops=tf["sdpa_mask"],
+                        course_over_flex=q["course_over_flex"]))
+    return sorted(out, key=lambda r: (r["mode"] != "forward", r["W"], r["S"], r["N"]))
+
+
+def _decode(d):
+    return [dict(B=s["batch"], context=s["context"], course_gbps=s["course"], sdpa_best_gbps=s["sdpa_best"],
+                 ceiling_gbps=s["ceiling"], course_over_sdpa=s["course_vs_sdpa"],
+                 course_over_ceiling=100 * s["course_vs_ceiling"], splits=int(str(s["num_splits"]).split("=")[-1]),
+                 paged_gbps=s["course_paged"], paged_over_contiguous=_ratio(s["course_paged"], s["course"]))
+            for s in d["summary"]]
+
+
+def _ring(d):
+    out = []
+    for r in d["rows"]:
+        for label, key in (("fwd", "fwd_ms"), ("fwd+bwd", "fwd_bwd_ms")):
+            tok = {who: (r["n"] / (r[f"{who}_{key}"] / 1e3) if r.get(f"{who}_{key}") else None)
+                   for who in ("one_gpu", "ring", "torch_cp")}
+            out.append({"N": r["n"], "pass": label, "one_gpu_toks": tok["one_gpu"], "ring_toks": tok["ring"],
+                        "ring_over_one_gpu": _ratio(tok["ring"], tok["one_gpu"]), "torch_cp_toks": tok["torch_cp"],
+                        "ring_over_torch_cp": _ratio(tok["ring"], tok["torch_cp"])})
+    return out
+
+
+def _training(d):
+    by = {(r["n"], r["provider"]): r for r in d["rows"] if r["status"] == "ok"}
+    out = []
+    for n in sorted({r["n"] for r in d["rows"]}):
+        c, f, k = (by.get((n, p)) or {} for p in ("course", "sdpa_flash", "sdpa_cudnn"))
+        out.append(dict(N=n, B=c.get("batch"), course_ms=c.get("ms"), course_tflops=c.get("tflops"),
+                        flash_ms=f.get("ms"), cudnn_ms=k.get("ms"), course_over_flash=_ratio(f.get("ms"), c.get("ms")),
+                        course_over_cudnn=_ratio(k.get("ms"), c.get("ms"))))
+    return out
+
+
+_ROWS = {"window_bench": _window, "decode_bench": _decode, "ring_bench": _ring, "training_bench": _training}
+
+
+def rows(name: str, **where) -> list[dict]:
+    """The table's rows (dicts keyed as in ``COLUMNS[name]``), those matching ``where``.
+
+    ``where`` maps a key to a value, a tuple of values, or a predicate: ``rows("decode_bench",
+    B=lambda b: b <= 16)``.
+    """
+    if name not in _ROWS:
+        raise KeyError(f"no table for {name!r}: the known ones are {', '.join(_ROWS)}")
+
+    def keep(row):
+        for key, want in where.items():
+            got = row[key]
+            if callable(want) and not want(got) or isinstance(want, tuple) and got not in want:
+                return False
+            if not callable(want) and not isinstance(want, tuple) and got != want:
+                return False
+        return True
+
+    return [r for r in _ROWS[name](load(name)) if keep(r)]
+
+
+def _fmt(value, fmt: str, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    return (format(value, fmt) if fmt else str(value)) + unit
+
+
+def _column(name, key):
+    for col in COLUMNS[name]:
+        if col[0] == key:
+            return col
+    raise KeyError(f"{name} has no column {key!r}: its columns are {', '.join(c[0] for c in COLUMNS[name])}")
+
+
+def figure(name: str, key: str, stat: str = "range", **where) -> str:
+    """One recorded number of column ``key``, over the rows matching ``where``, as the lessons write it.
+
+    ``stat`` is ``"range"`` (``"0.85–1.05×"``; one value when both ends round alike), ``"min"``,
+    ``"max"``, ``"median"`` or ``"value"`` (exactly one row must match).
+    """
+    _, _, fmt, unit = _column(name, key)
+    values = [r[key] for r in rows(name, **where) if r[key] is not None]
+    if not values:
+        raise ValueError(f"no recorded {key} in {name} for {where}")
+    if stat == "range":
+        lo, hi = format(min(values), fmt), format(max(values), fmt)
+        return (lo if lo == hi else f"{lo}–{hi}") + unit
+    if stat == "value" and len(values) != 1:
+        raise ValueError(f"{len(values)} rows of {name} match {where}, not one")
+    pick = {"min": min, "max": max, "median": statistics.median, "value": lambda v: v[0]}[stat]
+    return _fmt(pick(values), fmt, unit)
+
+
+def markdown(name: str, columns: list[str] | None = None, **where) -> str:
+    """The recorded table as markdown: the chosen ``columns`` (default all) of the rows matching ``where``."""
+    cols = [_column(name, k) for k in (columns or [c[0] for c in COLUMNS[name]])]
+    info = load(name)
+    info = info.get("info") or info.get("meta") or {}
+    lines = [f"Recorded on {info.get('gpu', '?')}, {info.get('date', '?')} (`results/{name}.json`).", "",
+             "| " + " | ".join(c[1] for c in cols) + " |",
+             "|" + "|".join("---" if c[2] == "" else "---:" for c in cols) + "|"]
+    for r in rows(name, **where):
+        lines.append("| " + " | ".join(_fmt(r[c[0]], c[2], c[3]) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def table(name: str, columns: list[str] | None = None, **where) -> str | None:
+    """Show the recorded table of benchmark ``name`` (see :func:`markdown`).
+
+    In a notebook it is displayed as markdown and nothing is returned; elsewhere the markdown
+    string is returned.
+    """
+    text = markdown(name, columns, **where)
+    if not _in_notebook():
+        return text
+    from IPython.display import Markdown, display
+
+    display(Markdown(text))
+    return None

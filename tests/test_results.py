@@ -1,0 +1,170 @@
+"""The lessons' recorded figures come from results/*.json (issue 22).
+
+`course_utils.results` renders the recorded tables; here every figure the lessons' prose quotes
+from a benchmark is derived again from the JSON and compared at the precision written, and the
+stored outputs of the cells that show a recorded table must be what the helper renders now.
+"""
+
+import contextlib
+import io
+import re
+import statistics
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from course_utils import results
+
+SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
+TABLES = ["window_bench", "decode_bench", "ring_bench", "training_bench"]
+NUMBER = r"([0-9][0-9,]*(?:\.[0-9]+)?(?:–[0-9][0-9,]*(?:\.[0-9]+)?)?)([×%]?)"
+
+# (lesson, the quoting text with {} for the figure, benchmark, column, stat, which rows)
+W08, W09, W10, W07 = "08_sliding_window_and_sinks", "09_decoding", "10_ring_attention", "07_backward"
+FWD, TRN = dict(mode="forward"), dict(mode="training")
+QUOTES = [
+    (W08, "the forward runs at **{} FlexAttention", "window_bench", "course_over_flex", "range", FWD),
+    (W08, "FlexAttention** (median {})", "window_bench", "course_over_flex", "median", FWD),
+    (W08, "at `W = 4096` ({})", "window_bench", "course_over_flex", "range", dict(FWD, W=4096)),
+    (W08, "the course reaches only {} TFLOP/s", "window_bench", "course_tflops", "range", dict(FWD, W=256)),
+    (W08, "4 sinks against {} ms without", "window_bench", "course_ms", "value", dict(TRN, W=1024, S=0, N=32768)),
+    (W08, "after the split: **{} ms**", "window_bench", "course_ms", "value", dict(TRN, W=1024, S=4, N=32768)),
+    (W08, "ms**, {} FlexAttention at `N = 32k`", "window_bench", "course_over_flex", "value",
+     dict(TRN, W=1024, S=4, N=32768)),
+    (W08, "`N` ≥ 8k: {} at `W = 1024`", "window_bench", "course_over_flex", "range",
+     dict(TRN, W=1024, S=4, N=lambda n: n >= 8192)),
+    (W08, "{} at `W = 256` (FlexAttention's", "window_bench", "course_over_flex", "range",
+     dict(TRN, W=256, S=4, N=lambda n: n >= 8192)),
+    (W08, "and {} at `W = 4096`; at", "window_bench", "course_over_flex", "range",
+     dict(TRN, W=4096, S=4, N=lambda n: n >= 8192)),
+    (W08, "at `N = 4k`, {}.", "window_bench", "course_over_flex", "range", dict(TRN, S=4, N=4096)),
+    (W09, "reads only {} of the read ceiling", "decode_bench", "course_over_ceiling", "range", dict(B=64)),
+    (W09, "ceiling there, {} cuDNN", "decode_bench", "course_over_sdpa", "range", dict(B=64)),
+    (W09, "course reads at {} the best SDPA backend", "decode_bench", "course_over_sdpa", "range", dict(B=1)),
+    (W09, "at `B = 1`, {} over the whole sweep", "decode_bench", "course_over_sdpa", "range", {}),
+    (W09, "costs something: {} the contiguous", "decode_bench", "paged_over_contiguous", "range",
+     dict(B=lambda b: b <= 16)),
+    (W09, "paged is faster, {})", "decode_bench", "paged_over_contiguous", "range", dict(B=64)),
+    (W09, "splits that cache in {})", "decode_bench", "splits", "value", dict(B=1, context=16384)),
+    (W10, "the ring ran at {} one GPU", "ring_bench", "ring_over_one_gpu", "range", {}),
+    (W10, "and at {} PyTorch's context parallel", "ring_bench", "ring_over_torch_cp", "range", {}),
+    (W07, "The course takes {} ms", "training_bench", "course_ms", "range", {}),
+    (W07, "ms: {} faster than SDPA's flash", "training_bench", "course_over_flash", "range", {}),
+    (W07, "flash backend and {} of cuDNN's", "training_bench", "course_over_cudnn", "range", {}),
+]
+
+
+def markdown_text(lesson: str) -> str:
+    """Every markdown cell of a solution notebook, whitespace runs as single spaces."""
+    nb = nbformat.read(SOLUTIONS / f"{lesson}.ipynb", as_version=4)
+    return " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(x.replace(",", "")) for x in text.split("–")]
+
+
+def _decimals(text: str) -> int:
+    return len(text.split("–")[-1].partition(".")[2])
+
+
+def problems(text: str, quote) -> list[str]:
+    """What is wrong with one quoted figure in ``text``: missing, or not what the JSON holds."""
+    lesson, template, name, key, stat, where = quote
+    before, after = (re.escape(re.sub(r"\s+", " ", part)) for part in template.split("{}"))
+    found = re.findall(before + NUMBER + after, text)
+    if not found:
+        return [f"{lesson}: no text matching {template!r}"]
+    unit = results._column(name, key)[3]
+    values = [r[key] for r in results.rows(name, **where) if r[key] is not None]
+    out = []
+    for number, quoted_unit in found:
+        if quoted_unit and quoted_unit != unit:
+            out.append(f"{lesson}: {template!r} quotes {number}{quoted_unit}, the column's unit is {unit!r}")
+        digits = _decimals(number)
+        if stat == "range":
+            want = [min(values), max(values)]
+        elif stat == "median":
+            want = [statistics.median(values)]
+        else:
+            assert len(values) == 1, (quote, values)
+            want = values
+        want = [round(v, digits) for v in want]
+        got = _numbers(number)
+        if len(got) == 1 and len(want) == 2 and want[0] == want[1]:
+            want = want[:1]
+        if got != want:
+            shown = "–".join(f"{v:.{digits}f}" for v in want)
+            out.append(f"{lesson}: {template!r} quotes {number}{quoted_unit}; {name}.json gives {shown}{unit}")
+    return out
+
+
+@pytest.mark.parametrize("name", TABLES)
+def test_helper_renders_each_recorded_table(name):
+    text = results.markdown(name)
+    lines = text.splitlines()
+    assert lines[0].startswith("Recorded on ") and f"results/{name}.json" in lines[0]
+    body = [line for line in lines[4:] if line.startswith("| ")]
+    assert len(body) == len(results.rows(name)) > 0
+    assert "None" not in text and "nan" not in text
+    assert results.table(name) == text  # outside a notebook the string comes back
+
+
+def test_missing_results_raise_one_sentence():
+    with pytest.raises(FileNotFoundError, match="no recorded nothing_here.json"):
+        results.load("nothing_here")
+
+
+def test_figure_formats_as_the_lessons_write():
+    assert results.figure("window_bench", "course_over_flex", mode="forward") == "0.85–1.05×"
+    assert results.figure("window_bench", "course_over_flex", "median", mode="forward") == "0.99×"
+    assert results.figure("decode_bench", "course_over_ceiling", B=64) == "86–88%"
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=[f"{q[0][:2]}:{q[1][:30]}" for q in QUOTES])
+def test_quoted_figure_is_recorded(quote):
+    assert problems(markdown_text(quote[0]), quote) == []
+
+
+def test_a_changed_figure_fails():
+    """The check above is not vacuous: a figure edited (in memory) to one the JSON lacks is caught."""
+    quote = QUOTES[0]
+    text = markdown_text(quote[0])
+    right = results.figure(*quote[2:4], quote[4], **quote[5])
+    assert right in text
+    wrong = text.replace(right, right.replace("0.85", "0.86"), 1)
+    assert problems(wrong, quote) and "window_bench.json gives 0.85–1.05×" in problems(wrong, quote)[0]
+    assert problems(text.replace(right, "0.9–1.1×", 1), quote)  # a coarser but wrong rounding too
+
+
+def test_forward_figures_quoted_in_lessons_06_and_09():
+    forward = results.load("forward_bench")
+    tflops, gbps = forward["ceilings"]["matmul_tflops"], forward["ceilings"]["copy_gbps"]
+    assert f"{tflops:.0f} TFLOP/s of bf16 matrix products and {gbps:.0f} GB/s" in markdown_text("09_decoding")
+    ridge = round(tflops * 1e3 / gbps / 5) * 5  # quoted to the nearest 5
+    assert f"about {ridge} FLOPs per byte" in markdown_text("09_decoding")
+    quick = {r["n"]: r["tflops"] for r in results.load("forward_bench_quick")["rows"] if r["provider"] == "compiled"}
+    assert f"{quick[1024]:.0f} TFLOP/s at N = 1024 and {quick[4096]:.0f} at N = 4096" in markdown_text("06_performance")
+    steps = {(s["n"], s["step"]): s["tflops"] for s in forward["ladder"]["steps"]}
+    both = [steps[(n, "+ TMA descriptors")] / steps[(n, "+ exp2, folded scale")] - 1 for n in (4096, 16384)]
+    assert "together they gained " + " / ".join(f"+{100 * x:.0f}%" for x in both) in markdown_text("06_performance")
+
+
+def _table_cells():
+    for path in sorted(SOLUTIONS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "code" and ".table(" in cell.source and "recorded" in cell.source:
+                yield pytest.param(cell, id=f"{path.stem}[{i}]")
+
+
+@pytest.mark.parametrize("cell", list(_table_cells()))
+def test_stored_table_outputs_are_current(cell, monkeypatch):
+    """A cell showing a recorded table was executed against today's JSON (no stale 'no run yet')."""
+    rendered = []
+    monkeypatch.setattr(results, "table", lambda *a, **k: rendered.append(results.markdown(*a, **k)))
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(cell.source, {"DEVICE": "cpu", "ON_GPU": False})
+    stored = [o["data"]["text/markdown"] for o in cell.outputs if "text/markdown" in o.get("data", {})]
+    assert stored == rendered
