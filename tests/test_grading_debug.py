@@ -112,3 +112,27 @@ def test_every_fix_applies_to_the_classmate_s_file_and_the_arithmetic_is_exact()
     assert int32_overflow((17, 32, 8, 32768, 128)).startswith("batch_idx * q_stride_b = 16 * 134217728")
     assert int32_overflow((16, 32, 8, 32768, 128)) is None
     assert int32_overflow((1, 32, 8, 2**21, 128)).startswith("q_head_idx * q_stride_h")
+
+
+def test_a_finding_that_names_the_whole_file_is_refused_not_credited():
+    # Attacked (issue 21): the whole exhibit as one finding's line "named" every flaw, and passed.
+    from course_utils.grading.part2_debug import EXHIBIT
+
+    whole = EXHIBIT.read_text()
+    with pytest.raises(GradingError, match=r"line= holds \d+ lines: a finding points at one place"):
+        check_flaw_hunt([dict(line=whole, why="everything")])
+    # A statement over a few lines is still one place.
+    with pytest.raises(GradingError, match="is not where|shows none of the flaws|needs a failing input|stays below"):
+        check_flaw_hunt([dict(line="batch_idx = batch_head_idx // N_Q_HEADS\nq_head_idx = batch_head_idx % N_Q_HEADS",
+                              why="", shape=(16, 32, 8, 32768, 128))])
+
+
+@pytest.mark.parametrize("finding", [
+    dict(line=12, why="a line number instead of the code"),
+    dict(line="+ q_head_idx * q_stride_h", why="", shape=(1, 32, "eight", 2**21, 128)),
+    dict(line="+ q_head_idx * q_stride_h", why="", shape="big"),
+    dict(line="o = torch.empty_like(q)", why="", inputs=[1, 2, 3]),
+], ids=["line number", "shape with text", "shape a string", "inputs a list"])
+def test_findings_of_the_wrong_shape_get_a_message_not_a_crash(finding):
+    with pytest.raises(GradingError, match="check_flaw_hunt failed on case finding 1"):
+        check_flaw_hunt([finding])

@@ -678,9 +678,8 @@ def test_random_cases_cover_what_the_brief_asks():
 
 def test_each_check_passes_vectorised_solutions():
     # Their times are measured by benchmarks/grading_speed.py, not asserted here.
-    from course_utils import references as ref
-
-    for check, fn in [(check_softmax, ref.softmax), (check_naive_attention, ref.attention),
+    # (course_utils.references is the answer key: refused, below.)
+    for check, fn in [(check_softmax, softmax_stable), (check_naive_attention, attention_matmul),
                       (check_online_softmax, online_vectorised), (check_tiled_attention, tiled_vectorised)]:
         assert check(fn, seed=3)
 
@@ -691,7 +690,14 @@ def test_each_check_passes_vectorised_solutions():
     (check_online_softmax, lambda x, block_size: __import__("course_utils").references.softmax(x)),
     (check_tiled_attention, lambda q, k, v, bm, bn, causal=False:
         __import__("course_utils").references.attention_lse(q, k, v, causal=causal)),
-], ids=["online_softmax", "softmax", "attention_lse"])
+    # lesson 01: the reference is the answer key there too (issue 21: it used to pass)
+    (check_softmax, lambda x, axis=-1: __import__("course_utils").references.softmax(x, axis=axis)),
+    (check_naive_attention, lambda q, k, v, causal=False:
+        __import__("course_utils").references.attention(q, k, v, causal=causal)),
+    (check_naive_attention, lambda q, k, v, causal=False: softmax_stable(
+        q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])) @ v if not causal else
+        __import__("course_utils").references.attention(q, k, v, causal=True)),
+], ids=["online_softmax", "softmax", "attention_lse", "01 softmax", "01 attention", "01 attention, causal only"])
 def test_references_are_refused_in_the_streaming_exercises(check, fn):
     with pytest.raises(GradingError, match="called course_utils.references"):
         check(fn)

@@ -197,16 +197,20 @@ def test_the_released_wheel_runs_lesson_01_from_the_released_folder_in_a_fresh_v
     import site
 
     start = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
     (wheel,) = released.glob("course_utils-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
-                    str(wheel)], check=True)
+                    str(wheel)], check=True, env=env)
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    Path(purelib, "_course_test_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+                             check=True, capture_output=True, text=True, env=env).stdout.strip()
+    # PYTHONPATH's folders too (the GPU machine brings nbval and ipykernel there), but not one that
+    # holds a course_utils (the repository itself): course_utils must come from the wheel.
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+             if p and Path(p).is_dir() and not (Path(p) / "course_utils").exists()]
+    Path(purelib, "_course_test_env.pth").write_text("\n".join(site.getsitepackages() + extra) + "\n")
 
     def nbval(folder, notebook, *flags):
         return subprocess.run([str(python), "-m", "pytest", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-current-env",

@@ -273,6 +273,9 @@ def int32_overflow(shape) -> str | None:
 # --------------------------------------------------------------------------- #
 # The check
 # --------------------------------------------------------------------------- #
+MAX_FINDING_LINES = 3  # a finding names one statement; the whole file would "name" every flaw
+
+
 def _lines_of(run: Run, finding: dict, case: str) -> set[int]:
     text = finding.get("line")
     if not isinstance(text, str) or not text.strip():
@@ -280,7 +283,11 @@ def _lines_of(run: Run, finding: dict, case: str) -> set[int]:
     lines = _source().split("\n")
     normed = [_norm(ln) for ln in lines]
     picked = set()
-    for piece in (p for p in (_norm(p) for p in text.split("\n")) if p):
+    pieces = [p for p in (_norm(p) for p in text.split("\n")) if p]
+    if len(pieces) > MAX_FINDING_LINES:
+        raise run.fail(f"line= holds {len(pieces)} lines: a finding points at one place, so copy the line the flaw "
+                       f"is on (at most {MAX_FINDING_LINES} lines of one statement), one finding per flaw.", case)
+    for piece in pieces:
         if len(piece) < 6:
             raise run.fail(f"line={piece!r} is too short to point at one place: copy a whole line.", case)
         found = {i for i, ln in enumerate(normed) if piece in ln}
@@ -381,7 +388,11 @@ def grade_flaw_hunt(findings, *, seed=None):
                 if shape is None:
                     reasons.append(f"for {flaw.key}: {flaw.hint}")
                     continue
-                if len(tuple(shape)) != 5 or min(int(x) for x in shape) < 1 or int(shape[1]) % int(shape[2]):
+                try:
+                    shape = tuple(int(x) for x in shape)
+                except (TypeError, ValueError):
+                    shape = ()
+                if len(shape) != 5 or min(shape) < 1 or shape[1] % shape[2]:
                     raise run.fail("shape must be (B, Hq, Hkv, N, D), positive, with Hq a multiple of Hkv.", case)
                 if int32_overflow(shape):
                     shown.add(flaw.key)
