@@ -70,6 +70,7 @@ class Call:
     args: list[str]
     kwargs: dict[str, str]
     cell_id: str
+    answer_keys: list[str] = dataclasses.field(default_factory=list)  # refused while this check runs
 
 
 @dataclasses.dataclass
@@ -123,7 +124,7 @@ def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
     from . import STUB_LINE
     from .build import BEGIN_SOLUTION, student_notebook
     from .build import _defined_names as build_defined_names
-    from .grading.exercises import EXERCISES
+    from .grading.exercises import EXERCISES, by_name
 
     found = []
     for path in sorted(solutions.glob("*.ipynb")):
@@ -149,7 +150,8 @@ def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
             for node in calls:
                 name = node.func.id
                 call = Call(index, name, [ast.get_source_segment(source, a) for a in node.args],
-                            {k.arg: ast.get_source_segment(source, k.value) for k in node.keywords if k.arg}, cell.id)
+                            {k.arg: ast.get_source_segment(source, k.value) for k in node.keywords if k.arg}, cell.id,
+                            list(by_name(name).answer_keys))
                 index += 1
                 cell_calls.append(call)
                 if name not in exercises:

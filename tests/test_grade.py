@@ -639,3 +639,31 @@ def test_a_relative_submissions_path_is_graded_like_an_absolute_one(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     rows = grade.grade([Path("class")], Path("gb"), jobs=1, progress=False, solutions=course.path.parent)
     assert [(r["learner"], r["status"]) for r in rows] == [("ann", "invalid")]
+
+
+def test_a_helper_the_lesson_allows_is_refused_while_the_exercise_it_answers_is_graded(tmp_path):
+    # Lesson 08 gives window_tile_bounds to its later cells, and it is check_window_tile_bounds's answer.
+    import types
+
+    from course_utils import grade_harness
+    from course_utils.grading.exercises import by_name
+
+    assert by_name("check_window_tile_bounds").answer_keys == ("course_utils.kernels.forward.window_tile_bounds",)
+    module = types.ModuleType("course_utils.kernels.fake")
+    exec("def helper(x):\n    return x + 1\n", vars(module))
+    module.helper.__module__ = module.__name__
+    record = tmp_path / "borrowed.txt"
+    trips = grade_harness._Trips({module.__name__: module}, {"helper"}, str(record),
+                                 answer_keys={"course_utils.kernels.fake.helper"})
+    trips.active = True
+    assert module.helper(1) == 2  # another exercise's check: the lesson's helper answers
+    trips.now = {"course_utils.kernels.fake.helper"}
+    with pytest.raises(PermissionError, match=re.escape("called `course_utils.kernels.fake.helper`")):
+        (lambda x: module.helper(x))(1)
+    trips.active = False
+    for obj, attr, value in reversed(trips.restore):
+        setattr(obj, attr, value)
+    assert module.helper(1) == 2
+    (course,) = [c for c in grade.discover() if c.stem == "08_sliding_window_and_sinks"]
+    calls = [c for e in course.exercises for c in e.calls if c.check == "check_window_tile_bounds"]
+    assert calls and all(c.answer_keys == ["course_utils.kernels.forward.window_tile_bounds"] for c in calls)

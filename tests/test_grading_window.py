@@ -8,6 +8,7 @@ kernel with exactly one realistic bug.
 """
 
 import inspect
+import types
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
@@ -49,7 +50,13 @@ def bounds_math(start_m, block_m, block_n, seq_len, window_size, sink_size):
     return min(block_n * math.ceil(sink_size / block_n), band_start), band_start, min(q_first + block_m, seq_len)
 
 
-@pytest.mark.parametrize("fn", [bounds_loop, bounds_math, forward.window_tile_bounds])
+# The course's own code typed into the notebook (a new function with the same code): passes, while calling
+# course_utils.kernels.forward.window_tile_bounds itself is refused (below).
+bounds_as_the_course_writes_it = types.FunctionType(forward.window_tile_bounds.__code__, forward.window_tile_bounds.__globals__,
+                                                    "bounds_as_the_course_writes_it")
+
+
+@pytest.mark.parametrize("fn", [bounds_loop, bounds_math, bounds_as_the_course_writes_it])
 def test_bounds_correct_variants_pass(fn):
     assert check_window_tile_bounds(fn)
 
@@ -259,3 +266,13 @@ def test_backward_math_only_is_rejected():
 
     with pytest.raises(GradingError, match="no Triton kernel ran"):
         check_window_backward(math_only)
+
+
+def test_the_course_s_own_tile_bounds_is_refused_as_the_answer():
+    # Lesson 08 imports window_tile_bounds two cells before asking for it (issue 21: it used to pass).
+    from course_utils.kernels.forward import window_tile_bounds
+
+    with pytest.raises(GradingError, match=r"called course_utils\.kernels\.forward\.window_tile_bounds: it is the "
+                                           r"course's own answer"):
+        check_window_tile_bounds(lambda *args: window_tile_bounds(*args))
+    assert window_tile_bounds(1, 4, 4, 16, 3, 0) == window_tile_bounds(1, 4, 4, 16, 3, 0)  # restored after the check

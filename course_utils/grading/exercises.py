@@ -42,6 +42,9 @@ class Exercise:
     timeout_s: float | None  # the whole check's time limit when isolated (None: not isolated)
     points: float  # the grader cell's points (``python -m course_utils.build --points``)
     callable_as: str | None = None  # checked callable before isolating ("your launcher"), if at all
+    # The course's own answer to this exercise where the lesson shows it to learners (so the batch
+    # grader allows it elsewhere): refused while this check runs, in the notebook and in batch grading.
+    answer_keys: tuple[str, ...] = ()
 
     @property
     def check(self) -> Callable:
@@ -69,7 +72,7 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("check_tiled_backward", "07_backward", part4_backward.grade_tiled_backward, False, None, 3),
     Exercise("check_flash_backward", "07_backward", part4_backward.grade_flash_backward, True, 120.0, 4),
     Exercise("check_window_tile_bounds", "08_sliding_window_and_sinks", part5_window.grade_window_tile_bounds,
-             False, None, 1),
+             False, None, 1, answer_keys=("course_utils.kernels.forward.window_tile_bounds",)),
     Exercise("check_window_forward", "08_sliding_window_and_sinks", part5_window.grade_window_forward,
              True, 120.0, 1),
     Exercise("check_window_backward", "08_sliding_window_and_sinks", part5_window.grade_window_backward,

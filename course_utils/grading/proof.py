@@ -17,7 +17,7 @@ import dataclasses
 from ..transport import kernel_classes
 from .core import Forbidden
 
-__all__ = ["count_launches", "Work", "Launch", "references_forbidden", "MSG_TRITON_TOO_EARLY"]
+__all__ = ["count_launches", "Work", "Launch", "references_forbidden", "answer_keys_forbidden", "MSG_TRITON_TOO_EARLY"]
 
 
 @contextlib.contextmanager
@@ -419,6 +419,39 @@ def _reference_called(code):
 def _trap(*args, **kwargs):
     return __import__("course_utils.grading.proof", fromlist=["_reference_called"])._reference_called(
         __import__("sys")._getframe().f_code)
+
+
+def _answer_key_called(code):
+    raise Forbidden(
+        f"your function called {code.co_name}: it is the course's own answer to this exercise, so it cannot "
+        "be the answer. Write it yourself."
+    )
+
+
+def _answer_trap(*args, **kwargs):
+    return __import__("course_utils.grading.proof", fromlist=["_answer_key_called"])._answer_key_called(
+        __import__("sys")._getframe().f_code)
+
+
+@contextlib.contextmanager
+def answer_keys_forbidden(*functions):
+    """While active, calling one of ``functions`` (the course's own answer to the exercise) raises ``Forbidden``.
+
+    For helpers a lesson shows beside an exercise (lesson 08 imports ``window_tile_bounds`` two cells
+    before asking for it); as in :func:`references_forbidden`, the code is swapped, so a name
+    imported earlier is caught too.
+    """
+    saved = {}
+    for fn in functions:
+        if not hasattr(fn, "__code__") or fn.__code__.co_freevars:
+            continue
+        saved[fn] = fn.__code__
+        fn.__code__ = _answer_trap.__code__.replace(co_name=f"{fn.__module__}.{fn.__name__}")
+    try:
+        yield
+    finally:
+        for fn, code in saved.items():
+            fn.__code__ = code
 
 
 @contextlib.contextmanager
