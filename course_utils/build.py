@@ -204,31 +204,33 @@ def _num(x):
     return int(x) if float(x).is_integer() else x
 
 
-def is_exercise_call(node: ast.stmt, checks=None) -> bool:
-    """Whether a top-level statement is a bare call to an exercise's check (``check_flash_forward(fn)``).
+def exercise_names() -> set[str]:
+    """The public checks of the exercises (:data:`course_utils.grading.exercises.EXERCISES`)."""
+    from course_utils.grading.exercises import EXERCISES
 
-    The exercises are those of :data:`course_utils.grading.exercises.EXERCISES` (or the
-    names ``checks``, for a process that should not import the graders); other calls
-    (``check_on_cpu``, hidden tests) are not exercises.
+    return {exercise.name for exercise in EXERCISES}
+
+
+def is_exercise_call(node: ast.stmt, checks) -> bool:
+    """Whether a top-level statement is a bare call to one of ``checks`` (``check_flash_forward(fn)``).
+
+    Other calls (``check_on_cpu``, hidden tests) are not exercises.
     """
-    if checks is None:
-        from course_utils.grading.exercises import EXERCISES
-
-        checks = [exercise.name for exercise in EXERCISES]
     return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
             and isinstance(node.value.func, ast.Name) and node.value.func.id in checks)
 
 
 def exercise_calls(source: str, checks=None) -> list[ast.Call] | None:
-    """A cell's top-level calls to the exercises' checks, or None if it makes none (or does not parse)."""
+    """A cell's top-level calls to the exercises' checks, or None if it makes none (or does not parse).
+
+    ``checks``: the exercises' names (default :func:`exercise_names`; a process that should not
+    import the graders passes them).
+    """
     try:
         tree = ast.parse(strip_magics(source))
     except SyntaxError:
         return None
-    if checks is None:
-        from course_utils.grading.exercises import EXERCISES
-
-        checks = [exercise.name for exercise in EXERCISES]
+    checks = exercise_names() if checks is None else checks
     return [node.value for node in tree.body if is_exercise_call(node, checks)] or None
 
 
@@ -266,7 +268,8 @@ def add_points(solutions: Path = SOLUTIONS) -> list[str]:
     return changed
 
 
-def _defined_names(source: str) -> set[str]:
+def defined_names(source: str) -> set[str]:
+    """The functions and classes a cell defines at top level (empty if it does not parse)."""
     try:
         tree = ast.parse(strip_magics(source))
     except SyntaxError:
@@ -283,10 +286,10 @@ def _changed_exercises(current, wanted) -> list[str]:
             continue
         if any(c.cell_type == "code" and c.source == cell.source for c in current.cells):
             continue  # the stub is there, unchanged
-        names = _defined_names(cell.source)
+        names = defined_names(cell.source)
         mine = by_id.get(cell.id)
-        if mine is None or (names and not _defined_names(mine.source) & names):  # cells moved: match by name
-            mine = next((c for c in current.cells if c.cell_type == "code" and names and _defined_names(c.source) & names), None)
+        if mine is None or (names and not defined_names(mine.source) & names):  # cells moved: match by name
+            mine = next((c for c in current.cells if c.cell_type == "code" and names and defined_names(c.source) & names), None)
         if mine is not None:
             changed.append(", ".join(sorted(names)) or cell.id)
     return changed

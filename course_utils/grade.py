@@ -106,11 +106,12 @@ def check_calls(source: str, checks=None) -> list[ast.Call] | None:
 
 def _hidden_source(source: str) -> str:
     """The cell's code minus its check calls, with hidden-test markers removed."""
-    from .build import BEGIN_HIDDEN, END_HIDDEN, is_exercise_call, strip_magics
+    from .build import BEGIN_HIDDEN, END_HIDDEN, exercise_names, is_exercise_call, strip_magics
 
     lines = [ln for ln in source.split("\n") if ln.strip() not in (BEGIN_HIDDEN, END_HIDDEN)]
     tree = ast.parse(strip_magics("\n".join(lines)))
-    keep = [ast.get_source_segment("\n".join(lines), node) for node in tree.body if not is_exercise_call(node)]
+    checks = exercise_names()
+    keep = [ast.get_source_segment("\n".join(lines), node) for node in tree.body if not is_exercise_call(node, checks)]
     return "\n".join(s for s in keep if s)
 
 
@@ -123,7 +124,7 @@ def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
     """Every graded notebook of the course and its exercises, in order."""
     from . import STUB_LINE
     from .build import BEGIN_SOLUTION, student_notebook
-    from .build import _defined_names as build_defined_names
+    from .build import defined_names
     from .grading.exercises import EXERCISES, by_name
 
     found = []
@@ -166,7 +167,7 @@ def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
                 "hidden": _hidden_source(source),
             })
         if exercises:
-            cells = [{"id": c.id, "label": ", ".join(sorted(build_defined_names(c.source))) or c.id, "stub": c.source}
+            cells = [{"id": c.id, "label": ", ".join(sorted(defined_names(c.source))) or c.id, "stub": c.source}
                      for c in student.cells if c.cell_type == "code" and STUB_LINE in c.source]
             found.append(CourseNotebook(path.stem, path, list(exercises.values()), graders, sorted(allowed),
                                         [e.name for e in EXERCISES], cells))
@@ -759,7 +760,7 @@ def learners_cells(course: list[CourseNotebook], submissions: dict) -> dict:
     A learner's cell is the one with the exercise cell's id, else the one defining the same names;
     a hand-in that cannot be read is left out (it is graded ``invalid`` anyway).
     """
-    from .build import _defined_names
+    from .build import defined_names
 
     found = {}
     for c in course:
@@ -781,7 +782,7 @@ def learners_cells(course: list[CourseNotebook], submissions: dict) -> dict:
                 names = set(cell["label"].split(", "))
                 source = next((src for cid, src in code if cid == cell["id"]), None)
                 if source is None:
-                    source = next((src for _, src in code if names and _defined_names(src) == names), None)
+                    source = next((src for _, src in code if names and defined_names(src) == names), None)
                 if source is not None:
                     found[(c.stem, cell["label"])][1][learner] = source
     return found

@@ -308,7 +308,8 @@ def grade(cfg):
             text = str(exc)
             notes = getattr(exc, "__notes__", None) or []
             if isinstance(exc, core.GradingError):
-                entry["status"] = outcomes.status_of(exc)  # "failed", "timeout" or "crashed"
+                # the check's status ("failed", "timed_out", "crashed") in the gradebook's words
+                entry["status"] = {"timed_out": "timeout"}.get(outcomes.status_of(exc), outcomes.status_of(exc))
                 entry["message"] = text
             elif isinstance(exc, NotImplementedError) or (
                 isinstance(exc, outcomes.KernelError) and "\nNotImplementedError" in text

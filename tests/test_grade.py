@@ -45,7 +45,7 @@ def _official_answers(stem: str) -> dict[str, str]:
     for cell in nb.cells:
         if cell.cell_type == "code" and build.BEGIN_SOLUTION in cell.source:
             src = "\n".join(ln for ln in cell.source.split("\n") if ln.strip() not in (build.BEGIN_SOLUTION, build.END_SOLUTION))
-            for name in build._defined_names(src):
+            for name in build.defined_names(src):
                 found[name] = src
     return found
 
@@ -66,7 +66,7 @@ def learner_notebook(stem, answers=None, *, extra=(), graders=None, fake_outputs
         if cell.cell_type != "code":
             cells.append(cell)
             continue
-        names = build._defined_names(cell.source)
+        names = build.defined_names(cell.source)
         checks = build.grader_checks(cell.source)
         if STUB_LINE in cell.source:
             if not extra_done:

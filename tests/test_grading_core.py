@@ -198,14 +198,14 @@ def _loop_forever():
 def test_a_time_limit_keeps_its_status_across_the_process_boundary(isolate):
     with pytest.raises(TimedOut, match="ran for more than 1 s") as err:
         _check_slow(_loop_forever, isolate=isolate)
-    assert outcome.status_of(err.value) == "timeout"
+    assert outcome.status_of(err.value) == "timed_out"
 
 
 @pytest.mark.parametrize("isolate", [None, "worker"])
 def test_a_stopped_check_and_a_crash_carry_their_status(isolate):
     with pytest.raises(TimedOut) as err:
         _check_copy(lambda x: time.sleep(60), timeout_s=2, isolate=isolate)
-    assert outcome.status_of(err.value) == "timeout"
+    assert outcome.status_of(err.value) == "timed_out"
     with pytest.raises(Crashed, match="crashed the grading process") as err:
         _check_copy(lambda x: os._exit(3), isolate=isolate)
     assert outcome.status_of(err.value) == "crashed" and "exit code 3" in str(err.value)

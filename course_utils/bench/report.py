@@ -193,11 +193,13 @@ def write_results(rows, out_dir, info=None, cases=None, ceilings=None, ladder=No
 
 
 def recorded_results_path() -> Path | None:
-    """Where the shipped results are: ``results/`` in a checkout, else ``course_utils/data/``."""
-    for folder in (RESULTS_DIR, Path(__file__).resolve().parent.parent / "data"):
-        if (folder / f"{STEM}.json").is_file():
-            return folder / f"{STEM}.json"
-    return None
+    """Where the shipped results are: ``results/`` in a checkout, else ``course_utils/data/`` (:func:`course_utils.results.path`)."""
+    from .. import results
+
+    try:
+        return results.path(STEM)
+    except FileNotFoundError:
+        return None
 
 
 def load_results(path: Path | str | None = None) -> dict:

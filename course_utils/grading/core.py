@@ -51,16 +51,16 @@ class GradingError(AssertionError):
     """A check found a wrong answer. The message says where, how wrong, and why.
 
     ``status`` is what the batch grader records (see :mod:`.outcome`): ``"failed"`` here,
-    ``"timeout"`` for :class:`TimedOut`, ``"crashed"`` for :class:`Crashed`.
+    ``"timed_out"`` for :class:`TimedOut`, ``"crashed"`` for :class:`Crashed`.
     """
 
     status = "failed"
 
 
 class TimedOut(GradingError):
-    """The learner's code ran past its time limit and was stopped (status ``"timeout"``)."""
+    """The learner's code ran past its time limit and was stopped (status ``"timed_out"``)."""
 
-    status = "timeout"
+    status = "timed_out"
 
 
 class Crashed(GradingError):

@@ -6,7 +6,7 @@ the CPU, in the grading worker on a GPU, in the batch grader) ends in one of:
 - **passed**: the check returned a :class:`~.core.Passed`;
 - **failed**: it raised a :class:`~.core.GradingError` (a wrong answer, with a
   message that teaches); the error's ``status`` says more: ``"failed"``,
-  ``"timeout"`` (:class:`TimedOut`: the learner's code ran past its limit) or
+  ``"timed_out"`` (:class:`TimedOut`: the learner's code ran past its limit) or
   ``"crashed"`` (:class:`Crashed`: the learner's code killed the process);
 - **error**: the learner's code raised something else (its traceback is kept,
   without the grader's frames).
@@ -65,7 +65,7 @@ def learner_traceback(exc: BaseException) -> str:
 
 
 def status_of(exc: BaseException) -> str:
-    """``"failed"``, ``"timeout"`` or ``"crashed"`` for a :class:`GradingError`; ``"error"`` for anything else."""
+    """``"failed"``, ``"timed_out"`` or ``"crashed"`` for a :class:`GradingError`; ``"error"`` for anything else."""
     return getattr(exc, "status", "failed") if isinstance(exc, GradingError) else "error"
 
 

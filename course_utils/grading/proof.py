@@ -409,71 +409,57 @@ _TRAPPED_REFERENCES = (
 )
 
 
-def _reference_called(code):
-    raise Forbidden(
-        f"your function called course_utils.references.{code.co_name}: the references are what the "
-        "check compares with, so they cannot be the answer. Write the computation yourself."
-    )
-
-
-def _trap(*args, **kwargs):
-    return __import__("course_utils.grading.proof", fromlist=["_reference_called"])._reference_called(
-        __import__("sys")._getframe().f_code)
-
-
-def _answer_key_called(code):
+def _forbidden_called(code):
+    # ``code.co_name`` is the trapped function's qualified name (see _swapped).
+    if code.co_name.startswith("course_utils.references."):
+        raise Forbidden(
+            f"your function called {code.co_name}: the references are what the "
+            "check compares with, so they cannot be the answer. Write the computation yourself."
+        )
     raise Forbidden(
         f"your function called {code.co_name}: it is the course's own answer to this exercise, so it cannot "
         "be the answer. Write it yourself."
     )
 
 
-def _answer_trap(*args, **kwargs):
-    return __import__("course_utils.grading.proof", fromlist=["_answer_key_called"])._answer_key_called(
+def _trap(*args, **kwargs):
+    return __import__("course_utils.grading.proof", fromlist=["_forbidden_called"])._forbidden_called(
         __import__("sys")._getframe().f_code)
 
 
 @contextlib.contextmanager
-def answer_keys_forbidden(*functions):
-    """While active, calling one of ``functions`` (the course's own answer to the exercise) raises ``Forbidden``.
+def _swapped(functions):
+    """While active, each of ``functions`` raises :class:`.core.Forbidden` when called.
 
-    For helpers a lesson shows beside an exercise (lesson 08 imports ``window_tile_bounds`` two cells
-    before asking for it); as in :func:`references_forbidden`, the code is swapped, so a name
-    imported earlier is caught too.
-    """
-    saved = {}
-    for fn in functions:
-        if not hasattr(fn, "__code__") or fn.__code__.co_freevars:
-            continue
-        saved[fn] = fn.__code__
-        fn.__code__ = _answer_trap.__code__.replace(co_name=f"{fn.__module__}.{fn.__name__}")
-    try:
-        yield
-    finally:
-        for fn, code in saved.items():
-            fn.__code__ = code
-
-
-@contextlib.contextmanager
-def references_forbidden(names=_TRAPPED_REFERENCES):
-    """While active, calling a :mod:`course_utils.references` function raises :class:`.core.Forbidden`.
-
-    The functions' code is swapped (not the module's attributes), so a name the
+    The functions' code is swapped (not a module's attributes), so a name the
     learner imported earlier (``from course_utils.references import attention``)
     is caught too. The exception is a ``BaseException``: ``except Exception``
     in the learner's code does not hide it.
     """
-    from .. import references
-
     saved = {}
-    for name in names:
-        fn = getattr(references, name, None)
+    for fn in functions:
         if fn is None or not hasattr(fn, "__code__") or fn.__code__.co_freevars:
             continue
         saved[fn] = fn.__code__
-        fn.__code__ = _trap.__code__.replace(co_name=name)
+        fn.__code__ = _trap.__code__.replace(co_name=f"{fn.__module__}.{fn.__name__}")
     try:
         yield
     finally:
         for fn, code in saved.items():
             fn.__code__ = code
+
+
+def references_forbidden(names=_TRAPPED_REFERENCES):
+    """While active, calling a :mod:`course_utils.references` function raises :class:`.core.Forbidden`."""
+    from .. import references
+
+    return _swapped([getattr(references, name, None) for name in names])
+
+
+def answer_keys_forbidden(*functions):
+    """While active, calling one of ``functions`` (the course's own answer to the exercise) raises ``Forbidden``.
+
+    For helpers a lesson shows beside an exercise (lesson 08 imports ``window_tile_bounds`` two cells
+    before asking for it).
+    """
+    return _swapped(functions)
