@@ -31,17 +31,25 @@ ROOT = Path(__file__).resolve().parent.parent
 def solution_function(notebook: str, name: str):
     """``name`` as defined by a solution notebook, found by running its cells up to it.
 
-    Grader cells (those calling ``check_``) are skipped; printed output is dropped.
+    Grader cells (those calling ``check_``) are skipped; printed output is dropped. Each cell's
+    source is registered in :mod:`linecache` under its own name, as Jupyter does, so that
+    ``inspect.getsource`` finds it (Triton's compiler reads a ``@triton.jit`` kernel's source on a
+    GPU, and the grading worker ships kernels as source).
     """
+    import linecache
+
     import nbformat
 
     nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
     namespace: dict = {}
-    for cell in nb.cells:
+    for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or re.search(r"^check_\w+\(", cell.source, re.MULTILINE):
             continue
+        filename = f"<{notebook} cell {index}>"
+        lines = cell.source.splitlines(keepends=True)
+        linecache.cache[filename] = (len(cell.source), None, lines, filename)  # mtime None: kept by checkcache
         with contextlib.redirect_stdout(io.StringIO()):
-            exec(compile(cell.source, f"{notebook}", "exec"), namespace)
+            exec(compile(cell.source, filename, "exec"), namespace)
         if name in namespace:
             return namespace[name]
     raise LookupError(f"{notebook} defines no {name}")
@@ -59,13 +67,13 @@ ANSWERS = {
     "check_attention_flops": lambda: lambda b, h, n, d, causal: 4 * b * h * n * n * d / (2 if causal else 1),
     "check_roofline": lambda: lambda i, peak, bw: min(peak, i * bw / 1000),
     "check_merge_partials": lambda: ref.merge_partials,
-    "check_ring_simulation": lambda: _grading().part6_ring.simulate,
+    "check_ring_simulation": lambda: solution_function("10_ring_attention.ipynb", "ring_attention_simulated"),
     "check_kv_head": lambda: lambda q_head, n_q, n_kv: q_head // (n_q // n_kv),
     "check_triton_softmax": lambda: solution_function("03_triton_basics.ipynb", "triton_softmax"),
-    "check_decode_split": lambda: _decode_split,
-    "check_decode_combine": lambda: _decode_combine,
-    # starts 2 processes (spawn, gloo): most of its time is importing torch in each
-    "check_ring_attention": lambda: __import__("course_utils.distributed", fromlist=["x"]).ring_attention_forward,
+    "check_decode_split": lambda: solution_function("09_decoding.ipynb", "split_partials"),
+    "check_decode_combine": lambda: solution_function("09_decoding.ipynb", "combine_partials"),
+    # starts 3 processes (spawn, gloo): most of its time is importing torch in each
+    "check_ring_attention": lambda: solution_function("10_ring_attention.ipynb", "ring_forward"),
     "check_flash_forward": lambda: solution_function("04_flash_attention_forward.ipynb", "flash_attention"),
     "check_flash_gqa": lambda: solution_function("05_causal_gqa.ipynb", "flash_attention_gqa"),
     "check_flash_backward": lambda: solution_function("07_backward.ipynb", "flash_attention"),
@@ -90,21 +98,6 @@ def timed_checks(part: str = "all"):
         if part == "all" or (part == "triton") == triton:
             if exercise.name in ANSWERS:
                 yield exercise, ANSWERS[exercise.name]()
-
-
-def _decode_split(q, k_cache, v_cache, cache_seqlens, num_splits):
-    from course_utils.kernels import decode
-
-    return decode.decode_split(q, k_cache, v_cache, cache_seqlens, num_splits)
-
-
-def _decode_combine(o_parts, lse_parts):
-    import torch
-
-    from course_utils.kernels import decode
-
-    out = torch.empty(o_parts.shape[:3] + o_parts.shape[4:], dtype=torch.float32, device=o_parts.device)
-    return decode.decode_combine(o_parts, lse_parts, out)
 
 
 def measure(check, solution, repeats: int) -> list[float]:

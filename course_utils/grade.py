@@ -58,6 +58,11 @@ COLUMNS = ("learner", "notebook", "exercise", "points", "max_points", "status", 
 MAX_NOTEBOOK_BYTES = 50 * 2**20  # a handed-in file larger than this is not read
 MAX_OUTPUT_BYTES = 5 * 2**20  # a notebook that prints more than this is stopped
 # Programs the kernel may start (Triton compiles with them on a GPU).
+# The operating-system sandbox's limits per hand-in (course_utils.os_sandbox).
+SANDBOX_NPROC = 4096  # processes and threads of the grader's user (RLIMIT_NPROC counts them all)
+SANDBOX_FILE_BYTES = 2 * 2**30  # the largest file a hand-in may write
+SANDBOX_TMP_BYTES = 2**30  # its private /tmp (memory); /dev/shm gets half
+SANDBOX_CPU_PER_WALL = 2.0  # CPU seconds per wall second per core before RLIMIT_CPU stops it
 ALLOWED_PROGRAMS = ("ldconfig", "gcc", "cc", "clang", "g++", "c++", "ptxas", "nvcc", "cuobjdump", "nvdisasm",
                     "nvidia-smi", "uname", "lscpu", "which", "ld", "as")
 
@@ -71,6 +76,7 @@ class Call:
     kwargs: dict[str, str]
     cell_id: str
     answer_keys: list[str] = dataclasses.field(default_factory=list)  # refused while this check runs
+    allowed: list[str] = dataclasses.field(default_factory=list)  # course functions this answer may call
 
 
 @dataclasses.dataclass
@@ -152,7 +158,7 @@ def discover(solutions: Path = SOLUTIONS) -> list[CourseNotebook]:
                 name = node.func.id
                 call = Call(index, name, [ast.get_source_segment(source, a) for a in node.args],
                             {k.arg: ast.get_source_segment(source, k.value) for k in node.keywords if k.arg}, cell.id,
-                            list(by_name(name).answer_keys))
+                            list(by_name(name).answer_keys), list(by_name(name).allowed))
                 index += 1
                 cell_calls.append(call)
                 if name not in exercises:
@@ -339,6 +345,12 @@ def run_notebook(task: dict) -> dict:
                                                           for v in ("CC", "CXX") if os.environ.get(v, "").strip()],
             "data_limit_bytes": task.get("data_limit_bytes"),
         }
+        sandboxed = bool(task.get("sandbox"))  # the grader probed the machine once (os_sandbox.unavailable)
+        env = {"TMPDIR": str(work / "tmp"), "IPYTHONDIR": str(work / "ipython"), "MPLCONFIGDIR": str(work / "mpl"),
+               "MPLBACKEND": "Agg", "PYTHONPATH": _pythonpath()}
+        if sandboxed:  # the home folder does not exist in the sandbox: caches in the working copy
+            env.update({"HOME": str(work), "TRITON_CACHE_DIR": str(work / ".triton"),
+                        "XDG_CACHE_HOME": str(work / ".cache")})
         skip: set[int] = set()
         retried_lost = False
         while True:
@@ -347,12 +359,13 @@ def run_notebook(task: dict) -> dict:
                 nb, kernel_name="python3", allow_errors=True, record_timing=False,
                 timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
                 resources={"metadata": {"path": str(work)}},
+                **({"km": _sandboxed_kernel_manager(base, [work, private], task)} if sandboxed else {}),
             )
+            client.owns_km = True  # nbclient shuts down (kills) only a kernel it owns
             current = {"cell": None}
             client.on_cell_execute = lambda cell, cell_index: current.__setitem__("cell", cell_index)
             env_backup = dict(os.environ)
-            os.environ.update({"TMPDIR": str(work / "tmp"), "IPYTHONDIR": str(work / "ipython"),
-                               "MPLCONFIGDIR": str(work / "mpl"), "MPLBACKEND": "Agg", "PYTHONPATH": _pythonpath()})
+            os.environ.update(env)
             died = timed_out = False
             try:
                 client.execute()
@@ -422,6 +435,33 @@ def run_notebook(task: dict) -> dict:
             return out
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def sandbox_limits(timeout: float) -> dict:
+    """The operating-system limits of one hand-in (:mod:`course_utils.os_sandbox`)."""
+    return {"nproc": SANDBOX_NPROC, "fsize_bytes": SANDBOX_FILE_BYTES, "tmp_bytes": SANDBOX_TMP_BYTES,
+            "cpu_s": int(SANDBOX_CPU_PER_WALL * (os.cpu_count() or 1) * timeout) + 60}
+
+
+def _sandboxed_kernel_manager(base: Path, writable, task):
+    """A Jupyter kernel manager whose kernel starts inside :mod:`course_utils.os_sandbox` (IPC sockets, no network)."""
+    from jupyter_client.manager import AsyncKernelManager  # nbclient awaits its kernel manager
+
+    from course_utils import os_sandbox
+
+    conn = base / "conn"
+    conn.mkdir(exist_ok=True)
+    plan_dir = base / "sandbox"
+    plan_dir.mkdir(exist_ok=True)
+    folders = [str(p) for p in writable] + [str(conn)]
+    limits = sandbox_limits(task["timeout"])
+
+    class SandboxedKernelManager(AsyncKernelManager):
+        def format_kernel_cmd(self, extra_arguments=None):
+            return os_sandbox.command(super().format_kernel_cmd(extra_arguments), writable=folders,
+                                      hidden=task.get("hidden_paths", ()), work_dir=str(plan_dir), limits=limits)
+
+    return SandboxedKernelManager(kernel_name="python3", transport="ipc", connection_file=str(conn / "kernel.json"))
 
 
 def _pythonpath() -> str:
@@ -578,14 +618,14 @@ def _safe(name: str) -> str:
 
 
 def grade_one(learner: str, course: CourseNotebook, path: Path | None, state_dir: Path, timeout: float,
-              data_limit: int | None, version: str = "") -> list[dict]:
+              data_limit: int | None, version: str = "", sandbox: bool = False, hidden=()) -> list[dict]:
     """Grade one (learner, notebook) in a worker process; store and return its rows.
 
     Never raises: an exception in the grader's own code becomes a ``grader_error`` row for each of
     this notebook's exercises, so one hand-in can never stop the others (nor the reports).
     """
     try:
-        return _grade_one(learner, course, path, state_dir, timeout, data_limit, version)
+        return _grade_one(learner, course, path, state_dir, timeout, data_limit, version, sandbox, hidden)
     except Exception as exc:  # noqa: BLE001 - the grader's bug, not the learner's
         message = (f"the grader itself failed on this notebook ({type(exc).__name__}: {str(exc)[:300]}); "
                    "this is not your fault: your instructor will grade it again")
@@ -607,13 +647,14 @@ def _store(state_dir: Path, learner: str, course: CourseNotebook, record: dict) 
     os.replace(target.with_suffix(".tmp"), target)
 
 
-def _grade_one(learner, course, path, state_dir, timeout, data_limit, version) -> list[dict]:
+def _grade_one(learner, course, path, state_dir, timeout, data_limit, version, sandbox=False, hidden=()) -> list[dict]:
     start = time.monotonic()
     result = None
     if path is not None:
         with tempfile.TemporaryDirectory(prefix="course-grade-task-") as tmp:
             task = {"course": _course_dict(course), "submission": str(path), "timeout": timeout,
-                    "output": str(Path(tmp) / "result.json"), "data_limit_bytes": data_limit}
+                    "output": str(Path(tmp) / "result.json"), "data_limit_bytes": data_limit, "sandbox": sandbox,
+                    "hidden_paths": [str(p) for p in hidden]}
             task_file = Path(tmp) / "task.json"
             task_file.write_text(json.dumps(task))
             # The worker runs this file as a script: importing the course_utils package would import torch.
@@ -788,8 +829,19 @@ def learners_cells(course: list[CourseNotebook], submissions: dict) -> dict:
     return found
 
 
+def isolation_sentence(refused: str | None) -> str:
+    """How this run isolated the hand-ins, in one sentence for the instructor (``refused``: why namespaces could not)."""
+    if refused is None:
+        return ("Each hand-in ran in its own Linux namespaces (user, mount, pid, network: course_utils.os_sandbox): "
+                "it saw the system read-only, its own working copy, a private /tmp and no network; solutions/, the other "
+                "hand-ins and the gradebook did not exist for it, and every process it started ended with it.")
+    return (f"Hand-ins ran WITHOUT operating-system isolation because {refused}: only the in-process write guard "
+            "(course_utils.guard) stood between them and this machine's files; grade untrusted hand-ins on Linux "
+            "with user namespaces enabled.")
+
+
 def write_reports(out: Path, course: list[CourseNotebook], *, roster: Path | None = None,
-                  submissions: dict | None = None) -> list[dict]:
+                  submissions: dict | None = None, isolation: str | None = None) -> list[dict]:
     """Write gradebook.csv/.json, summary.md/.png, feedback/, and with a roster canvas.csv; return the rows.
 
     ``submissions`` (``{learner: {notebook: path}}``): the hand-ins, for the similarity report.
@@ -809,6 +861,8 @@ def write_reports(out: Path, course: list[CourseNotebook], *, roster: Path | Non
         extra.append("")
     if submissions:
         extra += similarity.report(learners_cells(course, submissions), out) + [""]
+    if isolation:
+        extra += ["## Isolation", "", isolation, ""]
     write_summary(rows, out, extra)
     write_feedback(rows, out)
     return rows
@@ -859,13 +913,22 @@ def grade(submissions: list[Path], out: Path, *, jobs: int | None = None, timeou
             tasks.append((learner, c, path))
     from tqdm import tqdm
 
+    from . import os_sandbox
+
+    refused = os_sandbox.unavailable()
+    sandboxed = refused is None
+    if refused:
+        print(f"warning: {isolation_sentence(refused)}", file=sys.stderr)
     jobs = jobs or os.cpu_count() or 1
     data_limit = data_limit if data_limit is not None else default_memory_limit(jobs)
     left = {name: sum(1 for t in tasks if t[0] == name) for name in learners}
     bar = tqdm(total=sum(1 for n in left.values() if n), unit="learner", desc="grading", disable=not progress)
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(grade_one, learner, c, path, state, timeout, data_limit, version): learner
+        # What a hand-in must never see, even inside a folder the sandbox shows (a venv beside the class):
+        hidden = [Path(solutions).resolve(), out.resolve()] + [Path(p).resolve() for p in submissions]
+        futures = {pool.submit(grade_one, learner, c, path, state, timeout, data_limit, version, sandboxed,
+                               hidden): learner
                    for learner, c, path in tasks}
         for future in as_completed(futures):
             learner = futures[future]
@@ -874,7 +937,7 @@ def grade(submissions: list[Path], out: Path, *, jobs: int | None = None, timeou
             if left[learner] == 0:
                 bar.update(1)
     bar.close()
-    rows = write_reports(out, course, roster=roster, submissions=learners)
+    rows = write_reports(out, course, roster=roster, submissions=learners, isolation=isolation_sentence(refused))
     ran = sum(1 for t in tasks if t[2] is not None)
     handed_in = sum(1 for files in learners.values() for c in course if files.get(c.stem) is not None)
     got = sum(r["points"] for r in rows)

@@ -102,6 +102,29 @@ def _wrapped_reference(fn):
         return None
 
 
+def _lru_cached(fn, maxsize, typed):
+    """The worker's side of a ``functools.lru_cache`` wrapper sent by value: ``fn`` wrapped again (cache empty)."""
+    import functools
+
+    return functools.lru_cache(maxsize=maxsize, typed=typed)(fn)
+
+
+def _reduce_lru_cached(wrapper):
+    """A ``functools.lru_cache`` (or ``functools.cache``) wrapper that cannot travel by name.
+
+    pickle sends such a wrapper by name only (its ``__reduce__`` is its qualified name), and refuses it
+    when the name now leads to another object: after the batch grader (:mod:`course_utils.grade_harness`)
+    imports a fresh ``course_utils``, a notebook function still holds the ``_sm_count_of`` of the copy it
+    imported (``PicklingError: ... it's not the same object as course_utils.kernels.decode._sm_count_of``).
+    Such a wrapper travels as its wrapped function (by reference or by value, as cloudpickle decides) and
+    is wrapped again on arrival, with an empty cache.
+    """
+    if by_reference(wrapper) is not None:
+        return NotImplemented
+    params = wrapper.cache_parameters()
+    return _lru_cached, (wrapper.__wrapped__, params["maxsize"], params["typed"])
+
+
 _copies = itertools.count()
 
 
@@ -182,12 +205,19 @@ def dumps(obj) -> bytes:
     """
     import cloudpickle
 
+    import functools
+
     kernels = kernel_classes()
+    lru_wrapper = getattr(functools, "_lru_cache_wrapper", ())
 
     class _Pickler(cloudpickle.CloudPickler):
         def reducer_override(self, obj):
             if kernels and isinstance(obj, kernels):
                 return _reduce_kernel(obj)
+            if lru_wrapper and isinstance(obj, lru_wrapper):
+                reduced = _reduce_lru_cached(obj)
+                if reduced is not NotImplemented:
+                    return reduced
             if isinstance(obj, types.FunctionType):
                 ref = _wrapped_reference(obj)
                 if ref is not None:  # a check under its decorator: import it there

@@ -667,3 +667,32 @@ def test_a_helper_the_lesson_allows_is_refused_while_the_exercise_it_answers_is_
     (course,) = [c for c in grade.discover() if c.stem == "08_sliding_window_and_sinks"]
     calls = [c for e in course.exercises for c in e.calls if c.check == "check_window_tile_bounds"]
     assert calls and all(c.answer_keys == ["course_utils.kernels.forward.window_tile_bounds"] for c in calls)
+
+
+def test_what_an_exercise_declares_allowed_answers_only_while_its_check_runs(tmp_path):
+    # Lesson 09's launcher calls decode.decode_config; lesson 10's simulation computes its blocks with
+    # references.attention_lse: the batch grader lets those through for those exercises only.
+    import types
+
+    from course_utils import grade_harness
+    from course_utils.grading.exercises import by_name
+
+    assert "course_utils.kernels.decode.decode_config" in by_name("check_decode_split").allowed
+    assert by_name("check_ring_simulation").allowed == ("course_utils.references.attention_lse",)
+    module = types.ModuleType("course_utils.references")
+    exec("def attention_lse(x):\n    return x + 1\n", vars(module))
+    module.attention_lse.__module__ = module.__name__
+    record = tmp_path / "borrowed.txt"
+    trips = grade_harness._Trips({module.__name__: module}, set(), str(record))
+    trips.active = True
+    trips.allowed_now = set(by_name("check_ring_simulation").allowed)
+    assert (lambda x: module.attention_lse(x))(1) == 2  # the learner's code, for the exercise that allows it
+    trips.allowed_now = set(by_name("check_naive_attention").allowed)
+    with pytest.raises(PermissionError, match=re.escape("called `course_utils.references.attention_lse`")):
+        (lambda x: module.attention_lse(x))(1)
+    trips.active = False
+    for obj, attr, value in reversed(trips.restore):
+        setattr(obj, attr, value)
+    (course,) = [c for c in grade.discover() if c.stem == "10_ring_attention"]
+    calls = [c for e in course.exercises for c in e.calls if c.check == "check_ring_simulation"]
+    assert calls and all(c.allowed == ["course_utils.references.attention_lse"] for c in calls)

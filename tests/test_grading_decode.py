@@ -9,12 +9,15 @@ exponentials, NumPy's logaddexp) must pass.
 """
 
 import inspect
+import math
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from course_utils import references as ref
 from course_utils.grading import GradingError, check_decode_combine, check_decode_split, check_merge_partials
@@ -130,8 +133,8 @@ def test_merge_wrong_return_gets_a_sentence():
 
 
 # -- check_decode_split -------------------------------------------------------------
-SPLIT_CORRECT = {
-    "block-16": lambda variant: split(decode, BLOCK_N=16),
+SPLIT_CORRECT = {  # learner copies of decode.py (the checks refuse course_utils's own kernels)
+    "block-16": lambda variant: split(variant("plain"), BLOCK_N=16),
     "natural-exp-block-64": lambda variant: split(variant("natural_exp", (
         "s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units",
         "s = tl.dot(q, k) * (qk_scale * 0.6931471805599453)"), (
@@ -185,7 +188,7 @@ def test_split_without_a_kernel_fails():
 
 # -- check_decode_combine -------------------------------------------------------------
 def test_combine_correct_variants_pass(variant):
-    assert check_decode_combine(combine(decode))
+    assert check_decode_combine(combine(variant("plain")))  # a learner's copy: the course's own is refused
     exp2 = variant("combine_exp2", ("w = tl.exp(lse - m)", "w = tl.exp2((lse - m) * 1.4426950408889634)"))
     assert check_decode_combine(combine(exp2))
 
@@ -215,3 +218,136 @@ def test_a_mistake_that_moves_the_answer_less_than_slack_is_still_named():
     assert model.matches(actual, atol, rtol) and model.distance(actual, atol, rtol) < 0.1
     nearer_right = right + 0.3 * (wrong - right)  # an answer nearer the right one is not blamed on it
     assert not p5._Model("x", lambda: (wrong, None), 0, right).matches(nearer_right, atol, rtol)
+
+
+# -- proof of work: the answer must come from the learner's own kernels ----------------------------
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    """A dummy kernel: copies a contiguous tensor, so that "a kernel ran" and it wrote the result."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+
+def _copied(t):
+    """``t`` copied into a fresh tensor by :func:`_copy_kernel`."""
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    _copy_kernel[(triton.cdiv(t.numel(), 1024),)](t, out, t.numel(), BLOCK=1024)
+    return out
+
+
+def _torch_partials(q, k_cache, v_cache, cache_seqlens, num_splits):
+    """The split kernel's answer in torch (softmax and matrix products), float32."""
+    B, Hq, T, D = q.shape
+    group = Hq // k_cache.shape[1]
+    o_parts = torch.zeros((B, Hq, T, num_splits, D), dtype=torch.float32, device=q.device)
+    lse_parts = torch.full((B, Hq, T, num_splits), -math.inf, dtype=torch.float32, device=q.device)
+    for b, length in enumerate(cache_seqlens.tolist()):
+        kk = k_cache[b, :, :length].float().repeat_interleave(group, 0)
+        vv = v_cache[b, :, :length].float().repeat_interleave(group, 0)
+        s = q[b].float() @ kk.transpose(-1, -2) / math.sqrt(D)
+        pos = length - T + torch.arange(T, device=q.device)
+        chunk = -(-length // num_splits)
+        for split_index in range(num_splits):
+            lo, hi = min(split_index * chunk, length), min((split_index + 1) * chunk, length)
+            keys = torch.arange(length, device=q.device)
+            keep = (keys[None, :] >= lo) & (keys[None, :] < hi) & (keys[None, :] <= pos[:, None])
+            sc = s.masked_fill(~keep, -math.inf)
+            seen = keep.any(-1)
+            lse = torch.where(seen, torch.logsumexp(sc, -1), -math.inf)
+            p = torch.where(seen[:, None], torch.softmax(sc.masked_fill(~seen[:, None], 0.0), -1), 0.0)
+            o_parts[b, :, :, split_index] = p @ vv
+            lse_parts[b, :, :, split_index] = lse
+    return o_parts, lse_parts
+
+
+def test_split_borrowing_the_course_kernel_fails():
+    text = str(pytest.raises(GradingError, check_decode_split, split(decode)).value)
+    assert "course_utils's own kernel `_decode_split_kernel`" in text, text
+
+
+def test_split_torch_behind_a_dummy_kernel_fails():
+    def torch_answer(q, k_cache, v_cache, cache_seqlens, num_splits):
+        o_parts, lse_parts = _torch_partials(q, k_cache, v_cache, cache_seqlens, num_splits)
+        return _copied(o_parts), _copied(lse_parts)
+
+    text = str(pytest.raises(GradingError, check_decode_split, torch_answer).value)
+    assert "while your function ran, torch computed" in text and "own @triton.jit kernel" in text, text
+
+
+def test_split_references_behind_a_dummy_kernel_fail():
+    def reference_answer(q, k_cache, v_cache, cache_seqlens, num_splits):
+        o, lse = ref.decode_partials(*(x.double().nan_to_num().cpu().numpy() for x in (q, k_cache, v_cache)),
+                                     cache_seqlens.cpu().numpy(), num_splits)
+        return (_copied(torch.from_numpy(o).float().to(q.device)),
+                _copied(torch.from_numpy(lse).float().to(q.device)))
+
+    text = str(pytest.raises(GradingError, check_decode_split, reference_answer).value)
+    assert "the data left torch (Tensor.numpy())" in text, text
+
+
+def test_split_result_not_written_by_the_kernel_fails(variant):
+    def kernel_then_torch(q, k_cache, v_cache, cache_seqlens, num_splits):
+        o_parts, lse_parts = split(variant("plain"))(q, k_cache, v_cache, cache_seqlens, num_splits)
+        total = torch.zeros_like(o_parts)
+        total += o_parts  # summed by torch into a tensor no kernel wrote
+        return total, lse_parts
+
+    text = str(pytest.raises(GradingError, check_decode_split, kernel_then_torch).value)
+    assert "o_parts was not written by your Triton kernel: it was computed by torch (aten.add_)" in text, text
+
+
+def test_split_that_edits_the_cache_in_place_fails(variant):
+    def zeroes_the_tail(q, k_cache, v_cache, cache_seqlens, num_splits):
+        k_cache.nan_to_num_(0.0)  # the right answer, but the caller's cache is changed
+        return split(variant("plain"))(q, k_cache, v_cache, cache_seqlens, num_splits)
+
+    text = str(pytest.raises(GradingError, check_decode_split, zeroes_the_tail).value)
+    assert "changed its input `k_cache` in place" in text, text
+
+
+def test_split_launcher_of_the_lesson_with_decode_config_passes(variant):
+    """The lesson's launcher: its own kernel, course_utils.kernels.decode's plain helpers (decode_config, LOG2E)."""
+    kernel = variant("plain")._decode_split_kernel
+
+    def split_partials(q, k_cache, v_cache, cache_seqlens, num_splits):
+        B, n_q_heads, T, D = q.shape
+        n_kv_heads, n_max = k_cache.shape[1], k_cache.shape[2]
+        group_size = n_q_heads // n_kv_heads
+        block_m = min(64, max(16, triton.next_power_of_2(group_size * T)))
+        cfg = decode.decode_config(D, q.dtype, q.device)
+        o_parts = torch.empty((B, n_q_heads, T, num_splits, D), dtype=torch.float32, device=q.device)
+        lse_parts = torch.empty((B, n_q_heads, T, num_splits), dtype=torch.float32, device=q.device)
+        grid = (num_splits, triton.cdiv(group_size * T, block_m), B * n_kv_heads)
+        kernel[grid](
+            q, k_cache, v_cache, cache_seqlens, cache_seqlens, o_parts, lse_parts, o_parts,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), 0, 0, 0, 0, 0, 0,
+            n_q_heads, n_kv_heads, T, n_max, n_max, num_splits, decode.LOG2E / math.sqrt(D),
+            D=D, D_PAD=triton.next_power_of_2(max(D, 16)), BLOCK_M=block_m, PAGED=False, SPLIT=True, **cfg,
+        )
+        return o_parts, lse_parts
+
+    assert check_decode_split(split_partials)
+
+
+def test_combine_borrowing_the_course_kernel_fails():
+    text = str(pytest.raises(GradingError, check_decode_combine, combine(decode)).value)
+    assert "course_utils's own kernel `_decode_combine_kernel`" in text, text
+
+
+def test_combine_torch_behind_a_dummy_kernel_fails():
+    def torch_answer(o_parts, lse_parts):
+        w = torch.softmax(lse_parts, dim=-1)
+        return _copied((w[..., None] * o_parts).sum(-2))
+
+    text = str(pytest.raises(GradingError, check_decode_combine, torch_answer).value)
+    assert "torch computed a softmax" in text, text
+
+
+def test_combine_that_edits_lse_parts_in_place_fails(variant):
+    def shifts_lse_in_place(o_parts, lse_parts):
+        lse_parts -= lse_parts.amax(-1, keepdim=True)  # the merge does not change, the caller's lse does
+        return combine(variant("plain"))(o_parts, lse_parts)
+
+    text = str(pytest.raises(GradingError, check_decode_combine, shifts_lse_in_place).value)
+    assert "changed its input `lse_parts` in place" in text, text

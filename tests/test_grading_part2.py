@@ -409,3 +409,79 @@ def test_fixed_cases_have_large_shifted_scores_d128_several_tiles_and_a_repeated
 def ref_repeat(q64, k64):
     from course_utils import references
     return references.repeat_kv_heads(q64, k64, k64)[0]
+
+
+# -- check_flash_forward: a tile that grows with N is a softmax, not FlashAttention ---------------
+@triton.jit
+def _one_tile_kernel(Q, K, V, O, sqz, sqh, sqm, sqk, skz, skh, skn, skk, svz, svh, svn, svk, soz, soh, som, sok,
+                     N, sm_scale, D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Right answers, no online softmax: every key of the head in one [BLOCK_M, BLOCK_N >= N] tile.
+    pid_m, pid_h, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    q = tl.load(Q + pid_z * sqz + pid_h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqk,
+                mask=(offs_m[:, None] < N) & d_ok[None, :], other=0.0)
+    k = tl.load(K + pid_z * skz + pid_h * skh + offs_n[None, :] * skn + offs_d[:, None] * skk,
+                mask=(offs_n[None, :] < N) & d_ok[:, None], other=0.0)
+    v = tl.load(V + pid_z * svz + pid_h * svh + offs_n[:, None] * svn + offs_d[None, :] * svk,
+                mask=(offs_n[:, None] < N) & d_ok[None, :], other=0.0)
+    keep = offs_n[None, :] < N
+    if IS_CAUSAL:
+        keep = keep & (offs_m[:, None] >= offs_n[None, :])
+    s = tl.where(keep, tl.dot(q, k) * sm_scale, float("-inf"))
+    p = tl.exp(s - tl.max(s, axis=1)[:, None])
+    o = tl.dot(p.to(v.dtype), v) / tl.sum(p, axis=1)[:, None]
+    tl.store(O + pid_z * soz + pid_h * soh + offs_m[:, None] * som + offs_d[None, :] * sok, o.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < N) & d_ok[None, :])
+
+
+def one_tile_attention(q, k, v, causal=False):
+    B, H, N, D = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_m, block_n = 32, max(16, triton.next_power_of_2(N))  # the tile grows with N
+    _one_tile_kernel[(triton.cdiv(N, block_m), H, B)](
+        q, k, v, o, *q.stride(), *k.stride(), *v.stride(), *o.stride(), N, 1.0 / D ** 0.5,
+        D=D, D_PAD=triton.next_power_of_2(D), IS_CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n)
+    return o
+
+
+def test_a_single_tile_of_every_key_is_refused_with_why_it_does_not_scale():
+    # It computes the right o on every case (a plain softmax in one tile): only its launch gives it away.
+    with pytest.raises(GradingError) as info:
+        check_flash_forward(one_tile_attention)
+    text = str(info.value)
+    assert "failed on case fixed 8: B=1, H=1, N=300" in text  # the first case past every fixed block size
+    assert pt.MSG_TILE_GROWS.split("{")[0] in text and "BLOCK_N (of _one_tile_kernel)" in text
+    assert "512 at N = 300" in text and "online softmax" in text and "O(BLOCK_M x BLOCK_N)" in text
+    assert "is wrong" not in text  # not a wrong output: the structure is what fails
+
+
+def test_a_query_tile_that_grows_with_n_is_refused_too():
+    fn = lambda q, k, v, causal=False: forward.flash_attention_forward(  # noqa: E731
+        q, k, v, causal=causal, block_m=max(16, triton.next_power_of_2(q.shape[2])), block_n=32)
+    with pytest.raises(GradingError, match="tile grows with the sequence: its constexpr BLOCK_M"):
+        check_flash_forward(fn)
+
+
+@pytest.mark.parametrize("block_n", [
+    lambda n: 128,  # larger than N on the small cases: fixed, so fine
+    lambda n: min(128, max(16, triton.next_power_of_2(n))),  # grows with N, up to a fixed cap
+], ids=["fixed-128", "capped-at-128"])
+def test_block_sizes_larger_than_small_n_pass(block_n):
+    assert check_flash_forward(lambda q, k, v, causal=False: forward.flash_attention_forward(
+        q, k, v, causal=causal, block_m=64, block_n=block_n(q.shape[2])))
+
+
+def test_growing_tile_rule():
+    grow = pt._growing_tile
+    key = ("kernel", "BLOCK_N")
+    assert grow({key: [(64, 64), (160, 256), (300, 512)]})  # grows, covers every key
+    assert not grow({key: [(64, 64), (160, 256)]})  # no N past the largest fixed block yet: could be capped
+    assert not grow({key: [(64, 64), (160, 128), (300, 128)]})  # capped: loops over key blocks at N = 300
+    assert not grow({key: [(64, 512), (160, 512), (300, 512)]})  # fixed (large, but fixed)
+    assert not grow({("kernel", "D_PAD"): [(64, 32), (300, 128)]})  # the head dim, not N
+    assert "64 at N = 48, 256 at N = 160, 512 at N = 300" in grow({key: [(48, 64), (64, 64), (100, 128), (160, 256),
+                                                                           (300, 512)]})

@@ -161,3 +161,76 @@ def test_programs_per_sm_cases_are_the_recorded_compile_statistics():
         assert f" w{warps} " in f" {name} "
     # What results/NOTES.md says about them: the shipped winner fits twice, the old one once.
     assert programs_per_sm(255, 4, 96) == 2 and programs_per_sm(190, 8, 225) == 1 and programs_per_sm(139, 4, 113) == 2
+
+
+# -- check_programs_per_sm at each boundary of the rule: fixed cases, so every seed catches them ----------
+def _occupancy_loop_with(*, cap=True, strict=(), refuse_at=(), kib=lambda s: s):
+    # The loop of _occupancy_loop with one thing changed: the 32-program cap, a comparison (< for <=), or
+    # how shared_kib is read. strict / refuse_at name resources as part3_performance.RESOURCES does.
+    def fn(registers_per_thread, num_warps, shared_kib):
+        s = kib(shared_kib)
+        if registers_per_thread > 255 or s > 227:
+            return 0
+        if ("registers" in refuse_at and registers_per_thread >= 255) or ("shared" in refuse_at and s >= 227):
+            return 0
+        per_program_regs = ((registers_per_thread + 7) // 8) * 8 * 32 * num_warps
+        fits = {  # does a total of m programs fit?
+            "registers": lambda m: m * per_program_regs < 65536 if "registers" in strict else m * per_program_regs <= 65536,
+            "shared": lambda m: m * (s + 1) < 228 if "shared" in strict else m * (s + 1) <= 228,
+            "warps": lambda m: m * num_warps < 64 if "warps" in strict else m * num_warps <= 64,
+            "programs": lambda m: (m < 32 if "programs" in strict else m <= 32) if cap else True,
+        }
+        n = 0
+        while all(f(n + 1) for f in fits.values()):
+            n += 1
+        return n
+    return fn
+
+
+def test_the_loop_with_every_comparison_right_passes():  # the planted versions below differ from it in one thing
+    for seed in (0, 1):
+        assert check_programs_per_sm(_occupancy_loop_with(), seed=seed)
+
+
+PLANTED_BOUNDARIES = {
+    "limit of 32 resident programs": _occupancy_loop_with(cap=False),
+    "every limit was counted with <": _occupancy_loop_with(strict=("registers", "shared", "warps", "programs")),
+    "shared memory that fits exactly was refused": _occupancy_loop_with(strict=("shared",)),
+    "registers that fill the register file exactly": _occupancy_loop_with(strict=("registers",)),
+    "warps that fill the SM exactly": _occupancy_loop_with(strict=("warps",)),
+    "the 32nd program was refused": _occupancy_loop_with(strict=("programs",)),
+    "227 KiB itself was refused": _occupancy_loop_with(refuse_at=("shared",)),
+    "255 registers per thread itself was refused": _occupancy_loop_with(refuse_at=("registers",)),
+}
+
+
+@pytest.mark.parametrize("message", list(PLANTED_BOUNDARIES))
+def test_boundary_mistakes_are_caught_on_every_seed_and_named(message):
+    # Fresh random cases reached these boundaries 1-5% of the time; the fixed boundary cases always do.
+    for seed in range(5):
+        with pytest.raises(GradingError) as info:
+            check_programs_per_sm(PLANTED_BOUNDARIES[message], seed=seed)
+        assert message in str(info.value)
+
+
+@pytest.mark.parametrize("kib, case", [
+    (int, "113 KiB and one byte"),  # shared memory truncated to whole KiB
+    (lambda s: round(s), "113 KiB and one byte"),
+], ids=["int", "round"])
+def test_shared_memory_a_byte_over_a_fit_is_not_rounded_away(kib, case):
+    for seed in range(3):
+        with pytest.raises(GradingError) as info:
+            check_programs_per_sm(_occupancy_loop_with(kib=kib), seed=seed)
+        assert case in str(info.value)
+
+
+def test_the_boundary_cases_sit_on_both_sides_of_each_limit():
+    from course_utils.grading.part3_performance import BOUNDARY_CASES, RESOURCES, programs_per_sm
+
+    got = {what.split(":")[0]: programs_per_sm(r, w, s) for r, w, s, what in BOUNDARY_CASES}
+    assert list(got.values()) == [32, 32, 4, 8, 7, 4, 2, 1, 1, 0, 0]
+    # Each mistake model differs from the rule on at least one fixed case (so no seed can miss it).
+    for kw in [dict(program_limit=False), dict(refuse_at=("shared",)), dict(refuse_at=("registers",))] + [
+            dict(strict=(res,)) for res in RESOURCES]:
+        cases = BOUNDARY_CASES + ((255, 4, 96, "recorded"),)
+        assert any(programs_per_sm(r, w, s, **kw) != programs_per_sm(r, w, s) for r, w, s, _ in cases), kw

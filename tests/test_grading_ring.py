@@ -6,9 +6,16 @@ own re-enactment in ``part6_ring.simulate``); correct answers written
 differently (a global position mask per rank, np.logaddexp in the merge)
 must pass.
 
-Distributed: a correct forward and one that fails on one rank run in real
-processes (spawn, gloo, interpreter); the diagnoses of the distributed check
-are tested on what mistaken forwards return, fed to its grading step.
+Distributed: a correct forward, one that fails on one rank, a ring turning the
+wrong way (3 ranks) and a correct one shipped by value run in real processes
+(spawn, gloo, interpreter); the diagnoses of the distributed check are tested
+on what mistaken forwards return, fed to its grading step; what the check
+refuses (the course's ring forward, all-gather / broadcast instead of a ring,
+torch's attention for the blocks) is tested on ring_check_worker itself, in a
+gloo group of one rank in this process (no spawning).
+
+The simulation must be a ring: attention against the whole sequence (joined
+shards, or references.attention_lse with every key) is refused.
 """
 
 import math
@@ -63,7 +70,8 @@ def learner_simulation(q_shards, k_shards, v_shards, causal=False, layout="zigza
         o, lse = [None] * per, [None] * per
         for step in range(world):
             src = (rank - step) % world
-            k_parts, v_parts = np.split(k_shards[src], per, axis=-2), np.split(v_shards[src], per, axis=-2)
+            held = (rank + step) % world if mistake == "wrong_direction" else src  # whose K/V it really has
+            k_parts, v_parts = np.split(k_shards[held], per, axis=-2), np.split(v_shards[held], per, axis=-2)
             for i, qc in enumerate(chunks_of(rank)):
                 for j, kc in enumerate(chunks_of(src)):
                     diagonal = causal and kc == qc
@@ -86,6 +94,33 @@ def learner_simulation(q_shards, k_shards, v_shards, causal=False, layout="zigza
                         diagonal = True
                     o_b, lse_b = ref.attention_lse(q_parts[i], k_parts[j], v_parts[j], causal=diagonal)
                     o[i], lse[i] = (o_b, lse_b) if o[i] is None else merge(o[i], lse[i], o_b, lse_b)
+        o_shards.append(np.concatenate(o, axis=-2))
+        lse_shards.append(np.concatenate(lse, axis=-1))
+    return o_shards, lse_shards
+
+
+def reversed_ring(q_shards, k_shards, v_shards, causal=False, layout="zigzag"):
+    """Correct, written differently: the K/V go round the other way (src = rank + step), the plan with them."""
+    world = len(q_shards)
+    per = 2 if layout == "zigzag" else 1
+    o_shards, lse_shards = [], []
+    for rank in range(world):
+        q_parts = np.split(q_shards[rank], per, axis=-2)
+        o, lse = [None] * per, [None] * per
+        for step in range(world):
+            src = (rank + step) % world
+            k_parts, v_parts = np.split(k_shards[src], per, axis=-2), np.split(v_shards[src], per, axis=-2)
+            for i, qc in enumerate(ring.chunk_ids(rank, world, layout)):
+                for j, kc in enumerate(ring.chunk_ids(src, world, layout)):
+                    if causal and kc > qc:
+                        continue
+                    o_b, lse_b = ref.attention_lse(q_parts[i], k_parts[j], v_parts[j], causal=causal and kc == qc)
+                    if o[i] is None:
+                        o[i], lse[i] = o_b, lse_b
+                    else:
+                        new = np.logaddexp(lse[i], lse_b)
+                        o[i] = np.exp(lse[i] - new)[..., None] * o[i] + np.exp(lse_b - new)[..., None] * o_b
+                        lse[i] = new
         o_shards.append(np.concatenate(o, axis=-2))
         lse_shards.append(np.concatenate(lse, axis=-1))
     return o_shards, lse_shards
@@ -119,7 +154,8 @@ def masked_per_rank(q_shards, k_shards, v_shards, causal=False, layout="zigzag")
     return o_shards, lse_shards
 
 
-@pytest.mark.parametrize("fn", [learner_simulation, masked_per_rank], ids=["lesson loop", "global mask"])
+@pytest.mark.parametrize("fn", [learner_simulation, masked_per_rank, reversed_ring],
+                         ids=["lesson loop", "global mask", "reversed ring"])
 def test_correct_simulations_pass(fn):
     assert check_ring_simulation(fn)
     assert check_ring_simulation(fn, seed=7)
@@ -144,6 +180,59 @@ def test_planted_simulation_mistakes_are_diagnosed(mistake, message):
     with pytest.raises(GradingError) as info:
         check_ring_simulation(fn, seed=3)
     assert f"Likely cause: {message}" in str(info.value)
+
+
+def test_simulation_ring_turning_the_wrong_way_is_diagnosed():
+    def fn(q, k, v, causal=False, layout="zigzag"):
+        return learner_simulation(q, k, v, causal, layout, mistake="wrong_direction")
+
+    with pytest.raises(GradingError) as info:
+        check_ring_simulation(fn, seed=3)
+    assert f"Likely cause: {p6.MSG_WRONG_DIRECTION}" in str(info.value)
+    assert "4 ranks" in str(info.value)  # the 2-rank cases passed: there the two directions agree
+
+
+def whole_sequence_at_once(q_shards, k_shards, v_shards, causal=False, layout="zigzag"):
+    """No ring: every shard joined into the whole sequence, one attention (written out), cut into shards again."""
+    world = len(q_shards)
+    q, k, v = (ring.unshard_sequence(s, world, layout, dim=-2) for s in (q_shards, k_shards, v_shards))
+    k, v = ref.repeat_kv_heads(q, k, v)
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool)), s, -np.inf)
+    lse = np.logaddexp.reduce(s, axis=-1)
+    o = np.exp(s - lse[..., None]) @ v
+    return ([ring.shard_sequence(o, r, world, layout, dim=-2) for r in range(world)],
+            [ring.shard_sequence(lse, r, world, layout, dim=-1) for r in range(world)])
+
+
+def all_keys_by_assignment(q_shards, k_shards, v_shards, causal=False, layout="zigzag"):
+    """No ring either: each rank's queries against every key at once (copied into one array, not joined)."""
+    world, n_local = len(q_shards), k_shards[0].shape[-2]
+    k = np.zeros(k_shards[0].shape[:-2] + (world * n_local, k_shards[0].shape[-1]))
+    v = np.zeros_like(k)
+    for r in range(world):
+        k[..., r * n_local:(r + 1) * n_local, :] = k_shards[r]
+        v[..., r * n_local:(r + 1) * n_local, :] = v_shards[r]
+    outs = [ref.attention_lse(q_shards[r], k, v) for r in range(world)]  # (no mask: the first case is not causal)
+    return [o for o, _ in outs], [lse for _, lse in outs]
+
+
+@pytest.mark.parametrize("fn, words", [
+    (whole_sequence_at_once, "joined the K shards of ranks 0, 1 into one array along the sequence"),
+    (all_keys_by_assignment, "called attention_lse with 16 keys, more than one rank's shard"),
+], ids=["concatenated", "references-with-all-keys"])
+def test_simulation_without_ring_steps_is_refused(fn, words):
+    with pytest.raises(GradingError) as info:
+        check_ring_simulation(fn)
+    text = str(info.value)
+    assert words in text and "each rank only ever holds one K/V shard at a time (8 rows here)" in text, text
+
+
+def test_simulation_borrowing_the_graders_own_ring_is_refused():
+    with pytest.raises(GradingError, match=r"your function called course_utils\.grading\.part6_ring\.simulate: it is "
+                                           r"the course's own answer"):
+        check_ring_simulation(lambda q, k, v, causal=False, layout="zigzag": p6.simulate(q, k, v, causal, layout))
 
 
 def test_simulation_answers_of_the_wrong_form_are_named():
@@ -186,6 +275,122 @@ def ring_forward(q, k, v, causal=False, *, layout="zigzag", group=None):
                 request.wait()
             kv = nxt
     return acc.to(q.dtype), lse
+
+
+def _ring(q, k, v, causal, layout, group, *, send=1, plan=-1, attend=None):
+    """A ring sending its K/V to rank + send and planning step s for rank (rank + plan * s)'s block.
+
+    ``attend(q, k, v, causal) -> (o, lse)`` computes a block (default the course's kernel); the merge
+    is torch.logsumexp over the two partials (correct, written differently from the lesson's).
+    """
+    attend = attend or (lambda q_, k_, v_, c_: flash_attention_with_lse(q_, k_, v_, causal=c_))
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = ring.chunk_ids(rank, world, layout)
+    c = q.shape[2] // len(chunks)
+    acc = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.full(q.shape[:3], -math.inf)
+    kv = torch.stack([k, v])
+    for step in range(world):
+        if step + 1 < world:
+            nxt = torch.empty_like(kv)
+            requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, kv, (rank + send) % world, group),
+                                               dist.P2POp(dist.irecv, nxt, (rank - send) % world, group)])
+        src = (rank + plan * step) % world
+        for i, qc in enumerate(chunks):
+            for j, kc in enumerate(ring.chunk_ids(src, world, layout)):
+                if causal and kc > qc:
+                    continue
+                qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                o_b, lse_b = attend(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], causal and kc == qc)
+                new = torch.logsumexp(torch.stack([lse[:, :, qs], lse_b]), dim=0)
+                acc[:, :, qs] = (acc[:, :, qs] * torch.exp(lse[:, :, qs] - new)[..., None]
+                                 + o_b.float() * torch.exp(lse_b - new)[..., None])
+                lse[:, :, qs] = new
+        if step + 1 < world:
+            for request in requests:
+                request.wait()
+            kv = nxt
+    return acc.to(q.dtype), lse
+
+
+def wrong_way_ring(q, k, v, causal=False, *, layout="zigzag", group=None):
+    """Sends to rank - 1 (receives from rank + 1) but plans for rank - step: right on 2 ranks only."""
+    return _ring(q, k, v, causal, layout, group, send=-1, plan=-1)
+
+
+def _sdpa_block(q, k, v, causal):
+    """A block's (o, lse) in torch: scaled_dot_product_attention, and the lse from the scores."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    return o, torch.logsumexp(s, dim=-1)
+
+
+def _matmul_block(q, k, v, causal):
+    """A block's (o, lse) by a softmax of torch's matrix product: torch computes the attention."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    s = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def _whole_sequence(q, kv_shards, causal, layout, attend):
+    """This rank's (o, lse) against the whole sequence's K/V (``kv_shards``: every rank's [2, ...] block)."""
+    world, rank = len(kv_shards), dist.get_rank()
+    kv = ring.unshard_sequence(kv_shards, world, layout, dim=3)
+    chunks = ring.chunk_ids(rank, world, layout)
+    c = q.shape[2] // len(chunks)
+    o, lse = torch.zeros(q.shape), torch.full(q.shape[:3], -math.inf)
+    for i, qc in enumerate(chunks):
+        rows = slice(i * c, (i + 1) * c)
+        for kc in range(qc + 1 if causal else ring.n_chunks(world, layout)):  # every chunk it sees, one by one
+            block = kv[:, :, :, kc * c:(kc + 1) * c]
+            o_b, lse_b = attend(q[:, :, rows], block[0], block[1], causal and kc == qc)
+            new = torch.logaddexp(lse[:, :, rows], lse_b)
+            o[:, :, rows] = o[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None] + o_b * torch.exp(lse_b - new)[..., None]
+            lse[:, :, rows] = new
+    return o.to(q.dtype), lse
+
+
+def all_gathered(q, k, v, causal=False, *, layout="zigzag", group=None):
+    """No ring: every rank's K/V by dist.all_gather, then the course's kernel against all of them."""
+    kv = torch.stack([k, v]).contiguous()
+    shards = [torch.empty_like(kv) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, kv, group)
+    return _whole_sequence(q, shards, causal, layout, lambda q_, k_, v_, c_: flash_attention_with_lse(q_, k_, v_, causal=c_))
+
+
+def gathered_into_tensor_with_sdpa(q, k, v, causal=False, *, layout="zigzag", group=None):
+    """No ring, and torch's attention: dist.all_gather_into_tensor, then SDPA."""
+    kv = torch.stack([k, v]).contiguous()
+    world = dist.get_world_size(group)
+    out = torch.empty((world * kv.shape[0],) + kv.shape[1:], dtype=kv.dtype)
+    dist.all_gather_into_tensor(out, kv, group)
+    return _whole_sequence(q, list(out.view((world,) + kv.shape)), causal, layout, _sdpa_block)
+
+
+def broadcast_by_each_rank(q, k, v, causal=False, *, layout="zigzag", group=None):
+    """No ring: each rank broadcasts its K/V to all the others in turn."""
+    kv = torch.stack([k, v]).contiguous()
+    shards = []
+    for src in range(dist.get_world_size(group)):
+        block = kv.clone() if src == dist.get_rank(group) else torch.empty_like(kv)
+        dist.broadcast(block, src, group)
+        shards.append(block)
+    return _whole_sequence(q, shards, causal, layout, lambda q_, k_, v_, c_: flash_attention_with_lse(q_, k_, v_, causal=c_))
+
+
+def sdpa_ring(q, k, v, causal=False, *, layout="zigzag", group=None):
+    """A real ring whose blocks are torch's scaled_dot_product_attention: not a Triton kernel's."""
+    return _ring(q, k, v, causal, layout, group, attend=_sdpa_block)
+
+
+def matmul_ring(q, k, v, causal=False, *, layout="zigzag", group=None):
+    """A real ring whose blocks are a softmax of torch's matrix products."""
+    return _ring(q, k, v, causal, layout, group, attend=_matmul_block)
 
 
 def fails_on_rank_one(q, k, v, causal=False, *, layout="zigzag", group=None):
@@ -267,3 +472,109 @@ def test_distributed_grading_passes_right_records_and_needs_a_kernel():
         r[0]["launches"] = 0
     with pytest.raises(GradingError, match="no Triton kernel ran"):
         p6._grade_distributed(p6.Run("check_ring_attention", seed=5), cases, 5, records, 2)
+
+
+# -----------------------------------------------------------------------------
+# Proof of work: a ring of point-to-point messages, its blocks computed by a Triton kernel
+# -----------------------------------------------------------------------------
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank in this process: ring_check_worker runs here, without spawning."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ring._free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+REFUSED = [  # (the forward, words of the failure message)
+    (ring.ring_attention_forward, "your function called course_utils.distributed.ring_attention_forward: it is "
+                                  "the course's own answer"),
+    (all_gathered, "your function called an all-gather (torch.distributed.all_gather / all_gather_into_tensor), "
+                   "c10d.allgather_ on rank 0: the exercise is a ring"),
+    (gathered_into_tensor_with_sdpa, "an all-gather (torch.distributed.all_gather / all_gather_into_tensor), "
+                                     "c10d._allgather_base_ on rank 0"),
+    (broadcast_by_each_rank, "a broadcast (torch.distributed.broadcast), c10d.broadcast_ on rank 0"),
+    (sdpa_ring, "torch computed attention (torch.nn.functional.scaled_dot_product_attention or similar)"),
+    (matmul_ring, "torch computed a matrix product (@, torch.matmul, torch.einsum, torch.bmm)"),
+]
+
+
+@pytest.mark.interpreter("runs ring_check_worker in this process: its CPU tensors need Triton's interpreter")
+@pytest.mark.parametrize("fn, words", REFUSED, ids=["course-forward", "all_gather", "all_gather_into_tensor+sdpa",
+                                                   "broadcast", "sdpa-blocks", "matmul-blocks"])
+def test_ring_worker_refuses_what_is_not_a_ring_of_triton_blocks(one_rank_group, fn, words):
+    run = p6.Run("check_ring_attention", seed=2)
+    cases = p6._dist_cases(run.rng, world=1)[:1]
+    records = p6.ring_check_worker(0, 1, fn, run.seed, cases)
+    with pytest.raises(GradingError) as info:
+        p6._grade_distributed(run, cases, run.seed, [records], 1)
+    assert words in str(info.value), str(info.value)
+
+
+@pytest.mark.interpreter("runs ring_check_worker in this process: its CPU tensors need Triton's interpreter")
+def test_ring_worker_passes_a_correct_ring_of_triton_blocks(one_rank_group):
+    run = p6.Run("check_ring_attention", seed=2)
+    cases = p6._dist_cases(run.rng, world=1)
+    assert p6._grade_distributed(run, cases, run.seed, [p6.ring_check_worker(0, 1, ring_forward, run.seed, cases)], 1)
+
+
+def test_distributed_diagnoses_a_ring_turning_the_wrong_way_with_three_ranks():
+    run = p6.Run("check_ring_attention", seed=11)
+    cases = p6._dist_cases(run.rng)
+    assert p6._grade_distributed(run, cases, run.seed, _records(run.seed, cases, "wrong_direction", world=2), 2)
+    with pytest.raises(GradingError) as info:  # with 2 ranks the mistake hides; with 3 it shows
+        p6._grade_distributed(p6.Run("check_ring_attention", seed=11), cases, run.seed,
+                              _records(run.seed, cases, "wrong_direction", world=3), 3)
+    assert f"Likely cause: {p6.MSG_WRONG_DIRECTION}" in str(info.value)
+
+
+@pytest.mark.cpu_processes("gloo processes on the CPU run the kernels in Triton's interpreter")
+def test_a_ring_turning_the_wrong_way_fails_on_three_processes():
+    with pytest.raises(GradingError) as info:
+        check_ring_attention(wrong_way_ring)
+    assert f"Likely cause: {p6.MSG_WRONG_DIRECTION}" in str(info.value)
+
+
+def _stale_sm_count_of():
+    """decode._sm_count_of as a notebook holds it once the batch grader has imported a fresh course_utils:
+    an lru_cache wrapper of the same name that is no longer the module's (grade_harness._fresh_course_utils)."""
+    import functools
+
+    from course_utils.kernels import decode
+
+    stale = functools.lru_cache(maxsize=None)(decode._sm_count_of.__wrapped__)
+    assert (stale.__module__, stale.__qualname__) == ("course_utils.kernels.decode", "_sm_count_of")
+    assert stale is not decode._sm_count_of
+    return stale
+
+
+def test_a_stale_lru_cached_course_function_travels_by_value():
+    import cloudpickle
+
+    from course_utils import transport
+
+    stale = _stale_sm_count_of()
+    # Before transport sent such wrappers by value: PicklingError "it's not the same object as
+    # course_utils.kernels.decode._sm_count_of".
+    copy = cloudpickle.loads(transport.dumps(lambda: stale))()
+    assert copy.cache_parameters() == stale.cache_parameters() and copy.__wrapped__.__name__ == "_sm_count_of"
+    from course_utils.kernels import decode
+
+    assert cloudpickle.loads(transport.dumps(decode._sm_count_of)) is decode._sm_count_of  # current: by name
+
+
+@pytest.mark.cpu_processes("gloo processes on the CPU run the kernels in Triton's interpreter")
+def test_a_correct_ring_shipped_by_value_passes_with_an_lru_cached_course_helper():
+    """Defined here (not importable), so it travels by value like a notebook function; it holds a stale
+    lru_cache-wrapped course helper (as under the batch grader), and turns the ring the other way."""
+    from course_utils.kernels import decode
+
+    stale = _stale_sm_count_of()
+
+    def ring_forward_reversed(q, k, v, causal=False, *, layout="zigzag", group=None):
+        assert decode._sm_count(q.device) == 0 and callable(stale)  # 0 SMs: the CPU
+        return _ring(q, k, v, causal, layout, group, send=-1, plan=1)
+
+    assert ring.portable(ring_forward_reversed) is not ring_forward_reversed  # by value
+    assert check_ring_attention(ring_forward_reversed)

@@ -4,6 +4,7 @@ import course_utils  # noqa: F401  (before triton)
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (proof.Work's first dispatch mode imports it: ~2 s in every forked check otherwise)
 import triton
 import triton.language as tl
 
@@ -87,3 +88,67 @@ def test_reading_outside_the_matrix_shows_the_sentinel():
     with pytest.raises(GradingError) as info:
         check_tile_copy(_one_column_off, seed=0)
     assert MSG_SENTINEL in str(info.value)
+
+
+# -----------------------------------------------------------------------------
+# Proof of work: the copy returned must be written by the learner's own kernel during the call
+# -----------------------------------------------------------------------------
+def _the_input_itself(x):
+    _launch()(x)  # a kernel runs, but what comes back is x
+    return x
+
+
+def _torch_clone(x):
+    _launch()(x)
+    return x.clone()
+
+
+def _torch_contiguous(x):
+    _launch()(x)
+    return x.contiguous()  # x itself where x is contiguous, a torch copy elsewhere
+
+
+def _copied_into_y_by_torch(x):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y.copy_(x)
+    _launch()(x)  # the kernel writes a tensor of its own, not y
+    return y
+
+
+@pytest.mark.parametrize("fn, why", [
+    (_the_input_itself, "it is one of the inputs"),
+    (_torch_clone, "computed by torch (aten.clone)"),
+    (_torch_contiguous, "it is one of the inputs"),
+    (_copied_into_y_by_torch, "computed by torch (aten.copy_)"),
+], ids=["x-itself", "clone", "contiguous", "copy_-behind-a-kernel"])
+def test_a_copy_not_made_by_the_kernel_is_refused(fn, why):
+    with pytest.raises(GradingError) as info:
+        check_tile_copy(fn, seed=0)
+    text = str(info.value)
+    assert "y was not written by your Triton kernel" in text and why in text, text
+
+
+def _copy_then_clear_x(x):
+    y = _launch()(x)
+    x.zero_()  # the caller's tensor is destroyed
+    return y
+
+
+def test_an_input_edited_in_place_is_refused():
+    with pytest.raises(GradingError, match=r"changed its input `x` in place"):
+        check_tile_copy(_copy_then_clear_x, seed=0)
+
+
+def _into_a_bigger_buffer(x):
+    # Correct and written differently: y is a view of a larger buffer the kernel writes, the copy
+    # is then made contiguous with torch (a copy of the kernel's own output keeps its origin).
+    buf = torch.empty((x.shape[0] + 2, x.shape[1] + 3), dtype=x.dtype, device=x.device)
+    y = buf[1:1 + x.shape[0], 2:2 + x.shape[1]]
+    grid = (triton.cdiv(x.shape[0], 16), triton.cdiv(x.shape[1], 16))
+    _copy[grid](x, y, x.shape[0], x.shape[1], x.stride(0), x.stride(1), y.stride(0),
+                BLOCK_R=16, BLOCK_C=16, MISTAKE=0)
+    return y.contiguous()
+
+
+def test_a_kernel_writing_a_view_then_a_torch_contiguous_copy_passes():
+    assert check_tile_copy(_into_a_bigger_buffer, seed=1)

@@ -14,6 +14,9 @@ import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (proof.Work's first dispatch mode imports it: ~2 s in every forked check otherwise)
+import triton
+import triton.language as tl
 
 from course_utils.grading import (GradingError, check_window_backward, check_window_forward,
                                   check_window_tile_bounds)
@@ -165,15 +168,11 @@ def test_forward_nan_diagnosis_with_other_blocks(tmp_path_factory):
     _fails(check_window_forward, fwd(module, block_m=32, block_n=32), message)
 
 
-def test_forward_through_the_public_api_passes():
-    from course_utils.kernels import flash_attention_with_lse
-
-    assert check_window_forward(lambda q, k, v, *, window_size, sink_size: flash_attention_with_lse(
-        q, k, v, True, window_size=window_size, sink_size=sink_size))
-
-
-def test_forward_course_kernel_passes_with_other_blocks():
-    assert check_window_forward(fwd(forward, block_m=32, block_n=32))
+def test_forward_course_kernel_passes_with_other_blocks(tmp_path_factory):
+    # The course's kernel typed into the notebook (an unedited copy of forward.py, loaded as the
+    # learner's own module): passes. The course's module itself is refused (below).
+    module = planted(tmp_path_factory, forward, "forward_unchanged")
+    assert check_window_forward(fwd(module, block_m=32, block_n=32))
 
 
 def test_forward_sdpa_is_not_a_triton_kernel():
@@ -233,6 +232,10 @@ BACKWARD_MISTAKES = {
     "sinks_in_the_future": (p5.MSG_SINKS_FUTURE, [(
         "_dkdv_inner_window", "p_t = tl.where(keep, p_t, 0.0)",
         "p_t = tl.where(keep | (offs_n[:, None] < SINK_SIZE), p_t, 0.0)")]),
+    # The far edge's q_end rounded down to whole query blocks: the last, partial query block is skipped.
+    "last_query_block_skipped": (p5.MSG_BWD_LAST_Q_BLOCK, [(
+        "_attn_bwd_dkdv_window", "q_end = tl.minimum(start_n + BLOCK_N + WINDOW_SIZE - 1, N_Q)\n",
+        "q_end = tl.minimum(start_n + BLOCK_N + WINDOW_SIZE - 1, N_Q) // BLOCK_M * BLOCK_M\n")]),
 }
 
 
@@ -250,8 +253,11 @@ def test_backward_sink_diagnosis_with_other_blocks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("split_sinks", [False, True], ids=["lesson-kernel", "sinks-split"])
-def test_backward_course_kernels_pass(split_sinks):
-    assert check_window_backward(differentiable(bw, split_sinks=split_sinks))
+def test_backward_course_kernels_pass(tmp_path_factory, split_sinks):
+    # The course's backward typed into the notebook (an unedited copy of backward.py: every backward
+    # kernel the learner's own) behind the course's forward: passes. The course's own module is refused.
+    module = planted(tmp_path_factory, bw, "bw_unchanged")
+    assert check_window_backward(differentiable(module, split_sinks=split_sinks))
 
 
 def test_backward_math_only_is_rejected():
@@ -276,3 +282,302 @@ def test_the_course_s_own_tile_bounds_is_refused_as_the_answer():
                                            r"course's own answer"):
         check_window_tile_bounds(lambda *args: window_tile_bounds(*args))
     assert window_tile_bounds(1, 4, 4, 16, 3, 0) == window_tile_bounds(1, 4, 4, 16, 3, 0)  # restored after the check
+
+
+# -----------------------------------------------------------------------------
+# Proof of work: borrowed answers and inputs edited in place
+# -----------------------------------------------------------------------------
+@triton.jit
+def _dummy(x_ptr):
+    tl.store(x_ptr, 0.0)
+
+
+def _launch_dummy(like):
+    """A kernel of "the learner's" that does nothing useful: it writes one number nobody reads."""
+    _dummy[(1,)](torch.empty(1, dtype=torch.float32, device=like.device))
+
+
+def _window_mask(n, window_size, sink_size, device):
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    return (j <= i) & ((i - j < window_size) | (j < sink_size))
+
+
+def _sdpa_behind_a_dummy_kernel(q, k, v, *, window_size, sink_size):
+    _launch_dummy(q)
+    mask = _window_mask(q.shape[2], window_size, sink_size, q.device)
+    kk, vv = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    o = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+    s = (q.float() @ kk.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return o, torch.logsumexp(s.masked_fill(~mask, float("-inf")), -1)
+
+
+def _references_behind_a_dummy_kernel(q, k, v, *, window_size, sink_size):
+    from course_utils import references
+
+    _launch_dummy(q)
+    o, lse = references.attention_lse(*(t.detach().cpu().double().numpy() for t in (q, k, v)), causal=True,
+                                      window_size=window_size, sink_size=sink_size)
+    return torch.tensor(o, dtype=q.dtype, device=q.device), torch.tensor(lse, dtype=torch.float32, device=q.device)
+
+
+def _public_api_with_lse(q, k, v, *, window_size, sink_size):
+    from course_utils.kernels import flash_attention_with_lse
+
+    return flash_attention_with_lse(q, k, v, True, window_size=window_size, sink_size=sink_size)
+
+
+def _public_api_flash_attention(q, k, v, *, window_size, sink_size):
+    from course_utils.kernels import flash_attention
+
+    o = flash_attention(q, k, v, causal=True, window_size=window_size, sink_size=sink_size)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return o, lse
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_sdpa_behind_a_dummy_kernel, "while your function ran, torch computed"),
+    (_references_behind_a_dummy_kernel, "your function called course_utils.references.attention_lse: the "
+                                         "references are what the check compares with"),
+    (_public_api_with_lse, "your function ran course_utils's own kernel `_flash_attention_forward_window_kernel`"),
+    (_public_api_flash_attention, "your function ran course_utils's own kernel `_flash_attention_forward_window_kernel`"),
+    (fwd(forward, block_m=32, block_n=32), "your function ran course_utils's own kernel"),
+], ids=["sdpa", "references", "flash_attention_with_lse", "flash_attention", "window-forward-module"])
+def test_forward_borrowed_answers_are_refused(fn, message):
+    with pytest.raises(GradingError) as info:
+        check_window_forward(fn)
+    assert message in str(info.value), str(info.value)
+
+
+def test_forward_input_scaled_in_place_is_refused(tmp_path_factory):
+    # q.mul_(sm_scale) and a kernel told the scale is 1: o and lse are right, but the caller's q is changed.
+    module = planted(tmp_path_factory, forward, "forward_unscaled", (
+        "flash_attention_window_forward", "1.0 / math.sqrt(D), N, Hq", "1.0, N, Hq"))
+
+    def scaled_in_place(q, k, v, *, window_size, sink_size):
+        q.mul_(q.shape[-1] ** -0.5)
+        return module.flash_attention_window_forward(q, k, v, window_size=window_size, sink_size=sink_size)
+
+    with pytest.raises(GradingError, match=r"changed its input `q` in place"):
+        check_window_forward(scaled_in_place)
+
+
+def test_forward_on_contiguous_copies_passes(tmp_path_factory):
+    # Correct and written differently: the kernel reads torch's contiguous copies of q, k, v, and o comes
+    # back as a torch copy of what the kernel wrote (a copy keeps its origin).
+    module = planted(tmp_path_factory, forward, "forward_unchanged")
+
+    def on_copies(q, k, v, *, window_size, sink_size):
+        o, lse = module.flash_attention_window_forward(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                       window_size=window_size, sink_size=sink_size)
+        return o.clone(), lse
+
+    assert check_window_forward(on_copies)
+
+
+def _math_window_attention(q, k, v, window_size, sink_size):
+    mask = _window_mask(q.shape[2], window_size, sink_size, q.device)
+    kk, vv = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    s = (q @ kk.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ vv
+
+
+def _torch_forward_behind_a_dummy_kernel(q, k, v, *, window_size, sink_size):
+    _launch_dummy(q)  # then autograd differentiates torch's math: no backward kernel of ours at all
+    return _math_window_attention(q, k, v, window_size, sink_size)
+
+
+class _TorchBackward(torch.autograd.Function):
+    """The course's forward (allowed), and a backward that is torch autograd behind a dummy kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window_size, sink_size):
+        from course_utils.kernels import flash_attention_with_lse
+
+        ctx.save_for_backward(q, k, v)
+        ctx.window = (window_size, sink_size)
+        return flash_attention_with_lse(q, k, v, True, window_size=window_size, sink_size=sink_size)[0]
+
+    @staticmethod
+    def backward(ctx, do):
+        _launch_dummy(do)
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
+            o = _math_window_attention(q, k, v, *ctx.window)
+            return (*torch.autograd.grad(o, (q, k, v), do), None, None)
+
+
+def _public_api_differentiable(q, k, v, *, window_size, sink_size):
+    from course_utils.kernels import flash_attention
+
+    return flash_attention(q, k, v, True, window_size=window_size, sink_size=sink_size)
+
+
+@triton.jit
+def _copy_flat(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def _launder(t):
+    """A copy of ``t`` by a kernel of "the learner's": the copy's last writer is that kernel."""
+    src = t.contiguous()
+    out = torch.empty_like(src)
+    _copy_flat[(triton.cdiv(src.numel(), 1024),)](src, out, src.numel(), BLOCK=1024)
+    return out
+
+
+class _CourseBackwardCopied(torch.autograd.Function):
+    """The course's whole backward, its dK and dV copied out by the learner's copy kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window_size, sink_size):
+        from course_utils.kernels import flash_attention_with_lse
+
+        o, lse = flash_attention_with_lse(q, k, v, True, window_size=window_size, sink_size=sink_size)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.window = (window_size, sink_size)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=ctx.window[0],
+                                           sink_size=ctx.window[1])
+        return dq, _launder(dk), _launder(dv), None, None
+
+
+def _course_dkdv_copied_by_a_kernel(q, k, v, *, window_size, sink_size):
+    return _CourseBackwardCopied.apply(q, k, v, window_size, sink_size)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_torch_forward_behind_a_dummy_kernel, "while your function ran, torch computed"),
+    (lambda q, k, v, *, window_size, sink_size: _TorchBackward.apply(q, k, v, window_size, sink_size),
+     "(in the backward pass: the gradients must come from your backward kernels, not from torch)"),
+    (differentiable(bw), "your backward ran course_utils's kernel `_attn_bwd_dkdv_window` (through "
+                         "course_utils.kernels): the dK/dV kernel is this exercise"),
+    (_public_api_differentiable, "your backward ran course_utils's kernel `_attn_bwd_dkdv_window`"),
+    (_course_dkdv_copied_by_a_kernel, "your backward ran course_utils's kernel `_attn_bwd_dkdv_window`"),
+], ids=["torch-forward", "torch-autograd-backward", "course-backward-module", "flash_attention",
+        "course-dkdv-laundered"])
+def test_backward_borrowed_answers_are_refused(fn, message):
+    with pytest.raises(GradingError) as info:
+        check_window_backward(fn)
+    text = str(info.value)
+    assert message in text, text
+    if "torch computed" in message:
+        assert "(in the backward pass" not in text  # refused in the forward already
+
+
+def test_backward_do_edited_in_place_is_refused(tmp_path_factory):
+    module = planted(tmp_path_factory, bw, "bw_unchanged")
+
+    class DoubledDo(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, window_size, sink_size):
+            from course_utils.kernels import flash_attention_with_lse
+
+            o, lse = flash_attention_with_lse(q, k, v, True, window_size=window_size, sink_size=sink_size)
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.window = (window_size, sink_size)
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, o, lse = ctx.saved_tensors
+            do.mul_(2.0)  # the caller's do is changed; the gradients are halved back, so they are right
+            grads = module.attention_backward(q, k, v, o, lse, do, causal=True, config=lesson_config(module, q),
+                                              window_size=ctx.window[0], sink_size=ctx.window[1])
+            return (*(g / 2 for g in grads), None, None)
+
+    with pytest.raises(GradingError, match=r"changed its input `do` in place"):
+        check_window_backward(lambda q, k, v, *, window_size, sink_size: DoubledDo.apply(q, k, v, window_size,
+                                                                                         sink_size))
+
+
+def test_backward_last_query_block_skipped_with_wide_key_blocks(tmp_path_factory):
+    # q_end - BLOCK_M, with the GPU's 64 x 128 dK/dV tiles: every case of N <= 128 fits in one key block,
+    # whose range ends at N anyway; only the case of N = 300 (three key blocks) shows it.
+    module = planted(tmp_path_factory, bw, "bw_last_query_block_minus", (
+        "_attn_bwd_dkdv_window", "q_end = tl.minimum(start_n + BLOCK_N + WINDOW_SIZE - 1, N_Q)\n",
+        "q_end = tl.minimum(start_n + BLOCK_N + WINDOW_SIZE - 1, N_Q) - BLOCK_M\n"))
+    text = _fails(check_window_backward, differentiable(module, bw.BackwardConfig(64, 128, 128, 32, split_sinks=False)),
+                  p5.MSG_BWD_LAST_Q_BLOCK)
+    assert "N=300" in text
+
+
+def test_backward_lesson_layout_passes(tmp_path_factory):
+    # Correct and written differently, as lesson 08 is: the learner's own forward and dK/dV kernel (from
+    # copies), the course's delta and dQ kernels (allowed: the lesson gives them).
+    import math
+
+    fwd_module = planted(tmp_path_factory, forward, "forward_unchanged")
+    bw_module = planted(tmp_path_factory, bw, "bw_unchanged")
+
+    def backward(q, k, v, o, lse, do, window_size, sink_size):  # lesson 08's attention_backward_window
+        B, n_q_heads, N, D = q.shape
+        n_kv_heads = k.shape[1]
+        cfg = bw.default_config(D, q.device.type, course_utils.ENV.capability, q.dtype)
+        BLOCK_D = max(16, triton.next_power_of_2(D))
+        PAD_D = BLOCK_D != D
+        delta = torch.empty((B, n_q_heads, N), device=q.device, dtype=torch.float32)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        window_size, sink_size = min(window_size, N), min(sink_size, N)
+        bw.attn_bwd_preprocess[(triton.cdiv(N, cfg.pre_block_m), B * n_q_heads)](
+            o, do, delta, *o.stride(), *do.stride(), delta.stride(0), delta.stride(1), n_q_heads, N, D,
+            BLOCK_M=cfg.pre_block_m, BLOCK_D=BLOCK_D, EVEN_M=N % cfg.pre_block_m == 0, PAD_D=PAD_D, ACC=tl.float32)
+        common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                  lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+        bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+        bw_module._attn_bwd_dkdv_window[(triton.cdiv(N, bn), B * n_kv_heads)](
+            q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
+            n_kv_heads, n_q_heads // n_kv_heads, N, N, D, 1.0 / math.sqrt(D), window_size, sink_size,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=sink_size > 0,
+            EVEN_M=N % bm == 0, EVEN_N=N % bn == 0, PAD_D=PAD_D, ACC=tl.float32, num_warps=cfg.dkdv_warps)
+        bm, bn = cfg.dq_block_m, cfg.dq_block_n
+        bw.attn_bwd_dq_window[(triton.cdiv(N, bm), B * n_q_heads)](
+            q, k, v, do, lse, delta, dq, *common, *dq.stride(),
+            n_q_heads, n_q_heads // n_kv_heads, N, N, D, 1.0 / math.sqrt(D), window_size, sink_size,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=sink_size > 0,
+            EVEN_M=N % bm == 0, EVEN_N=N % bn == 0, PAD_D=PAD_D, ACC=tl.float32, num_warps=cfg.dq_warps)
+        return dq, dk, dv
+
+    class Lesson(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, window_size, sink_size):
+            o, lse = fwd_module.flash_attention_window_forward(q, k, v, window_size=window_size, sink_size=sink_size)
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.window = (window_size, sink_size)
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            return (*backward(*ctx.saved_tensors, do, *ctx.window), None, None)
+
+    assert check_window_backward(lambda q, k, v, *, window_size, sink_size: Lesson.apply(q, k, v, window_size,
+                                                                                         sink_size))
+
+
+def test_backward_dk_written_by_the_course_s_dq_kernel_is_refused(tmp_path_factory):
+    # Only kernels the lesson gives ran (besides the learner's), but dK is the course dQ kernel's output.
+    module = planted(tmp_path_factory, bw, "bw_unchanged")
+
+    class DqKernelWritingDk(_CourseBackwardCopied):
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, o, lse = ctx.saved_tensors
+            dq, _, dv = module.attention_backward(q, k, v, o, lse, do, causal=True, config=lesson_config(module, q),
+                                                  window_size=ctx.window[0], sink_size=ctx.window[1])
+            dk = torch.zeros_like(k)
+            bw.attn_bwd_dq_window[(1, 1)](  # one block of "dq" for kv head 0, written into dk
+                k, q, v, do, lse, lse, dk, *k.stride(), *q.stride(), *v.stride(), *do.stride(),
+                lse.stride(0), lse.stride(1), lse.stride(0), lse.stride(1), *dk.stride(),
+                1, 1, 16, 16, q.shape[-1], 1.0, 1, 0, BLOCK_M=16, BLOCK_N=16, BLOCK_D=16, HAS_SINKS=False,
+                EVEN_M=True, EVEN_N=True, PAD_D=False, ACC=tl.float32)
+            return dq, dk, dv, None, None
+
+    with pytest.raises(GradingError, match=r"dk was written by course_utils's kernel `attn_bwd_dq_window`: the "
+                                           r"dK/dV kernel is this exercise"):
+        check_window_backward(lambda q, k, v, *, window_size, sink_size: DqKernelWritingDk.apply(
+            q, k, v, window_size, sink_size))

@@ -24,7 +24,7 @@ import inspect
 from typing import Callable
 
 from . import (part1_numpy, part2_basics, part2_debug, part2_tiles, part2_triton, part3_performance, part4_backward,
-               part5_decode, part5_window, part6_ring)
+               part5_decode, part5_window, part6_ring, part7_hopper)
 from .core import require_callable
 from .isolation import run_isolated
 
@@ -45,12 +45,19 @@ class Exercise:
     # The course's own answer to this exercise where the lesson shows it to learners (so the batch
     # grader allows it elsewhere): refused while this check runs, in the notebook and in batch grading.
     answer_keys: tuple[str, ...] = ()
+    # Course functions the lesson gives learners to call in this answer (qualified names): the batch
+    # grader refuses every other call into course_utils.references / course_utils.kernels while the
+    # check runs, these it lets through.
+    allowed: tuple[str, ...] = ()
 
     @property
     def check(self) -> Callable:
         """The public ``check_*`` function (made once)."""
         return _CHECKS[self.name]
 
+
+# Lesson 09's launcher picks its tiles and splits with these (the learner writes the kernels).
+_DECODE_HELPERS = ("course_utils.kernels.decode.decode_config", "course_utils.kernels.decode.pick_num_splits")
 
 EXERCISES: tuple[Exercise, ...] = (
     # name, lesson, grading function, isolated, timeout_s, points[, checked callable as]
@@ -78,11 +85,20 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("check_window_backward", "08_sliding_window_and_sinks", part5_window.grade_window_backward,
              True, 120.0, 1),
     Exercise("check_merge_partials", "09_decoding", part5_decode.grade_merge_partials, False, None, 1),
-    Exercise("check_decode_split", "09_decoding", part5_decode.grade_decode_split, True, 240.0, 1),
-    Exercise("check_decode_combine", "09_decoding", part5_decode.grade_decode_combine, True, 180.0, 1),
+    Exercise("check_decode_split", "09_decoding", part5_decode.grade_decode_split, True, 240.0, 1,
+             allowed=_DECODE_HELPERS),
+    Exercise("check_decode_combine", "09_decoding", part5_decode.grade_decode_combine, True, 180.0, 1,
+             allowed=_DECODE_HELPERS),
     # The ring checks start their own processes (one per rank): not isolated again.
-    Exercise("check_ring_simulation", "10_ring_attention", part6_ring.grade_ring_simulation, False, None, 1),
+    Exercise("check_ring_simulation", "10_ring_attention", part6_ring.grade_ring_simulation, False, None, 1,
+             allowed=("course_utils.references.attention_lse",)),  # the lesson computes each block with it
     Exercise("check_ring_attention", "10_ring_attention", part6_ring.grade_ring_attention, False, None, 1),
+    Exercise("check_quantize_fp8", "11_hopper_and_fp8", part7_hopper.grade_quantize_fp8, False, None, 1,
+             answer_keys=("course_utils.kernels.fp8.quantize_fp8",)),
+    Exercise("check_persistent_schedule", "11_hopper_and_fp8", part7_hopper.grade_persistent_schedule,
+             False, None, 1, answer_keys=("course_utils.kernels.fp8.lpt_schedule",)),
+    Exercise("check_fp8_forward", "11_hopper_and_fp8", part7_hopper.grade_fp8_forward, True, 240.0, 2,
+             "your launcher", allowed=("course_utils.kernels.fp8.fp8_config",)),  # the lesson's launcher
 )
 
 

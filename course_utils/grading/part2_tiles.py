@@ -15,6 +15,13 @@ The memory around and between the elements holds a sentinel value, so a load
 that reads outside the matrix (a missing mask, a wrong stride) shows as a
 sentinel in the output. Each known mistake is recognised by reading the
 same memory with the mistaken strides (``torch.as_strided``).
+
+The copy must be the learner's own kernel's work (:class:`.proof.Work`): the
+tensor returned must have been written by their kernel during the call, so
+returning ``x`` itself, or ``x.clone()`` / ``x.contiguous()`` behind a kernel
+launch, fails; so does editing ``x`` in place (:func:`.inputs.changed_input`,
+checked at once). The copy's values are compared (and a wrong copy diagnosed)
+before its origin is checked, so a mistake gets its own message whoever made it.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..environment import current
-from . import proof
+from . import inputs, proof
 from .core import Diagnosis, Run
 from .mistakes import MSG_NO_KERNEL_TILE_COPY
 from .mistakes import MSG_ROW_STRIDE_TILE_COPY
@@ -83,7 +90,8 @@ def grade_tile_copy(fn, *, seed=None):
     Shapes from 1 x 1 to 33 x 130 and a random one (none a multiple of a
     power-of-two block), float32 and float16, laid out contiguous, with rows spaced apart,
     every other column, and transposed, in memory filled with a sentinel value.
-    The copy must be exact.
+    The copy must be exact, written by your own kernel during the call (not x
+    itself, not a torch copy), and x must be left as it was.
     """
     import torch
 
@@ -100,10 +108,14 @@ def grade_tile_copy(fn, *, seed=None):
             values = torch.from_numpy(run.rng.standard_normal((r, c))).to(dtype)
             x = _layout(values.to(env.device), layout, env.device)
             case = f"{r} x {c}, {str(dtype).replace('torch.', '')}, {layout} (strides {tuple(x.stride())})"
-            with proof.count_launches() as launched:
+            before = inputs.snapshot(x=x)
+            with proof.Work(inputs=(x,)) as work:
                 out = run.call(fn, x, case=case)
-            if not launched:
+            if not work.launches:
                 raise run.fail(MSG_NO_KERNEL_TILE_COPY, case)
+            changed = inputs.changed_input(before, x=x)
+            if changed:
+                raise run.fail(changed, case)
             if out is None or not hasattr(out, "shape"):
                 raise run.fail("your function must return the copy (a torch tensor).", case)
             if tuple(out.shape) != (r, c):
@@ -122,4 +134,9 @@ def grade_tile_copy(fn, *, seed=None):
             ]
             run.compare(got, want, case=case, what="the copy", atol=0, rtol=0, diagnoses=diagnoses,
                         axes=("row", "col"))
+            # Right values: were they copied by the learner's kernel? (After the comparison, so that a
+            # wrong copy gets its diagnosis whoever made it.)
+            problem = work.problem(no_kernel=MSG_NO_KERNEL_TILE_COPY, y=out)
+            if problem:
+                raise run.fail(problem, case)
     return run.passed()

@@ -30,8 +30,10 @@ power of two from 16 up and name the one that fits.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import operator
 
@@ -40,7 +42,7 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import inputs, proof
-from .core import Diagnosis, Run, require_callable
+from .core import Diagnosis, Forbidden, Run, require_callable
 from .mistakes import (
     MSG_BOUND_FLOORED,
     MSG_CAUSAL_SHIFTED,
@@ -106,6 +108,15 @@ MSG_OR_O_STRIDES = (
     " Or " + MSG_O_STRIDES_CAUSE + " Here q is shared across the batch (batch stride 0), so every batch "
     "element wrote into the first one's place, and batch 0's store came last. Address O with its own "
     "strides."
+)
+MSG_TILE_GROWS = (
+    "your kernel's tile grows with the sequence: its constexpr {name} was {values}, always at least N, so "
+    "one tile holds every key (or every query) of a head. That is a plain softmax over one tile, not "
+    "FlashAttention, and it does not scale: the tile lives in registers and shared memory, which a few "
+    "thousand keys overflow on any GPU. FlashAttention keeps BLOCK_M and BLOCK_N fixed (16 to 128, whatever "
+    "N is), launches one program per block of queries, and loops over the keys block by block with the "
+    "online softmax (running max m_i, running sum l_i, acc rescaled by exp(m_old - m_new)), so its memory "
+    "stays O(BLOCK_M x BLOCK_N) however long the sequence."
 )
 MSG_D_STRIDE = (
     "this is the first case whose head dim is not contiguous (q.stride(-1) != 1). A kernel "
@@ -424,19 +435,88 @@ def _lse_diagnoses(c: _Case, q64, k64, lse):
 
 
 # =============================================================================
+# The tile sizes a launch chose: FlashAttention's are fixed, a whole-sequence tile grows with N
+# =============================================================================
+_LARGEST_BLOCK = max(_BLOCKS)  # no fixed tile a learner may pick is larger: past it, a tile >= N grew with N
+
+
+def _constexpr_ints(kernel, args, kwargs) -> dict[str, int]:
+    """The launch's integer constexpr arguments that are powers of two (tile sizes), by name ({} if unknown)."""
+    try:
+        names = list(kernel.arg_names)
+        params = getattr(kernel, "params", None)
+        if params is not None:  # JITFunction
+            constexprs = {p.name for p in params if p.is_constexpr}
+        else:  # the interpreter's InterpretedFunction: read the annotations
+            sig = inspect.signature(kernel.fn).parameters
+            constexprs = {n for n, p in sig.items()
+                          if "constexpr" in (p.annotation if isinstance(p.annotation, str)
+                                             else getattr(p.annotation, "__name__", ""))}
+        values = dict(zip(names, args))
+        values.update({k: v for k, v in kwargs.items() if k in names})
+    except Exception:  # noqa: BLE001  (a kernel of an unexpected kind: no evidence, no verdict)
+        return {}
+    return {n: int(v) for n, v in values.items() if n in constexprs and isinstance(v, int)
+            and not isinstance(v, bool) and v >= 16 and v & (v - 1) == 0}
+
+
+@contextlib.contextmanager
+def _tile_sizes(history: dict | None = None, n: int = 0):
+    """Record, for each launch of the learner's kernels in the block, its power-of-two constexprs.
+
+    Yields ``{(kernel name, constexpr name): largest value}``, filled as kernels launch. With
+    ``history`` (the earlier cases' records, see :func:`_growing_tile`) and this case's ``n``, a
+    launch whose tile grew with N is refused before it runs (on a GPU a tile of every key may not
+    even fit): :class:`.core.Forbidden`, which the learner's ``except Exception`` cannot hide and
+    ``Run.call`` reports as a GradingError of this case.
+    """
+    seen: dict[tuple[str, str], int] = {}
+
+    def on_launch(kernel, args, kwargs, launch):
+        if not proof._is_course_kernel(kernel):
+            tiles = {(proof._kernel_name(kernel), name): value
+                     for name, value in _constexpr_ints(kernel, args, kwargs).items()}
+            if history is not None:
+                grown = _growing_tile({key: history.get(key, []) + [(n, value)] for key, value in tiles.items()})
+                if grown:
+                    raise Forbidden(grown)
+            for key, value in tiles.items():
+                seen[key] = max(seen.get(key, 0), value)
+        return launch()
+
+    with proof._patched_launches(on_launch):
+        yield seen
+
+
+def _growing_tile(history: dict) -> str | None:
+    """The message for a constexpr that grew with N and covered every row, or None.
+
+    ``history``: ``{(kernel, constexpr): [(N, value), ...]}`` over the cases so far. A tile is
+    flagged when it was at least N in every case, took more than one value, and some case had N
+    past the largest fixed block (so a tile capped at 64, 128 or 256 never is).
+    """
+    for (kernel, name), seen in history.items():
+        if len({v for _, v in seen}) > 1 and all(v >= n for n, v in seen) and max(n for n, _ in seen) > _LARGEST_BLOCK:
+            by_n = sorted(dict(seen).items())
+            values = ", ".join(f"{v} at N = {n}" for n, v in ([by_n[0]] + by_n[-2:] if len(by_n) > 3 else by_n))
+            return MSG_TILE_GROWS.format(name=f"{name} (of {kernel})", values=values)
+    return None
+
+
+# =============================================================================
 # The Triton checks
 # =============================================================================
 def _tolerance(dtype: str):
     return _TOLERANCES[(current().device, dtype)]
 
 
-def _run_case(run, fn, c: _Case, gqa: bool):
+def _run_case(run, fn, c: _Case, gqa: bool, history: dict | None = None):
     import torch
 
     device = current().device
     q, k, v, q64, k64, v64 = _make_inputs(run.rng, c, device)
     before = inputs.snapshot(q=q, k=k, v=v)
-    with proof.Work(inputs=(q, k, v)) as work:
+    with proof.Work(inputs=(q, k, v)) as work, _tile_sizes(history, c.N) as tiles:
         if gqa:
             out = run.call(fn, q, k, v, case=c.desc)
         else:
@@ -478,13 +558,20 @@ def _run_case(run, fn, c: _Case, gqa: bool):
         run.compare(got_lse, expected_lse, case=c.desc, what="lse", atol=lse_atol, rtol=0.0,
                     diagnoses=_lse_diagnoses(c, q64, k64, expected_lse),
                     axes=("batch", "head", "row"))
+    return tiles
 
 
 def _check(fn, *, exercise, gqa, seed=None):
     run = Run(exercise, seed, time_limit_s=60.0)
     device = current().device
+    # (kernel, constexpr) -> [(N, value), ...]: lesson 04's kernel must keep its tiles as N grows (refused
+    # at the launch of fixed 8, N = 300, the first case past every fixed block size)
+    history: dict | None = None if gqa else {}
     for c in _fixed_cases(gqa, device) + _random_cases(run.rng, gqa, device):
-        _run_case(run, fn, c, gqa)
+        tiles = _run_case(run, fn, c, gqa, history)
+        if history is not None:
+            for key, value in tiles.items():
+                history.setdefault(key, []).append((c.N, value))
     return run.passed()
 
 
@@ -496,7 +583,10 @@ def grade_flash_forward(fn, *, seed=None):
     multiple of any block, batches, a transposed ``[B, N, H, D]`` layout, a
     head dim with a stride, q shared across the batch (batch stride 0),
     causal and not, float32 and float16 (bfloat16 too on a GPU), then fresh
-    random ones. All inputs sit in NaN-filled memory. On the CPU the check
+    random ones. All inputs sit in NaN-filled memory. A launch whose tile grows
+    with N (a power-of-two constexpr at least N in every case, past the largest
+    fixed block of 256) is refused: one tile of every key is a softmax, not
+    FlashAttention. On the CPU the check
     runs in a separate process, so a crash cannot kill the notebook;
     ``timeout_s`` bounds the whole check. ``seed`` replays a call.
     """

@@ -16,7 +16,8 @@ import numpy as np
 
 from .core import Diagnosis, Run
 
-__all__ = ["grade_attention_flops", "grade_roofline", "grade_programs_per_sm", "H200", "RECORDED_COMPILES"]
+__all__ = ["grade_attention_flops", "grade_roofline", "grade_programs_per_sm", "H200", "RECORDED_COMPILES",
+           "BOUNDARY_CASES"]
 
 
 def _number(run: Run, out, case: str) -> float:
@@ -149,22 +150,58 @@ RECORDED_COMPILES = (
 )
 
 
+RESOURCES = ("registers", "shared", "warps", "programs")
+
+
+def _fit(limit, cost, strict=False):
+    """How many programs of ``cost`` fit in ``limit``: n x cost <= limit (``strict``: the mistake n x cost < limit)."""
+    n = limit // cost
+    return n - 1 if strict and n * cost == limit else n
+
+
 def programs_per_sm(registers_per_thread, num_warps, shared_kib, *, reserve=True, round_registers=True,
-                    warp_limit=True, combine=min):
-    """The H200's occupancy rule (the ``reserve``/``round_registers``/``warp_limit``/``combine``
-    switches make the known mistakes, for the diagnoses)."""
+                    warp_limit=True, program_limit=True, strict=(), refuse_at=(), combine=min):
+    """The H200's occupancy rule. The switches make the known mistakes, for the diagnoses:
+    ``reserve``, ``round_registers``, ``warp_limit``, ``program_limit`` (the 32-program cap),
+    ``combine`` (max for min); ``strict``: the resources of :data:`RESOURCES` counted with ``<``
+    where the rule has ``<=`` (an exact fit refused); ``refuse_at``: "registers" / "shared" whose
+    launch limit (255 / 227 KiB) is itself refused (``>=`` for ``>``)."""
     regs = int(registers_per_thread)
     if regs > H200["max_registers_per_thread"] or shared_kib > H200["max_shared_kib_per_program"]:
+        return 0
+    if ("registers" in refuse_at and regs == H200["max_registers_per_thread"]) or (
+            "shared" in refuse_at and shared_kib == H200["max_shared_kib_per_program"]):
         return 0
     g = H200["register_granularity"]
     if round_registers:
         regs = -(-regs // g) * g
-    by_regs = H200["registers"] // (regs * 32 * num_warps)
-    by_smem = H200["shared_kib"] // (shared_kib + (H200["reserved_kib_per_program"] if reserve else 0))
-    limits = [by_regs, by_smem, H200["max_programs"]]
+    by_regs = _fit(H200["registers"], regs * 32 * num_warps, "registers" in strict)
+    by_smem = _fit(H200["shared_kib"], shared_kib + (H200["reserved_kib_per_program"] if reserve else 0),
+                   "shared" in strict)
+    limits = [by_regs, by_smem]
+    if program_limit:
+        limits.append(_fit(H200["max_programs"], 1, "programs" in strict))
     if warp_limit:
-        limits.append(H200["max_warps"] // num_warps)
+        limits.append(_fit(H200["max_warps"], num_warps, "warps" in strict))
     return int(combine(limits[:2])) if combine is max else int(min(limits))
+
+
+ONE_BYTE_KIB = 1 / 1024  # exact in binary: 113 KiB + one byte is 113.0009765625
+# Each boundary of the rule, on both sides (fresh random cases reach them only 1-5% of the time):
+# (registers_per_thread, num_warps, shared_kib, what).
+BOUNDARY_CASES = (
+    (16, 1, 1, "a tiny 1-warp program: 64 would fit by warps, the 32-program limit binds"),
+    (16, 2, 1, "32 programs of 2 warps: the 64 warps and the 32 programs exactly full"),
+    (16, 16, 1, "4 programs of 16 warps fill the 64 warps exactly"),
+    (128, 2, 1, "8 programs of 64 threads x 128 registers fill the 65,536 registers exactly"),
+    (129, 2, 1, "one register per thread more (rounded up to 136): 7 programs"),
+    (64, 2, 56, "4 programs of 56 + 1 KiB fill the 228 KiB exactly"),
+    (64, 2, 113, "2 programs of 113 + 1 KiB fill the 228 KiB exactly"),
+    (64, 2, 113 + ONE_BYTE_KIB, "113 KiB and one byte (the compiler counts bytes): 2 no longer fit"),
+    (64, 4, 227, "227 KiB, the most one program may ask: it launches, alone"),
+    (64, 4, 227 + ONE_BYTE_KIB, "227 KiB and one byte: it cannot launch"),
+    (256, 1, 1, "256 registers per thread, one more than a thread may have"),
+)
 
 
 def grade_programs_per_sm(fn, *, seed=None):
@@ -174,7 +211,8 @@ def grade_programs_per_sm(fn, *, seed=None):
     rounded up to a multiple of 8, 32 threads per warp), shared memory (228
     KiB, plus 1 KiB reserved per program), 64 warps and 32 programs; 0 when
     one program alone asks for more than 255 registers per thread or 227 KiB.
-    First the compile statistics recorded on the H200, then random ones.
+    First the compile statistics recorded on the H200, then each limit exactly
+    reached and just passed, then random ones.
     """
     __tracebackhide__ = True
     run = Run("check_programs_per_sm", seed)
@@ -182,6 +220,7 @@ def grade_programs_per_sm(fn, *, seed=None):
     cases += [(16, 8, 1, "a tiny program"), (85, 1, 4, "registers just past a multiple of 8"),
               (64, 2, 114, "half of the shared memory"), (255, 4, 228, "more shared memory than one program may use"),
               (300, 1, 16, "more registers than a thread may have")]
+    cases += list(BOUNDARY_CASES)
     for _ in range(14):
         r = int(run.rng.integers(16, 256))
         w = int(run.rng.choice([1, 2, 4, 8, 16]))
@@ -217,6 +256,25 @@ def grade_programs_per_sm(fn, *, seed=None):
         Diagnosis("a program that needs more than 227 KiB of shared memory (or 255 registers per thread) "
                   "cannot launch at all: return 0 for it.",
                   when=lambda a: bool(np.any(a[np.array([r > 255 or s > 227 for r, _, s in args])] != 0))),
+        Diagnosis("the limit of 32 resident programs (thread blocks) per SM is missing: whatever registers, "
+                  "shared memory and warps allow, an SM holds at most 32, so a tiny 1-warp program stops at 32, "
+                  "not 64.", expected=rule(program_limit=False)),
+        Diagnosis("every limit was counted with < where it is <=: n programs fit when n x (what one needs) <= "
+                  "what the SM has, so an exact fit counts (2 x (113 + 1) KiB = 228 KiB: 2 programs; "
+                  "4 x 16 warps = 64: 4 programs; 32 programs: 32).", expected=rule(strict=RESOURCES)),
+        Diagnosis("shared memory that fits exactly was refused (< where it is <=): n programs fit when "
+                  "n x (shared_kib + 1) <= 228, so 113 KiB gives 2 programs (2 x 114 = 228), 56 KiB gives 4.",
+                  expected=rule(strict=("shared",))),
+        Diagnosis("registers that fill the register file exactly were refused (< where it is <=): 8 programs "
+                  "of 2 warps x 32 threads x 128 registers = 65,536 all fit.", expected=rule(strict=("registers",))),
+        Diagnosis("warps that fill the SM exactly were refused (< where it is <=): 4 programs of 16 warps = "
+                  "64 warps all fit.", expected=rule(strict=("warps",))),
+        Diagnosis("the 32nd program was refused (< where it is <=): an SM holds up to 32 programs, 32 included.",
+                  expected=rule(strict=("programs",))),
+        Diagnosis("227 KiB itself was refused: a program may use up to 227 KiB of shared memory, 227 included "
+                  "(> 227 cannot launch, not >= 227).", expected=rule(refuse_at=("shared",))),
+        Diagnosis("255 registers per thread itself was refused: a thread may have up to 255, 255 included "
+                  "(> 255 cannot launch, not >= 255).", expected=rule(refuse_at=("registers",))),
     ]
     bad = got != want
     first = int(np.argmax(bad)) if bad.any() else 0

@@ -11,7 +11,12 @@
 The references are :func:`course_utils.references.decode_partials` and
 :func:`~course_utils.references.merge_partials` in float64. The caches hold
 NaN past each sequence's length (and the tensors sit in NaN-filled buffers),
-so a kernel that reads past ``cache_seqlens`` shows NaN. Lengths are ragged,
+so a kernel that reads past ``cache_seqlens`` shows NaN. The learner is called inside
+:class:`.proof.Work`: the graded tensors must be written by the learner's own kernel during the
+call (not by torch's attention, softmax, exp or matrix products, not by the course's kernels of
+``course_utils.kernels.decode``, not computed in NumPy and copied by a kernel), and the inputs must
+come back unchanged (:func:`.inputs.changed_input`). The lesson's launcher may call the course's plain
+helpers (``decode.decode_config``, ``decode.LOG2E``). Lengths are ragged,
 ``T`` goes up to 4, the query heads come in groups (MHA, GQA, MQA), and some
 splits see no key. Each known mistake is recognised by computing, in NumPy,
 what the mistaken code would output on the same inputs: merging without the
@@ -330,24 +335,51 @@ def _tolerance(dtype: str):
     return _TOL[(current().device, dtype)]
 
 
+def _proof_of_work(run, work, before, case, **tensors):
+    """Fail ``run`` unless the learner's own kernels wrote the graded tensors and no input was edited.
+
+    ``tensors``: the graded results first (``o_parts``/``lse_parts``, or ``o``), then the inputs of
+    ``before`` (:func:`.inputs.snapshot`) under the same names. The sentences are
+    :meth:`.proof.Work.problem`'s: torch's attention, softmax, exp or matrix products, the course's
+    kernels (``course_utils.kernels.decode``), an answer computed in NumPy (the references) and copied
+    by a kernel, or a result no kernel of the learner's wrote.
+    """
+    graded = {name: t for name, t in tensors.items() if name not in before}
+    problem = work.problem(no_kernel=MSG_NO_KERNEL_ATTENTION, **graded)
+    if problem:
+        raise run.fail(problem, case)
+    changed = inputs.changed_input(before, **{name: tensors[name] for name in before})
+    if changed:
+        raise run.fail(changed, case)
+
+
 def _run_split_case(run, fn, c: _DecodeCase):
     import torch
 
     device = current().device
     (q, k, v, seqlens), (q64, k64, v64) = _decode_inputs(run.rng, c, device)
-    with proof.count_launches() as launched:
+    before = inputs.snapshot(q=q, k_cache=k, v_cache=v, cache_seqlens=seqlens)
+    with proof.Work(inputs=(q, k, v, seqlens)) as work:
         out = run.call(fn, q, k, v, seqlens, c.num_splits, case=c.desc)
-    if not launched:
+    if not work.launches:
         raise run.fail(MSG_NO_KERNEL_ATTENTION, c.desc)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        problem = work.problem(no_kernel=MSG_NO_KERNEL_ATTENTION)
+        if problem:
+            raise run.fail(problem, c.desc)
         raise run.fail(f"your function returned a {type(out).__name__}; return the pair (o_parts, lse_parts).",
                        c.desc)
     o_parts, lse_parts = out
     shape = (c.b, c.hq, c.t, c.num_splits)
-    inputs.tensor_like(run, o_parts, "o_parts", shape + (c.d,), torch.float32, q.device, c.desc,
-                       hint=" o_parts is float32 [B, Hq, T, num_splits, D].")
-    inputs.tensor_like(run, lse_parts, "lse_parts", shape, torch.float32, q.device, c.desc,
-                       hint=" lse_parts is float32 [B, Hq, T, num_splits].")
+    checks = [(o_parts, "o_parts", shape + (c.d,), " o_parts is float32 [B, Hq, T, num_splits, D]."),
+              (lse_parts, "lse_parts", shape, " lse_parts is float32 [B, Hq, T, num_splits].")]
+    for t, name, want, hint in checks:  # a slip (None, `.numpy()` at the end): say that first
+        if not isinstance(t, torch.Tensor):
+            inputs.tensor_like(run, t, name, want, torch.float32, q.device, c.desc, hint=hint)
+    _proof_of_work(run, work, before, c.desc, o_parts=o_parts, lse_parts=lse_parts,
+                   q=q, k_cache=k, v_cache=v, cache_seqlens=seqlens)
+    for t, name, want, hint in checks:
+        inputs.tensor_like(run, t, name, want, torch.float32, q.device, c.desc, hint=hint)
     expected_o, expected_lse = ref.decode_partials(q64, k64, v64, np.array(c.lengths), c.num_splits)
     atol, rtol, lse_atol = _tolerance(c.dtype)
     got_o = o_parts.detach().cpu().double().numpy()
@@ -389,7 +421,8 @@ def grade_decode_split(fn, *, seed=None):
     ``chunk = cdiv(L, num_splits)``. Return float32 ``o_parts [B, Hq, T,
     num_splits, D]`` (each normalised by its own sum) and ``lse_parts [B, Hq,
     T, num_splits]`` (natural log; ``-inf`` and ``o = 0`` where a row sees no
-    key of the split). Entries past each length are NaN. Isolated on the CPU.
+    key of the split). Entries past each length are NaN. Both must be written by your own
+    ``@triton.jit`` kernel during the call, and the inputs left as they were. Isolated on the CPU.
     """
     run = Run("check_decode_split", seed, time_limit_s=60.0)
     for c in _split_cases(run.rng, current().device):
@@ -442,7 +475,8 @@ def grade_decode_combine(fn, *, seed=None):
     float32 ``o [B, Hq, T, D]``, the parts merged by their lse. Cases: one
     split, empty splits (lse = -inf), lse near +-200 (float32's exp overflows
     at 88), a split count that is not a power of two, fresh random ones.
-    Isolated on the CPU; ``seed`` replays a call.
+    ``o`` must be written by your own ``@triton.jit`` kernel during the call, and
+    the inputs left as they were. Isolated on the CPU; ``seed`` replays a call.
     """
     import torch
 
@@ -461,11 +495,16 @@ def grade_decode_combine(fn, *, seed=None):
         l32 = torch.from_numpy(lse).to(device=device, dtype=torch.float32)
         o64, lse64 = o32.double().cpu().numpy(), l32.double().cpu().numpy()
         expected, _ = ref.merge_partials(o64, lse64)
-        with proof.count_launches() as launched:
-            out = run.call(fn, inputs.guarded_contiguous(o32, after=256), inputs.guarded_contiguous(l32, after=256),
-                           case=desc)
-        if not launched:
+        o_in, lse_in = inputs.guarded_contiguous(o32, after=256), inputs.guarded_contiguous(l32, after=256)
+        before = inputs.snapshot(o_parts=o_in, lse_parts=lse_in)
+        with proof.Work(inputs=(o_in, lse_in)) as work:
+            out = run.call(fn, o_in, lse_in, case=desc)
+        if not work.launches:
             raise run.fail(MSG_NO_KERNEL_ATTENTION, desc)
+        if not isinstance(out, torch.Tensor):  # a slip (None, `.numpy()` at the end): say that first
+            inputs.tensor_like(run, out, "o", (b, hq, t, d), torch.float32, o32.device, desc,
+                               hint=" o is float32 [B, Hq, T, D].")
+        _proof_of_work(run, work, before, desc, o=out, o_parts=o_in, lse_parts=lse_in)
         inputs.tensor_like(run, out, "o", (b, hq, t, d), torch.float32, o32.device, desc,
                            hint=" o is float32 [B, Hq, T, D].")
         got = out.detach().cpu().double().numpy()

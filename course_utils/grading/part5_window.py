@@ -9,10 +9,13 @@ or j < sink_size)`` (:func:`course_utils.references.window_mask`).
 - :func:`check_window_forward` grades a Triton forward
   ``fn(q, k, v, *, window_size, sink_size) -> (o, lse)`` (torch ``[B, H, N,
   D]``, GQA, causal), in a separate process on the CPU, with NaN-padded,
-  strided inputs and a proof that a Triton kernel ran.
+  strided inputs and a proof of work (:class:`.proof.Work`: ``o`` and ``lse``
+  written by the learner's own kernel; q, k, v left as they were).
 - :func:`check_window_backward` grades a differentiable
   ``fn(q, k, v, *, window_size, sink_size) -> o`` whose backward runs Triton
-  kernels: ``dv``, then ``dk``, then ``dq`` against float64 references.
+  kernels: ``dv``, then ``dk``, then ``dq`` against float64 references; ``dk``
+  and ``dv`` must be written by the learner's dK/dV kernel (the course's
+  delta and dQ kernels, and its forward, are allowed).
 
 Mistakes are recognised by re-enacting them in float64 on the same inputs.
 Mask mistakes (the window off by one, sinks visible before their time) change
@@ -20,7 +23,10 @@ which pairs are visible. Loop mistakes (a band start not rounded down to a
 tile, sink tiles skipped, sink tiles visited twice, no guard for rows whose
 first visited tile is fully masked) are re-enacted by :func:`_visits`, which
 runs the kernel's five phases tile by tile for each block size a kernel might
-use and counts how often each (query, key) pair is folded in.
+use and counts how often each (query, key) pair is folded in. The dK/dV
+kernel's loop mistakes (sink keys not accumulated over every later query, the
+far edge's loop stopping one query block short) are re-enacted the same way,
+column by column (:func:`_dkdv_coverage`, :func:`_dkdv_short_coverage`).
 """
 
 from __future__ import annotations
@@ -89,6 +95,20 @@ MSG_BWD_SINKS = (
     "is seen by EVERY later query, so its loop over query blocks must run to the end of the "
     "sequence (q_end = N), not stop at the window's far edge."
 )
+MSG_BWD_LAST_Q_BLOCK = (
+    "dK/dV miss the last query block of a key block's range: the loop over query blocks stops one "
+    "block short of the window's far edge. The last phase must run over [full_end, q_end) with "
+    "q_end = min(start_n + BLOCK_N + window_size - 1, N), not rounded down to a multiple of BLOCK_M "
+    "and not minus BLOCK_M: range(full_end, q_end, BLOCK_M) already visits the last, partial query "
+    "block, whose first rows still see the block's last keys."
+)
+MSG_DKDV_NOT_YOURS = (
+    "{what}: the dK/dV kernel is this exercise (your _attn_bwd_dkdv_window), so launch the one you "
+    "wrote. The course gives only the delta kernel (attn_bwd_preprocess) and the dQ kernel "
+    "(attn_bwd_dq_window)."
+)
+# The course's kernels lesson 08's backward may launch (it imports them); any other is a course dK/dV.
+_COURSE_BACKWARD_KERNELS_OK = ("attn_bwd_preprocess", "attn_bwd_dq_window")
 
 # Block sizes (block_m, block_n) a kernel might use: the models try each.
 _BLOCK_PAIRS = [(bm, bn) for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128) if bm % bn == 0]
@@ -378,7 +398,9 @@ def grade_window_forward(fn, *, seed=None):
     unusual strides, N is never a multiple of 16; windows of 1 and longer
     than N, sinks inside one tile, over several tiles, none; fp32 and fp16
     on the CPU (bf16 too on a GPU that has it); fresh random cases per call.
-    A Triton kernel must run.
+    ``o`` and ``lse`` must be written by your own Triton kernel during the call
+    (not by torch, the references or course_utils's kernels), and q, k, v must
+    be left as they were.
     """
     __tracebackhide__ = True
     require_callable(fn, "check_window_forward")
@@ -386,10 +408,21 @@ def grade_window_forward(fn, *, seed=None):
     run = Run("check_window_forward", seed, time_limit_s=30.0)
     for c in _forward_cases(run.rng, env.device):
         (q64, k64, v64), (q, k, v) = _inputs(run, c, env.device)
-        with proof.count_launches() as launches:
+        before = inputs.snapshot(q=q, k=k, v=v)
+        with proof.Work(inputs=(q, k, v)) as work:
             out = run.call(fn, q, k, v, window_size=c.window_size, sink_size=c.sink_size, case=c.name)
         if not isinstance(out, tuple) or len(out) != 2:
             raise run.fail(f"your function returned a {type(out).__name__}; return a pair (o, lse).", c.name)
+        if not work.launches:
+            raise run.fail(MSG_NO_TRITON_WINDOW, c.name)
+        # o and lse must come from the learner's kernel: not torch (SDPA, softmax, @), not the
+        # course's kernels, not the references (refused while the function runs).
+        problem = work.problem(no_kernel=MSG_NO_TRITON_WINDOW, o=out[0], lse=out[1])
+        if problem:
+            raise run.fail(problem, c.name)
+        changed = inputs.changed_input(before, q=q, k=k, v=v)
+        if changed:
+            raise run.fail(changed, c.name)
         o = _tensor_out(run, out[0], "o", q.shape, c.name)
         lse = _tensor_out(run, out[1], "lse", q.shape[:3], c.name)
         want_o, want_lse = ref.attention_lse(q64, k64, v64, causal=True, window_size=c.window_size,
@@ -397,8 +430,6 @@ def grade_window_forward(fn, *, seed=None):
         atol, rtol, lse_atol = _FWD_TOL[(env.device, c.dtype)]
         run.compare(o, want_o, case=c.name, what="the output o", atol=atol, rtol=rtol,
                     axes=("b", "q_head", "i", "d"), diagnoses=_forward_diagnoses(c, q64, k64, v64))
-        if not launches:
-            raise run.fail(MSG_NO_TRITON_WINDOW, c.name)
         run.compare(lse, want_lse, case=c.name, what="lse", atol=lse_atol, rtol=0.0, axes=("b", "q_head", "i"))
     return run.passed()
 
@@ -432,6 +463,35 @@ def _dkdv_coverage(n, block_m, block_n, window_size, sink_size):
     q_end = np.minimum(j // block_n * block_n + block_n + window_size - 1, n)
     q_end = -(-q_end // block_m) * block_m  # the loop runs whole query blocks
     return ref.window_mask(n, n, window_size, sink_size) & (i < q_end)
+
+
+def _dkdv_short_coverage(n, block_m, block_n, window_size, sink_size, mistake, sinks_too):
+    """Which (i, j) a dK/dV kernel folds in when its far-edge loop stops one query block short.
+
+    The right kernel visits, for the key block at ``start_n``, the diagonal ``[start_n,
+    diag_end)``, the full blocks ``[diag_end, full_end)`` and the far edge ``range(full_end,
+    q_end, block_m)``. The mistaken ``q_end`` is ``q_end - block_m`` (``mistake="minus"``) or
+    ``q_end`` rounded down to a multiple of ``block_m`` (``"floor"``), for the sink key blocks
+    too (``sinks_too``) or only for the others (the sinks' ``q_end = N`` set after it).
+    """
+    window_size, sink_size = min(window_size, n), min(sink_size, n)
+    i = np.arange(n)[:, None]
+    start_n = np.arange(n) // block_n * block_n
+    diag_end = np.minimum(start_n + block_n, n)
+    full_end = np.minimum(np.maximum((start_n + window_size) // block_m * block_m, diag_end), n)
+    q_end = np.minimum(start_n + block_n + window_size - 1, n)
+    sink_block = start_n < sink_size
+    if sink_size:
+        full_end = np.where(start_n + block_n <= sink_size, n, full_end)
+        if not sinks_too:
+            q_end = np.where(sink_block, n, q_end)
+    short = q_end - block_m if mistake == "minus" else q_end // block_m * block_m
+    if sink_size and not sinks_too:
+        short = np.where(sink_block, n, short)
+    # range(full_end, short, block_m) visits whole blocks: rows up to the end of the last one.
+    steps = np.maximum(-(-(short - full_end) // block_m), 0)
+    reach = np.where(short > full_end, full_end + steps * block_m, full_end)
+    return ref.window_mask(n, n, window_size, sink_size) & (i < reach[None, :])
 
 
 class _GradModel(Diagnosis):
@@ -469,10 +529,24 @@ def _backward_diagnoses(c, q64, k64, v64, do64, which):
             cache[key] = _grads_with(q64, k64, v64, do64, cover, w, sinks)
         return cache[key]
 
+    def one_block_short(mistake, sinks_too):
+        def predict(blocks):
+            key = ("short", mistake, sinks_too) + blocks
+            if key not in cache:
+                cover = _dkdv_short_coverage(n, *blocks, w, sinks, mistake, sinks_too).astype(float)
+                cache[key] = _grads_with(q64, k64, v64, do64, cover, w, sinks)
+            return cache[key]
+        return predict
+
     diagnoses = []
     if sinks and which > 0:
         diagnoses.append(_GradModel(MSG_BWD_SINKS, with_mask("no_sinks"), which))
         diagnoses.append(_GradModel(MSG_BWD_SINKS, sinks_cut, which, per_block=True))
+    if which > 0 and w < n:
+        for mistake in ("minus", "floor"):
+            for sinks_too in ((False, True) if sinks else (False,)):
+                diagnoses.append(_GradModel(MSG_BWD_LAST_Q_BLOCK, one_block_short(mistake, sinks_too), which,
+                                            per_block=True))
     if w < n:
         diagnoses.append(_GradModel(MSG_WINDOW_OFF_BY_ONE, with_mask("window_plus_one"), which))
         if w > 1:
@@ -482,12 +556,36 @@ def _backward_diagnoses(c, q64, k64, v64, do64, which):
     return diagnoses
 
 
+def _dkdv_not_yours(work, **grads):
+    """A sentence if the backward ran a course kernel the lesson does not give, or one wrote dK or dV."""
+    for launch in work.launches:
+        if launch.course and launch.name not in _COURSE_BACKWARD_KERNELS_OK:
+            return MSG_DKDV_NOT_YOURS.format(
+                what=f"your backward ran course_utils's kernel `{launch.name}` (through course_utils.kernels)")
+    for name, t in grads.items():
+        if t is None:
+            continue
+        try:
+            key = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        kind, kernel = work.writer.get(key, (None, ""))
+        if kind == "course":
+            return MSG_DKDV_NOT_YOURS.format(what=f"{name} was written by course_utils's kernel `{kernel}`")
+    return None
+
+
 def _backward_cases(rng, device):
     cases = [
         _Case("fixed: GQA 2/1, N=70, window 20, 3 sinks", 1, 2, 1, 70, 16, 20, 3, "float32", True),
         _Case("fixed: one head, N=100, window 9, 40 sinks (sinks over two tiles)", 1, 1, 1, 100, 16, 9, 40,
               "float32", False),
         _Case("fixed: one head, N=50, window 1, no sinks, fp16", 1, 1, 1, 50, 16, 1, 0, "float16", True),
+        # Several key blocks AND several query blocks per key block's range for every block size up
+        # to 128 (N > 2 * 128, window < N - 128): a dK/dV loop that stops one query block short of
+        # the window's far edge shows here.
+        _Case("fixed: one head, N=300, window 100, no sinks (several key and query blocks)", 1, 1, 1, 300, 16,
+              100, 0, "float32", False),
     ]
     n = int(rng.integers(40, 90))
     if n % 16 == 0:
@@ -509,7 +607,12 @@ def grade_window_backward(fn, *, seed=None):
     k, v), do)``, and compares ``o``, ``dv``, ``dk``, ``dq`` with float64
     references (:func:`course_utils.references.attention_backward` with the
     window and sinks). NaN-padded strided inputs, GQA and MQA, sinks over
-    several tiles, fresh random cases per call.
+    several tiles, a sequence of several key and query blocks for any block
+    size up to 128, fresh random cases per call. ``o`` must come from a Triton
+    kernel (yours or course_utils's forward); the backward may use the course's
+    delta and dQ kernels, but dK and dV must be written by your own dK/dV
+    kernel, no torch math (autograd of a torch forward) may compute them, and
+    q, k, v, do must be left as they were.
     """
     __tracebackhide__ = True
     import torch
@@ -526,23 +629,41 @@ def grade_window_backward(fn, *, seed=None):
         q, k, v = (inputs.nan_padded_leaf(torch.from_numpy(a).to(dtype).to(env.device), c.transpose and i == 1)
                    for i, a in enumerate((q64, k64, v64)))
         do = inputs.nan_padded(torch.from_numpy(do64).to(dtype).to(env.device), transpose_heads=True)
-        with proof.count_launches() as forward_launches:
+        before = inputs.snapshot(q=q, k=k, v=v, do=do)
+        # The forward may be the course's (check_window_forward grades the learner's): it must be a kernel.
+        with proof.Work(inputs=(q, k, v, do), course_kernels_ok=True) as forward_work:
             o = run.call(fn, q, k, v, window_size=c.window_size, sink_size=c.sink_size, case=c.name)
         if not isinstance(o, torch.Tensor):
             raise run.fail(f"your function returned a {type(o).__name__}; return the output tensor o.", c.name)
+        if not forward_work.launches:
+            raise run.fail(MSG_NO_TRITON_WINDOW, c.name)
+        problem = forward_work.problem(no_kernel=MSG_NO_TRITON_WINDOW, o=o)
+        if problem:
+            raise run.fail(problem, c.name)
         o_right = ref.attention(q64, k64, v64, causal=True, window_size=c.window_size, sink_size=c.sink_size)
         got_o = run.array(o, expected_shape=o_right.shape, case=c.name, name="o")
         run.compare(got_o, o_right, case=c.name, what="the forward output o", atol=atol, rtol=rtol,
                     axes=("b", "q_head", "i", "d"))
-        if not forward_launches:
-            raise run.fail(MSG_NO_TRITON_WINDOW, c.name)
         if o.grad_fn is None:
             raise run.fail(MSG_NOT_DIFFERENTIABLE_WINDOW, c.name)
-        with proof.count_launches() as backward_launches:
+        # The backward may launch the course's delta and dQ kernels (lesson 08 gives them); dK and dV
+        # must come from the learner's own dK/dV kernel.
+        with proof.Work(inputs=(q, k, v, do, o), course_kernels_ok=True) as backward_work:
             grads = run.call(torch.autograd.grad, o, (q, k, v), do, allow_unused=True, case=c.name + " (backward)")
         run.cases -= 1  # the forward and the backward of one case count once
-        if not backward_launches:
+        if not backward_work.launches:
             raise run.fail(MSG_NO_TRITON_BACKWARD_WINDOW, c.name)
+        problem = backward_work.problem(no_kernel=MSG_NO_TRITON_BACKWARD_WINDOW,
+                                        **{label: g for label, g in zip(("dq", "dk", "dv"), grads) if g is not None})
+        if problem:
+            raise run.fail(problem + " (in the backward pass: the gradients must come from your backward "
+                           "kernels, not from torch)", c.name)
+        problem = _dkdv_not_yours(backward_work, dk=grads[1], dv=grads[2])
+        if problem:
+            raise run.fail(problem, c.name)
+        changed = inputs.changed_input(before, q=q, k=k, v=v, do=do)
+        if changed:
+            raise run.fail(changed, c.name)
         right = ref.attention_backward(q64, k64, v64, do64, causal=True, window_size=c.window_size,
                                        sink_size=c.sink_size)
         for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):

@@ -8,28 +8,39 @@
   same way.
 - :func:`check_ring_attention` grades one rank's forward
   ``fn(q, k, v, causal=False, *, layout="zigzag", group=None) -> (o, lse)``,
-  run on 2 processes with ``torch.distributed`` (gloo, Triton's interpreter
-  on the CPU): the output and lse against float64 attention, proof that a
-  Triton kernel ran, and the gradients obtained when the course's ring
-  backward (:func:`course_utils.distributed.ring_attention_backward`) runs
-  from what ``fn`` returned.
+  run on 3 processes with ``torch.distributed`` (gloo, Triton's interpreter
+  on the CPU; with 2, rank + 1 and rank - 1 would be one rank and a ring
+  turning the wrong way would pass): the output and lse against float64
+  attention, proof that a Triton kernel ran (the course's
+  ``flash_attention_with_lse`` is allowed, torch's attention and the course's
+  ring forward are not) and that the K/V travelled by point-to-point messages
+  only (no all-gather, broadcast or all-reduce), and the gradients obtained
+  when the course's ring backward
+  (:func:`course_utils.distributed.ring_attention_backward`) runs from what
+  ``fn`` returned.
 
 A wrong answer is explained by the first known mistake it reproduces, each
 re-enacted in float64 by :func:`simulate` on the same inputs: a merge
 without the max shift (overflows on large scores), blocks from later ranks
 not skipped (or masked like a diagonal block), a rank-by-rank causal rule in
-the zigzag layout, and a zigzag chunk mapping that is off.
+the zigzag layout, a zigzag chunk mapping that is off, and K/V that travel
+round the ring the opposite way to the causal plan (3 ranks or more).
+The simulation must be a ring too: no attention against more keys than one
+shard, no concatenation of several ranks' K or V shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import types
 
 import numpy as np
 
 from .. import distributed as ring
 from .. import references as ref
-from .core import Crashed, Diagnosis, GradingError, Run, TimedOut, require_callable
+from . import inputs, proof
+from .core import Crashed, Diagnosis, Forbidden, GradingError, Run, TimedOut, require_callable
 from .outcome import crash_message
 from .mistakes import MSG_NO_SHIFT_RING
 from .mistakes import MSG_NO_TRITON_RING
@@ -60,6 +71,36 @@ MSG_ZIGZAG_OFF = (
     "used other chunk indices."
 )
 
+MSG_WRONG_DIRECTION = (
+    "the K/V blocks and the causal plan go round the ring in opposite directions: at step s a rank held "
+    "the block of rank (rank + s) % world_size but decided full / diagonal / skip for rank "
+    "(rank - s) % world_size's (or the reverse), so blocks met the wrong queries: the K/V were sent to "
+    "rank - 1 and received from rank + 1 while src = (rank - step) % world_size, or sent the right way "
+    "while src = (rank + step) % world_size. (With 2 ranks rank + 1 and rank - 1 are the same rank, "
+    "which hides it.) Send to (rank + 1) % world_size, receive from (rank - 1) % world_size, and at step s "
+    "use src = (rank - s) % world_size."
+)
+MSG_NO_RING_STEPS = (
+    "{what}: that is no ring. In ring attention each rank only ever holds one K/V shard at a time "
+    "({n} rows here): its own at step 0, then at step s the shard of rank (rank - s) % world_size, passed "
+    "on from rank - 1. Loop over the world_size steps, compute your queries' attention against the shard "
+    "held at that step (references.attention_lse on its chunks is fine) and merge the partial results "
+    "by their lse."
+)
+MSG_NOT_A_RING = (
+    "your function called {what} on rank {rank}: the exercise is a ring, in which the K/V shards "
+    "travel from rank to rank by point-to-point messages only (dist.P2POp(dist.isend / dist.irecv, "
+    "...) and dist.batch_isend_irecv, or dist.send / dist.recv): each rank sends its block to rank + 1 "
+    "and receives the next from rank - 1, and never holds more than two blocks. Gathering every "
+    "block (all_gather), broadcasting or reducing them is another algorithm, which needs all of K/V "
+    "on every GPU."
+)
+MSG_TORCH_ATTENTION_RING = (
+    "while your function ran on rank {rank}, torch computed {what} ({op}). Compute each block's attention "
+    "with a Triton kernel (flash_attention_with_lse, or your own), and use torch only for the merge "
+    "(torch.logaddexp, torch.exp) and the messages."
+)
+
 
 # -----------------------------------------------------------------------------
 # The ring in float64, right and with each known mistake
@@ -84,7 +125,9 @@ def simulate(q_shards, k_shards, v_shards, causal=False, layout="zigzag", mistak
     ``mistake``: None (right), ``"no_shift"``, ``"later_full"``,
     ``"later_diagonal"``, ``"rank_rule"``, ``"zigzag_pairs"`` (rank r holds
     chunks 2r, 2r+1), ``"zigzag_strided"`` (r and r + world) or
-    ``"zigzag_off_by_one"`` (r and 2*world - 2 - r).
+    ``"zigzag_off_by_one"`` (r and 2*world - 2 - r), ``"wrong_direction"`` (at step s rank r holds
+    the K/V of rank (r + s) % world, received from r + 1, while its causal plan is the one for rank
+    (r - s) % world: the blocks meet the wrong queries; with 2 ranks the two are the same rank).
     """
     world = len(q_shards)
     per = ring.n_chunks(world, layout) // world
@@ -117,8 +160,9 @@ def simulate(q_shards, k_shards, v_shards, causal=False, layout="zigzag", mistak
         o, lse = [None] * per, [None] * per
         for step in range(world):
             src = (r - step) % world
-            k_parts = np.split(np.asarray(k_shards[src], dtype=np.float64), per, axis=-2)
-            v_parts = np.split(np.asarray(v_shards[src], dtype=np.float64), per, axis=-2)
+            held = (r + step) % world if mistake == "wrong_direction" else src
+            k_parts = np.split(np.asarray(k_shards[held], dtype=np.float64), per, axis=-2)
+            v_parts = np.split(np.asarray(v_shards[held], dtype=np.float64), per, axis=-2)
             for i in range(per):
                 for j in range(per):
                     kind = relation(r, src, i, j)
@@ -141,6 +185,7 @@ _MISTAKES = (
     ("rank_rule", MSG_RANK_RULE),
     ("zigzag_strided", MSG_ZIGZAG_OFF),
     ("zigzag_off_by_one", MSG_ZIGZAG_OFF),
+    ("wrong_direction", MSG_WRONG_DIRECTION),
 )
 
 
@@ -161,6 +206,8 @@ def _diagnoses(shards, causal, layout, which, unshard=False, atol=None, rtol=Non
         if not causal and mistake != "no_shift":
             continue
         if layout == "contiguous" and mistake.startswith(("zigzag", "rank_rule")):
+            continue
+        if mistake == "wrong_direction" and len(shards[0]) < 3:  # with 2 ranks, rank + 1 is rank - 1
             continue
         found.append(Diagnosis(message, expected=variant(mistake), atol=atol, rtol=rtol))
     return found
@@ -206,6 +253,157 @@ def _as_list(run, out, world, name, case):
     return out
 
 
+# What the simulation may not do: see the whole sequence's K/V at once.
+class _Shard(inputs.Watched):
+    """The shards handed to the simulation, and everything computed from them.
+
+    Slices, copies, element-wise results, what NumPy's functions return (``np.where``, ``np.split``,
+    ...) and ``np.asarray`` of them stay ``_Shard``, so every ``np.concatenate`` of them passes through
+    :func:`_note_join` (``np.vstack``, ``np.block``, ``np.append`` and the course's
+    ``unshard_sequence`` call it too), which refuses K (or V) rows of two or more ranks' shards
+    joined along the sequence: the whole sequence's keys in one array is what a ring never has.
+    """
+
+    def view(self, *args, **kwargs):
+        return _as_shard(super().view(*args, **kwargs))
+
+    def __array_ufunc__(self, ufunc, method, *args, **kwargs):
+        return _as_shard(super().__array_ufunc__(ufunc, method, *args, **kwargs))
+
+    def __array_function__(self, func, types, args, kwargs):
+        log = self._log
+        if log is not None and log["active"] and func is np.concatenate and args:
+            arrays = args[0] if isinstance(args[0], (list, tuple)) else ()
+            _note_join(log, arrays, kwargs.get("axis", args[1] if len(args) > 1 else 0))
+        return _kept(super().__array_function__(func, types, args, kwargs), log)
+
+
+def _kept(result, log):
+    """``result`` as :class:`_Shard` (lists and tuples of arrays too): NumPy hands some back plain."""
+    if isinstance(result, (list, tuple)):
+        return type(result)(_kept(r, log) for r in result)
+    if log is not None and type(result) in (np.ndarray, inputs.Watched):
+        out = np.ndarray.view(result, _Shard)
+        out._log, out._tags = log, getattr(result, "_tags", frozenset())
+        return out
+    return result
+
+
+def _as_shard(x):
+    if type(x) is inputs.Watched:
+        out = np.ndarray.view(x, _Shard)
+        out._log, out._tags = x._log, x._tags
+        return out
+    return x
+
+
+def _ranks_holding(a, shards) -> set:
+    """The ranks whose shard (``[..., n, d]``) holds ``a``'s rows, a block of consecutive rows, unchanged."""
+    a = inputs.plain(a)
+    found = set()
+    if not isinstance(a, np.ndarray) or a.ndim < 2 or a.shape[-2] == 0:
+        return found
+    m = a.shape[-2]
+    for rank, shard in enumerate(shards):
+        if shard.shape[:-2] != a.shape[:-2] or shard.shape[-1] != a.shape[-1] or m > shard.shape[-2]:
+            continue
+        if any(np.array_equal(shard[..., i:i + m, :], a) for i in range(shard.shape[-2] - m + 1)):
+            found.add(rank)
+    return found
+
+
+def _note_join(log, arrays, axis):
+    """Refuse a concatenation along the sequence axis of K (or V) rows from two or more ranks' shards."""
+    arrays = [a for a in arrays if isinstance(a, np.ndarray) and a.ndim >= 2]
+    if len(arrays) < 2 or axis is None or any(axis % a.ndim != a.ndim - 2 for a in arrays):
+        return
+    for name in ("K", "V"):
+        ranks = set()
+        for a in arrays:
+            ranks |= _ranks_holding(a, log[name])
+        if len(ranks) >= 2:
+            listed = ", ".join(str(r) for r in sorted(ranks))
+            raise Forbidden(MSG_NO_RING_STEPS.format(
+                what=f"your function joined the {name} shards of ranks {listed} into one array along the "
+                     "sequence (np.concatenate, np.vstack, ...)", n=log["n_local"]))
+
+
+@contextlib.contextmanager
+def _conversions_keep_shards():
+    """``np.asarray(shard)``, ``np.array(shard)``, ... stay :class:`_Shard` (inside :func:`.inputs.watching`)."""
+    names = ("array", "asarray", "asanyarray", "ascontiguousarray", "asfortranarray", "copy")
+    saved = {name: getattr(np, name) for name in names}
+
+    def make(original):
+        def convert(a, *args, **kwargs):
+            result = original(a, *args, **kwargs)
+            return _as_shard(result) if isinstance(a, _Shard) else result
+        return convert
+
+    for name, original in saved.items():
+        setattr(np, name, make(original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(np, name, original)
+
+
+_LIMITED: dict = {}  # qualified name -> (the original function, the log)
+
+
+def _limited_call(name, args, kwargs):
+    original, log = _LIMITED[name]
+    k = args[1] if len(args) > 1 else kwargs.get("k")
+    n_keys = np.shape(k)[-2] if np.ndim(k) >= 2 else 0
+    if log["active"] and n_keys > log["n_local"]:
+        raise Forbidden(MSG_NO_RING_STEPS.format(
+            what=f"your function called {name.rsplit('.', 1)[-1]} with {n_keys} keys, more than one rank's "
+                 f"shard", n=log["n_local"]))
+    return original(*args, **kwargs)
+
+
+def _limited_trampoline(*args, **kwargs):
+    return __import__("course_utils.grading.part6_ring", fromlist=["_limited_call"])._limited_call(
+        __import__("sys")._getframe().f_code.co_name, args, kwargs)
+
+
+@contextlib.contextmanager
+def _one_shard_of_keys(log):
+    """While active, :mod:`course_utils.references`' attention refuses more keys than ``log["n_local"]``.
+
+    The functions' code is swapped (as :func:`.proof.answer_keys_forbidden` does), so a name the
+    learner imported earlier is watched too; the originals answer every call that fits one shard.
+    """
+    saved = {}
+    for fn in (ref.attention_lse, ref.attention):
+        name = f"{fn.__module__}.{fn.__name__}"
+        original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        original.__kwdefaults__ = fn.__kwdefaults__
+        _LIMITED[name] = (original, log)
+        saved[fn] = fn.__code__
+        fn.__code__ = _limited_trampoline.__code__.replace(co_name=name)
+    try:
+        yield
+    finally:
+        for fn, code in saved.items():
+            fn.__code__ = code
+
+
+def _watched_shards(shards, log):
+    """``[q, k, v]`` lists of :class:`_Shard` copies; ``log["K"]``, ``log["V"]``: plain copies to recognise."""
+    log["K"], log["V"] = ([np.array(a, copy=True) for a in per_rank] for per_rank in shards[1:])
+    out = []
+    for kind, per_rank in zip("qkv", shards):
+        copies = []
+        for a in per_rank:
+            w = np.array(a, copy=True).view(_Shard)
+            w._log, w._tags = log, frozenset([kind])
+            copies.append(w)
+        out.append(copies)
+    return out
+
+
 def grade_ring_simulation(fn, *, seed=None):
     """Grade ``fn(q_shards, k_shards, v_shards, causal=False, layout="zigzag") -> (o_shards, lse_shards)``.
 
@@ -215,6 +413,10 @@ def grade_ring_simulation(fn, *, seed=None):
     ``lse_shards[r]`` must be rank ``r``'s shard of the attention output and
     of its logsumexp. Fixed and fresh random cases, 2 to 4 ranks, both
     layouts, causal or not, and one case whose scores are in the hundreds.
+    A ring it must be: each rank only ever holds one K/V shard at a time, so
+    ``references.attention_lse`` (and ``attention``) refuse more keys than one
+    shard, and joining several ranks' K (or V) shards along the sequence
+    (``np.concatenate``) is refused, and so is the grader's own :func:`simulate`.
     """
     __tracebackhide__ = True
     require_callable(fn, "check_ring_simulation")
@@ -222,12 +424,15 @@ def grade_ring_simulation(fn, *, seed=None):
     for name, world, layout, causal, batch, n_q, n_kv, n, d, magnitude in _sim_cases(run.rng):
         q, k, v = _draw(run.rng, batch, n_q, n_kv, n, d, magnitude)
         shards = [[ring.shard_sequence(t, r, world, layout, dim=-2) for r in range(world)] for t in (q, k, v)]
-        given = [[s.copy() for s in per_rank] for per_rank in shards]
-        out = run.call(fn, *given, causal=causal, layout=layout, case=name)
+        log = {"active": False, "n_local": n // world}
+        given = _watched_shards(shards, log)
+        with (_one_shard_of_keys(log), inputs.watching(log), _conversions_keep_shards(),
+              proof.answer_keys_forbidden(simulate)):  # the grader's own ring is the course's answer
+            out = run.call(fn, *given, causal=causal, layout=layout, case=name)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise run.fail("return a pair (o_shards, lse_shards): two lists with one array per rank.", name)
-        o_list = _as_list(run, out[0], world, "o_shards", name)
-        lse_list = _as_list(run, out[1], world, "lse_shards", name)
+        o_list = [inputs.plain(a) for a in _as_list(run, out[0], world, "o_shards", name)]
+        lse_list = [inputs.plain(a) for a in _as_list(run, out[1], world, "lse_shards", name)]
         o_right, lse_right = ref.attention_lse(q, k, v, causal=causal)
         o_want = np.stack([ring.shard_sequence(o_right, r, world, layout, dim=-2) for r in range(world)])
         lse_want = np.stack([ring.shard_sequence(lse_right, r, world, layout, dim=-1) for r in range(world)])
@@ -244,23 +449,87 @@ def grade_ring_simulation(fn, *, seed=None):
 
 
 # -----------------------------------------------------------------------------
-# The distributed version (2 processes, gloo, Triton's interpreter)
+# The distributed version (3 processes, gloo, Triton's interpreter)
 # -----------------------------------------------------------------------------
-def _dist_cases(rng):
-    """(name, layout, causal, n_q_heads, n_kv_heads, N, D, dtype name, magnitude)."""
+WORLD_SIZE = 3  # ranks of check_ring_attention: with 2, rank + 1 and rank - 1 are the same rank
+
+
+def _dist_cases(rng, world=WORLD_SIZE):
+    """(name, layout, causal, n_q_heads, n_kv_heads, N, D, dtype name, magnitude).
+
+    Every N is an even number of rows per chunk for ``world`` ranks (so the same cases also shard
+    for 2 ranks, as the tests do).
+    """
+    n_zigzag, n_contiguous = ring.n_chunks(world, "zigzag") * 8, ring.n_chunks(world, "contiguous") * 12
     cases = [
-        ("fixed: zigzag, causal, GQA 4 q heads / 2 kv heads, N=64, D=16", "zigzag", True, 4, 2, 64, 16, "float32", 1.0),
-        ("fixed: contiguous, causal, LARGE scores (lse above 100), N=32, D=16", "contiguous", True, 2, 1, 32, 16,
-         "float32", 8.0),
+        (f"fixed: zigzag, causal, GQA 4 q heads / 2 kv heads, N={n_zigzag}, D=16", "zigzag", True, 4, 2, n_zigzag,
+         16, "float32", 1.0),
+        (f"fixed: contiguous, causal, LARGE scores (lse above 100), N={n_contiguous}, D=16", "contiguous", True, 2, 1,
+         n_contiguous, 16, "float32", 8.0),
     ]
     layout = str(rng.choice(ring.LAYOUTS))
     causal = bool(rng.random() < 0.5)
     n_kv = int(rng.integers(1, 3))
     n_q = n_kv * int(rng.integers(1, 3))
-    n = 4 * int(rng.integers(5, 13))
+    n = ring.n_chunks(world, layout) * 2 * int(rng.integers(2, 6))
     cases.append((f"random: {layout}, causal={causal}, {n_q} q heads / {n_kv} kv heads, N={n}, D=16", layout,
                   causal, n_q, n_kv, n, 16, "float32", 1.0))
     return cases
+
+
+# Collectives of torch.distributed that are not a ring's point-to-point messages, by their c10d
+# operator (what a TorchDispatchMode sees, whatever function the learner called).
+_P2P_OPS = {"send", "recv_", "recv_any_source_", "barrier", "monitored_barrier_"}
+_COLLECTIVE_NAMES = {
+    "allgather": "an all-gather (torch.distributed.all_gather / all_gather_into_tensor)",
+    "all_gather": "an all-gather (torch.distributed.all_gather / all_gather_into_tensor)",
+    "broadcast": "a broadcast (torch.distributed.broadcast)",
+    "allreduce": "an all-reduce (torch.distributed.all_reduce)",
+    "all_reduce": "an all-reduce (torch.distributed.all_reduce)",
+    "reduce_scatter": "a reduce-scatter (torch.distributed.reduce_scatter)",
+    "alltoall": "an all-to-all (torch.distributed.all_to_all)",
+    "all_to_all": "an all-to-all (torch.distributed.all_to_all)",
+    "gather": "a gather (torch.distributed.gather)",
+    "scatter": "a scatter (torch.distributed.scatter)",
+    "reduce": "a reduce (torch.distributed.reduce)",
+}
+
+
+def _collective_name(op: str) -> str:
+    bare = op.strip("_")
+    for key, name in _COLLECTIVE_NAMES.items():
+        if bare.startswith(key) or bare.startswith("_" + key):
+            return f"{name}, c10d.{op}"
+    return f"the collective c10d.{op}"
+
+
+def _ring_work_class():
+    from . import proof
+
+    class RingWork(proof.Work):
+        """:class:`.proof.Work` for one rank's ring: the course's kernels allowed (the lesson computes each
+        block with ``flash_attention_with_lse``), torch's exp and logsumexp allowed (the merge); torch's
+        attention and products of matrices (scores computed in torch) noted in ``torch_attention``, and
+        every collective that is not point-to-point in ``collectives``."""
+
+        def __init__(self, inputs=()):
+            super().__init__(inputs=inputs, course_kernels_ok=True)
+            self.collectives: list[str] = []
+
+        def _saw_op(self, func, args, kwargs, out):
+            if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+                op = func._schema.name.split("::")[-1]
+                if op not in _P2P_OPS:
+                    self.collectives.append(_collective_name(op))
+                return  # messages: nothing computed
+            super()._saw_op(func, args, kwargs, out)
+
+        @property
+        def torch_attention(self):
+            return [(what, op) for what, op in self.detected
+                    if what.startswith(("attention", "a matrix product"))]
+
+    return RingWork
 
 
 def _dist_inputs(seed, index, case):
@@ -280,9 +549,12 @@ def ring_check_worker(rank, world, fn, seed, cases):
 
     import torch
 
-    from . import inputs, proof
+    from .core import Forbidden
 
     fn = ring._unwrap(fn)
+    work_class = _ring_work_class()
+    # The course's own answer: its ring forward (and what calls it).
+    answer_keys = (ring.ring_attention_forward, ring.ring_attention, ring.RingAttentionFunction.forward)
     results = []
     for index, case in enumerate(cases):
         name, layout, causal = case[0], case[1], case[2]
@@ -293,25 +565,34 @@ def ring_check_worker(rank, world, fn, seed, cases):
         # Strided views inside NaN-filled buffers: reading past a shard's rows shows up as NaN.
         padded = [inputs.nan_padded(t, transpose_heads=(i == 1)) for i, t in enumerate((q, k, v))]
         record = {}
+        work = work_class(inputs=padded)
         try:
-            with proof.count_launches() as launches:
-                with torch.no_grad():
-                    out = fn(*padded, causal, layout=layout, group=None)
-            if not isinstance(out, (tuple, list)) or len(out) != 2:
+            try:
+                with work, proof.answer_keys_forbidden(*answer_keys):
+                    with torch.no_grad():
+                        out = fn(*padded, causal, layout=layout, group=None)
+            finally:  # noted even when the function then failed: the collective is the first thing to say
+                record["collectives"] = work.collectives
+                record["torch_attention"] = work.torch_attention
+            if work.collectives or work.torch_attention:
+                pass  # refused (see _grade_distributed): no backward from it
+            elif not isinstance(out, (tuple, list)) or len(out) != 2:
                 record["error"] = f"your function returned {type(out).__name__}; return the pair (o, lse)."
             else:
                 o, lse = out
                 record["o"] = o.detach().double().numpy()
                 record["lse"] = lse.detach().double().numpy()
-                record["launches"] = len(launches)
+                record["launches"] = len(work.launches)
                 o2 = ring.RingAttentionFunction.apply(*leaves, causal, layout, None, fn)
                 o2.backward(do)
                 record["grads"] = [t.grad.double().numpy() for t in leaves]
+        except Forbidden as exc:  # the course's own ring forward, or a reference: one sentence
+            record["forbidden"] = str(exc)
         except Exception as exc:  # noqa: BLE001  (the learner's error, shown with its traceback)
             record["error"] = "".join(traceback.format_exception(exc))
         results.append(record)
-        if "error" in record:
-            break  # the other rank may be waiting on this one: stop here
+        if "error" in record or "forbidden" in record or record.get("collectives") or record.get("torch_attention"):
+            break  # refused, or failed: stop here (a rank waiting on this one sees the connection close)
     return results
 
 
@@ -326,6 +607,17 @@ def _grade_distributed(run, cases, seed, per_rank, world):
         errors = [(rank, r["error"]) for rank, r in enumerate(records) if "error" in r]
         # A rank whose partner failed sees a broken connection: show the first real error.
         errors.sort(key=lambda e: (e[1].startswith("(stopped"), "Connection closed" in e[1] or "gloo" in e[1]))
+        forbidden = [r["forbidden"] for r in records if "forbidden" in r]
+        if forbidden:
+            raise run.fail(forbidden[0], name)
+        # Before the errors: a rank that stopped here leaves the others a broken connection.
+        for rank, record in enumerate(records):  # no all-gather, broadcast, ...: a ring
+            if record.get("collectives"):
+                raise run.fail(MSG_NOT_A_RING.format(what=record["collectives"][0], rank=rank), name)
+        for rank, record in enumerate(records):
+            if record.get("torch_attention"):
+                what, op = record["torch_attention"][0]
+                raise run.fail(MSG_TORCH_ATTENTION_RING.format(rank=rank, what=what, op=op), name)
         if errors:
             rank, text = errors[0]
             raise run.fail(f"rank {rank} raised an error in your function:\n{text}", name)
@@ -358,7 +650,7 @@ def _grade_distributed(run, cases, seed, per_rank, world):
     return run.passed()
 
 
-def grade_ring_attention(fn, *, seed=None, world_size=2, timeout_s=180.0):
+def grade_ring_attention(fn, *, seed=None, world_size=WORLD_SIZE, timeout_s=180.0):
     """Grade one rank's ring forward ``fn(q, k, v, causal=False, *, layout="zigzag", group=None) -> (o, lse)``.
 
     Starts ``world_size`` processes (spawn, gloo, Triton's interpreter on the
@@ -366,7 +658,10 @@ def grade_ring_attention(fn, *, seed=None, world_size=2, timeout_s=180.0):
     views inside NaN-filled buffers) of fixed and
     fresh random cases (both layouts, causal or not, GQA, one case with large
     scores). ``o`` (the input dtype) and ``lse`` (float32 ``[B, Hq, N/world]``)
-    are compared with float64 attention; a Triton kernel must have run; then
+    are compared with float64 attention; a Triton kernel must have run
+    (``flash_attention_with_lse`` is fine; torch's attention, the course's
+    ring forward and collectives other than point-to-point messages are
+    refused); then
     the course's ring backward runs from ``fn``'s ``(o, lse)`` and the
     gradients are compared too. ``fn`` may be defined in the notebook: it
     travels to the processes as source, with the notebook functions it calls.
@@ -375,13 +670,13 @@ def grade_ring_attention(fn, *, seed=None, world_size=2, timeout_s=180.0):
     require_callable(fn, "check_ring_attention")
     from ..environment import interpreter_problem
 
-    if interpreter_problem():  # its two gloo processes run the kernels in Triton's interpreter
-        raise GradingError("check_ring_attention cannot grade on this machine: its two CPU processes run "
+    if interpreter_problem():  # its gloo processes run the kernels in Triton's interpreter
+        raise GradingError("check_ring_attention cannot grade on this machine: its CPU processes run "
                            "Triton's interpreter, and " + interpreter_problem())
     from torch.multiprocessing import ProcessExitedException
 
     run = Run("check_ring_attention", seed, time_limit_s=None)
-    cases = _dist_cases(run.rng)
+    cases = _dist_cases(run.rng, world_size)
     try:
         per_rank = ring.run_distributed(ring_check_worker, world_size, args=(ring.portable(fn), run.seed, cases),
                                         device="cpu", timeout_s=timeout_s)

@@ -167,6 +167,13 @@ def _dispatch_mode_class():
     class _Watch(TorchDispatchMode):
         """Sees every torch operator (below autograd) while the learner's function runs."""
 
+        @classmethod
+        def _should_skip_dynamo(cls):
+            # Read by TorchDispatchMode.__init_subclass__ (torch >= 2.6): by default torch wraps a mode's
+            # dispatch in torch._dynamo.disable, and the first call then imports torch._dynamo (1.5-1.8 s in
+            # each forked check and each spawned ring rank). The watch never runs under torch.compile.
+            return False
+
         def __init__(self, work):
             super().__init__()
             self.work = work
@@ -279,7 +286,12 @@ class Work:
                     raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
                     before[key] = (raw, raw.clone())
             try:
-                result = launch()
+                # Outside the torch watch: Triton's interpreter runs many torch operators per program,
+                # which the watch would ignore anyway (_busy) but still see one by one (4x slower launches).
+                from torch.utils._python_dispatch import _disable_current_modes
+
+                with _disable_current_modes():
+                    result = launch()
             except RuntimeError as exc:
                 _explain_no_driver(exc)
                 raise

@@ -16,6 +16,11 @@ variant)::
 
     o = decode_attention(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, block_table=None)
 
+FP8 (e4m3) forward (lesson 11; :mod:`.fp8`, one scale per 128-token block of each head)::
+
+    x8, scale = quantize_fp8(x, block_size=128)
+    o = flash_attention_fp8(q, k, v, causal=False, *, q_scale=None, k_scale=None, v_scale=None, block_size=128)
+
 Sliding window and sinks (lesson 08), with ``causal=True``: key ``j`` is
 visible from query ``i`` iff ``j <= i and (i - j < window_size or j <
 sink_size)``. Such calls run lesson 08's kernels
@@ -37,10 +42,11 @@ from __future__ import annotations
 
 import torch
 
-from . import decode, dispatch, fast, forward
+from . import decode, dispatch, fast, forward, fp8
 from .backward import FlashAttentionFunction
 from .decode import decode_attention
 from .dispatch import check_call, launch_forward
+from .fp8 import flash_attention_fp8, quantize_fp8
 from .forward import (flash_attention_forward, flash_attention_gqa_forward, flash_attention_window_forward,
                       validate, validate_window)
 
@@ -55,6 +61,9 @@ __all__ = [
     "forward",
     "decode_attention",
     "decode",
+    "quantize_fp8",
+    "flash_attention_fp8",
+    "fp8",
 ]
 
 

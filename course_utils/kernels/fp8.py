@@ -1,0 +1,449 @@
+"""FP8 (e4m3) attention forward (lesson 11): block quantisation and an FP8 FlashAttention kernel.
+
+Public API (torch tensors ``[B, H, N, D]``)::
+
+    x8, scale = quantize_fp8(x, block_size=128)
+    o = flash_attention_fp8(q, k, v, causal=False, *, q_scale=None, k_scale=None, v_scale=None, block_size=128)
+
+- :func:`quantize_fp8` keeps one float32 scale per ``block_size`` tokens of
+  each head: ``scale[b, h, j] = amax(|x[b, h, j*bs:(j+1)*bs, :]|) / 448``, and
+  ``x8 = x / scale`` rounded to ``torch.float8_e4m3fn`` (so ``|x8| <= 448``,
+  e4m3's largest finite value). ``x ~ x8.float() * scale[:, :, n // bs, None]``.
+- :func:`flash_attention_fp8` takes either bf16/fp16/fp32 tensors (quantised
+  here, the result in q's dtype) or e4m3 tensors with their three scales (the
+  result in bf16 on a GPU; float32 in the CPU interpreter, which computes
+  bf16 wrongly). GQA/MQA/MHA, causal or not, any strides, head dims 16-256.
+
+The kernel (:func:`_flash_attention_fp8_kernel`) is lesson 05's two-phase
+online softmax with both products in e4m3:
+
+- ``Q K^T`` takes the e4m3 tiles as they are; the scales are folded into the
+  score scale: a query row's ``q_scale * sm_scale * log2(e)`` (one number per
+  row, computed once per program) times the K tile's ``k_scale`` (one number
+  per tile, since a tile never straddles two scale blocks);
+- ``P V``: ``p`` lies in ``[0, 1]`` after the max is subtracted, so it is
+  quantised with the fixed scale :data:`P_SCALE` = 256 (``p8 = p * 256``;
+  see below), and the product is rescaled by ``v_scale / 256`` once per tile;
+- V is handed over **K-major** (transposed, ``[B, H, D, N]`` with the keys
+  contiguous): Hopper's FP8 ``wgmma`` reads both operands of a product
+  K-major from shared memory, and for ``P V`` the reduction runs over the
+  keys. (Triton's tutorial 06 transposes V the same way for its FP8 path.)
+
+Why 256 for P: the largest ``p`` of every row is exactly 1, which maps to 256,
+a power of two, so multiplying by it and dividing by it are exact in
+floating point; 256 leaves e4m3's top (256-448) unused, which costs under one
+binade at the bottom (e4m3's normals reach down to 2**-6: with 256, every
+``p >= 2**-14`` is a normal number, with 448 every ``p >= 2**-14.8``).
+Lesson 11 measures the three choices (1, 256, 448) on the CPU.
+
+In Triton's interpreter (no GPU) ``tl.dot`` takes e4m3 tensors too: torch
+rounds to e4m3 on the CPU (``.to(torch.float8_e4m3fn)``), and the
+interpreter computes the product of the rounded values exactly (numpy has no
+FP8; it holds them in float32). So the same kernel runs on both machines,
+with one difference: the interpreter's float32 -> e4m3 cast inside a kernel
+loses the carry into the exponent (:func:`to_e4m3` works around it there).
+On a GPU it is written for sm_89/sm_90 (``tl.float8e4nv``), untuned.
+
+One copy: ``solutions/11_hopper_and_fp8.ipynb`` defines these same
+``@triton.jit`` functions (``tests/test_kernels_fp8.py`` compares them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "E4M3_MAX",
+    "P_SCALE",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "flash_attention_fp8",
+    "to_e4m3",
+    "attn_fwd_fp8_inner",
+    "_flash_attention_fp8_kernel",
+    "validate_fp8",
+    "fp8_config",
+    "launch_fp8",
+    "lpt_schedule",
+    "schedule_makespan",
+]
+
+#: e4m3's largest finite value (``torch.finfo(torch.float8_e4m3fn).max``).
+E4M3_MAX = 448.0
+#: The fixed scale of P in the P V product (p in [0, 1] -> [0, 256]); see the module's docstring.
+P_SCALE = 256.0
+LOG2E = 1.4426950408889634
+
+_FP8 = torch.float8_e4m3fn
+_HIGH = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# -----------------------------------------------------------------------------
+# Block quantisation
+# -----------------------------------------------------------------------------
+def _check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 16 \
+            or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two of at least 16, not {block_size!r}.")
+    return block_size
+
+
+def quantize_fp8(x, block_size: int = 128):
+    """``(x8, scale)``: ``x`` ``[B, H, N, D]`` in e4m3 with one float32 scale per ``block_size`` tokens of each head.
+
+    ``scale`` is ``[B, H, cdiv(N, block_size)]``, ``amax / 448`` of its block
+    (a block of zeros gets scale 1), positive and finite; ``x8 = x / scale``
+    rounded to ``torch.float8_e4m3fn``, so ``|x8| <= 448`` and
+    ``x ~ x8.float() * scale[:, :, n // block_size, None]``.
+    """
+    block_size = _check_block_size(block_size)
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"x must be a 4-dimensional torch tensor [B, H, N, D], not {getattr(x, 'shape', type(x))}.")
+    if not x.dtype.is_floating_point or x.dtype in (_FP8, torch.float8_e5m2):
+        raise ValueError(f"x must be a float16, bfloat16 or float32 tensor to quantise, not {x.dtype}.")
+    b, h, n, d = x.shape
+    n_blocks = triton.cdiv(n, block_size)
+    xf = x.float()
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError("x holds inf or NaN: e4m3 has no infinity, so it cannot be quantised.")
+    pad = n_blocks * block_size - n
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, 0, 0, pad))
+    blocks = xf.reshape(b, h, n_blocks, block_size, d)
+    amax = blocks.abs().amax(dim=(3, 4)) if blocks.numel() else torch.zeros((b, h, n_blocks), device=x.device)
+    tiny = torch.finfo(torch.float32).tiny
+    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp_min(tiny), torch.ones_like(amax))
+    x8 = (blocks / scale[..., None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(_FP8)
+    x8 = x8.reshape(b, h, n_blocks * block_size, d)[:, :, :n]
+    return x8.contiguous(), scale.contiguous()
+
+
+def dequantize_fp8(x8, scale, block_size: int = 128):
+    """float32 ``x8.float() * scale`` per block: what the e4m3 tensor and its scales stand for."""
+    block_size = _check_block_size(block_size)
+    n = x8.shape[2]
+    per_row = scale.float().repeat_interleave(block_size, dim=2)[:, :, :n]
+    return x8.float() * per_row[..., None]
+
+
+# -----------------------------------------------------------------------------
+# The kernel
+# -----------------------------------------------------------------------------
+@triton.jit
+def to_e4m3(x, INTERPRETED: tl.constexpr):
+    """``x`` (float32, ``0 <= x <= 448``) rounded to e4m3: ``x.to(tl.float8e4nv)``.
+
+    Triton's interpreter drops the carry when a value rounds up to the next
+    power of two (124.5 becomes 64, not 128), so there ``x`` is first rounded
+    to e4m3's grid in float32 (3 mantissa bits; below 2**-6 the subnormals'
+    fixed step of 2**-9), after which the cast is exact. On a GPU it is the
+    plain cast (the branch is not compiled).
+    """
+    if INTERPRETED:
+        ulp = tl.exp2(tl.floor(tl.log2(tl.maximum(x, 0.015625))) - 3.0)
+        x = tl.floor(x / ulp + 0.5) * ulp
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def attn_fwd_fp8_inner(
+    acc, l_i, m_i, q, q_scale,
+    k_base, vt_base, ks_base, vs_base,
+    stride_kn, stride_kd, stride_vd, stride_vn, stride_ksn, stride_vsn,
+    offs_m, offs_d, d_ok,
+    lo, hi, SEQ_LEN,
+    MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    P_SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Fold the K/V blocks ``lo, lo + BLOCK_N, ...`` (below ``hi``) into the state, both products in e4m3.
+
+    ``q`` is the e4m3 Q tile, ``q_scale`` its rows' ``q_scale * sm_scale *
+    log2(e)`` (float32 ``[BLOCK_M]``); K is ``[N, D]`` and V K-major (``V^T``,
+    ``[D, N]``, keys contiguous), both e4m3, with one scale per
+    ``SCALE_BLOCK`` keys (``SCALE_BLOCK`` a multiple of ``BLOCK_N``: one
+    scale per tile). Scores are in log2 units, as in lesson 05.
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < SEQ_LEN
+        k = tl.load(  # K^T tile [D_PAD, BLOCK_N], e4m3
+            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        )
+        vt = tl.load(  # V^T tile [D_PAD, BLOCK_N], e4m3: from K-major V the keys are contiguous
+            vt_base + offs_d[:, None] * stride_vd + offs_n[None, :] * stride_vn,
+            mask=d_ok[:, None] & n_ok[None, :], other=0.0,
+        )
+        k_scale = tl.load(ks_base + (start_n // SCALE_BLOCK) * stride_ksn)  # one scale per tile
+        v_scale = tl.load(vs_base + (start_n // SCALE_BLOCK) * stride_vsn)
+        ### BEGIN SOLUTION
+        s = tl.dot(q, k) * (q_scale[:, None] * k_scale)  # the scales folded into the score scale
+        if MASK:
+            keep = n_ok[None, :]
+            if IS_CAUSAL:
+                keep = keep & (offs_m[:, None] >= offs_n[None, :])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p8 = to_e4m3(p * P_SCALE, INTERPRETED)  # p in [0, 1] -> [0, P_SCALE], exact for p = 1
+        acc = acc * alpha[:, None] + tl.dot(p8, tl.trans(vt)) * (v_scale / P_SCALE)
+        m_i = m_new
+        ### END SOLUTION
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_attention_fp8_kernel(
+    Q_ptr, K_ptr, VT_ptr, O_ptr, QS_ptr, KS_ptr, VS_ptr,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vd, stride_vn,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_qsb, stride_qsh, stride_qsn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh, stride_vsn,
+    sm_scale, SEQ_LEN, N_Q_HEADS, N_KV_HEADS,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    P_SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """FP8 attention forward: one program per (query block, batch x query head), lesson 05's grid.
+
+    Q ``[B, Hq, N, D]``, K ``[B, Hkv, N, D]`` and VT (V transposed, ``[B, Hkv,
+    D, N]``) are e4m3 with any strides; QS ``[B, Hq, n_blocks]``, KS and VS
+    ``[B, Hkv, n_blocks]`` are their float32 scales (``n_blocks = cdiv(N,
+    SCALE_BLOCK)``). O ``[B, Hq, N, D]`` gets the output.
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    tl.static_assert(SCALE_BLOCK % BLOCK_N == 0)  # a K/V tile never straddles two scale blocks
+    start_m = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // N_Q_HEADS
+    q_head = batch_head % N_Q_HEADS
+    kv_head = q_head // (N_Q_HEADS // N_KV_HEADS)
+
+    q_base = Q_ptr + batch * stride_qb + q_head * stride_qh
+    k_base = K_ptr + batch * stride_kb + kv_head * stride_kh
+    vt_base = VT_ptr + batch * stride_vb + kv_head * stride_vh
+    o_base = O_ptr + batch * stride_ob + q_head * stride_oh
+    ks_base = KS_ptr + batch * stride_ksb + kv_head * stride_ksh
+    vs_base = VS_ptr + batch * stride_vsb + kv_head * stride_vsh
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < SEQ_LEN
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        mask=m_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    # Each query row's scale, with sm_scale and log2(e) folded in: one multiply per score later.
+    q_scale = tl.load(QS_ptr + batch * stride_qsb + q_head * stride_qsh + (offs_m // SCALE_BLOCK) * stride_qsn,
+                      mask=m_ok, other=1.0) * (sm_scale * 1.4426950408889634)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
+
+    if IS_CAUSAL:
+        mask_lo = start_m * BLOCK_M
+        mask_hi = tl.minimum((start_m + 1) * BLOCK_M, SEQ_LEN)
+    else:
+        mask_lo = SEQ_LEN - SEQ_LEN % BLOCK_N
+        mask_hi = SEQ_LEN
+    acc, l_i, m_i = attn_fwd_fp8_inner(
+        acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base,
+        stride_kn, stride_kd, stride_vd, stride_vn, stride_ksn, stride_vsn,
+        offs_m, offs_d, d_ok, 0, mask_lo, SEQ_LEN,
+        MASK=False, IS_CAUSAL=IS_CAUSAL, BLOCK_N=BLOCK_N, SCALE_BLOCK=SCALE_BLOCK, P_SCALE=P_SCALE,
+        INTERPRETED=INTERPRETED,
+    )
+    acc, l_i, m_i = attn_fwd_fp8_inner(
+        acc, l_i, m_i, q, q_scale, k_base, vt_base, ks_base, vs_base,
+        stride_kn, stride_kd, stride_vd, stride_vn, stride_ksn, stride_vsn,
+        offs_m, offs_d, d_ok, mask_lo, mask_hi, SEQ_LEN,
+        MASK=True, IS_CAUSAL=IS_CAUSAL, BLOCK_N=BLOCK_N, SCALE_BLOCK=SCALE_BLOCK, P_SCALE=P_SCALE,
+        INTERPRETED=INTERPRETED,
+    )
+    l_i = tl.where(m_ok, l_i, 1.0)  # rows past the end (not stored) must not divide by 0
+    acc = acc / l_i[:, None]
+    tl.store(
+        o_base + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        acc.to(O_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+
+
+# -----------------------------------------------------------------------------
+# Python side
+# -----------------------------------------------------------------------------
+def fp8_config(head_dim: int, block_size: int, device: torch.device) -> dict:
+    """Tile sizes and launch options: ``BLOCK_N`` divides ``block_size`` (one scale per K/V tile).
+
+    In the interpreter 64 x 32 tiles (as for lesson 05's kernel). On a GPU
+    128 x 64 with 8 warps (4 for D <= 64) and 3 stages, 64 x 64 for D > 128:
+    sensible defaults for sm_90, not tuned (the lead's GPU run measures them).
+    Triton's FP8 ``tl.dot`` on Hopper wants a reduction of at least 32, so on
+    a GPU the head dim is padded to 32 or more.
+    """
+    if device.type == "cpu":
+        cfg = dict(BLOCK_M=64, BLOCK_N=32)
+        d_pad = max(16, triton.next_power_of_2(head_dim))
+    else:
+        d_pad = max(32, triton.next_power_of_2(head_dim))
+        if d_pad > 128:
+            cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+        else:
+            cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if d_pad > 64 else 4, num_stages=3)
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
+    cfg["HEAD_DIM_PAD"] = d_pad
+    return cfg
+
+
+def _check_tensors(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch tensor, not {type(t).__name__}.")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions [B, H, N, D], but it has {t.dim()} (shape {tuple(t.shape)}).")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, but they are on {q.device}, {k.device} and {v.device}.")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must have one dtype, but they have {q.dtype}, {k.dtype} and {v.dtype}.")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, but they are {tuple(k.shape)} and {tuple(v.shape)}.")
+    (b, hq, n, d), (bk, hkv, nk, dk) = q.shape, k.shape
+    if b != bk:
+        raise ValueError(f"q has batch size {b} but k and v have {bk}.")
+    if n != nk:
+        raise ValueError(f"q has sequence length {n} but k and v have {nk}; this kernel needs the same N.")
+    if d != dk:
+        raise ValueError(f"q has head dim {d} but k and v have {dk}.")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of key/value heads ({hkv}).")
+    if not 16 <= d <= 256:
+        raise ValueError(f"head dim {d} is not supported: it must be between 16 and 256.")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the tensors are on the CPU but Triton's interpreter is off: move them to the GPU "
+                         "(or import course_utils before triton on a machine without one).")
+
+
+def validate_fp8(q, k, v, q_scale=None, k_scale=None, v_scale=None, block_size: int = 128) -> bool:
+    """Raise ``ValueError`` (one sentence) unless the call can go to the FP8 kernel; True for e4m3 inputs."""
+    block_size = _check_block_size(block_size)
+    _check_tensors(q, k, v)
+    scales = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
+    if q.dtype == torch.float8_e5m2:
+        raise ValueError("float8_e5m2 inputs are not supported: quantise to float8_e4m3fn (quantize_fp8).")
+    if q.dtype != _FP8:
+        if q.dtype not in _HIGH:
+            raise ValueError(f"dtype {q.dtype} is not supported: use float8_e4m3fn with scales, or float16, bfloat16 "
+                             "or float32.")
+        given = [name for name, s in scales.items() if s is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} given for {q.dtype} inputs: scales belong to float8_e4m3fn inputs "
+                             "(other inputs are quantised inside).")
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            raise ValueError("bfloat16 is computed wrongly by Triton's CPU interpreter: use float32 or float16 on the CPU.")
+        return False
+    missing = [name for name, s in scales.items() if s is None]
+    if missing:
+        raise ValueError(f"float8_e4m3fn inputs need their scales, but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} missing: pass what quantize_fp8 returns.")
+    b, hq, n, _ = q.shape
+    hkv = k.shape[1]
+    n_blocks = triton.cdiv(n, block_size)
+    for name, s, h in (("q_scale", q_scale, hq), ("k_scale", k_scale, hkv), ("v_scale", v_scale, hkv)):
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (b, h, n_blocks) \
+                or s.device != q.device:
+            got = f"{type(s).__name__} {tuple(s.shape)} {s.dtype} on {s.device}" if isinstance(s, torch.Tensor) \
+                else type(s).__name__
+            raise ValueError(f"{name} must be a float32 tensor [B, H, cdiv(N, block_size)] = [{b}, {h}, {n_blocks}] "
+                             f"on {q.device} (block_size={block_size}), but it is {got}.")
+    return True
+
+
+def launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, block_size: int, out_dtype):
+    """Run the kernel on validated e4m3 tensors; ``vt8`` is V transposed (``[B, Hkv, D, N]``, any strides)."""
+    b, hq, n, d = q8.shape
+    o = torch.empty((b, hq, n, d), dtype=out_dtype, device=q8.device)
+    if o.numel() == 0:
+        return o
+    cfg = fp8_config(d, block_size, q8.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_M"]), b * hq)
+    _flash_attention_fp8_kernel[grid](
+        q8, k8, vt8, o, q_scale, k_scale, v_scale,
+        *q8.stride(), *k8.stride(), *vt8.stride(), *o.stride(),
+        *q_scale.stride(), *k_scale.stride(), *v_scale.stride(),
+        1.0 / math.sqrt(d), n, hq, k8.shape[1],
+        HEAD_DIM=d, IS_CAUSAL=bool(causal), SCALE_BLOCK=block_size, P_SCALE=P_SCALE,
+        INTERPRETED=q8.device.type == "cpu", **cfg,
+    )
+    return o
+
+
+def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=None, v_scale=None,
+                        block_size: int = 128):
+    """Attention ``softmax(q k^T / sqrt(D)) v`` with both products in FP8 (e4m3).
+
+    Either bf16/fp16 (fp32 on a CPU, or anywhere) inputs, quantised here with
+    :func:`quantize_fp8` (one scale per ``block_size`` tokens of each head),
+    the result in q's dtype; or ``torch.float8_e4m3fn`` inputs with their
+    three scales as :func:`quantize_fp8` makes them, the result in bf16 on a
+    GPU (float32 in the CPU interpreter). ``q`` is ``[B, Hq, N, D]``, ``k,
+    v`` ``[B, Hkv, N, D]`` (``Hq`` a multiple of ``Hkv``), any strides, ``16 <=
+    D <= 256``. Bad input raises a ``ValueError`` of one sentence.
+    """
+    fp8_in = validate_fp8(q, k, v, q_scale, k_scale, v_scale, block_size)
+    if fp8_in:
+        out_dtype = torch.float32 if q.device.type == "cpu" else torch.bfloat16
+        q8, k8, v8 = q, k, v
+    else:
+        out_dtype = q.dtype
+        (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_fp8(t, block_size) for t in (q, k, v))
+    vt8 = v8.transpose(2, 3).contiguous()  # K-major: [B, Hkv, D, N], the keys contiguous
+    return launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
+
+
+# -----------------------------------------------------------------------------
+# A persistent kernel's schedule (lesson 11, exercise 2): the course's answer
+# -----------------------------------------------------------------------------
+def lpt_schedule(tiles, costs, n_programs):
+    """Each program's tiles, longest first to the least-loaded program (LPT, Graham 1969).
+
+    ``tiles`` a list of hashable tiles (e.g. ``(query_block, head)``),
+    ``costs`` their costs, ``n_programs`` >= 1. Returns ``n_programs`` lists;
+    every tile appears in exactly one, and the longest program's load is at
+    most ``4/3`` of the best possible.
+    """
+    import heapq
+
+    heap = [(0.0, p) for p in range(n_programs)]
+    out = [[] for _ in range(n_programs)]
+    for i in sorted(range(len(tiles)), key=lambda i: -costs[i]):
+        load, p = heapq.heappop(heap)
+        out[p].append(tiles[i])
+        heapq.heappush(heap, (load + costs[i], p))
+    return out
+
+
+def schedule_makespan(schedule, tiles, costs) -> float:
+    """The largest program load of ``schedule`` (lists of tiles), with each tile's cost from ``tiles``/``costs``."""
+    cost_of = dict(zip(tiles, costs))
+    return max((sum(cost_of[t] for t in program) for program in schedule), default=0.0)

@@ -1,0 +1,196 @@
+"""Hand-ins isolated by the operating system (course_utils.os_sandbox), attacked by a hostile class.
+
+Each hostile learner below tries one way past the in-process write guard that
+only the operating system can stop (ctypes, sqlite3, reading the course's or a
+classmate's files, a process that outlives the kernel). The class is graded in
+one run with an honest classmate: the honest one gets full points, every
+attack gets 0 points or nothing at all, nothing is written outside the
+hand-ins' folders, and every report file is there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from course_utils import grade, os_sandbox
+from test_grade import SOFTMAX_NO_MAX, _tree_digest, _write, learner_notebook
+
+ROOT = Path(__file__).resolve().parent.parent
+STEM = "01_naive_attention"
+MARK = "COURSE_TEST_OUTLIVES_" + str(os.getpid())
+
+# The course's machines (CI, the GPU machine) are Linux with user namespaces: there the sandbox must work.
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux namespaces")
+
+
+def test_the_sandbox_works_on_this_machine():
+    assert os_sandbox.unavailable() is None
+
+
+def _probe_cell(base: Path, root: Path) -> str:
+    """A cell that kills its own kernel (-> crashed rows) if it can see or reach anything it should not."""
+    return f"""
+import ctypes, os, socket
+seen = []
+for path in ({str(ROOT / 'solutions')!r}, {str(ROOT / 'tests')!r}, {str(root)!r}, {str(base / 'gradebook')!r},
+             {str(base / 'instructor_file.txt')!r}, os.path.expanduser('~root/.ssh')):
+    if os.path.exists(path):
+        seen.append(path)
+pids = [p for p in os.listdir('/proc') if p.isdigit()]
+for p in pids:
+    try:
+        if b'course_utils.grade' in open(f'/proc/{{p}}/cmdline', 'rb').read():
+            seen.append('the grader in /proc')
+    except OSError:
+        pass
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.open({str(ROOT / 'course_utils' / 'probe_planted.py')!r}.encode(), os.O_WRONLY | os.O_CREAT, 0o644) >= 0:
+    seen.append('wrote into course_utils with ctypes')
+try:
+    socket.create_connection(('1.1.1.1', 53), timeout=2).close()
+    seen.append('the network')
+except OSError:
+    pass
+if seen:
+    print('ISOLATION BROKEN:', seen)
+    os._exit(1)
+"""
+
+
+def _build(base: Path) -> tuple[Path, list[Path]]:
+    root = base / "submissions"
+    (base / "instructor_file.txt").write_text("keep me")
+    planted = [base / "planted_ctypes.txt", base / "planted.db", ROOT / "course_utils" / "planted_by_learner.py",
+               ROOT / "solutions" / "planted.txt"]
+    _write(root, "amy", STEM, learner_notebook(STEM))  # honest
+    _write(root, "pat", STEM, learner_notebook(STEM, extra=[_probe_cell(base, root)]))  # honest, and probes
+    # Copies the official answer from solutions/ and a classmate's hand-in.
+    _write(root, "rex", STEM, learner_notebook(STEM, {
+        "softmax": f"""import json
+def softmax(x, axis=-1):
+    nb = json.load(open({str(ROOT / 'solutions' / (STEM + '.ipynb'))!r}))
+    src = next(''.join(c['source']) for c in nb['cells'] if 'def softmax' in ''.join(c['source']))
+    ns = {{'np': np}}
+    exec(src, ns)
+    return ns['softmax'](x, axis=axis)""",
+        "naive_attention": f"""import json
+def naive_attention(q, k, v, causal=False):
+    nb = json.load(open({str(root / 'amy' / (STEM + '.ipynb'))!r}))
+    src = next(''.join(c['source']) for c in nb['cells'] if 'def naive_attention' in ''.join(c['source']))
+    ns = {{'np': np}}
+    exec(src, ns)
+    return ns['naive_attention'](q, k, v, causal=causal)"""}))
+    # Writes outside its folder past the write guard (ctypes, sqlite3), and into course_utils / solutions.
+    writes = "\n".join(
+        f"libc.open({str(p)!r}.encode(), os.O_WRONLY | os.O_CREAT, 0o644)" for p in planted if p.suffix != ".db")
+    _write(root, "wes", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[
+        f"import ctypes, os, sqlite3\nlibc = ctypes.CDLL(None, use_errno=True)\n{writes}\n"
+        f"try:\n    sqlite3.connect({str(planted[1])!r}).execute('create table t (x)')\nexcept Exception:\n    pass"]))
+    # Leaves a process behind: a new session that sleeps long after the notebook ended.
+    _write(root, "finn", STEM, learner_notebook(STEM, extra=[
+        f"import os, time\nos.environ[{MARK!r}] = '1'\n"
+        "if os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n    os._exit(0)"]))
+    return root, planted
+
+
+def _processes_with_mark() -> list[int]:
+    found = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            if MARK.encode() in Path(f"/proc/{p}/environ").read_bytes():
+                found.append(int(p))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def hostile_class(tmp_path_factory):
+    base = tmp_path_factory.mktemp("hostile")
+    root, planted = _build(base)
+    out = base / "gradebook"
+    before = _tree_digest(root)
+    proc = subprocess.run([sys.executable, "-m", "course_utils.grade", str(root), "--out", str(out), "--jobs", "2",
+                           "--timeout", "60"], cwd=base, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {(r["learner"], r["exercise"]): r for r in grade.load_rows(out, grade.discover()) if r["notebook"] == STEM}
+    yield {"base": base, "root": root, "out": out, "rows": rows, "planted": planted, "before": before}
+    for p in planted:  # if a test failed because one was written, do not leave it in the repository
+        if p.exists() and p.parent.name in ("course_utils", "solutions"):
+            p.unlink()
+
+
+def _points(rows, learner):
+    return sum(r["points"] for (who, _), r in rows.items() if who == learner)
+
+
+def test_honest_learners_get_full_points_beside_the_hostile_ones(hostile_class):
+    rows = hostile_class["rows"]
+    for learner in ("amy", "pat", "finn"):
+        assert [r["status"] for (who, _), r in sorted(rows.items()) if who == learner] == ["passed", "passed"], learner
+    assert _points(rows, "amy") == 3
+
+
+def test_the_official_answers_and_a_classmates_hand_in_cannot_be_read(hostile_class):
+    rows = hostile_class["rows"]
+    for exercise in ("check_softmax", "check_naive_attention"):
+        row = rows[("rex", exercise)]
+        assert row["points"] == 0 and row["status"] == "error", row
+        assert "FileNotFoundError" in row["message"], row["message"]
+
+
+def test_nothing_is_written_outside_the_hand_ins_folder_even_past_the_write_guard(hostile_class):
+    rows = hostile_class["rows"]
+    assert [p for p in hostile_class["planted"] if p.exists()] == []
+    assert _points(rows, "wes") == 0 and rows[("wes", "check_softmax")]["status"] == "failed"
+    assert _tree_digest(hostile_class["root"]) == hostile_class["before"]
+    assert (hostile_class["base"] / "instructor_file.txt").read_text() == "keep me"
+
+
+def test_no_process_of_a_hand_in_outlives_it(hostile_class):
+    deadline = time.monotonic() + 10  # the namespace's processes are killed as its kernel shuts down
+    while _processes_with_mark() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_with_mark() == []
+
+
+def test_every_report_is_written_and_the_summary_says_how_hand_ins_were_isolated(hostile_class):
+    out = hostile_class["out"]
+    for name in ("gradebook.csv", "gradebook.json", "summary.md", "summary.png"):
+        assert (out / name).is_file(), name
+    assert sorted(p.stem for p in (out / "feedback").glob("*.md")) == ["amy", "finn", "pat", "rex", "wes"]
+    summary = (out / "summary.md").read_text()
+    assert "## Isolation" in summary and "own Linux namespaces" in summary
+
+
+def test_without_namespaces_the_summary_says_hand_ins_ran_unisolated():
+    sentence = grade.isolation_sentence("the `unshare` program (util-linux) is not installed")
+    assert sentence.startswith("Hand-ins ran WITHOUT operating-system isolation because the `unshare` program")
+
+
+def test_the_sandbox_shows_the_system_read_only_and_hides_the_repository(tmp_path):
+    writable = tmp_path / "w"
+    writable.mkdir()
+    code = (f"import os\nprint(sorted(os.listdir({str(ROOT)!r})))\n"
+            "for p in ('/usr/planted', " + repr(str(ROOT / "course_utils" / "planted")) + ", "
+            + repr(str(writable / "ok")) + "):\n"
+            "    try:\n        open(p, 'w').close(); print('wrote', p)\n"
+            "    except OSError as e:\n        print('refused', p, e.strerror)\n"
+            "print('uid', os.getuid(), 'pid', os.getpid())")
+    argv = os_sandbox.command([sys.executable, "-c", code], writable=[writable], work_dir=str(tmp_path))
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "solutions" not in lines[0] and "tests" not in lines[0] and "course_utils" in lines[0]
+    assert lines[1] == "refused /usr/planted Read-only file system"
+    assert lines[2].startswith("refused") and "Read-only file system" in lines[2]
+    assert lines[3] == f"wrote {writable / 'ok'}"
+    assert lines[4] == f"uid {os_sandbox.SANDBOX_UID} pid 2"
