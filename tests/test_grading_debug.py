@@ -226,7 +226,9 @@ def test_a_gpu_out_of_shared_memory_is_named_as_the_hardware_s_limit(monkeypatch
     monkeypatch.setattr(part2_debug, "classmate_variant", variant)
     q, k, v = _inputs(N=24)
     with pytest.raises(GradingError) as info:
-        check_flaw_hunt([dict(line="return o", why="", inputs=dict(q=q, k=k, v=v, block_m=128, block_n=128))])
+        # In this process (isolate=False): on a GPU the check would run in the worker, without the patch.
+        check_flaw_hunt([dict(line="return o", why="", inputs=dict(q=q, k=k, v=v, block_m=128, block_n=128))],
+                        isolate=False)
     msg = str(info.value)
     assert "cannot launch these tiles on this GPU" in msg and "not one of the flaws" in msg
     assert "block_m=128 x block_n=128 tiles of head dim 16 in float32" in msg

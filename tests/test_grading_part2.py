@@ -466,10 +466,12 @@ def test_a_query_tile_that_grows_with_n_is_refused_too():
         check_flash_forward(fn)
 
 
+# 64, not 128: kernel A's 64 x 128 tiles at D = 128 in float32 need 288 KiB of shared memory (measured on
+# the H200, whose limit is 227 KiB), and the random cases draw D = 128 float32 at times.
 @pytest.mark.parametrize("block_n", [
-    lambda n: 128,  # larger than N on the small cases: fixed, so fine
-    lambda n: min(128, max(16, triton.next_power_of_2(n))),  # grows with N, up to a fixed cap
-], ids=["fixed-128", "capped-at-128"])
+    lambda n: 64,  # larger than N on the small cases: fixed, so fine
+    lambda n: min(64, max(16, triton.next_power_of_2(n))),  # grows with N, up to a fixed cap
+], ids=["fixed-64", "capped-at-64"])
 def test_block_sizes_larger_than_small_n_pass(block_n):
     assert check_flash_forward(lambda q, k, v, causal=False: forward.flash_attention_forward(
         q, k, v, causal=causal, block_m=64, block_n=block_n(q.shape[2])))

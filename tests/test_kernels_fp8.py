@@ -126,12 +126,15 @@ def test_fp8_forward_rejects_bad_calls_in_one_sentence():
         (lambda: flash_attention_fp8(q8, k8[:, :, :32], v8[:, :, :32], q_scale=qs, k_scale=ks, v_scale=vs),
          "sequence length"),
         (lambda: flash_attention_fp8(q8, k8, v8[:, :1], q_scale=qs, k_scale=ks, v_scale=vs), "same shape"),
-        (lambda: flash_attention_fp8(torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)),
+        (lambda: flash_attention_fp8(*(torch.randn(1, 2, 64, 8, device=DEVICE) for _ in range(3))),
          "head dim 8"),
-        (lambda: flash_attention_fp8(torch.randn(1, 3, 64, 32), torch.randn(1, 2, 64, 32), torch.randn(1, 2, 64, 32)),
+        (lambda: flash_attention_fp8(torch.randn(1, 3, 64, 32, device=DEVICE),
+                                     torch.randn(1, 2, 64, 32, device=DEVICE), torch.randn(1, 2, 64, 32, device=DEVICE)),
          "multiple"),
-        (lambda: flash_attention_fp8(*(torch.randn(1, 1, 32, 16) for _ in range(3)), q_scale=qs), "scales belong"),
-        (lambda: flash_attention_fp8(*(torch.randn(1, 1, 32, 16) for _ in range(3)), block_size=48), "power of two"),
+        (lambda: flash_attention_fp8(*(torch.randn(1, 1, 32, 16, device=DEVICE) for _ in range(3)), q_scale=qs),
+         "scales belong"),
+        (lambda: flash_attention_fp8(*(torch.randn(1, 1, 32, 16, device=DEVICE) for _ in range(3)), block_size=48),
+         "power of two"),
     ]
     for call, words in bad:
         with pytest.raises(ValueError, match=words) as info:
