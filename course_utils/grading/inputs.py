@@ -260,7 +260,7 @@ class Watched(np.ndarray):
 
 
 def _rewatch(result, like):
-    out = np.ndarray.view(result, Watched)
+    out = np.ndarray.view(result, type(like))  # a subclass of Watched (part6_ring's shards) stays itself
     out._log, out._tags = like._log, like._tags
     return out
 

@@ -328,27 +328,6 @@ def _note_join(log, arrays, axis):
                      "sequence (np.concatenate, np.vstack, ...)", n=log["n_local"]))
 
 
-@contextlib.contextmanager
-def _conversions_keep_shards():
-    """``np.asarray(shard)``, ``np.array(shard)``, ... stay :class:`_Shard` (inside :func:`.inputs.watching`)."""
-    names = ("array", "asarray", "asanyarray", "ascontiguousarray", "asfortranarray", "copy")
-    saved = {name: getattr(np, name) for name in names}
-
-    def make(original):
-        def convert(a, *args, **kwargs):
-            result = original(a, *args, **kwargs)
-            return _as_shard(result) if isinstance(a, _Shard) else result
-        return convert
-
-    for name, original in saved.items():
-        setattr(np, name, make(original))
-    try:
-        yield
-    finally:
-        for name, original in saved.items():
-            setattr(np, name, original)
-
-
 _LIMITED: dict = {}  # qualified name -> (the original function, the log)
 
 
@@ -426,7 +405,7 @@ def grade_ring_simulation(fn, *, seed=None):
         shards = [[ring.shard_sequence(t, r, world, layout, dim=-2) for r in range(world)] for t in (q, k, v)]
         log = {"active": False, "n_local": n // world}
         given = _watched_shards(shards, log)
-        with (_one_shard_of_keys(log), inputs.watching(log), _conversions_keep_shards(),
+        with (_one_shard_of_keys(log), inputs.watching(log),
               proof.answer_keys_forbidden(simulate)):  # the grader's own ring is the course's answer
             out = run.call(fn, *given, causal=causal, layout=layout, case=name)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
