@@ -171,9 +171,18 @@ def test_every_report_is_written_and_the_summary_says_how_hand_ins_were_isolated
     assert "## Isolation" in summary and "own Linux namespaces" in summary
 
 
-def test_without_namespaces_the_summary_says_hand_ins_ran_unisolated():
-    sentence = grade.isolation_sentence("the `unshare` program (util-linux) is not installed")
+def test_without_namespaces_the_grader_warns_and_the_summary_says_hand_ins_ran_unisolated(tmp_path, monkeypatch,
+                                                                                            capsys):
+    reason = "the `unshare` program (util-linux) is not installed"
+    monkeypatch.setattr(os_sandbox, "unavailable", lambda: reason)
+    root = tmp_path / "submissions"
+    _write(root, "amy", STEM, learner_notebook(STEM))
+    rows = grade.grade([root], tmp_path / "gradebook", jobs=1, timeout=60, progress=False)
+    assert [r["status"] for r in rows if r["notebook"] == STEM] == ["passed", "passed"]  # graded all the same
+    sentence = grade.isolation_sentence(reason)
     assert sentence.startswith("Hand-ins ran WITHOUT operating-system isolation because the `unshare` program")
+    assert f"warning: {sentence}" in capsys.readouterr().err
+    assert sentence in (tmp_path / "gradebook" / "summary.md").read_text()
 
 
 def test_the_sandbox_shows_the_system_read_only_and_hides_the_repository(tmp_path):
