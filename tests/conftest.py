@@ -103,3 +103,32 @@ def function_span(src: str, name: str) -> tuple[int, int]:
     ends = [i for i in (src.find("\n@triton.jit", start), src.find("\ndef ", start), src.find("\n# ---", start))
             if i != -1]
     return start, min(ends) if ends else len(src)
+
+
+# -- a do-nothing kernel for proof-of-work tests --------------------------------------------------
+def _make_copy_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+        """Copies a contiguous tensor: "a kernel ran, and it wrote the result" without computing anything."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+    return _copy_kernel
+
+
+_copy_kernel = _make_copy_kernel()
+
+
+def copied_by_a_kernel(t):
+    """``t`` copied into a fresh tensor by :data:`_copy_kernel` (its last writer: a kernel of "the learner's")."""
+    import torch
+    import triton
+
+    src = t.contiguous()
+    out = torch.empty_like(src)
+    _copy_kernel[(triton.cdiv(src.numel(), 1024),)](src, out, src.numel(), BLOCK=1024)
+    return out

@@ -18,7 +18,7 @@ from course_utils.grading.isolation import check_on_cpu, isolated
 from course_utils.grading.outcome import KernelError
 from course_utils.grading.proof import count_launches
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, _copy_kernel  # one dummy kernel for every test file
 
 
 def test_compare_names_case_seed_index_and_diagnosis():
@@ -88,11 +88,6 @@ def test_fresh_seed_each_call_and_passed_line():
 
 
 # -- the sandbox ---------------------------------------------------------------
-@triton.jit
-def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
 
 
 @triton.jit

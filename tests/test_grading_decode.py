@@ -17,13 +17,12 @@ import numpy as np
 import pytest
 import torch
 import triton
-import triton.language as tl
 
 from course_utils import references as ref
 from course_utils.grading import GradingError, check_decode_combine, check_decode_split, check_merge_partials
 from course_utils.grading import part5_decode as p5
 from course_utils.kernels import decode
-from conftest import module_from_source
+from conftest import copied_by_a_kernel, module_from_source
 
 _made: dict = {}
 
@@ -221,19 +220,7 @@ def test_a_mistake_that_moves_the_answer_less_than_slack_is_still_named():
 
 
 # -- proof of work: the answer must come from the learner's own kernels ----------------------------
-@triton.jit
-def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
-    """A dummy kernel: copies a contiguous tensor, so that "a kernel ran" and it wrote the result."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
-
-
-def _copied(t):
-    """``t`` copied into a fresh tensor by :func:`_copy_kernel`."""
-    t = t.contiguous()
-    out = torch.empty_like(t)
-    _copy_kernel[(triton.cdiv(t.numel(), 1024),)](t, out, t.numel(), BLOCK=1024)
-    return out
+_copied = copied_by_a_kernel
 
 
 def _torch_partials(q, k_cache, v_cache, cache_seqlens, num_splits):
