@@ -472,19 +472,16 @@ def _tile_sizes(history: dict | None = None, n: int = 0):
     """
     seen: dict[tuple[str, str], int] = {}
 
-    def on_launch(kernel, args, kwargs, launch):
-        if not proof._is_course_kernel(kernel):
-            tiles = {(proof._kernel_name(kernel), name): value
-                     for name, value in _constexpr_ints(kernel, args, kwargs).items()}
-            if history is not None:
-                grown = _growing_tile({key: history.get(key, []) + [(n, value)] for key, value in tiles.items()})
-                if grown:
-                    raise Forbidden(grown)
-            for key, value in tiles.items():
-                seen[key] = max(seen.get(key, 0), value)
-        return launch()
+    def before_launch(name, kernel, args, kwargs, tensors):
+        tiles = {(name, constexpr): value for constexpr, value in _constexpr_ints(kernel, args, kwargs).items()}
+        if history is not None:
+            grown = _growing_tile({key: history.get(key, []) + [(n, value)] for key, value in tiles.items()})
+            if grown:
+                raise Forbidden(grown)
+        for key, value in tiles.items():
+            seen[key] = max(seen.get(key, 0), value)
 
-    with proof._patched_launches(on_launch):
+    with proof.watching_learner_launches(before_launch):
         yield seen
 
 

@@ -23,7 +23,6 @@ and finding the answer within the same limit of it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import numpy as np
@@ -469,16 +468,9 @@ class _Model(Diagnosis):
         return float(np.max(_rel_rms_per_head(actual, self._output())))
 
 
-@contextlib.contextmanager
 def _kernel_arguments(record):
     """Record the tensor arguments of every Triton launch of the learner's (not the course's) kernels."""
-    def on_launch(kernel, args, kwargs, launch):
-        if not proof._is_course_kernel(kernel):
-            record.extend(proof._tensors_in(list(args) + list(kwargs.values())))
-        return launch()
-
-    with proof._patched_launches(on_launch):
-        yield
+    return proof.watching_learner_launches(lambda name, kernel, args, kwargs, tensors: record.extend(tensors))
 
 
 def _layout_problem(record, q8, k8, v8) -> str | None:

@@ -17,7 +17,7 @@ import dataclasses
 from ..transport import kernel_classes
 from .core import Forbidden
 
-__all__ = ["count_launches", "Work", "Launch", "references_forbidden", "answer_keys_forbidden", "MSG_TRITON_TOO_EARLY"]
+__all__ = ["count_launches", "watching_learner_launches", "Work", "Launch", "references_forbidden", "answer_keys_forbidden", "MSG_TRITON_TOO_EARLY"]
 
 
 @contextlib.contextmanager
@@ -79,6 +79,23 @@ def count_launches():
 
     with _patched_launches(on_launch):
         yield launched
+
+
+@contextlib.contextmanager
+def watching_learner_launches(before_launch):
+    """Call ``before_launch(name, kernel, args, kwargs, tensors)`` before each launch of a kernel not the course's.
+
+    ``tensors``: the launch's tensor arguments (a ``TensorDescriptor``'s base too). What it raises
+    stops the launch (a :class:`.core.Forbidden` reaches the check). For checks that judge how the
+    learner launched (tile sizes, the layout of the tensors a kernel got).
+    """
+    def on_launch(kernel, args, kwargs, launch):
+        if not _is_course_kernel(kernel):
+            before_launch(_kernel_name(kernel), kernel, args, kwargs, list(_tensors_in(list(args) + list(kwargs.values()))))
+        return launch()
+
+    with _patched_launches(on_launch):
+        yield
 
 
 # -----------------------------------------------------------------------------
