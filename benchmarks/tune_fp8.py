@@ -1,0 +1,83 @@
+"""Time lesson 11's FP8 forward at fixed launch configurations, beside the course's bf16 forward and cuDNN.
+
+``kernels.fp8.fp8_config`` picks one configuration (untuned defaults); this script times every candidate
+on e4m3 inputs quantised once outside the timing (V made K-major once too: the kernel alone is timed),
+checks each output against a float32 reference first, and prints each configuration's TFLOP/s and its
+ratio to the course's bf16 forward and to SDPA's cuDNN backend measured in the same run.
+
+    python benchmarks/tune_fp8.py [--ns 4096 16384] [--out tune_fp8.json]
+
+Needs a CUDA GPU with FP8 (sm_89 or sm_90).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import course_utils  # noqa: F401  (first, as in every notebook)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ns", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("No CUDA GPU here: this script times GPU kernels.")
+        return 0
+    import triton.testing
+
+    from course_utils.bench.cases import attention_flops
+    from course_utils.bench.fp8 import rel_rms
+    from course_utils.kernels import flash_attention, fp8
+
+    hq, hkv, d, tokens = 32, 8, 128, 16384
+    candidates = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+                  for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
+    rows = []
+    for n, causal in itertools.product(args.ns, (True, False)):
+        b = max(1, tokens // n)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+        vt8 = v8.transpose(2, 3).contiguous()
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:1].float(), k[:1].float(), v[:1].float(),
+                                                               is_causal=causal, enable_gqa=True)
+        flops = attention_flops(b, hq, n, d, causal)
+        ms_bf16 = triton.testing.do_bench(lambda: flash_attention(q, k, v, causal))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            ms_cudnn = triton.testing.do_bench(
+                lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+        print(f"N={n} causal={causal}: course bf16 {flops / ms_bf16 / 1e9:.0f} TFLOP/s, "
+              f"cuDNN {flops / ms_cudnn / 1e9:.0f}", flush=True)
+        for cfg in candidates:
+            def run():
+                return fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16, config=cfg)
+            try:
+                err = rel_rms(run()[:1].float(), ref)
+            except Exception as exc:  # noqa: BLE001 - a configuration this compiler or GPU rejects
+                print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})", flush=True)
+                continue
+            if err > 8e-2:
+                print(f"  {cfg}: wrong (relative RMS error {err:.3g})", flush=True)
+                continue
+            ms = triton.testing.do_bench(run)
+            row = dict(n=n, causal=causal, batch=b, **cfg, ms=ms, tflops=flops / ms / 1e9, err=err,
+                       vs_bf16=ms_bf16 / ms, vs_cudnn=ms_cudnn / ms)
+            rows.append(row)
+            print(f"  {cfg}: {row['tflops']:.0f} TFLOP/s, {row['vs_bf16']:.2f}x course bf16, "
+                  f"{row['vs_cudnn']:.2f}x cuDNN (err {err:.3g})", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=__import__("triton").__version__, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
