@@ -1,0 +1,54 @@
+"""Lesson 11's quoted counters and tuning figures come from results/ncu_forward.json and tune_fp8.json.
+
+Each figure the prose quotes is derived again from the recorded JSON and looked for, at the precision
+written, in the sentence that quotes it; the FP8 launch the lesson says is the default is fp8_config's.
+"""
+
+from pathlib import Path
+
+import nbformat
+import torch
+
+from course_utils import results
+from course_utils.kernels import fp8
+
+LESSON = Path(__file__).resolve().parent.parent / "solutions" / "11_hopper_and_fp8.ipynb"
+
+
+def _markdown() -> str:
+    nb = nbformat.read(LESSON, as_version=4)
+    return " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+
+
+def test_the_counters_quoted_are_the_recorded_ones():
+    k = results.load("ncu_forward")["kernels"]
+    one, two, f8 = k["fast_1_per_sm"], k["fast_2_per_sm"], k["fp8"]
+    text = _markdown()
+    quotes = [
+        f"busy **{two['tensor_pipe_pct']:.1f}%** of the active cycles, against **{one['tensor_pipe_pct']:.1f}%**",
+        f"takes {two['duration_us']:.0f} µs against {one['duration_us']:.0f}",
+        f"**{one['stalls']['barrier']:.2f}** cycles per issued instruction for one 8-warp program, "
+        f"**{two['stalls']['barrier']:.2f}** for two programs",
+        f"fastest of the four ({f8['duration_us']:.0f} µs) with its tensor pipes busy only "
+        f"**{f8['tensor_pipe_pct']:.1f}%**",
+        f"hits L2 for {min(c['l2_hit_rate_pct'] for c in k.values()):.0f}–"
+        f"{max(c['l2_hit_rate_pct'] for c in k.values()):.0f}% of its sectors",
+    ]
+    for quote in quotes:
+        assert quote in text, f"lesson 11 should quote the recorded counters: {quote!r}"
+    assert min(f8["duration_us"], one["duration_us"], two["duration_us"], k["lesson05"]["duration_us"]) == \
+        f8["duration_us"], "the lesson calls the FP8 kernel the fastest of the four"
+    for c in (one, two):  # "both hold 8 warps per SM (occupancy 12.5% of 64)"
+        assert c["theoretical_occupancy_pct"] == 12.5 and round(c["achieved_occupancy_pct"]) == 12
+    assert max(c["dram_throughput_pct"] for c in k.values()) < 10  # "none of the four is limited by DRAM"
+
+
+def test_the_fp8_default_launch_is_the_fastest_recorded():
+    rows = results.load("tune_fp8")["rows"]
+    cfg = fp8.fp8_config(128, 128, torch.device("cuda"))
+    launch = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+    for n, causal in {(r["n"], r["causal"]) for r in rows}:
+        case = [r for r in rows if (r["n"], r["causal"]) == (n, causal)]
+        best = max(r["tflops"] for r in case)
+        ours = next(r for r in case if all(r[key] == value for key, value in launch.items()))
+        assert ours["tflops"] >= 0.99 * best, f"N={n} causal={causal}: the default is not within 1% of the best"
