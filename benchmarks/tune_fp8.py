@@ -3,9 +3,11 @@
 ``kernels.fp8.fp8_config`` picks one configuration (untuned defaults); this script times every candidate
 on e4m3 inputs quantised once outside the timing (V made K-major once too: the kernel alone is timed),
 checks each output against a float32 reference first, and prints each configuration's TFLOP/s and its
-ratio to the course's bf16 forward and to SDPA's cuDNN backend measured in the same run.
+ratio to the course's bf16 forward and to SDPA's cuDNN backend measured in the same run. It then times
+``fp8_config``'s launch from a persistent grid (``launch_fp8_persistent``: one program per SM over an LPT
+schedule of the tiles) against the ordinary grid.
 
-    python benchmarks/tune_fp8.py [--ns 4096 16384] [--out tune_fp8.json]
+    python benchmarks/tune_fp8.py [--ns 4096 16384] [--no-sweep] [--out tune_fp8.json]
 
 Needs a CUDA GPU with FP8 (sm_89 or sm_90).
 """
@@ -24,6 +26,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ns", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--no-sweep", action="store_true", help="only the persistent grid against the ordinary one")
     args = parser.parse_args(argv)
     import torch
 
@@ -39,7 +42,7 @@ def main(argv=None) -> int:
     hq, hkv, d, tokens = 32, 8, 128, 16384
     candidates = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
                   for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
-    rows = []
+    rows, persistent = [], []
     for n, causal in itertools.product(args.ns, (True, False)):
         b = max(1, tokens // n)
         torch.manual_seed(0)
@@ -55,7 +58,20 @@ def main(argv=None) -> int:
                 lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
         print(f"N={n} causal={causal}: course bf16 {flops / ms_bf16 / 1e9:.0f} TFLOP/s, "
               f"cuDNN {flops / ms_cudnn / 1e9:.0f}", flush=True)
-        for cfg in candidates:
+        grid_ms = triton.testing.do_bench(lambda: fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16))
+
+        def run_persistent():
+            return fp8.launch_fp8_persistent(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16)
+        err = rel_rms(run_persistent()[:1].float(), ref)
+        if err <= 8e-2:
+            ms = triton.testing.do_bench(run_persistent)
+            persistent.append(dict(n=n, causal=causal, batch=b, grid_ms=grid_ms, persistent_ms=ms, err=err,
+                                   persistent_over_grid=grid_ms / ms, vs_cudnn=ms_cudnn / ms))
+            print(f"  persistent grid ({torch.cuda.get_device_properties(0).multi_processor_count} programs, LPT): "
+                  f"{flops / ms / 1e9:.0f} TFLOP/s, {grid_ms / ms:.2f}x the ordinary grid", flush=True)
+        else:
+            print(f"  persistent grid: wrong (relative RMS error {err:.3g})", flush=True)
+        for cfg in ([] if args.no_sweep else candidates):
             def run():
                 return fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16, config=cfg)
             try:
@@ -75,7 +91,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=__import__("triton").__version__, rows=rows), f, indent=1)
+                           triton=__import__("triton").__version__, rows=rows, persistent=persistent), f, indent=1)
     return 0
 
 

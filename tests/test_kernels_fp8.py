@@ -172,11 +172,39 @@ def _notebook_jit_functions(name):
     return found
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_grid_gives_the_grid_launch_output(causal):
+    # Three programs for 2 x 4 heads x 3 query blocks: each program runs several tiles of both batch elements.
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, 160, 32, generator=gen).to(DEVICE) for h in (4, 2, 2))
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t, 64) for t in (q, k, v))
+    vt8 = v8.transpose(2, 3).contiguous()
+    out = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    grid = fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, causal, 64, out)
+    persistent = fp8.launch_fp8_persistent(q8, k8, vt8, qs, ks, vs, causal, 64, out, n_programs=3)
+    if DEVICE == "cpu":
+        assert torch.equal(grid, persistent)  # the same tile code, in another order
+    else:
+        torch.testing.assert_close(persistent, grid, atol=2e-2, rtol=2e-2)
+
+
+def test_persistent_schedule_runs_every_tile_once_longest_first():
+    programs = fp8.persistent_schedule(n_blocks_m=5, batch_heads=3, causal=True, n_programs=4, block_m=64,
+                                       block_n=32, seq_len=300)
+    tiles = sorted(t for p in programs for t in p)
+    assert tiles == list(range(15)) and len(programs) == 4
+    cost = {t: min(10, -(-min((t % 5 + 1) * 64, 300) // 32)) + 1 for t in range(15)}  # K/V blocks + 1
+    for p in programs:  # each program runs its longest tile first
+        assert [cost[t] for t in p] == sorted((cost[t] for t in p), reverse=True)
+    loads = [sum(cost[t] for t in p) for p in programs]
+    assert max(loads) <= 4 / 3 * max(sum(cost.values()) / 4, max(cost.values()))
+
+
 def test_the_lesson_defines_the_module_kernels_verbatim():
     import inspect
 
     taught = _notebook_jit_functions("11_hopper_and_fp8.ipynb")
-    for name in ("to_e4m3", "attn_fwd_fp8_inner", "_flash_attention_fp8_kernel"):
+    for name in ("to_e4m3", "attn_fwd_fp8_inner", "_fp8_attention_tile", "_flash_attention_fp8_kernel"):
         module_src = inspect.getsource(getattr(fp8, name).fn)
         assert name in taught, f"11_hopper_and_fp8 does not define {name}"
         assert _strip(taught[name]) == _strip(module_src), f"11_hopper_and_fp8: {name} differs from fp8.py"

@@ -66,9 +66,13 @@ __all__ = [
     "to_e4m3",
     "attn_fwd_fp8_inner",
     "_flash_attention_fp8_kernel",
+    "_flash_attention_fp8_persistent_kernel",
+    "_fp8_attention_tile",
     "validate_fp8",
     "fp8_config",
     "launch_fp8",
+    "launch_fp8_persistent",
+    "persistent_schedule",
     "lpt_schedule",
     "schedule_makespan",
 ]
@@ -204,7 +208,8 @@ def attn_fwd_fp8_inner(
 
 
 @triton.jit
-def _flash_attention_fp8_kernel(
+def _fp8_attention_tile(
+    start_m, batch_head,
     Q_ptr, K_ptr, VT_ptr, O_ptr, QS_ptr, KS_ptr, VS_ptr,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -223,17 +228,7 @@ def _flash_attention_fp8_kernel(
     P_SCALE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """FP8 attention forward: one program per (query block, batch x query head), lesson 05's grid.
-
-    Q ``[B, Hq, N, D]``, K ``[B, Hkv, N, D]`` and VT (V transposed, ``[B, Hkv,
-    D, N]``) are e4m3 with any strides; QS ``[B, Hq, n_blocks]``, KS and VS
-    ``[B, Hkv, n_blocks]`` are their float32 scales (``n_blocks = cdiv(N,
-    SCALE_BLOCK)``). O ``[B, Hq, N, D]`` gets the output.
-    """
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)
-    tl.static_assert(SCALE_BLOCK % BLOCK_N == 0)  # a K/V tile never straddles two scale blocks
-    start_m = tl.program_id(0)
-    batch_head = tl.program_id(1)
+    """One output tile: query block ``start_m`` of (batch x query head) ``batch_head`` (see the kernel below)."""
     batch = batch_head // N_Q_HEADS
     q_head = batch_head % N_Q_HEADS
     kv_head = q_head // (N_Q_HEADS // N_KV_HEADS)
@@ -288,6 +283,91 @@ def _flash_attention_fp8_kernel(
         acc.to(O_ptr.dtype.element_ty),
         mask=m_ok[:, None] & d_ok[None, :],
     )
+
+
+@triton.jit
+def _flash_attention_fp8_kernel(
+    Q_ptr, K_ptr, VT_ptr, O_ptr, QS_ptr, KS_ptr, VS_ptr,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vd, stride_vn,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_qsb, stride_qsh, stride_qsn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh, stride_vsn,
+    sm_scale, SEQ_LEN, N_Q_HEADS, N_KV_HEADS,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    P_SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """FP8 attention forward: one program per (query block, batch x query head), lesson 05's grid.
+
+    Q ``[B, Hq, N, D]``, K ``[B, Hkv, N, D]`` and VT (V transposed, ``[B, Hkv,
+    D, N]``) are e4m3 with any strides; QS ``[B, Hq, n_blocks]``, KS and VS
+    ``[B, Hkv, n_blocks]`` are their float32 scales (``n_blocks = cdiv(N,
+    SCALE_BLOCK)``). O ``[B, Hq, N, D]`` gets the output.
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    tl.static_assert(SCALE_BLOCK % BLOCK_N == 0)  # a K/V tile never straddles two scale blocks
+    _fp8_attention_tile(
+        tl.program_id(0), tl.program_id(1),
+        Q_ptr, K_ptr, VT_ptr, O_ptr, QS_ptr, KS_ptr, VS_ptr,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vd, stride_vn, stride_ob, stride_oh, stride_on, stride_od,
+        stride_qsb, stride_qsh, stride_qsn, stride_ksb, stride_ksh, stride_ksn, stride_vsb, stride_vsh, stride_vsn,
+        sm_scale, SEQ_LEN, N_Q_HEADS, N_KV_HEADS,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, IS_CAUSAL=IS_CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        SCALE_BLOCK=SCALE_BLOCK, P_SCALE=P_SCALE, INTERPRETED=INTERPRETED,
+    )
+
+
+@triton.jit
+def _flash_attention_fp8_persistent_kernel(
+    SCHEDULE, MAX_TILES, N_BLOCKS_M,
+    Q_ptr, K_ptr, VT_ptr, O_ptr, QS_ptr, KS_ptr, VS_ptr,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vd, stride_vn,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_qsb, stride_qsh, stride_qsn,
+    stride_ksb, stride_ksh, stride_ksn,
+    stride_vsb, stride_vsh, stride_vsn,
+    sm_scale, SEQ_LEN, N_Q_HEADS, N_KV_HEADS,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    P_SCALE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """The same tiles from one program per SM: program ``p`` runs the tiles of row ``p`` of SCHEDULE.
+
+    SCHEDULE is int32 ``[n_programs, MAX_TILES]``: tile ``t = batch_head * N_BLOCKS_M + start_m``, in
+    the order the program runs them, ``-1`` past the end of its list (:func:`persistent_schedule`).
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    tl.static_assert(SCALE_BLOCK % BLOCK_N == 0)  # a K/V tile never straddles two scale blocks
+    row = SCHEDULE + tl.program_id(0) * MAX_TILES
+    for j in range(0, MAX_TILES):
+        t = tl.load(row + j)
+        if t >= 0:
+            _fp8_attention_tile(
+                t % N_BLOCKS_M, t // N_BLOCKS_M,
+                Q_ptr, K_ptr, VT_ptr, O_ptr, QS_ptr, KS_ptr, VS_ptr,
+        stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vd, stride_vn, stride_ob, stride_oh, stride_on, stride_od,
+        stride_qsb, stride_qsh, stride_qsn, stride_ksb, stride_ksh, stride_ksn, stride_vsb, stride_vsh, stride_vsn,
+        sm_scale, SEQ_LEN, N_Q_HEADS, N_KV_HEADS,
+        HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, IS_CAUSAL=IS_CAUSAL, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        SCALE_BLOCK=SCALE_BLOCK, P_SCALE=P_SCALE, INTERPRETED=INTERPRETED,
+            )
 
 
 # -----------------------------------------------------------------------------
@@ -399,6 +479,63 @@ def launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, block_size:
     cfg = dict(fp8_config(d, block_size, q8.device), **(config or {}))
     grid = (triton.cdiv(n, cfg["BLOCK_M"]), b * hq)
     _flash_attention_fp8_kernel[grid](
+        q8, k8, vt8, o, q_scale, k_scale, v_scale,
+        *q8.stride(), *k8.stride(), *vt8.stride(), *o.stride(),
+        *q_scale.stride(), *k_scale.stride(), *v_scale.stride(),
+        1.0 / math.sqrt(d), n, hq, k8.shape[1],
+        HEAD_DIM=d, IS_CAUSAL=bool(causal), SCALE_BLOCK=block_size, P_SCALE=P_SCALE,
+        INTERPRETED=q8.device.type == "cpu", **cfg,
+    )
+    return o
+
+
+def persistent_schedule(n_blocks_m: int, batch_heads: int, causal: bool, n_programs: int, block_m: int,
+                        block_n: int, seq_len: int) -> list[list[int]]:
+    """Each persistent program's tiles (``t = batch_head * n_blocks_m + start_m``), by :func:`lpt_schedule`.
+
+    A tile's cost is the K/V blocks it visits (causal: query block ``m`` stops at its diagonal) plus
+    one for its prologue and epilogue, the load model of lesson 11's exercise 3.
+    """
+    n_kv = triton.cdiv(seq_len, block_n)
+    tiles, costs = [], []
+    for bh in range(batch_heads):
+        for m in range(n_blocks_m):
+            visits = min(n_kv, triton.cdiv(min((m + 1) * block_m, seq_len), block_n)) if causal else n_kv
+            tiles.append(bh * n_blocks_m + m)
+            costs.append(visits + 1)
+    return lpt_schedule(tiles, costs, n_programs)
+
+
+_SCHEDULES: dict = {}
+
+
+def _schedule_tensor(n_blocks_m, batch_heads, causal, n_programs, block_m, block_n, seq_len, device):
+    """:func:`persistent_schedule` as int32 ``[n_programs, max_tiles]`` on ``device`` (-1 padded; cached)."""
+    key = (n_blocks_m, batch_heads, bool(causal), n_programs, block_m, block_n, seq_len, str(device))
+    if key not in _SCHEDULES:
+        programs = persistent_schedule(n_blocks_m, batch_heads, causal, n_programs, block_m, block_n, seq_len)
+        width = max(1, max(len(p) for p in programs))
+        rows = [p + [-1] * (width - len(p)) for p in programs]
+        _SCHEDULES[key] = torch.tensor(rows, dtype=torch.int32, device=device)
+    return _SCHEDULES[key]
+
+
+def launch_fp8_persistent(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, block_size: int, out_dtype,
+                          n_programs: int | None = None, config=None):
+    """:func:`launch_fp8`'s output from a persistent grid: ``n_programs`` programs (one per SM by default)
+    loop over the tiles :func:`persistent_schedule` gives them, longest first."""
+    b, hq, n, d = q8.shape
+    o = torch.empty((b, hq, n, d), dtype=out_dtype, device=q8.device)
+    if o.numel() == 0:
+        return o
+    cfg = dict(fp8_config(d, block_size, q8.device), **(config or {}))
+    if n_programs is None:
+        n_programs = (torch.cuda.get_device_properties(q8.device).multi_processor_count
+                      if q8.device.type == "cuda" else 4)
+    n_m = triton.cdiv(n, cfg["BLOCK_M"])
+    schedule = _schedule_tensor(n_m, b * hq, causal, n_programs, cfg["BLOCK_M"], cfg["BLOCK_N"], n, q8.device)
+    _flash_attention_fp8_persistent_kernel[(n_programs,)](
+        schedule, schedule.shape[1], n_m,
         q8, k8, vt8, o, q_scale, k_scale, v_scale,
         *q8.stride(), *k8.stride(), *vt8.stride(), *o.stride(),
         *q_scale.stride(), *k_scale.stride(), *v_scale.stride(),
