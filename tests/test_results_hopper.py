@@ -52,3 +52,37 @@ def test_the_fp8_default_launch_is_the_fastest_recorded():
         best = max(r["tflops"] for r in case)
         ours = next(r for r in case if all(r[key] == value for key, value in launch.items()))
         assert ours["tflops"] >= 0.99 * best, f"N={n} causal={causal}: the default is not within 1% of the best"
+
+
+def test_the_persistent_grid_figures_quoted_are_the_recorded_ones():
+    rows = results.load("fp8_persistent")["persistent"]
+    text = _markdown()
+    for causal, template in ((True, "**{}×** the ordinary grid's speed with the causal"), (False, "and **{}×** without")):
+        ratios = [r["persistent_over_grid"] for r in rows if r["causal"] == causal]
+        figure = f"{min(ratios):.2f}–{max(ratios):.2f}"
+        assert template.format(figure) in text, f"lesson 11 should quote {figure} for causal={causal}"
+
+
+def test_the_fp8_ladder_figures_quoted_are_the_recorded_ones():
+    import statistics
+
+    rec = results.load("fp8_bench")
+    by = {}
+    for r in rec["rows"]:
+        if r["status"] == "ok":
+            by.setdefault((r["n"], r["causal"], r["repeat"]), {})[r["provider"]] = r["ms"]
+    ratio = {}  # (n, causal) -> median over repeats of cuDNN ms / FP8 ms, and FP8 faster than bf16
+    for (n, causal, _), ms in by.items():
+        ratio.setdefault((n, causal), []).append(ms["sdpa_cudnn"] / ms["course_fp8"])
+    medians = {key: statistics.median(v) for key, v in ratio.items()}
+    text = _markdown()
+    figure = f"{min(medians.values()):.2f}–{max(medians.values()):.2f}"
+    assert f"reaches **{figure}×** cuDNN's" in text
+    above = sorted(key for key, m in medians.items() if m > 1.0)
+    assert above == [(16384, False)], "the lesson says FP8 passes cuDNN only without the mask at N = 16384"
+    faster = {}
+    for (n, causal, _), ms in by.items():
+        faster.setdefault((n, causal), []).append(ms["course_fp8"] < ms["course_bf16"])
+    first = {c: min(n for (n, cc), f in faster.items() if cc == c and all(f)) for c in (True, False)}
+    assert all(all(f) for (n, c), f in faster.items() if n >= first[c]), "FP8 ahead of bf16 from a length on"
+    assert f"from N = {first[True]} with the causal mask and from N = {first[False]} without" in text
