@@ -259,7 +259,8 @@ def graded_notebook(submitted, course: CourseNotebook, cfg: dict, skip=()) -> nb
         if i not in replaced and not cell.id.startswith("grader-") and check_calls(cell.source, course.checks):
             cell.source = "# (a check call of the learner: the grader runs the official checks at the end)"
     prologue = _code(_injected("prologue", {k: cfg[k] for k in ("token_a", "write_roots", "hidden_dirs",
-                                                                "allowed_programs", "data_limit_bytes")}), "grader-prologue")
+                                                                "allowed_programs", "data_limit_bytes",
+                                                                "uses_torch") if k in cfg}), "grader-prologue")
     calls = [dataclasses.asdict(c) for ex in course.exercises for c in ex.calls]
     calls.sort(key=lambda c: c["index"])
     final = _code(_injected("grade", {"token_a": cfg["token_a"], "token_b": cfg["token_b"], "root": str(ROOT),
@@ -344,6 +345,8 @@ def run_notebook(task: dict) -> dict:
             "allowed_programs": list(ALLOWED_PROGRAMS) + [os.path.basename(os.environ[v].split()[0])
                                                           for v in ("CC", "CXX") if os.environ.get(v, "").strip()],
             "data_limit_bytes": task.get("data_limit_bytes"),
+            # The harness keeps torch's functions too (grade_harness.TORCH_MODULES) where the lesson imports it.
+            "uses_torch": "import torch" in Path(course.path).read_text(),
         }
         sandboxed = bool(task.get("sandbox"))  # the grader probed the machine once (os_sandbox.unavailable)
         env = {"TMPDIR": str(work / "tmp"), "IPYTHONDIR": str(work / "ipython"), "MPLCONFIGDIR": str(work / "mpl"),

@@ -6,11 +6,14 @@ runs it inside the learner's kernel, in a private namespace, at three places:
 - ``prologue(cfg)``, the first cell, before any learner code: a write guard
   (an audit hook, which Python cannot remove once added) that refuses to
   write, delete or rename files outside the notebook's temporary folder, to
-  run other programs, or to signal other processes;
+  run other programs, or to signal other processes; and a snapshot of the
+  functions of the modules the checks trust (:data:`TRUSTED_MODULES`);
 - ``collect(user_ns, cfg)``, in place of each official grader cell: takes
   the learner's objects named by the grader cell (``softmax`` in
   ``check_softmax(softmax)``) and runs the cell's hidden tests;
-- ``grade(cfg)``, the last cell: drops every ``course_utils`` module from
+- ``grade(cfg)``, the last cell: puts back whatever the notebook replaced in
+  those modules (and removes the IPython hooks and trace functions it added),
+  drops every ``course_utils`` module from
   ``sys.modules``, imports a pristine copy from the course's own files, and
   calls the official checks on the collected objects. While a check runs,
   a call from the learner's code into the course's references or kernels
@@ -18,6 +21,12 @@ runs it inside the learner's kernel, in a private namespace, at three places:
   to a file whose name holds a token that appears only in this last cell.
 
 Outputs of the notebook are never read as results.
+
+All of this runs in the learner's own process, inside the operating system's sandbox
+(:mod:`course_utils.os_sandbox`): it stops the replacements a notebook makes in plain Python, not
+code written to find the harness's own state (it is reachable, as everything in a process is), to
+rewrite the last cell before it runs (an IPython input transformer), or to keep a thread running.
+A verdict computed in a process the learner's code never ran in is the remedy, not built yet.
 """
 
 # NOTE: no module-level imports from course_utils here, on purpose.
@@ -42,11 +51,113 @@ def _box(token):
     return box
 
 
+# -- the modules the checks trust ------------------------------------------------
+#: What the official checks compute their verdicts and write their results with. The prologue keeps a
+#: reference to every function of these modules (and its code) before the learner's first cell; the last
+#: cell puts back whatever the notebook replaced (``numpy.allclose = lambda *a: True``, a new
+#: ``json.dump``, a function's ``__code__``) before any check runs, and every result says what it put back.
+TRUSTED_MODULES = ("builtins", "json", "json.encoder", "math", "os", "numpy", "numpy.testing", "numpy.linalg",
+                   "numpy.random")
+TORCH_MODULES = ("torch", "torch.testing", "torch.nn.functional")  # added when the lesson imports torch
+# Names the kernel itself rebinds while it runs cells (ipykernel's input() for each request): not the learner's.
+_KERNEL_OWNED = {("builtins", "input"), ("builtins", "raw_input"), ("builtins", "getpass")}
+_MISSING = object()
+
+
+def _function_of(obj):
+    """The Python function behind ``obj`` (itself, a method's, numpy's dispatcher's), or None."""
+    import types
+
+    for fn in (obj, getattr(obj, "__func__", None), getattr(obj, "_implementation", None)):
+        if isinstance(fn, types.FunctionType):
+            return fn
+    return None
+
+
+def _snapshot(names):
+    """References to the callables of ``names`` (modules) and their functions' code, as they are now."""
+    import importlib
+    import types
+
+    modules, attrs, codes = {}, [], []
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not installed here
+            continue
+        modules[name] = module
+        for attr, obj in list(vars(module).items()):
+            if attr.startswith("__") or (name, attr) in _KERNEL_OWNED or not (
+                    callable(obj) or isinstance(obj, types.ModuleType)):
+                continue
+            attrs.append((module, attr, obj))
+            fn = _function_of(obj)
+            if fn is not None:
+                codes.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__))
+    shell = _shell()
+    events = {e: list(cbs) for e, cbs in shell.events.callbacks.items()} if shell is not None else {}
+    return {"modules": modules, "attrs": attrs, "codes": codes, "events": events,
+            "trace": (sys.gettrace(), sys.getprofile())}
+
+
+def _shell():
+    try:
+        return get_ipython()  # noqa: F821 - defined in an IPython kernel
+    except NameError:
+        return None
+
+
+def _library_function(cb) -> bool:
+    """Whether ``cb`` is a function or method of an installed library (matplotlib's figure flush)."""
+    fn = getattr(cb, "__func__", cb)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    path = os.path.realpath(code.co_filename)
+    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    return any(path.startswith(r + os.sep) for r in roots) and "site-packages" in path.split(os.sep) or any(
+        path.startswith(os.path.realpath(p) + os.sep) for p in sys.path if p.endswith("site-packages"))
+
+
+def _restore(snap):
+    """Put back what the notebook replaced since :func:`_snapshot`; return the names put back."""
+    changed = []
+    for name, module in snap["modules"].items():
+        if sys.modules.get(name) is not module:
+            sys.modules[name] = module
+            changed.append(f"sys.modules[{name!r}]")
+    for module, attr, obj in snap["attrs"]:
+        if vars(module).get(attr, _MISSING) is not obj:
+            setattr(module, attr, obj)
+            changed.append(f"{module.__name__}.{attr}")
+    for fn, code, defaults, kwdefaults in snap["codes"]:
+        if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__kwdefaults__ is not kwdefaults:
+            fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, defaults, kwdefaults
+            changed.append(f"{fn.__module__}.{fn.__qualname__} (its code)")
+    shell = _shell()
+    if shell is not None:
+        for event, cbs in shell.events.callbacks.items():
+            keep = snap["events"].get(event, [])
+            extra = [cb for cb in cbs if cb not in keep and not _library_function(cb)]
+            if extra:
+                cbs[:] = [cb for cb in cbs if cb not in extra]
+                changed.append(f"an IPython {event} hook")
+    if (sys.gettrace(), sys.getprofile()) != snap["trace"]:
+        sys.settrace(snap["trace"][0])
+        sys.setprofile(snap["trace"][1])
+        changed.append("sys.settrace / sys.setprofile")
+    return sorted(set(changed))
+
+
 # -- the first cell -----------------------------------------------------------
 def prologue(cfg):
-    """Install the write guard and the resource limits (before learner code); see :mod:`course_utils.guard`."""
-    _box(cfg["token_a"])
+    """Install the write guard and the resource limits (before learner code); see :mod:`course_utils.guard`.
+
+    Also keep the trusted modules' functions as they are now (:func:`_snapshot`), for the last cell.
+    """
+    box = _box(cfg["token_a"])
     install(cfg)
+    box.snapshot = _snapshot(TRUSTED_MODULES + (TORCH_MODULES if cfg.get("uses_torch") else ()))
 
 
 # -- in place of each grader cell ---------------------------------------------
@@ -220,8 +331,16 @@ def grade(cfg):
     import time
 
     box = _box(cfg["token_a"])
+    # Before anything else (json.dump writes the results): put back what the notebook replaced.
+    tampered = _restore(box.snapshot) if getattr(box, "snapshot", None) else []
     result_path = cfg["result_file"]
-    record = {"token": cfg["token_b"], "running": None, "results": [], "hidden": dict(box.hidden), "setup_error": None}
+    record = {"token": cfg["token_b"], "running": None, "results": [], "hidden": dict(box.hidden), "setup_error": None,
+              "tampered": tampered}
+    note = ""
+    if tampered:
+        shown = ", ".join(tampered[:12]) + (f" and {len(tampered) - 12} more" if len(tampered) > 12 else "")
+        note = (f"\n(Your notebook changed {shown}; the checks rely on them, so the grader put the originals "
+                "back before checking.)")
 
     def save():
         tmp = result_path + ".tmp"
@@ -334,6 +453,7 @@ def grade(cfg):
                 if notes:
                     entry["message"] += "\n" + "\n".join(str(n) for n in notes)
         record["running"] = None
+        entry["message"] += note
         record["results"].append(entry)
         if exc is not None and outcomes.is_cuda_fault(str(exc)):
             # The CUDA context is lost: every later check would fail too. The grader

@@ -2,7 +2,9 @@
 
 Each hostile learner below tries one way past the in-process write guard that
 only the operating system can stop (ctypes, sqlite3, reading the course's or a
-classmate's files, a process that outlives the kernel). The class is graded in
+classmate's files, a process that outlives the kernel), or replaces what the
+checks compute their verdict with (numpy's comparisons, json's writer, an
+IPython hook that rewrites the results after the last cell). The class is graded in
 one run with an honest classmate: the honest one gets full points, every
 attack gets 0 points or nothing at all, nothing is written outside the
 hand-ins' folders, and every report file is there.
@@ -63,6 +65,38 @@ if seen:
 """
 
 
+PATCH_NUMPY = """import numpy as np
+np.allclose = lambda *a, **k: True
+np.testing.assert_allclose = lambda *a, **k: None
+np.abs = lambda x, *a, **k: np.zeros_like(np.asarray(x, dtype=float))
+np.absolute = np.abs
+np.isclose = lambda a, b, *args, **kw: np.ones(np.broadcast(np.asarray(a), np.asarray(b)).shape, dtype=bool)
+np.isfinite = lambda x, *a, **k: np.ones(np.shape(x), dtype=bool)
+np.nanmax._implementation.__code__ = (lambda a, axis=None, out=None, keepdims=0, initial=0, where=0: 0.0).__code__
+"""
+PATCH_JSON = """import json
+def _win(o):
+    if isinstance(o, dict):
+        return {k: ('passed' if v in ('failed', 'error') else _win(v)) for k, v in o.items()}
+    return [_win(v) for v in o] if isinstance(o, list) else o
+_dump, _dumps = json.dump, json.dumps
+json.dump = lambda obj, fp, *a, **k: _dump(_win(obj), fp, *a, **k)
+json.dumps = lambda obj, *a, **k: _dumps(_win(obj), *a, **k)
+"""
+REWRITE_HOOK = """import re
+def _rewrite(*_):
+    found = re.search(r'"result_file": "([^"]+)"', get_ipython().user_ns['In'][-1])
+    if found:
+        try:
+            text = open(found.group(1)).read()
+            open(found.group(1), 'w').write(text.replace('"failed"', '"passed"'))
+        except OSError:
+            pass
+get_ipython().events.register('post_run_cell', _rewrite)
+"""
+TAMPER_NOTE = "the grader put the originals back before checking"
+
+
 def _build(base: Path) -> tuple[Path, list[Path]]:
     root = base / "submissions"
     (base / "instructor_file.txt").write_text("keep me")
@@ -92,6 +126,10 @@ def naive_attention(q, k, v, causal=False):
     _write(root, "wes", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[
         f"import ctypes, os, sqlite3\nlibc = ctypes.CDLL(None, use_errno=True)\n{writes}\n"
         f"try:\n    sqlite3.connect({str(planted[1])!r}).execute('create table t (x)')\nexcept Exception:\n    pass"]))
+    # Wrong answers behind replaced verdict tools: numpy's comparisons, json's writer, an IPython hook that
+    # rewrites the results file after the last cell (whose path it reads from that cell's source).
+    _write(root, "nina", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[PATCH_NUMPY, PATCH_JSON]))
+    _write(root, "ivy", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[REWRITE_HOOK]))
     # Leaves a process behind: a new session that sleeps long after the notebook ended.
     _write(root, "finn", STEM, learner_notebook(STEM, extra=[
         f"import os, time\nos.environ[{MARK!r}] = '1'\n"
@@ -139,6 +177,18 @@ def test_honest_learners_get_full_points_beside_the_hostile_ones(hostile_class):
     assert _points(rows, "amy") == 3
 
 
+def test_replaced_numpy_json_and_hooks_are_put_back_before_the_checks(hostile_class):
+    rows = hostile_class["rows"]
+    for learner, named in (("nina", "numpy.allclose"), ("nina", "json.dump"), ("ivy", "an IPython post_run_cell hook")):
+        row = rows[(learner, "check_softmax")]
+        assert row["points"] == 0 and row["status"] == "failed", (learner, row)
+        assert "np.exp overflowed" in row["full_message"], (learner, row["full_message"])  # the real verdict
+        assert TAMPER_NOTE in row["full_message"] and named in row["full_message"], (learner, row["full_message"])
+    assert "nanmax (its code)" in rows[("nina", "check_softmax")]["full_message"]  # a function's __code__ too
+    for learner in ("amy", "pat", "rex", "wes", "finn"):  # nothing of theirs was put back
+        assert all(TAMPER_NOTE not in r["full_message"] for (who, _), r in rows.items() if who == learner), learner
+
+
 def test_the_official_answers_and_a_classmates_hand_in_cannot_be_read(hostile_class):
     rows = hostile_class["rows"]
     for exercise in ("check_softmax", "check_naive_attention"):
@@ -166,7 +216,7 @@ def test_every_report_is_written_and_the_summary_says_how_hand_ins_were_isolated
     out = hostile_class["out"]
     for name in ("gradebook.csv", "gradebook.json", "summary.md", "summary.png"):
         assert (out / name).is_file(), name
-    assert sorted(p.stem for p in (out / "feedback").glob("*.md")) == ["amy", "finn", "pat", "rex", "wes"]
+    assert sorted(p.stem for p in (out / "feedback").glob("*.md")) == ["amy", "finn", "ivy", "nina", "pat", "rex", "wes"]
     summary = (out / "summary.md").read_text()
     assert "## Isolation" in summary and "own Linux namespaces" in summary
 
