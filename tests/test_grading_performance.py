@@ -416,3 +416,15 @@ def test_two_per_sm_model_matches_the_recorded_compiles():
     c = MEASURED_TWO_PER_SM
     assert two_per_sm_fit(c["BLOCK_M"], c["BLOCK_N"], 128, c["num_stages"], 2) == 2
     assert two_per_sm_fit(c["BLOCK_M"], c["BLOCK_N"], 128, 3, 2) == 1
+
+
+def test_two_per_sm_on_a_gpu_too_small_for_the_launch_says_where_to_grade_it(monkeypatch):
+    # A T4 (sm_75) gives a program 64 KiB: the H200's 96 KiB launch cannot start there.
+    import dataclasses
+
+    from course_utils.grading import part3_performance
+
+    t4 = dataclasses.replace(part3_performance.current(), device="cuda", capability=(7, 5), gpu_name="Tesla T4")
+    monkeypatch.setattr(part3_performance, "current", lambda: t4)
+    with pytest.raises(GradingError, match=r"Tesla T4, sm_75.*check_on_cpu\(check_two_per_sm"):
+        part3_performance.grade_two_per_sm(lambda q, k, v: None)

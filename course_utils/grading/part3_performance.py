@@ -364,6 +364,13 @@ MSG_TWO_TOO_BIG = (
     "shared memory per program (section 5's model), plus 1 KiB reserved: 228 KiB hold {fit}. Two programs "
     "need at most 113 KiB each: choose smaller tiles or fewer stages (at least 2)."
 )
+MSG_TWO_SMALL_GPU = (
+    "this check grades launch options for an H200 (228 KiB of shared memory per SM), and this GPU ({gpu}, "
+    "sm_{sm}) gives one program at most 64 KiB: the 96 KiB of the two-programs launch cannot start here. Grade "
+    "it in Triton's interpreter instead, which runs any tile size: check_on_cpu(check_two_per_sm, "
+    "flash_attention_two_per_sm)."
+)
+
 
 
 def _launch_options(kernel, args, kwargs) -> dict:
@@ -457,7 +464,11 @@ def grade_two_per_sm(fn, *, seed=None):
 
     require_callable(fn, "check_two_per_sm", "your launcher")
     run = Run("check_two_per_sm", seed, time_limit_s=60.0)
-    device = current().device
+    env = current()
+    device = env.device
+    if device == "cuda" and env.capability is not None and env.capability < (8, 0):
+        raise run.fail(MSG_TWO_SMALL_GPU.format(gpu=env.gpu_name, sm=f"{env.capability[0]}{env.capability[1]}"),
+                       "all")
     for c in _two_per_sm_cases(run.rng, device):
         q, k, v, q64, k64, v64 = _make_inputs(run.rng, c, device)
         before = inputs.snapshot(q=q, k=k, v=v)
