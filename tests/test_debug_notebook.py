@@ -221,3 +221,68 @@ def test_student_version_raises_until_filled_in(tmp_path):
     q = torch.randn(1, 2, 16, 16)
     with pytest.raises(NotImplementedError, match="_flash_attention_forward_gqa_kernel"):
         module.flash_attention_forward(q, q[:, :1], q[:, :1])
+
+
+# -- the student notebook reads well: explanations complete, demonstrations shown after the hunt (issue 22) --
+def _student_cells():
+    from course_utils.build import student_notebook
+
+    return student_notebook(nbformat.read(NOTEBOOK, as_version=4), NOTEBOOK.name).cells
+
+
+def test_no_folded_explanation_ends_on_nothing():
+    # A paragraph ending in ':' announced a demonstration cell right after it, which the student
+    # notebook used to strip; each explanation must read complete inside its fold.
+    folded = [c.source for c in _student_cells() if c.cell_type == "markdown" and "<details>" in c.source]
+    assert len(folded) == 10
+    for k, text in enumerate(folded, start=1):
+        assert f"<b>Flaw {k}</b>" in text
+        for paragraph in text.split("</summary>", 1)[1].split("</details>")[0].split("\n\n"):
+            assert not paragraph.rstrip().endswith(":"), f"Flaw {k}: {paragraph[-80:]!r}"
+        assert "**Symptom.**" in text and "**Fix.**" in text, f"Flaw {k}"
+
+
+def test_every_demonstration_reaches_the_student_after_the_graded_hunt():
+    solution = nbformat.read(NOTEBOOK, as_version=4).cells
+    assert not any("HIDDEN TESTS" in c.source or "runs in the solution notebook" in c.source for c in solution)
+    cells = _student_cells()
+    source = [c.source for c in cells]
+    hunt = next(i for i, s in enumerate(source) if s.endswith("check_flaw_hunt(findings)"))
+    last_fold = max(i for i, s in enumerate(source) if "<details>" in s)
+    section = source.index(next(s for s in source if s.startswith("## The symptoms, shown")))
+    exercise = source.index(next(s for s in source if s.startswith("## Exercise: the fixed kernel")))
+    assert hunt < last_fold < section < exercise
+    shown = {}
+    for i in range(section + 1, exercise):
+        if cells[i].cell_type == "markdown":
+            title = cells[i].source.split(":", 1)[0]
+            assert title.startswith("**Flaw ") and title.endswith(", shown"), cells[i].source
+            flaw = int(title.split()[1].rstrip(","))
+        else:
+            shown.setdefault(flaw, []).append(cells[i].source)
+    # Every flaw a cell can show (1 is the First contact cell, 10 is read), with the code the solution runs:
+    assert sorted(shown) == list(range(2, 10))
+    assert "classmate_with(FIX_CAST)" in "".join(shown[2]) and "launch(kernel_4, q, k_t, v)" in "".join(shown[6])
+    # ... and each explanation points at its demonstration by that name.
+    folded = [s for s in source if "<details>" in s]
+    for k in shown:
+        assert f"**Flaw {k}, shown**" in folded[k - 1], f"Flaw {k}'s explanation does not name its demonstration"
+
+
+def test_the_demonstrations_ran_in_the_solution_and_show_what_the_explanations_say():
+    cells = nbformat.read(NOTEBOOK, as_version=4).cells
+    start = next(i for i, c in enumerate(cells) if c.source.startswith("## The symptoms, shown"))
+    text = {}
+    for c in cells[start:]:
+        if c.cell_type == "markdown" and c.source.startswith("**Flaw "):
+            flaw = int(c.source.split()[1].rstrip(","))
+        elif c.cell_type == "code" and c.source.strip():
+            out = "".join(o.get("text", "") for o in c.outputs)
+            assert out, f"a demonstration of flaw {flaw} has no stored output"
+            text[flaw] = text.get(flaw, "") + out
+        if c.cell_type == "markdown" and c.source.startswith("## Exercise"):
+            break
+    assert "Both operands must be same dtype" in text[2]
+    assert "batch 1 of o is NaN (never written): True" in text[5]
+    assert "times `is_causal` appears in the wrapper: 1" in text[8]
+    assert "-2,147,483,648" in text[9]

@@ -1,11 +1,12 @@
-"""check_attention_flops and check_roofline: planted slips get their diagnosis, correct answers pass."""
+"""Lesson 06's checks: planted slips get their diagnosis, correct answers pass."""
 
 import math
 import re
 
 import pytest
 
-from course_utils.grading import GradingError, check_attention_flops, check_programs_per_sm, check_roofline
+from course_utils.grading import (GradingError, check_attention_flops, check_programs_per_sm, check_roofline,
+                                  check_two_per_sm)
 
 
 # -- correct answers, written differently -----------------------------------------
@@ -234,3 +235,196 @@ def test_the_boundary_cases_sit_on_both_sides_of_each_limit():
             dict(strict=(res,)) for res in RESOURCES]:
         cases = BOUNDARY_CASES + ((255, 4, 96, "recorded"),)
         assert any(programs_per_sm(r, w, s, **kw) != programs_per_sm(r, w, s) for r, w, s, _ in cases), kw
+
+
+# ----------------------------------------------------------------------------
+# check_two_per_sm (lesson 06): the learner's lesson-05 kernel, two programs per SM
+# ----------------------------------------------------------------------------
+def _two_per_sm_kit():
+    """A learner's copy of lesson 05's kernel (forward.py outside course_utils) and a launcher taking options."""
+    import torch
+    import triton
+
+    from conftest import learner_copy
+    from course_utils.kernels import forward as course_forward
+
+    forward = _KIT.get("forward") or learner_copy(course_forward, "learner_forward_two_per_sm")
+    _KIT["forward"] = forward
+
+    def launch(q, k, v, options, kernel=None):
+        B, Hq, N, D = q.shape
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+        grid = (triton.cdiv(N, options["BLOCK_M"]), B * Hq)
+        (kernel or forward._flash_attention_forward_gqa_kernel)[grid](
+            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+            1.0 / math.sqrt(D), N, Hq, k.shape[1],
+            HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), IS_CAUSAL=True, **options)
+        return o, lse
+
+    return forward, launch
+
+
+_KIT: dict = {}
+
+
+def _smem_kib(block_m, block_n, d, stages, elt):  # the lesson's section-5 model, written out again
+    return (block_m * d + 2 * stages * block_n * d) * elt / 1024
+
+
+def _options_by_model(head_dim, dtype, *, pad=True, element_bytes=None):
+    """The lesson's answer: 4 warps, 3 stages where two programs fit with 3, else 2 (pad=False: D unpadded)."""
+    import triton
+
+    d = triton.next_power_of_2(head_dim) if pad else head_dim
+    elt = element_bytes or dtype.itemsize
+    bm, bn = (128, 64) if dtype.itemsize == 2 else (64, 32)
+    for stages in (3, 2):
+        if _occupancy(255, 4, _smem_kib(bm, bn, d, stages, elt)) >= 2:
+            return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=stages)
+    raise ValueError("no configuration fits two programs")
+
+
+def _options_by_table(head_dim, dtype):
+    """Written differently: the measured configuration for 16-bit D = 128, lesson 05's H200 launch elsewhere."""
+    import torch
+    import triton
+
+    forward, _ = _two_per_sm_kit()
+    if dtype.itemsize == 2 and triton.next_power_of_2(head_dim) == 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return forward.block_config(head_dim, dtype, torch.device("cuda"), capability=(9, 0))
+
+
+def _options_64x64(head_dim, dtype):
+    """Also two programs per SM: 64 x 64 tiles keep 3 stages at D = 128 in 16-bit (112 KiB)."""
+    return dict(BLOCK_M=64, BLOCK_N=64 if dtype.itemsize == 2 else 32, num_warps=4,
+                num_stages=3 if dtype.itemsize == 2 else 2)
+
+
+@pytest.mark.parametrize("options", [_options_by_model, _options_by_table, _options_64x64],
+                         ids=["model", "table", "64x64"])
+def test_two_per_sm_correct_launches_pass(options):
+    _, launch = _two_per_sm_kit()
+    assert check_two_per_sm(lambda q, k, v: launch(q, k, v, options(q.shape[-1], q.dtype)))
+
+
+def test_two_per_sm_passes_options_positionally_too():
+    # BLOCK_M and BLOCK_N as positional constexprs: the check reads them by the kernel's parameter names.
+    forward, _ = _two_per_sm_kit()
+    import torch
+    import triton
+
+    def fn(q, k, v):
+        B, Hq, N, D = q.shape
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+        cfg = _options_by_model(D, q.dtype)
+        forward._flash_attention_forward_gqa_kernel[(triton.cdiv(N, cfg["BLOCK_M"]), B * Hq)](
+            q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+            1.0 / math.sqrt(D), N, Hq, k.shape[1], D, triton.next_power_of_2(D), True, cfg["BLOCK_M"], cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return o, lse
+
+    assert check_two_per_sm(fn)
+
+
+def _taught(head_dim, dtype):  # lesson 05's launch on an H200, unchanged: 8 warps, 3 stages at D = 128
+    import torch
+
+    forward, _ = _two_per_sm_kit()
+    return forward.block_config(head_dim, dtype, torch.device("cuda"), capability=(9, 0))
+
+
+PLANTED_TWO_PER_SM = {
+    "still uses 8 warps": _taught,
+    "Use num_stages=2 here": lambda d, dt: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+    "these are float32 inputs": lambda d, dt: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2),
+    "not D = 80": lambda d, dt: _options_by_model(d, dt, pad=False),
+    "float32 inputs: 4 bytes": lambda d, dt: _options_by_model(d, dt, element_bytes=2),
+    "names no num_warps and num_stages": lambda d, dt: dict(BLOCK_M=128, BLOCK_N=64),
+    "names no num_stages": lambda d, dt: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4),
+    "with one stage no K/V tile is loaded": lambda d, dt: dict(_options_by_model(d, dt), num_stages=1),
+    "use 4. On Hopper a warpgroup": lambda d, dt: dict(_options_by_model(d, dt), num_warps=2),
+    "hold one. Two programs need at most 113 KiB": lambda d, dt: dict(BLOCK_M=128, BLOCK_N=128, num_warps=4,
+                                                                     num_stages=2),
+}
+
+
+@pytest.mark.parametrize("message", list(PLANTED_TWO_PER_SM))
+def test_two_per_sm_planted_launches_are_named(message):
+    _, launch = _two_per_sm_kit()
+    options = PLANTED_TWO_PER_SM[message]
+    with pytest.raises(GradingError) as info:
+        check_two_per_sm(lambda q, k, v: launch(q, k, v, options(q.shape[-1], q.dtype)))
+    assert message in " ".join(str(info.value).split()), str(info.value)
+
+
+def test_two_per_sm_refuses_the_course_kernel_and_torch():
+    import torch
+
+    from course_utils.kernels import forward as course_forward
+
+    _, launch = _two_per_sm_kit()
+    with pytest.raises(GradingError, match="course_utils's own kernel"):
+        check_two_per_sm(lambda q, k, v: launch(q, k, v, _options_by_model(q.shape[-1], q.dtype),
+                                                kernel=course_forward._flash_attention_forward_gqa_kernel))
+
+    def sdpa(q, k, v):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o, torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+
+    with pytest.raises(GradingError, match="torch computed attention"):
+        check_two_per_sm(sdpa)
+
+
+def test_two_per_sm_wrong_results_get_their_diagnosis(tmp_path):
+    import inspect
+
+    from conftest import function_span, module_from_source
+    from course_utils.grading.mistakes import MSG_LSE_MIXED_TRITON
+    from course_utils.kernels import forward as course_forward
+
+    _, launch = _two_per_sm_kit()
+    src = inspect.getsource(course_forward)
+    a, b = function_span(src, "_flash_attention_forward_gqa_kernel")
+    old = "lse = (m_i + tl.log2(l_i)) * 0.6931471805599453"
+    assert src[a:b].count(old) == 1
+    mixed = module_from_source(tmp_path / "two_per_sm_mixed.py", src[:a] + src[a:b].replace(old, "lse = m_i + tl.log(l_i)") + src[b:])
+    with pytest.raises(GradingError) as info:
+        check_two_per_sm(lambda q, k, v: launch(q, k, v, _options_by_model(q.shape[-1], q.dtype),
+                                                kernel=mixed._flash_attention_forward_gqa_kernel))
+    assert "lse is wrong" in str(info.value) and MSG_LSE_MIXED_TRITON[:60] in str(info.value)
+    with pytest.raises(GradingError, match="return the pair"):
+        check_two_per_sm(lambda q, k, v: launch(q, k, v, _options_by_model(q.shape[-1], q.dtype))[0])
+
+
+def test_two_per_sm_model_matches_the_recorded_compiles():
+    # The shared-memory model the check uses, against the fast kernel's compiles on the H200 (same tiles):
+    # within 1 KiB, and the same number of programs per SM.
+    from course_utils.grading.part3_performance import (MEASURED_TWO_PER_SM, RECORDED_COMPILES, lesson05_shared_kib,
+                                                        two_per_sm_fit)
+
+    for name, regs, warps, smem in RECORDED_COMPILES:
+        m = re.fullmatch(r"(\d+)x(\d+) w(\d) s(\d)( kv-grouped)?", name)
+        if not m:  # the hand-pipelined experiment keeps a second score tile: not lesson 05's kernel
+            continue
+        bm, bn, w, s = (int(x) for x in m.groups()[:4])
+        assert abs(lesson05_shared_kib(bm, bn, 128, s, 2) - smem) <= 1, name
+        if w == 4:
+            assert two_per_sm_fit(bm, bn, 128, s, 2) == min(2, _occupancy(regs, warps, smem)), name
+    c = MEASURED_TWO_PER_SM
+    assert two_per_sm_fit(c["BLOCK_M"], c["BLOCK_N"], 128, c["num_stages"], 2) == 2
+    assert two_per_sm_fit(c["BLOCK_M"], c["BLOCK_N"], 128, 3, 2) == 1
+
+
+def test_two_per_sm_on_a_gpu_too_small_for_the_launch_says_where_to_grade_it(monkeypatch):
+    # A T4 (sm_75) gives a program 64 KiB: the H200's 96 KiB launch cannot start there.
+    import dataclasses
+
+    from course_utils.grading import part3_performance
+
+    t4 = dataclasses.replace(part3_performance.current(), device="cuda", capability=(7, 5), gpu_name="Tesla T4")
+    monkeypatch.setattr(part3_performance, "current", lambda: t4)
+    with pytest.raises(GradingError, match=r"Tesla T4, sm_75.*check_on_cpu\(check_two_per_sm"):
+        part3_performance.grade_two_per_sm(lambda q, k, v: None)

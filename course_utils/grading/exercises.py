@@ -76,6 +76,8 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("check_attention_flops", "06_performance", part3_performance.grade_attention_flops, False, None, 1),
     Exercise("check_roofline", "06_performance", part3_performance.grade_roofline, False, None, 1),
     Exercise("check_programs_per_sm", "06_performance", part3_performance.grade_programs_per_sm, False, None, 1),
+    Exercise("check_two_per_sm", "06_performance", part3_performance.grade_two_per_sm, True, 180.0, 2,
+             "your launcher"),
     Exercise("check_tiled_backward", "07_backward", part4_backward.grade_tiled_backward, False, None, 3),
     Exercise("check_flash_backward", "07_backward", part4_backward.grade_flash_backward, True, 120.0, 4),
     Exercise("check_window_tile_bounds", "08_sliding_window_and_sinks", part5_window.grade_window_tile_bounds,

@@ -5,7 +5,11 @@ and random cases at once and recognise the usual slips: a causal count not
 halved, one matmul counted instead of two, a missing batch or head factor,
 the roofline's ``min`` written as ``max``, GB/s not turned into TFLOP/s; and,
 for the programs that fit on one SM, a forgotten reservation, rounding or
-limit, checked first on the compile statistics recorded on the H200.
+limit, checked first on the compile statistics recorded on the H200; and,
+applied to the learner's own lesson-05 kernel, a launch that lets two programs
+share an SM (4 warps, 2 stages where 3 do not fit), read from the launch
+itself: 8 warps kept, 3 stages that overflow, float32 or padded head dims
+left out of the shared-memory count.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ import numbers
 
 import numpy as np
 
-from .core import Diagnosis, Run
+from ..environment import current
+from . import inputs, proof
+from .core import Diagnosis, Forbidden, Run, require_callable
+from .mistakes import MSG_NO_KERNEL_ATTENTION
 
-__all__ = ["grade_attention_flops", "grade_roofline", "grade_programs_per_sm", "H200", "RECORDED_COMPILES",
-           "BOUNDARY_CASES"]
+__all__ = ["grade_attention_flops", "grade_roofline", "grade_programs_per_sm", "grade_two_per_sm", "H200",
+           "RECORDED_COMPILES", "BOUNDARY_CASES", "MEASURED_TWO_PER_SM", "lesson05_shared_kib", "two_per_sm_fit"]
 
 
 def _number(run: Run, out, case: str) -> float:
@@ -280,4 +287,228 @@ def grade_programs_per_sm(fn, *, seed=None):
     first = int(np.argmax(bad)) if bad.any() else 0
     run.compare(got, want, case=names[first] if bad.any() else "all", what="programs per SM", atol=0, rtol=0,
                 diagnoses=diagnoses, axes=("case",))
+    return run.passed()
+
+
+# --------------------------------------------------------------------------- #
+# Two programs per SM, applied to the learner's lesson-05 kernel
+# --------------------------------------------------------------------------- #
+# Triton's defaults when a launch names no num_warps / num_stages (the CUDA backend).
+TRITON_DEFAULT_WARPS, TRITON_DEFAULT_STAGES = 4, 3
+# The measured configuration (results/forward_bench.json's course_grid, 16-bit, D = 128).
+MEASURED_TWO_PER_SM = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+def lesson05_shared_kib(block_m, block_n, head_dim_pad, num_stages, element_bytes):
+    """Shared memory of one lesson-05 program, as lesson 06's section 5 models it: the Q tile plus
+    ``num_stages`` K and V tiles in flight (``(BLOCK_M + 2 x num_stages x BLOCK_N) x HEAD_DIM_PAD``
+    elements). It matches the fast kernel's compiles recorded on the H200 to 1 KiB (96 KiB for
+    128 x 64 x 2 stages at D = 128 in bf16, 129 for 3 stages, 113 for 64 x 64 x 3)."""
+    return (block_m * head_dim_pad + 2 * num_stages * block_n * head_dim_pad) * element_bytes / 1024
+
+
+def two_per_sm_fit(block_m, block_n, head_dim_pad, num_stages, element_bytes, num_warps=4):
+    """Programs per H200 SM of that launch, registers counted at the 255-per-thread cap (the
+    worst case a compile can reach: the fast kernel's 128 x 64 tile on 4 warps did, recorded)."""
+    return programs_per_sm(H200["max_registers_per_thread"], num_warps,
+                           lesson05_shared_kib(block_m, block_n, head_dim_pad, num_stages, element_bytes))
+
+
+MSG_TWO_NO_OPTIONS = (
+    "your launch names no {missing}: the check reads num_warps and num_stages from the launch of your "
+    "kernel (`kernel[grid](..., num_warps=4, num_stages=2)`), and Triton's defaults ({warps} warps, {stages} "
+    "stages on CUDA) are not a choice you made. Pass both, from your two_per_sm_options."
+)
+MSG_TWO_NO_TILES = (
+    "your kernel's launch has no BLOCK_M / BLOCK_N constexpr: the check reads the tile sizes of lesson "
+    "05's kernel by those names (`_flash_attention_forward_gqa_kernel(..., BLOCK_M: tl.constexpr, "
+    "BLOCK_N: tl.constexpr)`). Launch lesson 05's kernel, with its parameter names."
+)
+MSG_TWO_EIGHT_WARPS = (
+    "the launch still uses 8 warps (lesson 05's launch for 16-bit inputs at D = 128): 8 warps are 256 "
+    "threads, and at up to 255 registers per thread (rounded to 256) one program can take all 65,536 "
+    "registers of the SM, so a second one is not guaranteed room (the fast kernel's 128 x 64 tile on 8 "
+    "warps compiled to 146 registers per thread on the H200: 152 x 256 = 38,912 registers, one program "
+    "per SM). Two 4-warp programs fit even at the cap: 2 x 128 x 256 = 65,536. Use num_warps=4."
+)
+MSG_TWO_WARPS = (
+    "the launch uses num_warps={warps}: use 4. On Hopper a warpgroup of 4 warps issues each wgmma "
+    "(tl.dot becomes wgmma only for a multiple of 4 warps), and two 4-warp programs fit in the register "
+    "file even at 255 registers per thread (2 x 128 threads x 256 = 65,536)."
+)
+MSG_TWO_ONE_STAGE = (
+    "the launch uses num_stages={stages}: with one stage no K/V tile is loaded while the current one is "
+    "used, which throws away the pipelining that hides the loads. Keep 2 (or 3 where two programs still "
+    "fit): here {fits} stages fit two programs."
+)
+MSG_TWO_THREE_STAGES = (
+    "3 stages of {bm} x {bn} tiles at HEAD_DIM_PAD = {d} in {dtype} need about {kib:.0f} KiB of shared "
+    "memory per program (section 5's model; the fast kernel's compile recorded 129 KiB for 128 x 64 at "
+    "D = 128 in bf16), so 228 KiB hold one program, not two. With 2 stages it is {kib2:.0f} KiB: two fit "
+    "(2 x ({kib2:.0f} + 1) <= 228). Use num_stages=2 here."
+)
+MSG_TWO_FP32 = (
+    "these are float32 inputs: 4 bytes per element, twice a 16-bit tile, so {bm} x {bn} tiles with "
+    "{stages} stages at HEAD_DIM_PAD = {d} need about {kib:.0f} KiB per program: one per SM. Choose the "
+    "tiles by the dtype's size too (e.g. lesson 05's float32 tiles, 64 x 32 with 2 stages: {kib_small:.0f} "
+    "KiB, two fit)."
+)
+MSG_TWO_PADDED = (
+    "the tiles are HEAD_DIM_PAD = {d} columns wide, not D = {head_dim}: lesson 05's kernel pads the head "
+    "dim to the next power of two (tl.arange needs one). Counted with D the launch fits two programs; with "
+    "the padded {d} it needs about {kib:.0f} KiB per program, so 228 KiB hold one. Use "
+    "triton.next_power_of_2(head_dim) in the model."
+)
+MSG_TWO_TOO_BIG = (
+    "{bm} x {bn} tiles with {stages} stages at HEAD_DIM_PAD = {d} in {dtype} need about {kib:.0f} KiB of "
+    "shared memory per program (section 5's model), plus 1 KiB reserved: 228 KiB hold {fit}. Two programs "
+    "need at most 113 KiB each: choose smaller tiles or fewer stages (at least 2)."
+)
+MSG_TWO_SMALL_GPU = (
+    "this check grades launch options for an H200 (228 KiB of shared memory per SM), and this GPU ({gpu}, "
+    "sm_{sm}) gives one program at most 64 KiB: the 96 KiB of the two-programs launch cannot start here. Grade "
+    "it in Triton's interpreter instead, which runs any tile size: check_on_cpu(check_two_per_sm, "
+    "flash_attention_two_per_sm)."
+)
+
+
+
+def _launch_options(kernel, args, kwargs) -> dict:
+    """num_warps, num_stages (None when not given) and the BLOCK_M / BLOCK_N of one launch."""
+    try:
+        values = dict(zip(list(kernel.arg_names), args))
+    except Exception:  # noqa: BLE001  (a kernel of an unexpected kind: read the keywords only)
+        values = {}
+    values.update(kwargs)
+    return {name: values.get(name) for name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+
+
+def _two_per_sm_problem(opts: dict, head_dim: int, dtype) -> str | None:
+    """What is wrong with one launch's options for inputs of ``head_dim`` and torch ``dtype``, or None."""
+    missing = [name for name in ("num_warps", "num_stages") if opts.get(name) is None]
+    if missing:
+        return MSG_TWO_NO_OPTIONS.format(missing=" and ".join(missing), warps=TRITON_DEFAULT_WARPS,
+                                         stages=TRITON_DEFAULT_STAGES)
+    bm, bn = opts.get("BLOCK_M"), opts.get("BLOCK_N")
+    if not isinstance(bm, int) or not isinstance(bn, int):
+        return MSG_TWO_NO_TILES
+    warps, stages = int(opts["num_warps"]), int(opts["num_stages"])
+    if warps == 8:
+        return MSG_TWO_EIGHT_WARPS
+    if warps != 4:
+        return MSG_TWO_WARPS.format(warps=warps)
+    d = 1 << max(0, int(head_dim) - 1).bit_length()  # triton.next_power_of_2
+    elt = dtype.itemsize
+    dname = str(dtype).replace("torch.", "")
+    if stages < 2:
+        fits = max((s for s in (2, 3) if two_per_sm_fit(bm, bn, d, s, elt) >= 2), default=2)
+        return MSG_TWO_ONE_STAGE.format(stages=stages, fits=fits)
+    fit = two_per_sm_fit(bm, bn, d, stages, elt)
+    if fit >= 2:
+        return None
+    kib = lesson05_shared_kib(bm, bn, d, stages, elt)
+    if d != head_dim and two_per_sm_fit(bm, bn, head_dim, stages, elt) >= 2:
+        return MSG_TWO_PADDED.format(d=d, head_dim=head_dim, kib=kib)
+    if elt == 4 and two_per_sm_fit(bm, bn, d, stages, 2) >= 2:
+        return MSG_TWO_FP32.format(bm=bm, bn=bn, stages=stages, d=d, kib=kib,
+                                   kib_small=lesson05_shared_kib(64, 32, d, 2, 4))
+    if stages == 3 and two_per_sm_fit(bm, bn, d, 2, elt) >= 2:
+        return MSG_TWO_THREE_STAGES.format(bm=bm, bn=bn, d=d, dtype=dname, kib=kib,
+                                           kib2=lesson05_shared_kib(bm, bn, d, 2, elt))
+    return MSG_TWO_TOO_BIG.format(bm=bm, bn=bn, stages=stages, d=d, dtype=dname, kib=kib,
+                                  fit="none" if fit == 0 else "one")
+
+
+def _two_per_sm_cases(rng, device: str):
+    from .part2_triton import _Case, _describe
+
+    gpu = device == "cuda"
+    half = "bfloat16" if gpu and current().bf16_ok else "float16"
+    cases = [
+        _Case("", 1, 4, 2, 150, 128, "float16", "contiguous", True),  # the measured case: 128 x 64, 2 stages
+        _Case("", 1, 2, 1, 100, 80, "float16", "padded", True),  # D = 80 pads to 128
+        _Case("", 1, 2, 2, 130, 128, "float32", "contiguous", True),  # float32 tiles take twice the bytes
+        _Case("", 2, 4, 1, 70, 64, "float16", "transposed", True),  # D = 64: lesson 05's 3 stages fit two
+        _Case("", 1, 4, 2, 150, 128, "float16", "contiguous", True, same_shape_as=0),
+    ]
+    if gpu:
+        cases += [_Case("", 2, 8, 2, 1000, 128, half, "padded", True),
+                  _Case("", 1, 4, 4, 777, 64, "float16", "transposed", True)]
+    dtypes = ["float16", "float32"] + (["bfloat16"] if gpu and current().bf16_ok else [])
+    hkv = int(rng.integers(1, 3))
+    n = int(rng.integers(17, 1200 if gpu else 161))
+    cases.append(_Case("", 1, hkv * int(rng.choice([1, 2])), hkv, n, int(rng.choice([32, 64, 96, 128])),
+                       str(rng.choice(dtypes)), str(rng.choice(["contiguous", "padded", "dstride"])), True))
+    for i, c in enumerate(cases):
+        c.desc = _describe(c, f"fixed {i + 1}" if i < len(cases) - 1 else "random 1", True)
+    return cases
+
+
+def grade_two_per_sm(fn, *, seed=None):
+    """Grade ``fn(q, k, v) -> (o, lse)``: lesson 05's kernel launched so that two programs share an SM.
+
+    Causal GQA attention as in lesson 05 (``q`` ``[B, Hq, N, D]``, ``k, v``
+    ``[B, Hkv, N, D]``; ``o`` like ``q``, ``lse`` float32 ``[B, Hq, N]``,
+    natural log), computed by the learner's own kernel, and every launch of it
+    made with ``num_warps=4``, ``num_stages`` of 2 or more, and tiles whose
+    shared memory (lesson 06's model, the head dim padded to a power of two)
+    lets two programs fit on one H200 SM: for 16-bit inputs at D = 128, the
+    measured 128 x 64 tiles with 2 stages. float16 and float32 (bfloat16 on a
+    GPU), D = 64, 80 (padded to 128) and 128, against the float64 reference.
+    """
+    __tracebackhide__ = True
+    import torch
+
+    from .. import references as ref
+    from .part2_triton import _lse_diagnoses, _make_inputs, _output_diagnoses, _tolerance
+
+    require_callable(fn, "check_two_per_sm", "your launcher")
+    run = Run("check_two_per_sm", seed, time_limit_s=60.0)
+    env = current()
+    device = env.device
+    if device == "cuda" and env.capability is not None and env.capability < (8, 0):
+        raise run.fail(MSG_TWO_SMALL_GPU.format(gpu=env.gpu_name, sm=f"{env.capability[0]}{env.capability[1]}"),
+                       "all")
+    for c in _two_per_sm_cases(run.rng, device):
+        q, k, v, q64, k64, v64 = _make_inputs(run.rng, c, device)
+        before = inputs.snapshot(q=q, k=k, v=v)
+
+        def before_launch(name, kernel, args, kwargs, tensors, c=c, dtype=q.dtype):
+            # Judged before the kernel runs: a launch that asks for more shared memory than a program may
+            # have would fail on a GPU with OutOfResources instead of this message.
+            opts = _launch_options(kernel, args, kwargs)
+            problem = _two_per_sm_problem(opts, c.D, dtype)
+            if problem:
+                shown = ", ".join(f"{key}={value}" for key, value in opts.items() if value is not None)
+                raise Forbidden(f"your kernel `{name}` was launched with {shown or 'no options'}: {problem}")
+
+        with proof.Work(inputs=(q, k, v)) as work, proof.watching_learner_launches(before_launch):
+            out = run.call(fn, q, k, v, case=c.desc)
+        if out is None:
+            raise run.fail("your function returned None: did you forget a `return`? Return the pair (o, lse).",
+                           c.desc)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            problem = work.problem(no_kernel=MSG_NO_KERNEL_ATTENTION)
+            raise run.fail(problem or f"your function returned a {type(out).__name__}; return the pair (o, lse).",
+                           c.desc)
+        o, lse = out
+        for name, t, shape, dtype in (("o", o, q.shape, q.dtype), ("lse", lse, q.shape[:3], torch.float32)):
+            if not isinstance(t, torch.Tensor):
+                inputs.tensor_like(run, t, name, shape, dtype, q.device, c.desc)
+        problem = work.problem(no_kernel=MSG_NO_KERNEL_ATTENTION, o=o, lse=lse)
+        if problem:
+            raise run.fail(problem, c.desc)
+        changed = inputs.changed_input(before, q=q, k=k, v=v)
+        if changed:
+            raise run.fail(changed, c.desc)
+        inputs.tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
+        inputs.tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc,
+                           hint=" lse is float32 [B, Hq, N], one number per query row, whatever q's dtype.")
+        expected_o, expected_lse = ref.attention_lse(q64, k64, v64, causal=True)
+        atol, rtol, lse_atol = _tolerance(c.dtype)
+        run.compare(o.detach().cpu().double().numpy(), expected_o, case=c.desc, what="the output o", atol=atol,
+                    rtol=rtol, diagnoses=_output_diagnoses(c, q64, k64, v64, expected_o, atol, rtol, True),
+                    axes=("batch", "head", "row", "col"))
+        run.compare(lse.detach().cpu().double().numpy(), expected_lse, case=c.desc, what="lse", atol=lse_atol,
+                    rtol=0.0, diagnoses=_lse_diagnoses(c, q64, k64, expected_lse), axes=("batch", "head", "row"))
     return run.passed()
