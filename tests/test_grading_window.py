@@ -570,3 +570,115 @@ def test_backward_dk_written_by_the_course_s_dq_kernel_is_refused(tmp_path_facto
                                            r"dK/dV kernel is this exercise"):
         check_window_backward(lambda q, k, v, *, window_size, sink_size: DqKernelWritingDk.apply(
             q, k, v, window_size, sink_size))
+
+
+# -----------------------------------------------------------------------------
+# check_dkdv_bounds: the query blocks one dK/dV program walks
+# -----------------------------------------------------------------------------
+from course_utils.grading import check_dkdv_bounds  # noqa: E402
+
+
+def dkdv_bounds_from_the_mask(start_n, block_m, block_n, seq_len, window_size, sink_size):
+    # Correct and written differently: classify each query block from the mask itself, as the column
+    # view does. Its full_end is sometimes LARGER than the course's (a last, short query block that
+    # happens to see every key goes unmasked), and its q_end ends on a block boundary.
+    import numpy as np
+    from course_utils import references
+
+    mask = references.window_mask(seq_len, seq_len, window_size, sink_size)[:, start_n:start_n + block_n]
+    diag_end = min(start_n + block_n, seq_len)
+    full_end = q_end = diag_end
+    for first in range(diag_end, seq_len, block_m):
+        tile = mask[first:first + block_m]
+        if tile.all() and full_end == first:
+            full_end = q_end = min(first + block_m, seq_len)
+        elif tile.any():
+            q_end = min(first + block_m, seq_len)
+    return diag_end, full_end, q_end
+
+
+def dkdv_bounds_as_in_triton(start_n, block_m, block_n, seq_len, window_size, sink_size):
+    # Correct and written as the kernel would (ceil by adding block_m - 1; the sinks first).
+    if start_n + block_n <= sink_size:
+        return min(start_n + block_n, seq_len), seq_len, seq_len
+    diag_end = min(start_n + block_n, seq_len)
+    full_end = min(max((start_n + window_size) // block_m * block_m, diag_end), seq_len)
+    far = seq_len if start_n < sink_size else start_n + block_n + window_size - 1
+    q_end = min((far + block_m - 1) // block_m * block_m, seq_len)
+    return diag_end, full_end, q_end
+
+
+@pytest.mark.parametrize("fn", [dkdv_bounds_from_the_mask, dkdv_bounds_as_in_triton])
+def test_dkdv_bounds_correct_variants_pass(fn):
+    assert check_dkdv_bounds(fn)
+
+
+def _planted_dkdv_bounds(mistake):
+    """A learner's dkdv_query_bounds with one mistake (written here, not from the check's own model)."""
+    def fn(start_n, block_m, block_n, seq_len, window_size, sink_size):
+        n, w = seq_len, window_size
+        last_key = start_n + block_n - 1
+        diag_end = {"diag_minus_one": min(last_key, n), "diag_block_m": min(start_n + block_m, n),
+                    "diag_no_cap": last_key + 1}.get(mistake, min(last_key + 1, n))
+        reach = {"full_last_key": last_key + w, "full_minus_one": start_n + w - 1}.get(mistake, start_n + w)
+        full = reach // block_m * block_m
+        if mistake == "full_rounded_up":
+            full = (reach + block_m - 1) // block_m * block_m
+        full_end = min(full, n) if mistake == "full_no_max" else min(max(full, diag_end), n)
+        q_end = {"no_far_edge": n, "far_edge_missing": full_end, "far_from_first_key": min(start_n + w, n),
+                 "far_minus_one": min(last_key + w - 1, n)}.get(mistake, min(last_key + w, n))
+        if mistake == "far_floor":
+            q_end = q_end // block_m * block_m
+        if mistake == "far_minus_block":
+            q_end -= block_m
+        if sink_size > 0 and mistake != "sinks_ignored":
+            has_sink = start_n <= sink_size if mistake == "sinks_le" else start_n < sink_size
+            only_sinks = start_n + block_n <= sink_size
+            if (only_sinks or (mistake == "sinks_full_any" and has_sink)) and mistake != "sinks_not_full":
+                full_end = n
+            if has_sink and (mistake != "sinks_all_only" or only_sinks):
+                q_end = n
+        return diag_end, full_end, q_end
+    return fn
+
+
+@pytest.mark.parametrize("mistake,message", [
+    ("diag_minus_one", p5.MSG_DKDV_DIAG_OFF_BY_ONE),
+    ("diag_block_m", p5.MSG_DKDV_DIAG_BLOCK_M),
+    ("diag_no_cap", p5.MSG_DKDV_PAST_END),
+    ("full_last_key", p5.MSG_DKDV_FULL_LAST_KEY),
+    ("full_rounded_up", p5.MSG_DKDV_FULL_ROUNDED_UP),
+    ("full_minus_one", p5.MSG_DKDV_FULL_OFF_BY_ONE),
+    ("full_no_max", p5.MSG_DKDV_FULL_BEFORE_DIAG),
+    ("no_far_edge", p5.MSG_DKDV_NO_FAR_EDGE),
+    ("far_edge_missing", p5.MSG_DKDV_FAR_EDGE_MISSING),
+    ("far_from_first_key", p5.MSG_DKDV_FAR_FROM_FIRST_KEY),
+    ("far_minus_one", p5.MSG_DKDV_FAR_OFF_BY_ONE),
+    ("far_floor", p5.MSG_BWD_LAST_Q_BLOCK),
+    ("far_minus_block", p5.MSG_BWD_LAST_Q_BLOCK),
+    ("sinks_ignored", p5.MSG_BWD_SINKS),
+    ("sinks_all_only", p5.MSG_DKDV_SINKS_ALL_ONLY),
+    ("sinks_full_any", p5.MSG_DKDV_SINKS_FULL_ANY),
+    ("sinks_not_full", p5.MSG_DKDV_SINKS_NOT_FULL),
+    ("sinks_le", p5.MSG_DKDV_SINKS_LE),
+])
+def test_dkdv_bounds_mistakes_are_diagnosed(mistake, message):
+    _fails(check_dkdv_bounds, _planted_dkdv_bounds(mistake), message)
+
+
+def test_dkdv_bounds_unknown_misalignment_is_named():
+    # A full_end that is not a multiple of block_m, and not one of the known mistakes: the alignment rule.
+    def fn(start_n, block_m, block_n, seq_len, window_size, sink_size):
+        d, f, q = dkdv_bounds_as_in_triton(start_n, block_m, block_n, seq_len, window_size, sink_size)
+        return d, (f + 3 if f + 3 < q else f), q
+
+    _fails(check_dkdv_bounds, fn, p5.MSG_DKDV_UNALIGNED)
+
+
+def test_dkdv_bounds_wrong_type_gets_a_sentence():
+    with pytest.raises(GradingError, match="three"):
+        check_dkdv_bounds(lambda *a: (0, 0))
+    with pytest.raises(GradingError, match="Python"):
+        check_dkdv_bounds(lambda *a: (0.0, 0.5, 1.0))
+    with pytest.raises(GradingError, match="expects a function"):
+        check_dkdv_bounds(3)

@@ -80,6 +80,7 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("check_flash_backward", "07_backward", part4_backward.grade_flash_backward, True, 120.0, 4),
     Exercise("check_window_tile_bounds", "08_sliding_window_and_sinks", part5_window.grade_window_tile_bounds,
              False, None, 1, answer_keys=("course_utils.kernels.forward.window_tile_bounds",)),
+    Exercise("check_dkdv_bounds", "08_sliding_window_and_sinks", part5_window.grade_dkdv_bounds, False, None, 1),
     Exercise("check_window_forward", "08_sliding_window_and_sinks", part5_window.grade_window_forward,
              True, 120.0, 1),
     Exercise("check_window_backward", "08_sliding_window_and_sinks", part5_window.grade_window_backward,
