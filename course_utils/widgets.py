@@ -16,7 +16,7 @@ import numpy as np
 from . import plots
 from . import references as ref
 
-__all__ = ["attention_explorer", "online_softmax_stepper", "window_explorer", "ring_stepper"]
+__all__ = ["attention_explorer", "online_softmax_stepper", "window_explorer", "dkdv_column_explorer", "ring_stepper"]
 
 
 def _show(fig):
@@ -92,6 +92,29 @@ def window_explorer(n=256, block_m=64, block_n=32, *, window_size=100, sink_size
 
     return interactive(
         show,
+        window_size=IntSlider(value=window_size, min=1, max=n, description="window W"),
+        sink_size=IntSlider(value=sink_size, min=0, max=n // 2, description="sinks S"),
+    )
+
+
+def dkdv_column_explorer(n=256, block_m=16, block_n=32, *, window_size=64, sink_size=4, key_block=2):
+    """Pick a key block, a window and a number of sinks; see the query blocks its dK/dV program walks.
+
+    The picture is :func:`course_utils.plots.plot_dkdv_column`: which query blocks are on the
+    diagonal (masked), full (no mask), at the window's far edge (masked) or reached only because
+    the keys are sinks (masked), and which are skipped.
+    """
+    from ipywidgets import IntSlider, interactive
+
+    def show(key_block, window_size, sink_size):
+        axes = plots.plot_dkdv_column(n, block_m, block_n, window_size, sink_size, key_block * block_n)
+        _show(axes[0].figure)
+
+    n_key_blocks = -(-n // block_n)
+    return interactive(
+        show,
+        key_block=IntSlider(value=min(key_block, n_key_blocks - 1), min=0, max=n_key_blocks - 1,
+                            description="key block"),
         window_size=IntSlider(value=window_size, min=1, max=n, description="window W"),
         sink_size=IntSlider(value=sink_size, min=0, max=n // 2, description="sinks S"),
     )
