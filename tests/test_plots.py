@@ -78,3 +78,10 @@ def test_dkdv_column_draws_and_its_widget_builds_headless(capsys):
     assert [c.description for c in widget.children[:3]] == ["key block", "window W", "sinks S"]
     assert widget.children[0].value == 3  # the last of 4 key blocks
     assert not plt.get_fignums()  # the first picture was shown and closed
+    # Its display data holds a PNG of that first picture: what a stored notebook shows without widgets.
+    import base64
+
+    bundle = widget._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+    assert "image/png" in widgets.window_explorer(64, 16, 16, window_size=8, sink_size=2)._repr_mimebundle_()
