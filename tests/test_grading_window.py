@@ -682,3 +682,142 @@ def test_dkdv_bounds_wrong_type_gets_a_sentence():
         check_dkdv_bounds(lambda *a: (0.0, 0.5, 1.0))
     with pytest.raises(GradingError, match="expects a function"):
         check_dkdv_bounds(3)
+
+
+# -----------------------------------------------------------------------------
+# check_sink_split (optional exercise): the sink keys' far queries in programs of their own
+# -----------------------------------------------------------------------------
+from course_utils.grading import check_sink_split  # noqa: E402
+
+
+def split_backward(module, mistake=None):
+    """Lesson 08's exercise 5 as a learner writes it, on ``module``'s kernels (a planted copy of backward.py).
+
+    The window backward runs with the dK/dV kernel told there are no sinks; the sink kernel writes one
+    fp32 partial per chunk of query rows; the launcher adds them in a fixed order. ``mistake`` plants one
+    in the launcher: "not_added", "window_with_sinks" (the dK/dV kernel still walks the sinks' far queries),
+    "varying_order" (the partials added in an order that changes from call to call), "one_chunk";
+    "zeros_and_loop" is correct and written differently (zeroed buffers, the partials added in a loop).
+    """
+    import math
+
+    calls = [0]
+
+    def fn(q, k, v, o, lse, do, *, window_size, sink_size, num_chunks):
+        B, n_q_heads, N, D = q.shape
+        n_kv_heads = k.shape[1]
+        cfg = module.default_config(D, q.device.type, course_utils.ENV.capability, q.dtype)
+        cfg.split_sinks = False
+        window_size, sink_size = min(window_size, N), min(sink_size, N)
+        dkdv_sinks = sink_size if mistake == "window_with_sinks" else 0
+        BLOCK_D = max(16, triton.next_power_of_2(D))
+        delta = (o.float() * do.float()).sum(-1)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                  lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+        # the window kernels (dK/dV without sinks, dQ with them): the package's launcher, told not to split
+        module._window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, n_q_heads // n_kv_heads,
+                                1.0 / math.sqrt(D), window_size, sink_size, BLOCK_D, BLOCK_D != D, tl.float32) \
+            if dkdv_sinks else _window_backward_without_sinks(module, q, k, v, lse, delta, do, dq, dk, dv, common, cfg,
+                                                              window_size, sink_size, BLOCK_D)
+        bm = cfg.dkdv_block_m
+        block_s = min(64, max(16, triton.next_power_of_2(sink_size)))
+        sink_blocks = triton.cdiv(sink_size, block_s)
+        rows = N - window_size // bm * bm
+        chunks = 1 if mistake == "one_chunk" else num_chunks
+        chunk = bm * triton.cdiv(triton.cdiv(rows, bm), chunks)
+        chunks = triton.cdiv(rows, chunk)
+        shape = (chunks, B * n_kv_heads, sink_blocks * block_s, BLOCK_D)
+        alloc = torch.zeros if mistake == "zeros_and_loop" else torch.empty
+        dk_buf = alloc(shape, device=q.device, dtype=torch.float32)
+        dv_buf = alloc(shape, device=q.device, dtype=torch.float32)
+        module._attn_bwd_dkdv_sinks[(chunks, sink_blocks, B * n_kv_heads)](
+            q, k, v, do, lse, delta, dk_buf, dv_buf, *common,
+            n_kv_heads, n_q_heads // n_kv_heads, N, D, 1.0 / math.sqrt(D), window_size, sink_size, chunk,
+            BLOCK_M=bm, BLOCK_S=block_s, BLOCK_D=BLOCK_D, PAD_D=BLOCK_D != D, ACC=tl.float32)
+        dk_part, dv_part = (buf[:, :, :sink_size, :D].reshape(chunks, B, n_kv_heads, sink_size, D)
+                            for buf in (dk_buf, dv_buf))
+        calls[0] += 1
+        if mistake != "not_added":
+            for grad, part in ((dk, dk_part), (dv, dv_part)):
+                if mistake in ("varying_order", "zeros_and_loop"):  # varying: the chunk order rotates per call
+                    order = [(c + calls[0]) % chunks if mistake == "varying_order" else c for c in range(chunks)]
+                    far = part[order[0]].clone()
+                    for c in order[1:]:
+                        far = far + part[c]
+                else:
+                    far = part.sum(0)
+                grad[:, :, :sink_size] = (grad[:, :, :sink_size].float() + far).to(grad.dtype)
+        return dq, dk, dv, dk_part, dv_part
+
+    return fn
+
+
+def _window_backward_without_sinks(module, q, k, v, lse, delta, do, dq, dk, dv, common, cfg, window_size, sink_size,
+                                   BLOCK_D):
+    """The window dK/dV kernel with sink_size=0 and the dQ kernel with the sinks (as lesson 08's launcher)."""
+    import math
+
+    B, n_q_heads, N, D = q.shape
+    n_kv_heads = k.shape[1]
+    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    module._attn_bwd_dkdv_window[(triton.cdiv(N, bn), B * n_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
+        n_kv_heads, n_q_heads // n_kv_heads, N, N, D, 1.0 / math.sqrt(D), window_size, 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=False,
+        EVEN_M=N % bm == 0, EVEN_N=N % bn == 0, PAD_D=BLOCK_D != D, ACC=tl.float32)
+    bm, bn = cfg.dq_block_m, cfg.dq_block_n
+    bw.attn_bwd_dq_window[(triton.cdiv(N, bm), B * n_q_heads)](
+        q, k, v, do, lse, delta, dq, *common, *dq.stride(),
+        n_q_heads, n_q_heads // n_kv_heads, N, N, D, 1.0 / math.sqrt(D), window_size, sink_size,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=sink_size > 0,
+        EVEN_M=N % bm == 0, EVEN_N=N % bn == 0, PAD_D=BLOCK_D != D, ACC=tl.float32)
+
+
+def test_sink_split_lesson_launcher_passes(tmp_path_factory):
+    module = planted(tmp_path_factory, bw, "bw_unchanged")
+    assert check_sink_split(split_backward(module))
+
+
+@pytest.mark.parametrize("mistake", ["zeros_and_loop"])
+def test_sink_split_correct_variant_passes(tmp_path_factory, mistake):
+    module = planted(tmp_path_factory, bw, "bw_unchanged")
+    assert check_sink_split(split_backward(module, mistake))
+
+
+SPLIT_KERNEL_MISTAKES = {
+    # the far mask without i - j >= W: the sink keys' window pairs are added by both kernels
+    "near_pairs_too": (p5.MSG_SPLIT_NEAR_PAIRS, [(
+        "_attn_bwd_dkdv_sinks", "(offs_m[None, :] - offs_n[:, None]) >= WINDOW_SIZE", "(offs_m[None, :] - offs_n[:, None]) >= 0")]),
+    # every program walks all the far rows, whatever its chunk
+    "every_chunk_all_rows": (p5.MSG_SPLIT_EVERY_CHUNK, [
+        ("_attn_bwd_dkdv_sinks", "+ pid_c * CHUNK", "+ 0 * pid_c * CHUNK"),
+        ("_attn_bwd_dkdv_sinks", "hi = tl.minimum(chunk_lo + CHUNK, N_Q)", "hi = N_Q + 0 * CHUNK")]),
+    # every program writes the first chunk's slot (zeroed buffers: the other partials stay 0)
+    "one_slot": (p5.MSG_SPLIT_EMPTY_CHUNK, [(
+        "_attn_bwd_dkdv_sinks", "part = (pid_c * tl.num_programs(2) + pid_bh)", "part = (0 * pid_c * tl.num_programs(2) + pid_bh)")]),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_KERNEL_MISTAKES))
+def test_sink_split_kernel_mistakes_are_diagnosed(tmp_path_factory, name):
+    message, edits = SPLIT_KERNEL_MISTAKES[name]
+    module = planted(tmp_path_factory, bw, "bw_split_" + name, *edits)
+    _fails(check_sink_split, split_backward(module, "zeros_and_loop" if name == "one_slot" else None), message)
+
+
+@pytest.mark.parametrize("mistake,message", [
+    ("not_added", p5.MSG_SPLIT_NOT_ADDED),
+    ("window_with_sinks", p5.MSG_SPLIT_TWICE),
+    ("varying_order", p5.MSG_SPLIT_NOT_REPRODUCIBLE),
+    ("one_chunk", p5.MSG_SPLIT_ONE_PROGRAM),
+])
+def test_sink_split_launcher_mistakes_are_diagnosed(tmp_path_factory, mistake, message):
+    module = planted(tmp_path_factory, bw, "bw_unchanged")
+    _fails(check_sink_split, split_backward(module, mistake), message)
+
+
+def test_sink_split_course_kernels_are_refused():
+    with pytest.raises(GradingError, match=r"your backward ran course_utils's kernel `_attn_bwd_dkdv_window`.*the dK/dV "
+                                           r"kernels are this exercise"):
+        check_sink_split(split_backward(bw))

@@ -85,6 +85,7 @@ EXERCISES: tuple[Exercise, ...] = (
              True, 120.0, 1),
     Exercise("check_window_backward", "08_sliding_window_and_sinks", part5_window.grade_window_backward,
              True, 120.0, 1),
+    Exercise("check_sink_split", "08_sliding_window_and_sinks", part5_window.grade_sink_split, True, 180.0, 1),
     Exercise("check_merge_partials", "09_decoding", part5_decode.grade_merge_partials, False, None, 1),
     Exercise("check_decode_split", "09_decoding", part5_decode.grade_decode_split, True, 240.0, 1,
              allowed=_DECODE_HELPERS),

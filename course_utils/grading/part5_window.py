@@ -22,6 +22,12 @@ or j < sink_size)`` (:func:`course_utils.references.window_mask`).
   kernels: ``dv``, then ``dk``, then ``dq`` against float64 references; ``dk``
   and ``dv`` must be written by the learner's dK/dV kernel (the course's
   delta and dQ kernels, and its forward, are allowed).
+- :func:`check_sink_split` (optional) grades the backward with the sink keys' far
+  queries split off: ``fn(q, k, v, o, lse, do, *, window_size, sink_size,
+  num_chunks) -> (dq, dk, dv, dk_part, dv_part)``; the partials (one per chunk of
+  query rows, written by the learner's own kernel) must sum to the float64 far
+  gradients, the gradients must match the references, and a second run must give
+  the same bits (the partials added in a fixed order).
 
 Mistakes are recognised by re-enacting them in float64 on the same inputs.
 Mask mistakes (the window off by one, sinks visible before their time) change
@@ -52,7 +58,8 @@ from .mistakes import MSG_NO_TRITON_BACKWARD_WINDOW
 from .mistakes import MSG_NO_TRITON_WINDOW
 from .mistakes import MSG_NOT_DIFFERENTIABLE_WINDOW
 
-__all__ = ["grade_window_tile_bounds", "grade_dkdv_bounds", "grade_window_forward", "grade_window_backward"]
+__all__ = ["grade_window_tile_bounds", "grade_dkdv_bounds", "grade_window_forward", "grade_window_backward",
+           "grade_sink_split"]
 
 # One plain sentence (or two) per diagnosis; the tests look for these texts.
 MSG_NOT_ALIGNED = (
@@ -997,4 +1004,189 @@ def grade_window_backward(fn, *, seed=None):
             run.compare(got, right[which], case=c.name, what=label, atol=atol, rtol=rtol,
                         axes=("b", "kv_head" if which else "q_head", "i" if which == 0 else "j", "d"),
                         diagnoses=_backward_diagnoses(c, q64, k64, v64, do64, which))
+    return run.passed()
+
+
+# =============================================================================
+# check_sink_split (optional): the sink keys' far queries in programs of their own
+# =============================================================================
+MSG_SPLIT_ONE_PROGRAM = (
+    "all the sink keys' far queries went into one partial: the point of the split is to spread those "
+    "rows over several programs (program c takes the c-th chunk of query rows), each writing a partial "
+    "of its own. Use num_chunks chunks (fewer only when the far rows do not fill them)."
+)
+MSG_SPLIT_EMPTY_CHUNK = (
+    "a partial is all zeros: every chunk of far rows holds some pairs, so each program must write its "
+    "OWN slot of the partial buffers (index the slot by the program's chunk, pid_c). Programs adding into "
+    "one shared slot (tl.atomic_add) would also add in an order that changes from run to run on a GPU."
+)
+MSG_SPLIT_EVERY_CHUNK = (
+    "each partial holds ALL the far rows, so the sum counts them once per chunk: program c must take only "
+    "its own chunk of query rows, [chunk_lo, chunk_lo + CHUNK), not run to N from the first far row."
+)
+MSG_SPLIT_NEAR_PAIRS = (
+    "the partials also hold the sink keys' pairs INSIDE the window: keep only i - j >= window_size in the "
+    "sink kernel. The window kernel, run with sink_size=0, already has every pair with i - j < window_size, "
+    "so these are counted twice."
+)
+MSG_SPLIT_NOT_ADDED = (
+    "the sink keys' dK/dV lack their far queries: the partials were not added to dk and dv. After the "
+    "sink kernel, add dk_part.sum(0) and dv_part.sum(0) (chunk 0 first, always the same order) to the "
+    "first sink_size rows of dk and dv."
+)
+MSG_SPLIT_TWICE = (
+    "the sink keys' far queries are counted twice: the window dK/dV kernel still ran WITH the sinks (its "
+    "sink block walked every later query) and the partials were added on top. Run it with sink_size=0 "
+    "(HAS_SINKS=False) when you split."
+)
+MSG_SPLIT_NOT_REPRODUCIBLE = (
+    "two runs on the same inputs gave different bits: the partials were added in an order that changes "
+    "from run to run (atomics, or an order that depends on something other than the chunk index). Add them "
+    "in a fixed order, e.g. dk_part.sum(0) or a loop over c = 0, 1, ..., so every run gives the same bits."
+)
+MSG_NO_TRITON_SPLIT = (
+    "no Triton kernel of yours ran: the split backward must launch your window dK/dV kernel and your "
+    "sink kernel (the course's delta and dQ kernels may compute the rest)."
+)
+
+
+def _split_cases(rng):
+    """Small on purpose (two backward runs per case in the interpreter); far rows over several chunks."""
+    cases = [(_Case("fixed: GQA 2/1, N=170, window 20, 40 sinks, 3 chunks", 1, 2, 1, 170, 16, 20, 40, "float32", True),
+              3)]
+    n = int(rng.integers(140, 200))
+    w = int(rng.integers(1, n - 130))
+    s = int(rng.choice([4, int(rng.integers(1, 70))]))
+    chunks = int(rng.integers(2, 5))
+    cases.append((_Case(f"random: one head, N={n}, window {w}, {s} sinks, {chunks} chunks", 1, 1, 1, n, 16, w, s,
+                        "float32", False), chunks))
+    return cases
+
+
+def _sink_block(sink_size):
+    """The sink kernel's key block (lesson 08's launcher, as the package's): 16 to 64 keys."""
+    return min(64, max(16, 1 << max(sink_size - 1, 0).bit_length()))
+
+
+def _split_inputs(run, c, device):
+    import torch
+
+    dtype = getattr(torch, c.dtype)
+    raw = [run.rng.standard_normal((c.B, h, c.N, c.D)) for h in (c.n_q_heads, c.n_kv_heads, c.n_kv_heads,
+                                                                  c.n_q_heads)]
+    q64, k64, v64, do64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
+    o64, lse64 = ref.attention_lse(q64, k64, v64, causal=True, window_size=c.window_size, sink_size=c.sink_size)
+
+    def make():
+        q, k, v = (inputs.nan_padded(torch.from_numpy(a).to(dtype).to(device), transpose_heads=c.transpose and i == 1)
+                   for i, a in enumerate((q64, k64, v64)))
+        o = inputs.nan_padded(torch.from_numpy(o64).to(dtype).to(device))
+        do = inputs.nan_padded(torch.from_numpy(do64).to(dtype).to(device), transpose_heads=True)
+        lse = torch.from_numpy(lse64).to(torch.float32).to(device)
+        return q, k, v, o, lse, do
+
+    return (q64, k64, v64, do64), make
+
+
+def _split_call(run, fn, tensors, c, chunks):
+    """Call the learner once under proof of work: ``(dq, dk, dv, dk_part, dv_part)`` as checked tensors."""
+    import torch
+
+    q, k, v, o, lse, do = tensors
+    before = inputs.snapshot(q=q, k=k, v=v, o=o, lse=lse, do=do)
+    with proof.Work(inputs=tensors, course_kernels_ok=True) as work:
+        out = run.call(fn, q, k, v, o, lse, do, window_size=c.window_size, sink_size=c.sink_size,
+                       num_chunks=chunks, case=c.name)
+    if not isinstance(out, tuple) or len(out) != 5 or not all(isinstance(t, torch.Tensor) for t in out):
+        raise run.fail("return five tensors: (dq, dk, dv, dk_part, dv_part).", c.name)
+    names = ("dq", "dk", "dv", "dk_part", "dv_part")
+    if not work.launches:
+        raise run.fail(MSG_NO_TRITON_SPLIT, c.name)
+    problem = work.problem(no_kernel=MSG_NO_TRITON_SPLIT, **dict(zip(names[1:], out[1:])))
+    if problem:
+        raise run.fail(problem, c.name)
+    problem = _dkdv_not_yours(work, dk=out[1], dv=out[2], dk_part=out[3], dv_part=out[4])
+    if problem:
+        raise run.fail(problem.replace("the dK/dV kernel is this exercise (your _attn_bwd_dkdv_window)",
+                                       "the dK/dV kernels are this exercise (your _attn_bwd_dkdv_window and "
+                                       "_attn_bwd_dkdv_sinks)"), c.name)
+    changed = inputs.changed_input(before, q=q, k=k, v=v, o=o, lse=lse, do=do)
+    if changed:
+        raise run.fail(changed, c.name)
+    return out
+
+
+def grade_sink_split(fn, *, seed=None):
+    """Grade ``fn(q, k, v, o, lse, do, *, window_size, sink_size, num_chunks) -> (dq, dk, dv, dk_part, dv_part)``.
+
+    The window backward with the sinks split off (lesson 08, optional): the window dK/dV
+    kernel runs without sinks, and a kernel of the learner's gives the sink keys' far
+    queries (``i - j >= window_size``) programs of their own, one chunk of query rows each,
+    each writing an fp32 partial ``dk_part[c], dv_part[c]`` (``[chunks, B, n_kv_heads,
+    sink_size, D]``, ``chunks <= num_chunks``), added to dk and dv in a fixed order. The
+    check wants: several non-zero partials where the far rows fill several chunks, their
+    sum equal to the float64 far gradients of the sink keys, dq, dk, dv equal to
+    :func:`course_utils.references.attention_backward`, the same bits from a second run on
+    the same inputs, and dk, dv and the partials written by the learner's kernels (the
+    course's delta and dQ kernels are allowed, its dK/dV kernels are not).
+    """
+    __tracebackhide__ = True
+    require_callable(fn, "check_sink_split")
+    env = current()
+    run = Run("check_sink_split", seed, time_limit_s=90.0)
+    for c, chunks in _split_cases(run.rng):
+        atol, rtol = _BWD_TOL_GPU_FP32 if env.device == "cuda" else _BWD_TOL[c.dtype]
+        (q64, k64, v64, do64), make = _split_inputs(run, c, env.device)
+        n, w, s = c.N, c.window_size, c.sink_size
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        mask = ref.window_mask(n, n, w, s)
+        far = mask & (i - j >= w) & (j < s)
+        sink_pairs = (j <= i) & (j < s)
+
+        def grads(weights):
+            return _grads_with(q64, k64, v64, do64, weights.astype(float), w, s)
+
+        first = _split_call(run, fn, make(), c, chunks)
+        dq, dk, dv, dk_part, dv_part = first
+        shape = (c.B, c.n_kv_heads, s, c.D)
+        for name, part in (("dk_part", dk_part), ("dv_part", dv_part)):
+            if part.dim() != 5 or tuple(part.shape[1:]) != shape or not 1 <= part.shape[0] <= chunks:
+                raise run.fail(f"{name} has shape {tuple(part.shape)}; expected [chunks, {', '.join(map(str, shape))}] "
+                               f"with 1 <= chunks <= num_chunks = {chunks}.", c.name)
+        parts = {name: run.array(p, expected_shape=tuple(p.shape), case=c.name, name=name)
+                 for name, p in (("dk_part", dk_part), ("dv_part", dv_part))}
+        if chunks >= 2 and n - w > 128 and parts["dv_part"].shape[0] < 2:
+            raise run.fail(f"your partials hold 1 chunk, although num_chunks = {chunks} and the {n - w} far rows "
+                           f"fill several query blocks.\nLikely cause: {MSG_SPLIT_ONE_PROGRAM}", c.name)
+        for name, p in parts.items():
+            empty = [int(ci) for ci in range(p.shape[0]) if not np.any(p[ci])]
+            if empty:
+                raise run.fail(f"{name}[{empty[0]}] is all zeros.\nLikely cause: {MSG_SPLIT_EMPTY_CHUNK}", c.name)
+        right_far = grads(far)
+        for which, name in ((2, "dv_part"), (1, "dk_part")):
+            p = parts[name]
+            # A far mask without i - j >= W adds the window pairs of the rows the sink kernel visits:
+            # from the key block's first far row, rounded down to the kernel's BLOCK_M (tried: 16..128).
+            near = [Diagnosis(MSG_SPLIT_NEAR_PAIRS, expected=lambda bm=bm, x=which: grads(
+                far | (sink_pairs & (i >= np.maximum(w // bm * bm, (j // _sink_block(s) * _sink_block(s) + w)
+                                                     // bm * bm))))[x][:, :, :s]) for bm in (16, 32, 64, 128)]
+            run.compare(p.sum(0), right_far[which][:, :, :s], case=c.name,
+                        what=f"{name}.sum(0) (the sink keys' far gradients)", atol=atol, rtol=rtol,
+                        axes=("b", "kv_head", "j", "d"), diagnoses=[
+                            Diagnosis(MSG_SPLIT_EVERY_CHUNK, expected=p.shape[0] * right_far[which][:, :, :s])] + near)
+        right = ref.attention_backward(q64, k64, v64, do64, causal=True, window_size=w, sink_size=s)
+        wrong = {"not_added": lambda: grads(ref.window_mask(n, n, w, 0)), "twice": lambda: grads(mask.astype(float) + far)}
+        for which, label, t in ((2, "dv", dv), (1, "dk", dk), (0, "dq", dq)):
+            got = run.array(t, expected_shape=right[which].shape, case=c.name, name=label)
+            run.compare(got, right[which], case=c.name, what=label, atol=atol, rtol=rtol,
+                        axes=("b", "kv_head" if which else "q_head", "i" if which == 0 else "j", "d"),
+                        diagnoses=[] if which == 0 else [
+                            Diagnosis(MSG_SPLIT_NOT_ADDED, expected=lambda x=which: wrong["not_added"]()[x]),
+                            Diagnosis(MSG_SPLIT_TWICE, expected=lambda x=which: wrong["twice"]()[x])])
+        second = _split_call(run, fn, make(), c, chunks)
+        run.cases -= 1  # the second run of a case is part of it
+        for label, a, b in zip(("dk", "dv", "dk_part", "dv_part"), first[1:], second[1:]):
+            if a.shape != b.shape or not bool((a.detach().cpu() == b.detach().cpu()).all()):
+                raise run.fail(f"{label} differs between two runs on the same inputs.\nLikely cause: "
+                               f"{MSG_SPLIT_NOT_REPRODUCIBLE}", c.name)
     return run.passed()
