@@ -26,6 +26,9 @@ __all__ = [
     "plot_online_softmax",
     "window_tile_states",
     "plot_window_tiles",
+    "COLUMN_STATES",
+    "dkdv_column_states",
+    "plot_dkdv_column",
     "SKIPPED",
     "FULL",
     "DIAGONAL",
@@ -240,6 +243,96 @@ def plot_window_tiles(n, block_m, block_n, window_size=None, sink_size=0, *, ax=
                Patch(color=colours[SKIPPED], label="skipped"), Patch(color="#f16913", alpha=0.55, label="visible pair")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     return ax
+
+
+# The dK/dV program's view (lesson 08): one key block, the query blocks down its column.
+COLUMN_STATES = ("skipped", "diagonal", "full", "far edge", "sinks only")
+_COLUMN_COLOURS = {"skipped": "#e8e8e8", "diagonal": "#2171b5", "full": "#9ecae1", "far edge": "#6a51a3",
+                   "sinks only": "#d94801"}
+
+
+def dkdv_column_states(n, block_m, block_n, window_size=None, sink_size=0, start_n=0):
+    """What the dK/dV program of the key block at ``start_n`` does with each query block, read off the mask.
+
+    Returns one name of :data:`COLUMN_STATES` per query block ``[b * block_m, (b + 1) * block_m)``:
+    ``"skipped"`` (no row sees any of the keys ``[start_n, start_n + block_n)``), ``"diagonal"`` (on the
+    diagonal: masked), ``"full"`` (every row sees every key: no mask), ``"far edge"`` (masked: some
+    pairs are hidden, some seen inside the window) or ``"sinks only"`` (masked: the rows see some keys,
+    and only because they are sinks, beyond the window).
+    """
+    mask = ref.window_mask(n, n, window_size, sink_size)
+    keys = np.arange(start_n, min(start_n + block_n, n))
+    w = n if window_size is None else window_size
+    states = []
+    for first in range(0, n, block_m):
+        rows = np.arange(first, min(first + block_m, n))
+        tile = mask[np.ix_(rows, keys)]
+        in_window = tile & (rows[:, None] - keys[None, :] < w)
+        if not tile.any():
+            states.append("skipped")
+        elif first < start_n + block_n:
+            states.append("diagonal")
+        elif tile.all():
+            states.append("full")
+        elif in_window.any():
+            states.append("far edge")
+        else:
+            states.append("sinks only")
+    return states
+
+
+def plot_dkdv_column(n, block_m, block_n, window_size=None, sink_size=0, start_n=0, *, axes=None):
+    """One dK/dV program walking down its key block: the query blocks it visits, and how.
+
+    Left, the whole mask (visible pairs faint orange) with the key block's column cut into query
+    blocks coloured by :func:`dkdv_column_states` (diagonal, full, far edge, sinks only, skipped) and an
+    arrow down the blocks the program visits. Right, that column widened: the same colours, with the
+    visible pairs in black on top. The title counts the blocks. Returns the two axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch, Rectangle
+
+    states = dkdv_column_states(n, block_m, block_n, window_size, sink_size, start_n)
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(8.2, 4.6), layout="constrained", width_ratios=[3, 1.3])
+    left, right = axes
+    mask = ref.window_mask(n, n, window_size, sink_size)
+    width = min(block_n, n - start_n)
+    left.imshow(np.ma.masked_where(~mask, mask), cmap=ListedColormap(["#f16913"]), alpha=0.25,
+                extent=(0, n, n, 0), interpolation="nearest", zorder=1)
+    for ax, x0, w in ((left, start_n, width), (right, 0, width)):
+        for b, state in enumerate(states):
+            first = b * block_m
+            ax.add_patch(Rectangle((x0, first), w, min(block_m, n - first), facecolor=_COLUMN_COLOURS[state],
+                                   edgecolor="white", lw=1.0, zorder=2))
+    column = mask[:, start_n:start_n + width]
+    right.imshow(np.ma.masked_where(~column, column), cmap=ListedColormap(["black"]), alpha=0.35,
+                 extent=(0, width, n, 0), interpolation="nearest", aspect="auto", zorder=3)
+    visited = [b for b, state in enumerate(states) if state != "skipped"]
+    if visited:
+        x = min(start_n + width + max(n / 40, 2), n - 1)
+        left.annotate("", xy=(x, min((visited[-1] + 1) * block_m, n)), xytext=(x, visited[0] * block_m),
+                      arrowprops=dict(arrowstyle="->", lw=1.5), zorder=4)
+    left.set_xlim(0, n)
+    left.set_ylim(n, 0)
+    left.set_aspect("equal")
+    left.set_xlabel("key j")
+    left.set_ylabel(f"query i (block_m = {block_m})")
+    right.set_xlim(0, width)
+    right.set_ylim(n, 0)
+    right.set_xticks([0, width - 1], [str(start_n), str(start_n + width - 1)])
+    right.set_xlabel(f"keys {start_n}..{start_n + width - 1}")
+    counts = {s: states.count(s) for s in COLUMN_STATES}
+    left.set_title(f"dK/dV program of key block {start_n // block_n} (start_n = {start_n}): window {window_size}, "
+                   f"{sink_size} sinks\n" + ", ".join(f"{counts[s]} {s}" for s in COLUMN_STATES[1:])
+                   + f" query blocks; {counts['skipped']} skipped", fontsize=9)
+    handles = [Patch(color=_COLUMN_COLOURS[s], label=s + (" (no mask)" if s == "full" else "" if s == "skipped"
+                                                          else " (mask)"))
+               for s in COLUMN_STATES[1:] + COLUMN_STATES[:1]]
+    handles.append(Patch(color="black", alpha=0.35, label="visible pair"))
+    right.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.04, 1.0), fontsize=8, frameon=False)
+    return axes
 
 
 # -- online softmax --------------------------------------------------------------

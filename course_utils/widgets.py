@@ -6,7 +6,9 @@ lesson displays it by leaving it as the cell's last expression. Without a
 frontend (nbval, nbclient, a plain script) the widget is still built and its
 function runs once with the initial values, so nothing fails headless.
 Figures are shown with ``display`` and then closed, so moving a slider does
-not pile up open figures.
+not pile up open figures. :func:`dkdv_column_explorer` and :func:`window_explorer` also
+carry their first picture as a PNG in the widget's display data (ipywidgets 8): a
+notebook stored by nbclient shows it where no widget can be drawn (GitHub, nbviewer).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 from . import plots
 from . import references as ref
 
-__all__ = ["attention_explorer", "online_softmax_stepper", "window_explorer", "ring_stepper"]
+__all__ = ["attention_explorer", "online_softmax_stepper", "window_explorer", "dkdv_column_explorer", "ring_stepper"]
 
 
 def _show(fig):
@@ -25,6 +27,38 @@ def _show(fig):
 
     display(fig)
     plt.close(fig)
+
+
+def _png(fig) -> str:
+    """``fig`` as a base64 PNG (for a display bundle), closed."""
+    import base64
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80)
+    plt.close(fig)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _interactive_with_picture(picture_png, show, **controls):
+    """``interactive(show, **controls)`` whose display data also holds ``picture_png`` (image/png).
+
+    A live frontend draws the widget; a stored notebook opened without its widgets falls back
+    to the picture (ipywidgets 8 displays widgets through ``_repr_mimebundle_``; 7.x ignores it).
+    """
+    from ipywidgets import interactive
+
+    class _Explorer(interactive):  # shown as "interactive(...)", like the widgets above
+        def _repr_mimebundle_(self, **kwargs):
+            data = super()._repr_mimebundle_(**kwargs)
+            if isinstance(data, dict):
+                data["image/png"] = picture_png
+            return data
+
+    _Explorer.__name__ = _Explorer.__qualname__ = "interactive"
+    return _Explorer(show, **controls)
 
 
 def attention_explorer(q, k, *, row=0):
@@ -90,8 +124,34 @@ def window_explorer(n=256, block_m=64, block_n=32, *, window_size=100, sink_size
         ax = plots.plot_window_tiles(n, block_m, block_n, window_size, sink_size)
         _show(ax.figure)
 
-    return interactive(
-        show,
+    picture = _png(plots.plot_window_tiles(n, block_m, block_n, window_size, sink_size).figure)
+    return _interactive_with_picture(
+        picture, show,
+        window_size=IntSlider(value=window_size, min=1, max=n, description="window W"),
+        sink_size=IntSlider(value=sink_size, min=0, max=n // 2, description="sinks S"),
+    )
+
+
+def dkdv_column_explorer(n=256, block_m=16, block_n=32, *, window_size=64, sink_size=4, key_block=2):
+    """Pick a key block, a window and a number of sinks; see the query blocks its dK/dV program walks.
+
+    The picture is :func:`course_utils.plots.plot_dkdv_column`: which query blocks are on the
+    diagonal (masked), full (no mask), at the window's far edge (masked) or reached only because
+    the keys are sinks (masked), and which are skipped.
+    """
+    from ipywidgets import IntSlider
+
+    def show(key_block, window_size, sink_size):
+        axes = plots.plot_dkdv_column(n, block_m, block_n, window_size, sink_size, key_block * block_n)
+        _show(axes[0].figure)
+
+    n_key_blocks = -(-n // block_n)
+    key_block = min(key_block, n_key_blocks - 1)
+    picture = _png(plots.plot_dkdv_column(n, block_m, block_n, window_size, sink_size, key_block * block_n)[0].figure)
+    return _interactive_with_picture(
+        picture, show,
+        key_block=IntSlider(value=key_block, min=0, max=n_key_blocks - 1,
+                            description="key block"),
         window_size=IntSlider(value=window_size, min=1, max=n, description="window W"),
         sink_size=IntSlider(value=sink_size, min=0, max=n // 2, description="sinks S"),
     )

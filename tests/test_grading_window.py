@@ -570,3 +570,254 @@ def test_backward_dk_written_by_the_course_s_dq_kernel_is_refused(tmp_path_facto
                                            r"dK/dV kernel is this exercise"):
         check_window_backward(lambda q, k, v, *, window_size, sink_size: DqKernelWritingDk.apply(
             q, k, v, window_size, sink_size))
+
+
+# -----------------------------------------------------------------------------
+# check_dkdv_bounds: the query blocks one dK/dV program walks
+# -----------------------------------------------------------------------------
+from course_utils.grading import check_dkdv_bounds  # noqa: E402
+
+
+def dkdv_bounds_from_the_mask(start_n, block_m, block_n, seq_len, window_size, sink_size):
+    # Correct and written differently: classify each query block from the mask itself, as the column
+    # view does. Its full_end is sometimes LARGER than the course's (a last, short query block that
+    # happens to see every key goes unmasked), and its q_end ends on a block boundary.
+    import numpy as np
+    from course_utils import references
+
+    mask = references.window_mask(seq_len, seq_len, window_size, sink_size)[:, start_n:start_n + block_n]
+    diag_end = min(start_n + block_n, seq_len)
+    full_end = q_end = diag_end
+    for first in range(diag_end, seq_len, block_m):
+        tile = mask[first:first + block_m]
+        if tile.all() and full_end == first:
+            full_end = q_end = min(first + block_m, seq_len)
+        elif tile.any():
+            q_end = min(first + block_m, seq_len)
+    return diag_end, full_end, q_end
+
+
+def dkdv_bounds_as_in_triton(start_n, block_m, block_n, seq_len, window_size, sink_size):
+    # Correct and written as the kernel would (ceil by adding block_m - 1; the sinks first).
+    if start_n + block_n <= sink_size:
+        return min(start_n + block_n, seq_len), seq_len, seq_len
+    diag_end = min(start_n + block_n, seq_len)
+    full_end = min(max((start_n + window_size) // block_m * block_m, diag_end), seq_len)
+    far = seq_len if start_n < sink_size else start_n + block_n + window_size - 1
+    q_end = min((far + block_m - 1) // block_m * block_m, seq_len)
+    return diag_end, full_end, q_end
+
+
+@pytest.mark.parametrize("fn", [dkdv_bounds_from_the_mask, dkdv_bounds_as_in_triton])
+def test_dkdv_bounds_correct_variants_pass(fn):
+    assert check_dkdv_bounds(fn)
+
+
+def _planted_dkdv_bounds(mistake):
+    """A learner's dkdv_query_bounds with one mistake (written here, not from the check's own model)."""
+    def fn(start_n, block_m, block_n, seq_len, window_size, sink_size):
+        n, w = seq_len, window_size
+        last_key = start_n + block_n - 1
+        diag_end = {"diag_minus_one": min(last_key, n), "diag_block_m": min(start_n + block_m, n),
+                    "diag_no_cap": last_key + 1}.get(mistake, min(last_key + 1, n))
+        reach = {"full_last_key": last_key + w, "full_minus_one": start_n + w - 1}.get(mistake, start_n + w)
+        full = reach // block_m * block_m
+        if mistake == "full_rounded_up":
+            full = (reach + block_m - 1) // block_m * block_m
+        full_end = min(full, n) if mistake == "full_no_max" else min(max(full, diag_end), n)
+        q_end = {"no_far_edge": n, "far_edge_missing": full_end, "far_from_first_key": min(start_n + w, n),
+                 "far_minus_one": min(last_key + w - 1, n)}.get(mistake, min(last_key + w, n))
+        if mistake == "far_floor":
+            q_end = q_end // block_m * block_m
+        if mistake == "far_minus_block":
+            q_end -= block_m
+        if sink_size > 0 and mistake != "sinks_ignored":
+            has_sink = start_n <= sink_size if mistake == "sinks_le" else start_n < sink_size
+            only_sinks = start_n + block_n <= sink_size
+            if (only_sinks or (mistake == "sinks_full_any" and has_sink)) and mistake != "sinks_not_full":
+                full_end = n
+            if has_sink and (mistake != "sinks_all_only" or only_sinks):
+                q_end = n
+        return diag_end, full_end, q_end
+    return fn
+
+
+@pytest.mark.parametrize("mistake,message", [
+    ("diag_minus_one", p5.MSG_DKDV_DIAG_OFF_BY_ONE),
+    ("diag_block_m", p5.MSG_DKDV_DIAG_BLOCK_M),
+    ("diag_no_cap", p5.MSG_DKDV_PAST_END),
+    ("full_last_key", p5.MSG_DKDV_FULL_LAST_KEY),
+    ("full_rounded_up", p5.MSG_DKDV_FULL_ROUNDED_UP),
+    ("full_minus_one", p5.MSG_DKDV_FULL_OFF_BY_ONE),
+    ("full_no_max", p5.MSG_DKDV_FULL_BEFORE_DIAG),
+    ("no_far_edge", p5.MSG_DKDV_NO_FAR_EDGE),
+    ("far_edge_missing", p5.MSG_DKDV_FAR_EDGE_MISSING),
+    ("far_from_first_key", p5.MSG_DKDV_FAR_FROM_FIRST_KEY),
+    ("far_minus_one", p5.MSG_DKDV_FAR_OFF_BY_ONE),
+    ("far_floor", p5.MSG_BWD_LAST_Q_BLOCK),
+    ("far_minus_block", p5.MSG_BWD_LAST_Q_BLOCK),
+    ("sinks_ignored", p5.MSG_BWD_SINKS),
+    ("sinks_all_only", p5.MSG_DKDV_SINKS_ALL_ONLY),
+    ("sinks_full_any", p5.MSG_DKDV_SINKS_FULL_ANY),
+    ("sinks_not_full", p5.MSG_DKDV_SINKS_NOT_FULL),
+    ("sinks_le", p5.MSG_DKDV_SINKS_LE),
+])
+def test_dkdv_bounds_mistakes_are_diagnosed(mistake, message):
+    _fails(check_dkdv_bounds, _planted_dkdv_bounds(mistake), message)
+
+
+def test_dkdv_bounds_unknown_misalignment_is_named():
+    # A full_end that is not a multiple of block_m, and not one of the known mistakes: the alignment rule.
+    def fn(start_n, block_m, block_n, seq_len, window_size, sink_size):
+        d, f, q = dkdv_bounds_as_in_triton(start_n, block_m, block_n, seq_len, window_size, sink_size)
+        return d, (f + 3 if f + 3 < q else f), q
+
+    _fails(check_dkdv_bounds, fn, p5.MSG_DKDV_UNALIGNED)
+
+
+def test_dkdv_bounds_wrong_type_gets_a_sentence():
+    with pytest.raises(GradingError, match="three"):
+        check_dkdv_bounds(lambda *a: (0, 0))
+    with pytest.raises(GradingError, match="Python"):
+        check_dkdv_bounds(lambda *a: (0.0, 0.5, 1.0))
+    with pytest.raises(GradingError, match="expects a function"):
+        check_dkdv_bounds(3)
+
+
+# -----------------------------------------------------------------------------
+# check_sink_split (optional exercise): the sink keys' far queries in programs of their own
+# -----------------------------------------------------------------------------
+from course_utils.grading import check_sink_split  # noqa: E402
+
+
+def split_backward(module, mistake=None):
+    """Lesson 08's exercise 5 as a learner writes it, on ``module``'s kernels (a planted copy of backward.py).
+
+    The window backward runs with the dK/dV kernel told there are no sinks; the sink kernel writes one
+    fp32 partial per chunk of query rows; the launcher adds them in a fixed order. ``mistake`` plants one
+    in the launcher: "not_added", "window_with_sinks" (the dK/dV kernel still walks the sinks' far queries),
+    "varying_order" (the partials added in an order that changes from call to call), "one_chunk";
+    "zeros_and_loop" is correct and written differently (zeroed buffers, the partials added in a loop).
+    """
+    import math
+
+    calls = [0]
+
+    def fn(q, k, v, o, lse, do, *, window_size, sink_size, num_chunks):
+        B, n_q_heads, N, D = q.shape
+        n_kv_heads = k.shape[1]
+        cfg = module.default_config(D, q.device.type, course_utils.ENV.capability, q.dtype)
+        cfg.split_sinks = False
+        window_size, sink_size = min(window_size, N), min(sink_size, N)
+        dkdv_sinks = sink_size if mistake == "window_with_sinks" else 0
+        BLOCK_D = max(16, triton.next_power_of_2(D))
+        delta = (o.float() * do.float()).sum(-1)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                  lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+        # the window kernels (dK/dV without sinks, dQ with them): the package's launcher, told not to split
+        module._window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, n_q_heads // n_kv_heads,
+                                1.0 / math.sqrt(D), window_size, sink_size, BLOCK_D, BLOCK_D != D, tl.float32) \
+            if dkdv_sinks else _window_backward_without_sinks(module, q, k, v, lse, delta, do, dq, dk, dv, common, cfg,
+                                                              window_size, sink_size, BLOCK_D)
+        bm = cfg.dkdv_block_m
+        block_s = min(64, max(16, triton.next_power_of_2(sink_size)))
+        sink_blocks = triton.cdiv(sink_size, block_s)
+        rows = N - window_size // bm * bm
+        chunks = 1 if mistake == "one_chunk" else num_chunks
+        chunk = bm * triton.cdiv(triton.cdiv(rows, bm), chunks)
+        chunks = triton.cdiv(rows, chunk)
+        shape = (chunks, B * n_kv_heads, sink_blocks * block_s, BLOCK_D)
+        alloc = torch.zeros if mistake == "zeros_and_loop" else torch.empty
+        dk_buf = alloc(shape, device=q.device, dtype=torch.float32)
+        dv_buf = alloc(shape, device=q.device, dtype=torch.float32)
+        module._attn_bwd_dkdv_sinks[(chunks, sink_blocks, B * n_kv_heads)](
+            q, k, v, do, lse, delta, dk_buf, dv_buf, *common,
+            n_kv_heads, n_q_heads // n_kv_heads, N, D, 1.0 / math.sqrt(D), window_size, sink_size, chunk,
+            BLOCK_M=bm, BLOCK_S=block_s, BLOCK_D=BLOCK_D, PAD_D=BLOCK_D != D, ACC=tl.float32)
+        dk_part, dv_part = (buf[:, :, :sink_size, :D].reshape(chunks, B, n_kv_heads, sink_size, D)
+                            for buf in (dk_buf, dv_buf))
+        calls[0] += 1
+        if mistake != "not_added":
+            for grad, part in ((dk, dk_part), (dv, dv_part)):
+                if mistake in ("varying_order", "zeros_and_loop"):  # varying: the chunk order rotates per call
+                    order = [(c + calls[0]) % chunks if mistake == "varying_order" else c for c in range(chunks)]
+                    far = part[order[0]].clone()
+                    for c in order[1:]:
+                        far = far + part[c]
+                else:
+                    far = part.sum(0)
+                grad[:, :, :sink_size] = (grad[:, :, :sink_size].float() + far).to(grad.dtype)
+        return dq, dk, dv, dk_part, dv_part
+
+    return fn
+
+
+def _window_backward_without_sinks(module, q, k, v, lse, delta, do, dq, dk, dv, common, cfg, window_size, sink_size,
+                                   BLOCK_D):
+    """The window dK/dV kernel with sink_size=0 and the dQ kernel with the sinks (as lesson 08's launcher)."""
+    import math
+
+    B, n_q_heads, N, D = q.shape
+    n_kv_heads = k.shape[1]
+    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    module._attn_bwd_dkdv_window[(triton.cdiv(N, bn), B * n_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *common, *dk.stride(), *dv.stride(),
+        n_kv_heads, n_q_heads // n_kv_heads, N, N, D, 1.0 / math.sqrt(D), window_size, 0,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=False,
+        EVEN_M=N % bm == 0, EVEN_N=N % bn == 0, PAD_D=BLOCK_D != D, ACC=tl.float32)
+    bm, bn = cfg.dq_block_m, cfg.dq_block_n
+    bw.attn_bwd_dq_window[(triton.cdiv(N, bm), B * n_q_heads)](
+        q, k, v, do, lse, delta, dq, *common, *dq.stride(),
+        n_q_heads, n_q_heads // n_kv_heads, N, N, D, 1.0 / math.sqrt(D), window_size, sink_size,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=sink_size > 0,
+        EVEN_M=N % bm == 0, EVEN_N=N % bn == 0, PAD_D=BLOCK_D != D, ACC=tl.float32)
+
+
+def test_sink_split_lesson_launcher_passes(tmp_path_factory):
+    module = planted(tmp_path_factory, bw, "bw_unchanged")
+    assert check_sink_split(split_backward(module))
+
+
+@pytest.mark.parametrize("mistake", ["zeros_and_loop"])
+def test_sink_split_correct_variant_passes(tmp_path_factory, mistake):
+    module = planted(tmp_path_factory, bw, "bw_unchanged")
+    assert check_sink_split(split_backward(module, mistake))
+
+
+SPLIT_KERNEL_MISTAKES = {
+    # the far mask without i - j >= W: the sink keys' window pairs are added by both kernels
+    "near_pairs_too": (p5.MSG_SPLIT_NEAR_PAIRS, [(
+        "_attn_bwd_dkdv_sinks", "(offs_m[None, :] - offs_n[:, None]) >= WINDOW_SIZE", "(offs_m[None, :] - offs_n[:, None]) >= 0")]),
+    # every program walks all the far rows, whatever its chunk
+    "every_chunk_all_rows": (p5.MSG_SPLIT_EVERY_CHUNK, [
+        ("_attn_bwd_dkdv_sinks", "+ pid_c * CHUNK", "+ 0 * pid_c * CHUNK"),
+        ("_attn_bwd_dkdv_sinks", "hi = tl.minimum(chunk_lo + CHUNK, N_Q)", "hi = N_Q + 0 * CHUNK")]),
+    # every program writes the first chunk's slot (zeroed buffers: the other partials stay 0)
+    "one_slot": (p5.MSG_SPLIT_EMPTY_CHUNK, [(
+        "_attn_bwd_dkdv_sinks", "part = (pid_c * tl.num_programs(2) + pid_bh)", "part = (0 * pid_c * tl.num_programs(2) + pid_bh)")]),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_KERNEL_MISTAKES))
+def test_sink_split_kernel_mistakes_are_diagnosed(tmp_path_factory, name):
+    message, edits = SPLIT_KERNEL_MISTAKES[name]
+    module = planted(tmp_path_factory, bw, "bw_split_" + name, *edits)
+    _fails(check_sink_split, split_backward(module, "zeros_and_loop" if name == "one_slot" else None), message)
+
+
+@pytest.mark.parametrize("mistake,message", [
+    ("not_added", p5.MSG_SPLIT_NOT_ADDED),
+    ("window_with_sinks", p5.MSG_SPLIT_TWICE),
+    ("varying_order", p5.MSG_SPLIT_NOT_REPRODUCIBLE),
+    ("one_chunk", p5.MSG_SPLIT_ONE_PROGRAM),
+])
+def test_sink_split_launcher_mistakes_are_diagnosed(tmp_path_factory, mistake, message):
+    module = planted(tmp_path_factory, bw, "bw_unchanged")
+    _fails(check_sink_split, split_backward(module, mistake), message)
+
+
+def test_sink_split_course_kernels_are_refused():
+    with pytest.raises(GradingError, match=r"your backward ran course_utils's kernel `_attn_bwd_dkdv_window`.*the dK/dV "
+                                           r"kernels are this exercise"):
+        check_sink_split(split_backward(bw))

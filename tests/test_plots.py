@@ -41,3 +41,47 @@ def test_pictures_draw():
     assert plots.plot_tile_addresses(0, 0, 2, 4, 6, 3, 5, ax=axes[0, 2]) is axes[0, 2]
     assert list(plots.plot_backward_passes(128, 32, 32, axes=axes[1, :2])) == list(axes[1, :2])
     plt.close(fig)
+
+
+@pytest.mark.parametrize("n, block_m, block_n, window_size, sink_size", [
+    (256, 16, 32, 64, 4), (256, 16, 32, 40, 48), (200, 32, 64, 20, 0), (100, 16, 16, 300, 0), (130, 16, 64, 1, 70)])
+def test_dkdv_column_states_match_the_mask_and_the_course_s_walk(n, block_m, block_n, window_size, sink_size):
+    from course_utils import references
+    from course_utils.grading.part5_window import _dkdv_bounds_variant
+
+    mask = references.window_mask(n, n, window_size, sink_size)
+    for start_n in range(0, n, block_n):
+        states = plots.dkdv_column_states(n, block_m, block_n, window_size, sink_size, start_n)
+        assert len(states) == -(-n // block_m) and set(states) <= set(plots.COLUMN_STATES)
+        diag_end, full_end, q_end = _dkdv_bounds_variant(start_n, block_m, block_n, n, window_size, sink_size)
+        walked = set(range(start_n, diag_end, block_m)) | set(range(diag_end, q_end, block_m))
+        for b, state in enumerate(states):
+            tile = mask[b * block_m:(b + 1) * block_m, start_n:start_n + block_n]
+            assert (state == "skipped") == (not tile.any())
+            assert (state == "full") == (tile.all() and b * block_m >= start_n + block_n)
+            assert (state == "diagonal") == (tile.any() and b * block_m < start_n + block_n)
+            if state == "sinks only":  # seen, but by no row inside the window
+                rows = np.arange(b * block_m, min((b + 1) * block_m, n))[:, None]
+                keys = np.arange(start_n, min(start_n + block_n, n))[None, :]
+                assert not (tile & (rows - keys < window_size)).any() and (keys < sink_size).any()
+            # The course's dK/dV kernel visits exactly the blocks the picture does not grey out.
+            assert (b * block_m in walked) == (state != "skipped"), (start_n, b, state)
+
+
+def test_dkdv_column_draws_and_its_widget_builds_headless(capsys):
+    from course_utils import widgets
+
+    fig, axes = plt.subplots(1, 2)
+    assert list(plots.plot_dkdv_column(128, 16, 32, 24, 4, 32, axes=axes)) == list(axes)
+    plt.close(fig)
+    widget = widgets.dkdv_column_explorer(128, 16, 32, window_size=24, sink_size=4, key_block=9)
+    assert [c.description for c in widget.children[:3]] == ["key block", "window W", "sinks S"]
+    assert widget.children[0].value == 3  # the last of 4 key blocks
+    assert not plt.get_fignums()  # the first picture was shown and closed
+    # Its display data holds a PNG of that first picture: what a stored notebook shows without widgets.
+    import base64
+
+    bundle = widget._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+    assert "image/png" in widgets.window_explorer(64, 16, 16, window_size=8, sink_size=2)._repr_mimebundle_()

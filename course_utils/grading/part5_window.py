@@ -6,6 +6,12 @@ or j < sink_size)`` (:func:`course_utils.references.window_mask`).
 - :func:`check_window_tile_bounds` grades a plain Python function
   ``fn(start_m, block_m, block_n, seq_len, window_size, sink_size) ->
   (sink_end, band_start, band_end)``: the K/V tiles one query block visits.
+- :func:`check_dkdv_bounds` grades a plain Python function ``fn(start_n,
+  block_m, block_n, seq_len, window_size, sink_size) -> (diag_end, full_end,
+  q_end)``: the query blocks one dK/dV program walks, judged by what the
+  walk does (every visible pair folded in once, full blocks without the
+  mask, no query block that sees none of the keys), so bounds written
+  differently but walking the same blocks pass.
 - :func:`check_window_forward` grades a Triton forward
   ``fn(q, k, v, *, window_size, sink_size) -> (o, lse)`` (torch ``[B, H, N,
   D]``, GQA, causal), in a separate process on the CPU, with NaN-padded,
@@ -16,6 +22,12 @@ or j < sink_size)`` (:func:`course_utils.references.window_mask`).
   kernels: ``dv``, then ``dk``, then ``dq`` against float64 references; ``dk``
   and ``dv`` must be written by the learner's dK/dV kernel (the course's
   delta and dQ kernels, and its forward, are allowed).
+- :func:`check_sink_split` (optional) grades the backward with the sink keys' far
+  queries split off: ``fn(q, k, v, o, lse, do, *, window_size, sink_size,
+  num_chunks) -> (dq, dk, dv, dk_part, dv_part)``; the partials (one per chunk of
+  query rows, written by the learner's own kernel) must sum to the float64 far
+  gradients, the gradients must match the references, and a second run must give
+  the same bits (the partials added in a fixed order).
 
 Mistakes are recognised by re-enacting them in float64 on the same inputs.
 Mask mistakes (the window off by one, sinks visible before their time) change
@@ -40,13 +52,14 @@ from .. import references as ref
 from ..environment import current
 from ..kernels.forward import window_tile_bounds
 from . import inputs, proof
-from .core import Diagnosis, Run, distance_to, require_callable
+from .core import Diagnosis, Run, distance_to, pick_diagnosis, require_callable
 from .mistakes import SLACK, Model, weighted
 from .mistakes import MSG_NO_TRITON_BACKWARD_WINDOW
 from .mistakes import MSG_NO_TRITON_WINDOW
 from .mistakes import MSG_NOT_DIFFERENTIABLE_WINDOW
 
-__all__ = ["grade_window_tile_bounds", "grade_window_forward", "grade_window_backward"]
+__all__ = ["grade_window_tile_bounds", "grade_dkdv_bounds", "grade_window_forward", "grade_window_backward",
+           "grade_sink_split"]
 
 # One plain sentence (or two) per diagnosis; the tests look for these texts.
 MSG_NOT_ALIGNED = (
@@ -219,6 +232,324 @@ def grade_window_tile_bounds(fn, *, seed=None):
             dtype=np.float64)) for mistake, message in _BOUNDS_DIAGNOSES]
         run.compare(got, expected, case=case, what="(sink_end, band_start, band_end)", atol=0.0, rtol=0.0,
                     diagnoses=diagnoses, axes=("start_m", "bound"))
+    return run.passed()
+
+
+# =============================================================================
+# check_dkdv_bounds
+# =============================================================================
+MSG_DKDV_UNALIGNED = (
+    "a phase starts inside a query block: the loops run range(lo, hi, block_m) from diag_end and from "
+    "full_end, so both must be multiples of block_m (or N, where nothing follows). Otherwise the blocks of "
+    "the next phase overlap the last block of the one before, and on a GPU a block starting at an odd row "
+    "reads past the end of q."
+)
+MSG_DKDV_DIAG_OFF_BY_ONE = (
+    "the diagonal ends one row early: the block's last key is start_n + block_n - 1, and query rows "
+    "start_n .. start_n + block_n - 1 all sit on the diagonal, so diag_end = start_n + block_n "
+    "(exclusive, like every end here), capped at N."
+)
+MSG_DKDV_DIAG_BLOCK_M = (
+    "the diagonal is block_n rows tall, not block_m: the key block holds block_n keys, and each of the "
+    "block_n // block_m query blocks in [start_n, start_n + block_n) has queries before some of those keys, "
+    "so all of them need the causal mask. diag_end = min(start_n + block_n, N)."
+)
+MSG_DKDV_PAST_END = (
+    "the walk visits query blocks past the end of the sequence: cap every bound at N "
+    "(diag_end = min(start_n + block_n, N) for the last key block)."
+)
+MSG_DKDV_FULL_LAST_KEY = (
+    "full_end counts the window from the block's last key, but a query block is full only if its last "
+    "row i still sees the block's FIRST key: i - start_n < window_size. So the full blocks end at or "
+    "before start_n + window_size: full_end = (start_n + window_size) rounded DOWN to a multiple of block_m."
+)
+MSG_DKDV_FULL_ROUNDED_UP = (
+    "full_end is rounded up: the query block holding row start_n + window_size has rows that no longer "
+    "see key start_n, so it is not full. Round (start_n + window_size) DOWN to a multiple of block_m."
+)
+MSG_DKDV_FULL_OFF_BY_ONE = (
+    "full_end is one short: a full block's last row i must satisfy i - start_n < window_size, i.e. "
+    "i <= start_n + window_size - 1, so a block ending exactly at start_n + window_size is still full "
+    "(full_end = (start_n + window_size) // block_m * block_m, not from start_n + window_size - 1)."
+)
+MSG_DKDV_FULL_BEFORE_DIAG = (
+    "full_end falls inside the diagonal when the window is shorter than the key block, and then the far "
+    "edge's loop starts there and visits diagonal blocks a second time: keep full_end >= diag_end "
+    "(max(..., diag_end)), then cap it at N."
+)
+MSG_DKDV_NO_FAR_EDGE = (
+    "the loop runs past the window's far edge: the last query that sees the block's last key "
+    "start_n + block_n - 1 is start_n + block_n - 1 + window_size - 1; query blocks after it see none of "
+    "the keys (unless they are sinks) and are wasted work. q_end = min(start_n + block_n + window_size - 1, N)."
+)
+MSG_DKDV_FAR_EDGE_MISSING = (
+    "the window's far edge is missing: after the full blocks come query blocks that see some of the keys "
+    "but not all (the block's last keys are still in their window, its first ones no longer). Walk them "
+    "with the mask, up to q_end = min(start_n + block_n + window_size - 1, N)."
+)
+MSG_DKDV_FAR_FROM_FIRST_KEY = (
+    "q_end is set by the block's first key, but the far edge belongs to its LAST key start_n + block_n - 1, "
+    "seen by queries up to start_n + block_n + window_size - 2: q_end = min(start_n + block_n + window_size - 1, N)."
+)
+MSG_DKDV_FAR_OFF_BY_ONE = (
+    "q_end is one short: the last query that sees key start_n + block_n - 1 is "
+    "start_n + block_n - 1 + window_size - 1, so the exclusive end is start_n + block_n + window_size - 1."
+)
+MSG_DKDV_SINKS_ALL_ONLY = (
+    "q_end = N only for a key block made entirely of sinks: a block holding even ONE sink key "
+    "(start_n < sink_size) is seen by every later query, so its walk must run to N too."
+)
+MSG_DKDV_SINKS_FULL_ANY = (
+    "full_end = N for a key block that holds only SOME sinks: its other keys are still hidden from far "
+    "queries, so those blocks need the mask. full_end = N only when every key is a sink "
+    "(start_n + block_n <= sink_size)."
+)
+MSG_DKDV_SINKS_NOT_FULL = (
+    "the sink blocks' far queries go through the mask although they see every key: when all keys of "
+    "the block are sinks (start_n + block_n <= sink_size), every later query block sees all of them, so "
+    "full_end = N (no mask work)."
+)
+MSG_DKDV_SINKS_LE = (
+    "a key block starting AT sink_size holds no sink (the sinks are keys 0 .. sink_size - 1): use "
+    "start_n < sink_size, not <=, or that block walks to N for nothing."
+)
+
+# Codes of the walk, per (key block, query row): masked visits + _UNMASKED * unmasked visits.
+_UNMASKED = 4
+
+
+def _dkdv_bounds_variant(start_n, block_m, block_n, seq_len, window_size, sink_size, mistake=None):
+    """The course's ``(diag_end, full_end, q_end)`` for the key block at ``start_n``, or a mistaken one."""
+    n, w, s, bm = seq_len, window_size, sink_size, block_m
+    diag_end = min(start_n + block_n, n)
+    if mistake == "diag_minus_one":
+        diag_end = min(start_n + block_n - 1, n)
+    elif mistake == "diag_block_m":
+        diag_end = min(start_n + block_m, n)
+    elif mistake == "diag_no_cap":
+        diag_end = start_n + block_n
+    full = (start_n + w) // bm * bm
+    if mistake == "full_last_key":
+        full = (start_n + block_n - 1 + w) // bm * bm
+    elif mistake == "full_rounded_up":
+        full = -(-(start_n + w) // bm) * bm
+    elif mistake == "full_minus_one":
+        full = (start_n + w - 1) // bm * bm
+    full_end = min(full if mistake == "full_no_max" else max(full, diag_end), n)
+    q_end = min(start_n + block_n + w - 1, n)
+    if mistake == "no_far_edge":
+        q_end = n
+    elif mistake == "far_edge_missing":
+        q_end = full_end
+    elif mistake == "far_from_first_key":
+        q_end = min(start_n + w, n)
+    elif mistake == "far_minus_one":
+        q_end = min(start_n + block_n + w - 2, n)
+    elif mistake == "far_floor":
+        q_end = q_end // bm * bm
+    elif mistake == "far_minus_block":
+        q_end = q_end - bm
+    if s and mistake != "sinks_ignored":
+        all_sinks = start_n + block_n <= s
+        any_sink = start_n <= s if mistake == "sinks_le" else start_n < s
+        if mistake == "sinks_full_any":
+            all_sinks = any_sink
+        if all_sinks and mistake != "sinks_not_full":
+            full_end = n
+        if any_sink and mistake != "sinks_all_only" or all_sinks:
+            q_end = n
+    return diag_end, full_end, q_end
+
+
+_DKDV_BOUNDS_DIAGNOSES = [
+    ("diag_minus_one", MSG_DKDV_DIAG_OFF_BY_ONE),
+    ("diag_block_m", MSG_DKDV_DIAG_BLOCK_M),
+    ("diag_no_cap", MSG_DKDV_PAST_END),
+    ("full_last_key", MSG_DKDV_FULL_LAST_KEY),
+    ("full_rounded_up", MSG_DKDV_FULL_ROUNDED_UP),
+    ("full_minus_one", MSG_DKDV_FULL_OFF_BY_ONE),
+    ("full_no_max", MSG_DKDV_FULL_BEFORE_DIAG),
+    ("no_far_edge", MSG_DKDV_NO_FAR_EDGE),
+    ("far_edge_missing", MSG_DKDV_FAR_EDGE_MISSING),
+    ("far_from_first_key", MSG_DKDV_FAR_FROM_FIRST_KEY),
+    ("far_minus_one", MSG_DKDV_FAR_OFF_BY_ONE),
+    ("far_floor", MSG_BWD_LAST_Q_BLOCK),
+    ("far_minus_block", MSG_BWD_LAST_Q_BLOCK),
+    ("sinks_ignored", MSG_BWD_SINKS),
+    ("sinks_all_only", MSG_DKDV_SINKS_ALL_ONLY),
+    ("sinks_full_any", MSG_DKDV_SINKS_FULL_ANY),
+    ("sinks_not_full", MSG_DKDV_SINKS_NOT_FULL),
+    ("sinks_le", MSG_DKDV_SINKS_LE),
+]
+
+
+def _dkdv_walk(start_n, bounds, block_m, seq_len):
+    """What the kernel's three loops do with ``bounds``: ``(codes, strays, starts)``.
+
+    ``codes[i]`` = masked visits of row ``i`` + ``_UNMASKED`` * unmasked ones
+    (rows of ``[0, seq_len)``); ``strays`` counts visited blocks wholly outside
+    ``[start_n, seq_len)`` (beyond ``seq_len + 2 * block_m`` the walk is cut short
+    and counts one more); ``starts`` lists ``(first row, masked)`` of every
+    visited block inside.
+    """
+    diag_end, full_end, q_end = bounds
+    codes = np.zeros(seq_len, dtype=np.int64)
+    strays, starts = 0, []
+    limit = seq_len + 2 * block_m
+    for lo, hi, masked in ((start_n, diag_end, True), (diag_end, full_end, False), (full_end, q_end, True)):
+        if hi <= lo:
+            continue
+        if lo < start_n - 2 * block_m:
+            strays += 1
+            lo = start_n - 2 * block_m
+        if hi > limit:
+            strays += 1
+            hi = limit
+        for first in range(lo, hi, block_m):
+            rows = slice(max(first, 0), min(first + block_m, seq_len))
+            if first >= seq_len or first + block_m <= start_n:
+                strays += 1
+                continue
+            codes[rows] += 1 if masked else _UNMASKED
+            starts.append((first, masked))
+    return codes, strays, starts
+
+
+def _dkdv_codes(bounds_of, block_m, block_n, seq_len):
+    """The walk of every key block as one array ``[key block, row + 1]`` (the last column: stray blocks)."""
+    out = []
+    for start_n in range(0, seq_len, block_n):
+        codes, strays, _ = _dkdv_walk(start_n, bounds_of(start_n), block_m, seq_len)
+        out.append(np.append(codes, strays))
+    return np.array(out, dtype=np.float64)
+
+
+def _dkdv_problem(start_n, bounds, block_m, block_n, seq_len, window_size, sink_size, mask):
+    """One sentence on what the walk of this key block does wrong, or None."""
+    n, bm = seq_len, block_m
+    keys = slice(start_n, min(start_n + block_n, n))
+    seen = mask[:, keys]
+    any_key, all_keys = seen.any(axis=1), seen.all(axis=1)
+    codes, strays, starts = _dkdv_walk(start_n, bounds, bm, n)
+    diag_end, full_end, q_end = bounds
+    for lo, hi, name in ((diag_end, full_end, "diag_end"), (full_end, q_end, "full_end")):
+        if hi > lo and lo % bm and lo != n:
+            return (f"{name} = {lo} is not a multiple of block_m = {bm}, and the loop that starts there visits "
+                    f"query blocks from row {lo} on.")
+    masked, unmasked = codes % _UNMASKED, codes // _UNMASKED
+    for i in range(n):
+        if any_key[i] and masked[i] + unmasked[i] == 0:
+            j = start_n + int(np.argmax(seen[i]))
+            return f"query row {i} sees key {j}, but no phase of the walk visits it: its dK/dV contribution is missing."
+        if masked[i] + unmasked[i] > 1:
+            return (f"query row {i} is visited {masked[i] + unmasked[i]} times (the phases overlap): its "
+                    "contribution to dK/dV is added more than once.")
+        if unmasked[i] and not all_keys[i]:
+            j = start_n + int(np.argmin(seen[i]))
+            return (f"query row {i} is in the unmasked phase [diag_end, full_end), but it does not see key {j}: "
+                    "without the mask that pair is folded in anyway.")
+    if strays:
+        return "the walk visits query blocks outside the sequence, or before the key block."
+    for first, _ in starts:
+        if not any_key[first:first + bm].any():
+            return (f"the walk visits the query block at row {first}, whose rows see none of keys "
+                    f"[{keys.start}, {keys.stop}): wasted work.")
+    for first, was_masked in starts:
+        should_be_full = first >= start_n + block_n and (first + bm <= start_n + window_size
+                                                         or start_n + block_n <= sink_size)
+        if was_masked and should_be_full:
+            return (f"the query block at row {first} sees every key of the block (its last row is within the window "
+                    "of key start_n, or all keys are sinks) but goes through the mask: it belongs in "
+                    "[diag_end, full_end), the run the kernel does without mask work.")
+    return None
+
+
+def _dkdv_bounds_cases(rng):
+    """(block_m, block_n, seq_len, window_size, sink_size): a small exhaustive grid, then random ones."""
+    cases = [(bm, bn, n, w, s)
+             for bm, bn in ((16, 16), (16, 32), (16, 64), (32, 64))
+             for n in (100, 192)
+             for w in (1, 2, 16, 18, 40, 64, 96, 300)
+             for s in (0, 4, 32, 64)]
+    for _ in range(8):
+        block_m = int(rng.choice([16, 32, 64]))
+        block_n = block_m * int(rng.choice([1, 2, 4]))
+        seq_len = int(rng.integers(1, 400))
+        window_size = int(rng.integers(1, seq_len + 40))
+        sink_size = int(rng.choice([0, 4, int(rng.integers(0, seq_len + 1))]))
+        cases.append((block_m, block_n, seq_len, window_size, sink_size))
+    return cases
+
+
+def _dkdv_case_name(block_m, block_n, seq_len, window_size, sink_size):
+    return (f"block_m={block_m}, block_n={block_n}, seq_len={seq_len}, window_size={window_size}, "
+            f"sink_size={sink_size}")
+
+
+def _dkdv_diagnosis(cases, answers):
+    """The first known mistake whose walk is the learner's in every case, or None."""
+    actual = np.concatenate([_dkdv_codes(got.__getitem__, *c[:3]).ravel() for c, got in zip(cases, answers)])
+
+    def walk_of(mistake):
+        return np.concatenate([_dkdv_codes(lambda s, c=c: _dkdv_bounds_variant(s, *c, mistake), *c[:3]).ravel()
+                               for c in cases])
+
+    diagnoses = [Diagnosis(message, expected=lambda m=mistake: walk_of(m)) for mistake, message in _DKDV_BOUNDS_DIAGNOSES]
+    return pick_diagnosis(diagnoses, actual, 0.0, 0.0)
+
+
+def grade_dkdv_bounds(fn, *, seed=None):
+    """Grade ``fn(start_n, block_m, block_n, seq_len, window_size, sink_size) -> (diag_end, full_end, q_end)``.
+
+    The dK/dV program of the key block ``[start_n, start_n + block_n)`` (``start_n``
+    a multiple of ``block_n``, ``block_n`` a multiple of ``block_m``) walks query
+    blocks ``range(start_n, diag_end, block_m)`` with the mask (the diagonal),
+    ``range(diag_end, full_end, block_m)`` without it (every row sees every key)
+    and ``range(full_end, q_end, block_m)`` with it (the window's far edge, or
+    the queries that see the keys only as sinks). The check runs that walk for
+    every key block of a grid of settings and fresh random ones and wants:
+    every visible (query, key) pair folded in exactly once, the unmasked run
+    holding only full blocks and every block whose rows all lie within the
+    window of the block's first key (or after the sinks, when all its keys
+    are sinks), and no query block visited that sees none of the keys. Bounds
+    written differently that walk the same blocks pass.
+    """
+    __tracebackhide__ = True
+    require_callable(fn, "check_dkdv_bounds")
+    run = Run("check_dkdv_bounds", seed, time_limit_s=20.0)
+    cases = _dkdv_bounds_cases(run.rng)
+    answers = []  # every case's answers first: a diagnosis must fit the whole walk, not one case
+    for block_m, block_n, seq_len, window_size, sink_size in cases:
+        case = _dkdv_case_name(block_m, block_n, seq_len, window_size, sink_size)
+        got = {}
+        for start_n in range(0, seq_len, block_n):
+            out = run.call(fn, start_n, block_m, block_n, seq_len, window_size, sink_size,
+                           case=f"{case}, start_n={start_n}")
+            try:
+                values = tuple(operator.index(x) for x in out)
+            except TypeError:
+                raise run.fail(f"your function returned {out!r} for start_n={start_n}; return three Python "
+                               "ints (diag_end, full_end, q_end).", case) from None
+            if len(values) != 3:
+                raise run.fail(f"your function returned {len(values)} values for start_n={start_n}; return "
+                               "three: (diag_end, full_end, q_end).", case)
+            got[start_n] = values
+        answers.append(got)
+    for (block_m, block_n, seq_len, window_size, sink_size), got in zip(cases, answers):
+        mask = ref.window_mask(seq_len, seq_len, window_size, sink_size)
+        for start_n, bounds in got.items():
+            problem = _dkdv_problem(start_n, bounds, block_m, block_n, seq_len, window_size, sink_size, mask)
+            if problem is None:
+                continue
+            right = _dkdv_bounds_variant(start_n, block_m, block_n, seq_len, window_size, sink_size)
+            text = (f"for the key block at start_n={start_n} your (diag_end, full_end, q_end) = {bounds}; "
+                    f"{problem} (The right bounds there: {right}.)")
+            diagnosis = _dkdv_diagnosis(cases, answers)
+            if diagnosis is None and problem.startswith(("diag_end =", "full_end =")):
+                diagnosis = Diagnosis(MSG_DKDV_UNALIGNED)
+            if diagnosis is not None:
+                text += f"\nLikely cause: {diagnosis.message}"
+            raise run.fail(text, _dkdv_case_name(block_m, block_n, seq_len, window_size, sink_size))
     return run.passed()
 
 
@@ -673,4 +1004,189 @@ def grade_window_backward(fn, *, seed=None):
             run.compare(got, right[which], case=c.name, what=label, atol=atol, rtol=rtol,
                         axes=("b", "kv_head" if which else "q_head", "i" if which == 0 else "j", "d"),
                         diagnoses=_backward_diagnoses(c, q64, k64, v64, do64, which))
+    return run.passed()
+
+
+# =============================================================================
+# check_sink_split (optional): the sink keys' far queries in programs of their own
+# =============================================================================
+MSG_SPLIT_ONE_PROGRAM = (
+    "all the sink keys' far queries went into one partial: the point of the split is to spread those "
+    "rows over several programs (program c takes the c-th chunk of query rows), each writing a partial "
+    "of its own. Use num_chunks chunks (fewer only when the far rows do not fill them)."
+)
+MSG_SPLIT_EMPTY_CHUNK = (
+    "a partial is all zeros: every chunk of far rows holds some pairs, so each program must write its "
+    "OWN slot of the partial buffers (index the slot by the program's chunk, pid_c). Programs adding into "
+    "one shared slot (tl.atomic_add) would also add in an order that changes from run to run on a GPU."
+)
+MSG_SPLIT_EVERY_CHUNK = (
+    "each partial holds ALL the far rows, so the sum counts them once per chunk: program c must take only "
+    "its own chunk of query rows, [chunk_lo, chunk_lo + CHUNK), not run to N from the first far row."
+)
+MSG_SPLIT_NEAR_PAIRS = (
+    "the partials also hold the sink keys' pairs INSIDE the window: keep only i - j >= window_size in the "
+    "sink kernel. The window kernel, run with sink_size=0, already has every pair with i - j < window_size, "
+    "so these are counted twice."
+)
+MSG_SPLIT_NOT_ADDED = (
+    "the sink keys' dK/dV lack their far queries: the partials were not added to dk and dv. After the "
+    "sink kernel, add dk_part.sum(0) and dv_part.sum(0) (chunk 0 first, always the same order) to the "
+    "first sink_size rows of dk and dv."
+)
+MSG_SPLIT_TWICE = (
+    "the sink keys' far queries are counted twice: the window dK/dV kernel still ran WITH the sinks (its "
+    "sink block walked every later query) and the partials were added on top. Run it with sink_size=0 "
+    "(HAS_SINKS=False) when you split."
+)
+MSG_SPLIT_NOT_REPRODUCIBLE = (
+    "two runs on the same inputs gave different bits: the partials were added in an order that changes "
+    "from run to run (atomics, or an order that depends on something other than the chunk index). Add them "
+    "in a fixed order, e.g. dk_part.sum(0) or a loop over c = 0, 1, ..., so every run gives the same bits."
+)
+MSG_NO_TRITON_SPLIT = (
+    "no Triton kernel of yours ran: the split backward must launch your window dK/dV kernel and your "
+    "sink kernel (the course's delta and dQ kernels may compute the rest)."
+)
+
+
+def _split_cases(rng):
+    """Small on purpose (two backward runs per case in the interpreter); far rows over several chunks."""
+    cases = [(_Case("fixed: GQA 2/1, N=170, window 20, 40 sinks, 3 chunks", 1, 2, 1, 170, 16, 20, 40, "float32", True),
+              3)]
+    n = int(rng.integers(140, 200))
+    w = int(rng.integers(1, n - 130))
+    s = int(rng.choice([4, int(rng.integers(1, 70))]))
+    chunks = int(rng.integers(2, 5))
+    cases.append((_Case(f"random: one head, N={n}, window {w}, {s} sinks, {chunks} chunks", 1, 1, 1, n, 16, w, s,
+                        "float32", False), chunks))
+    return cases
+
+
+def _sink_block(sink_size):
+    """The sink kernel's key block (lesson 08's launcher, as the package's): 16 to 64 keys."""
+    return min(64, max(16, 1 << max(sink_size - 1, 0).bit_length()))
+
+
+def _split_inputs(run, c, device):
+    import torch
+
+    dtype = getattr(torch, c.dtype)
+    raw = [run.rng.standard_normal((c.B, h, c.N, c.D)) for h in (c.n_q_heads, c.n_kv_heads, c.n_kv_heads,
+                                                                  c.n_q_heads)]
+    q64, k64, v64, do64 = (torch.from_numpy(a).to(dtype).double().numpy() for a in raw)
+    o64, lse64 = ref.attention_lse(q64, k64, v64, causal=True, window_size=c.window_size, sink_size=c.sink_size)
+
+    def make():
+        q, k, v = (inputs.nan_padded(torch.from_numpy(a).to(dtype).to(device), transpose_heads=c.transpose and i == 1)
+                   for i, a in enumerate((q64, k64, v64)))
+        o = inputs.nan_padded(torch.from_numpy(o64).to(dtype).to(device))
+        do = inputs.nan_padded(torch.from_numpy(do64).to(dtype).to(device), transpose_heads=True)
+        lse = torch.from_numpy(lse64).to(torch.float32).to(device)
+        return q, k, v, o, lse, do
+
+    return (q64, k64, v64, do64), make
+
+
+def _split_call(run, fn, tensors, c, chunks):
+    """Call the learner once under proof of work: ``(dq, dk, dv, dk_part, dv_part)`` as checked tensors."""
+    import torch
+
+    q, k, v, o, lse, do = tensors
+    before = inputs.snapshot(q=q, k=k, v=v, o=o, lse=lse, do=do)
+    with proof.Work(inputs=tensors, course_kernels_ok=True) as work:
+        out = run.call(fn, q, k, v, o, lse, do, window_size=c.window_size, sink_size=c.sink_size,
+                       num_chunks=chunks, case=c.name)
+    if not isinstance(out, tuple) or len(out) != 5 or not all(isinstance(t, torch.Tensor) for t in out):
+        raise run.fail("return five tensors: (dq, dk, dv, dk_part, dv_part).", c.name)
+    names = ("dq", "dk", "dv", "dk_part", "dv_part")
+    if not work.launches:
+        raise run.fail(MSG_NO_TRITON_SPLIT, c.name)
+    problem = work.problem(no_kernel=MSG_NO_TRITON_SPLIT, **dict(zip(names[1:], out[1:])))
+    if problem:
+        raise run.fail(problem, c.name)
+    problem = _dkdv_not_yours(work, dk=out[1], dv=out[2], dk_part=out[3], dv_part=out[4])
+    if problem:
+        raise run.fail(problem.replace("the dK/dV kernel is this exercise (your _attn_bwd_dkdv_window)",
+                                       "the dK/dV kernels are this exercise (your _attn_bwd_dkdv_window and "
+                                       "_attn_bwd_dkdv_sinks)"), c.name)
+    changed = inputs.changed_input(before, q=q, k=k, v=v, o=o, lse=lse, do=do)
+    if changed:
+        raise run.fail(changed, c.name)
+    return out
+
+
+def grade_sink_split(fn, *, seed=None):
+    """Grade ``fn(q, k, v, o, lse, do, *, window_size, sink_size, num_chunks) -> (dq, dk, dv, dk_part, dv_part)``.
+
+    The window backward with the sinks split off (lesson 08, optional): the window dK/dV
+    kernel runs without sinks, and a kernel of the learner's gives the sink keys' far
+    queries (``i - j >= window_size``) programs of their own, one chunk of query rows each,
+    each writing an fp32 partial ``dk_part[c], dv_part[c]`` (``[chunks, B, n_kv_heads,
+    sink_size, D]``, ``chunks <= num_chunks``), added to dk and dv in a fixed order. The
+    check wants: several non-zero partials where the far rows fill several chunks, their
+    sum equal to the float64 far gradients of the sink keys, dq, dk, dv equal to
+    :func:`course_utils.references.attention_backward`, the same bits from a second run on
+    the same inputs, and dk, dv and the partials written by the learner's kernels (the
+    course's delta and dQ kernels are allowed, its dK/dV kernels are not).
+    """
+    __tracebackhide__ = True
+    require_callable(fn, "check_sink_split")
+    env = current()
+    run = Run("check_sink_split", seed, time_limit_s=90.0)
+    for c, chunks in _split_cases(run.rng):
+        atol, rtol = _BWD_TOL_GPU_FP32 if env.device == "cuda" else _BWD_TOL[c.dtype]
+        (q64, k64, v64, do64), make = _split_inputs(run, c, env.device)
+        n, w, s = c.N, c.window_size, c.sink_size
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        mask = ref.window_mask(n, n, w, s)
+        far = mask & (i - j >= w) & (j < s)
+        sink_pairs = (j <= i) & (j < s)
+
+        def grads(weights):
+            return _grads_with(q64, k64, v64, do64, weights.astype(float), w, s)
+
+        first = _split_call(run, fn, make(), c, chunks)
+        dq, dk, dv, dk_part, dv_part = first
+        shape = (c.B, c.n_kv_heads, s, c.D)
+        for name, part in (("dk_part", dk_part), ("dv_part", dv_part)):
+            if part.dim() != 5 or tuple(part.shape[1:]) != shape or not 1 <= part.shape[0] <= chunks:
+                raise run.fail(f"{name} has shape {tuple(part.shape)}; expected [chunks, {', '.join(map(str, shape))}] "
+                               f"with 1 <= chunks <= num_chunks = {chunks}.", c.name)
+        parts = {name: run.array(p, expected_shape=tuple(p.shape), case=c.name, name=name)
+                 for name, p in (("dk_part", dk_part), ("dv_part", dv_part))}
+        if chunks >= 2 and n - w > 128 and parts["dv_part"].shape[0] < 2:
+            raise run.fail(f"your partials hold 1 chunk, although num_chunks = {chunks} and the {n - w} far rows "
+                           f"fill several query blocks.\nLikely cause: {MSG_SPLIT_ONE_PROGRAM}", c.name)
+        for name, p in parts.items():
+            empty = [int(ci) for ci in range(p.shape[0]) if not np.any(p[ci])]
+            if empty:
+                raise run.fail(f"{name}[{empty[0]}] is all zeros.\nLikely cause: {MSG_SPLIT_EMPTY_CHUNK}", c.name)
+        right_far = grads(far)
+        for which, name in ((2, "dv_part"), (1, "dk_part")):
+            p = parts[name]
+            # A far mask without i - j >= W adds the window pairs of the rows the sink kernel visits:
+            # from the key block's first far row, rounded down to the kernel's BLOCK_M (tried: 16..128).
+            near = [Diagnosis(MSG_SPLIT_NEAR_PAIRS, expected=lambda bm=bm, x=which: grads(
+                far | (sink_pairs & (i >= np.maximum(w // bm * bm, (j // _sink_block(s) * _sink_block(s) + w)
+                                                     // bm * bm))))[x][:, :, :s]) for bm in (16, 32, 64, 128)]
+            run.compare(p.sum(0), right_far[which][:, :, :s], case=c.name,
+                        what=f"{name}.sum(0) (the sink keys' far gradients)", atol=atol, rtol=rtol,
+                        axes=("b", "kv_head", "j", "d"), diagnoses=[
+                            Diagnosis(MSG_SPLIT_EVERY_CHUNK, expected=p.shape[0] * right_far[which][:, :, :s])] + near)
+        right = ref.attention_backward(q64, k64, v64, do64, causal=True, window_size=w, sink_size=s)
+        wrong = {"not_added": lambda: grads(ref.window_mask(n, n, w, 0)), "twice": lambda: grads(mask.astype(float) + far)}
+        for which, label, t in ((2, "dv", dv), (1, "dk", dk), (0, "dq", dq)):
+            got = run.array(t, expected_shape=right[which].shape, case=c.name, name=label)
+            run.compare(got, right[which], case=c.name, what=label, atol=atol, rtol=rtol,
+                        axes=("b", "kv_head" if which else "q_head", "i" if which == 0 else "j", "d"),
+                        diagnoses=[] if which == 0 else [
+                            Diagnosis(MSG_SPLIT_NOT_ADDED, expected=lambda x=which: wrong["not_added"]()[x]),
+                            Diagnosis(MSG_SPLIT_TWICE, expected=lambda x=which: wrong["twice"]()[x])])
+        second = _split_call(run, fn, make(), c, chunks)
+        run.cases -= 1  # the second run of a case is part of it
+        for label, a, b in zip(("dk", "dv", "dk_part", "dv_part"), first[1:], second[1:]):
+            if a.shape != b.shape or not bool((a.detach().cpu() == b.detach().cpu()).all()):
+                raise run.fail(f"{label} differs between two runs on the same inputs.\nLikely cause: "
+                               f"{MSG_SPLIT_NOT_REPRODUCIBLE}", c.name)
     return run.passed()
