@@ -526,7 +526,7 @@ def grade_decode_combine(fn, *, seed=None):
 # =============================================================================
 MSG_SPLITS_NOT_INT = "your function returned {out!r}; return the number of splits, a positive int."
 MSG_SPLITS_TOO_SHORT = (
-    "num_splits = {s} cuts the {n} blocks of 64 keys into splits of {chunk} blocks, shorter than the "
+    "num_splits = {s} cuts the {n} blocks of 64 keys into splits of {chunk} block{plural}, shorter than the "
     "{min_blocks} blocks a split must have: allow only num_splits <= n_blocks // {min_blocks} (and 1 always){keys}."
 )
 MSG_KEYS_NOT_BLOCKS = "; count the cache in blocks of 64 keys, n_blocks = cdiv(context, 64), not in keys"
@@ -540,8 +540,8 @@ SPLIT_MISTAKES = (  # (switch of splits_busy, the message); the first whose choi
                     "is n_sms * programs_per_sm programs."),
     ("no_tail", "the tail wave was not rounded up: a wave that holds a few programs still lasts a whole "
                 "program's time, so time counts ceil(programs / slots) waves."),
-    ("no_drain", "the ragged end is missing: past one wave, add decode.DRAIN_WAVES of a program's time (this is "
-                 "why one split at B = 64, 1.94 waves, read at only 86-88% of the ceiling)."),
+    ("no_drain", "the ragged end is missing: past one wave, add decode.DRAIN_WAVES of a program's time (the "
+                 "recorded run of one split at B = 64, 1.94 waves, read well below the ceiling: results/decode_bench.md)."),
     ("no_overhead", "each program's fixed cost is missing: a program costs ceil(n_blocks / num_splits) + "
                     "decode.PROGRAM_OVERHEAD_BLOCKS block reads, which is what makes very short splits poor."),
     ("no_combine", "the combine's cost is missing: more than one split adds decode.COMBINE_BLOCKS block reads "
@@ -634,7 +634,7 @@ def grade_choose_num_splits(fn, *, seed=None):
         if s > max(1, n_blocks // _decode.MIN_SPLIT_BLOCKS):
             keys = MSG_KEYS_NOT_BLOCKS if s <= key[3] // _decode.MIN_SPLIT_BLOCKS and s > n_blocks else ""
             raise run.fail(MSG_SPLITS_TOO_SHORT.format(s=s, n=n_blocks, chunk=-(-n_blocks // s),
-                                                       min_blocks=_decode.MIN_SPLIT_BLOCKS, keys=keys), case)
+                                                       plural="" if -(-n_blocks // s) == 1 else "s", min_blocks=_decode.MIN_SPLIT_BLOCKS, keys=keys), case)
     for (s, case), key in zip(got, keys):
         good, busy, best = _good_splits(key)
         if s in good:
