@@ -541,7 +541,8 @@ SPLIT_MISTAKES = (  # (switch of splits_busy, the message); the first whose choi
     ("no_tail", "the tail wave was not rounded up: a wave that holds a few programs still lasts a whole "
                 "program's time, so time counts ceil(programs / slots) waves."),
     ("no_drain", "the ragged end is missing: past one wave, add decode.DRAIN_WAVES of a program's time (the "
-                 "recorded run of one split at B = 64, 1.94 waves, read well below the ceiling: results/decode_bench.md)."),
+                 "recorded run of one split at B = 64, 1.94 waves, read well below the ceiling: "
+                 "results/decode_bench.md)."),
     ("no_overhead", "each program's fixed cost is missing: a program costs ceil(n_blocks / num_splits) + "
                     "decode.PROGRAM_OVERHEAD_BLOCKS block reads, which is what makes very short splits poor."),
     ("no_combine", "the combine's cost is missing: more than one split adds decode.COMBINE_BLOCKS block reads "
@@ -632,9 +633,10 @@ def grade_choose_num_splits(fn, *, seed=None):
         if s > _decode.MAX_SPLITS:
             raise run.fail(MSG_SPLITS_TOO_MANY.format(s=s, most=_decode.MAX_SPLITS), case)
         if s > max(1, n_blocks // _decode.MIN_SPLIT_BLOCKS):
-            keys = MSG_KEYS_NOT_BLOCKS if s <= key[3] // _decode.MIN_SPLIT_BLOCKS and s > n_blocks else ""
-            raise run.fail(MSG_SPLITS_TOO_SHORT.format(s=s, n=n_blocks, chunk=-(-n_blocks // s),
-                                                       plural="" if -(-n_blocks // s) == 1 else "s", min_blocks=_decode.MIN_SPLIT_BLOCKS, keys=keys), case)
+            hint = MSG_KEYS_NOT_BLOCKS if s <= key[3] // _decode.MIN_SPLIT_BLOCKS and s > n_blocks else ""
+            chunk = -(-n_blocks // s)
+            raise run.fail(MSG_SPLITS_TOO_SHORT.format(s=s, n=n_blocks, chunk=chunk, plural="" if chunk == 1 else "s",
+                                                       min_blocks=_decode.MIN_SPLIT_BLOCKS, keys=hint), case)
     for (s, case), key in zip(got, keys):
         good, busy, best = _good_splits(key)
         if s in good:
