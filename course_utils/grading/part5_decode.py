@@ -581,7 +581,7 @@ def _good_splits(case, mistake=None):
     return {s for s, x in busy.items() if x >= (1 - _decode.SPLIT_TOLERANCE) * best * (1 - 1e-9)}, busy, best
 
 
-def _split_cases(rng):
+def _choose_cases(rng):
     """(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm, what)."""
     cases = [(b, 32, 8, n, 132, 2, "an H200, 32/8 heads (the benchmark's grid)")
              for b in (1, 4, 16, 64) for n in (1024, 4096, 16384, 65536)]
@@ -616,7 +616,7 @@ def grade_choose_num_splits(fn, *, seed=None):
     """
     __tracebackhide__ = True
     run = Run("check_choose_num_splits", seed, time_limit_s=10.0)
-    cases = _split_cases(run.rng)
+    cases = _choose_cases(run.rng)
     got = []
     for b, hq, hkv, context, n_sms, per_sm, what in cases:
         case = (f"batch={b}, n_q_heads={hq}, n_kv_heads={hkv}, context={context}, n_sms={n_sms}, "
