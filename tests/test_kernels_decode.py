@@ -241,3 +241,14 @@ def test_gpu_bf16_long_ragged_caches(t, page_size):
                                                         page_size=page_size)
     o = decode_attention(q, k, v, seqlens, block_table=table)
     np.testing.assert_allclose(o.double().cpu().numpy(), want_o, atol=3e-2, rtol=3e-2)
+
+
+def test_pick_num_splits_docstring_counts():
+    """The counts pick_num_splits's docstring states for an H200 (132 SMs, 8 kv heads, one row block)."""
+    cpu = torch.device("cpu")
+    pick = {(b, n): decode.pick_num_splits(b, 8, 1, n, cpu, 64, sm_count=132)
+            for b, n in ((1, 16384), (4, 16384), (16, 16384), (64, 1024), (64, 4096), (64, 16384), (64, 65536))}
+    assert pick == {(1, 16384): 32, (4, 16384): 8, (16, 16384): 2, (64, 1024): 1, (64, 4096): 2, (64, 16384): 3,
+                    (64, 65536): 17}
+    assert "32 splits at ``B = 1``" in decode.pick_num_splits.__doc__
+    assert "1 split at 1k, 2 at 4k, 3 at 16k and 17 at 64k" in " ".join(decode.pick_num_splits.__doc__.split())

@@ -300,7 +300,7 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     fraction is within :data:`SPLIT_TOLERANCE` of the best. On an H200 (132
     SMs, 32/8 heads, one new token) this gives 32 splits at ``B = 1`` and a 16k
     context, 8 at ``B = 4``, 2 at ``B = 16``, and at ``B = 64``, where 512
-    programs make 1.94 waves, 1 split at 1k, 2 at 4k, 3 at 16k and 8 at 64k.
+    programs make 1.94 waves, 1 split at 1k, 2 at 4k, 3 at 16k and 17 at 64k.
     ``python -m course_utils.bench decode --splits`` measures GB/s against
     ``num_splits`` to check the model (``results/decode_splits.md``).
 
