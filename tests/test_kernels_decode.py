@@ -252,3 +252,42 @@ def test_pick_num_splits_docstring_counts():
                     (64, 65536): 17}
     assert "32 splits at ``B = 1``" in decode.pick_num_splits.__doc__
     assert "1 split at 1k, 2 at 4k, 3 at 16k and 17 at 64k" in " ".join(decode.pick_num_splits.__doc__.split())
+
+
+# -- the split model's PROGRAMS_PER_SM is what the split kernel compiles to for an H200 ---------------
+OCCUPANCY_SCRIPT = r"""
+import json
+import torch
+from course_utils.kernels import decode, targets
+from course_utils.bench import decode as bench
+
+targets._TYPES.setdefault(torch.int32, "i32")  # cache_seqlens
+cfg = dict(decode._gpu_config(128, 2, (9, 0)))  # what decode_config gives bf16, D = 128 on sm_90
+decode.decode_config = lambda *args: dict(cfg)
+q = torch.zeros(1, 32, 1, 128, dtype=torch.bfloat16)
+k = torch.zeros(1, 8, 256, 128, dtype=torch.bfloat16)
+lens = torch.full((1,), 256, dtype=torch.int32)
+with targets._as_if_on_a_gpu(90), targets._captured_launches() as launches:
+    decode.decode_split(q, k, k, lens, 2)
+kernel, args, kwargs = launches[0]
+c = targets.compile_launch(kernel, args, kwargs, 90, "bf16 D=128", registers=True)
+print(json.dumps(dict(vars(c), per_sm=bench.programs_per_sm(c.registers, c.num_warps, c.shared_bytes))))
+"""
+
+
+def test_programs_per_sm_is_what_the_split_kernel_compiles_to():
+    """Compiled for sm_90 here (ptxas, no GPU): registers and shared memory give decode.PROGRAMS_PER_SM."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", OCCUPANCY_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["num_warps"] == 4 and got["spill_bytes"] == 0, got
+    assert got["per_sm"] == decode.PROGRAMS_PER_SM, (
+        f"the split kernel compiles to {got['registers']} registers and {got['shared_bytes']} bytes of shared "
+        f"memory: {got['per_sm']} programs per SM, but the split model assumes {decode.PROGRAMS_PER_SM}")
