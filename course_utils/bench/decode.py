@@ -666,7 +666,8 @@ def write_results(rows, out_dir: Path, info: dict) -> dict:
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m course_utils.bench decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where to write decode_bench.{md,json}")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR,
+                   help="where to write decode_bench.{md,json} (decode_splits.{md,json} with --splits)")
     p.add_argument("--max-cache-gib", type=float, default=16.0,
                    help="leave out points whose K + V caches pass this size (default 16)")
     p.add_argument("--quick", action="store_true", help="four points only")
