@@ -139,6 +139,8 @@ def test_splits_end_to_end_in_the_interpreter(monkeypatch, tmp_path):
     paths = bd.write_splits(rows, [point], tmp_path, {"gpu": "none"})
     text = paths["md"].read_text()
     assert "## B = 1, context 256" in text and "| 2 |" in text and "model's pick" in text
+    # the timer is faked: every count ties, so the first is the best and the pick reads 100% of it
+    assert "the pick (2 splits) reads 100% of the best count's GB/s (num_splits = 1; met: 97%)" in text
     doc = json.loads(paths["json"].read_text())
     monkeypatch.setattr(results, "load", lambda name: doc)
     table = results.markdown("decode_splits")

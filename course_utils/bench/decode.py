@@ -616,7 +616,28 @@ def splits_markdown(rows: list[dict], points: list[dict], info: dict) -> str:
             out.append(f"| {r['num_splits']} | {got} | {r['predicted_busy']:.0%} | "
                        + ("model's pick" if r["model_pick"] else "") + " |")
         out.append("")
+    out += ["## The model against the measurement", ""] + [f"- {c}" for c in splits_checks(rows, points)] + [""]
     return "\n".join(out)
+
+
+PICK_WITHIN = 0.97  # the model's pick should read at least this share of the best measured count's GB/s
+
+
+def splits_checks(rows: list[dict], points: list[dict]) -> list[str]:
+    """How well the model did: its pick against the best measured count, and its busy fraction against the GB/s."""
+    out = []
+    for pt in points:
+        mine = [r for r in rows if (r["batch"], r["context"]) == (pt["batch"], pt["context"]) and r["gbps"]]
+        if not mine or not pt.get("pick_over_best"):
+            out.append(f"B = {pt['batch']}, context {pt['context']}: the model's pick was not timed")
+            continue
+        gap = sum(abs(r["gbps"] / pt["ceiling_gbps"] - r["predicted_busy"]) for r in mine) / len(mine)
+        verdict = "met" if pt["pick_over_best"] >= PICK_WITHIN else "NOT met"
+        out.append(f"B = {pt['batch']}, context {pt['context']}: the pick ({pt['model_pick']} splits) reads "
+                   f"{pt['pick_over_best']:.0%} of the best count's GB/s (num_splits = {pt['best_splits']}; {verdict}: "
+                   f"{PICK_WITHIN:.0%}); measured share of the ceiling minus the model's busy fraction: "
+                   f"{100 * gap:.0f} points on average")
+    return out
 
 
 def write_splits(rows, points, out_dir: Path, info: dict) -> dict:
