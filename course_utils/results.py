@@ -36,6 +36,11 @@ COLUMNS = {
         ("splits", "splits", "d", ""), ("paged_gbps", "paged GB/s", ".0f", ""),
         ("paged_over_contiguous", "paged / contiguous", ".2f", "×"),
     ],
+    "decode_splits": [
+        ("B", "B", "d", ""), ("context", "context", "d", ""), ("splits", "num_splits", "d", ""),
+        ("gbps", "GB/s", ".0f", ""), ("of_ceiling", "of the read ceiling", ".0f", "%"),
+        ("predicted", "model's busy fraction", ".0f", "%"), ("pick", "model's pick", "", ""),
+    ],
     "ring_bench": [
         ("N", "N", "d", ""), ("pass", "pass", "", ""), ("one_gpu_toks", "1 GPU tok/s", ",.0f", ""),
         ("ring_toks", "ring tok/s", ",.0f", ""), ("ring_over_one_gpu", "ring / 1 GPU", ".2f", "×"),
@@ -88,6 +93,14 @@ def _decode(d):
             for s in d["summary"]]
 
 
+def _decode_splits(d):
+    ceiling = {(p["batch"], p["context"]): p["ceiling_gbps"] for p in d["points"]}
+    return [dict(B=r["batch"], context=r["context"], splits=r["num_splits"], gbps=r["gbps"],
+                 of_ceiling=100 * r["gbps"] / ceiling[(r["batch"], r["context"])] if r["gbps"] else None,
+                 predicted=100 * r["predicted_busy"], pick="yes" if r["model_pick"] else "")
+            for r in d["rows"]]
+
+
 def _ring(d):
     out = []
     for r in d["rows"]:
@@ -111,7 +124,8 @@ def _training(d):
     return out
 
 
-_ROWS = {"window_bench": _window, "decode_bench": _decode, "ring_bench": _ring, "training_bench": _training}
+_ROWS = {"window_bench": _window, "decode_bench": _decode, "decode_splits": _decode_splits, "ring_bench": _ring,
+         "training_bench": _training}
 
 
 def rows(name: str, **where) -> list[dict]:

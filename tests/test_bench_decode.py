@@ -86,3 +86,62 @@ def test_one_point_end_to_end_in_the_interpreter(monkeypatch, tmp_path):
     assert len(log) == 5
     text = bd.write_results(rows, tmp_path, {"gpu": "none"})["md"].read_text()
     assert "| 1 | 64 |" in text
+
+
+# -- GB/s against num_splits (python -m course_utils.bench decode --splits) --------------------------
+def test_splits_without_gpu_says_so_and_exits_zero(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(bd, "gpu_available", lambda: False)
+    assert bd.main(["--splits", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == bd.NO_GPU_SPLITS_MESSAGE and "\n" not in out and "--splits" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_split_counts_follow_the_launchers_limits():
+    assert bd.split_counts(16384, 32) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]  # 256 blocks: up to 64
+    assert bd.split_counts(4096, 2) == [1, 2, 3, 4, 6, 8, 12, 16]  # 64 blocks: at least 4 each
+    assert bd.split_counts(65536, 17) == [1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32, 48, 64, 96, 128]  # the pick added
+    assert bd.split_counts(256, 1) == [1]
+    from course_utils.kernels import decode
+
+    # B = 16, 4k: 2 splits make 256 programs in 264 slots, 32 + 1 block reads and the combine's 2.
+    assert bd.model_of(16, 4096, 2, 132) == decode.split_busy_fraction(16, 8, 1, 64, 2, 264) == (128 * 64 / 264) / 35
+
+
+def test_programs_per_sm_is_lesson_06s_rule():
+    assert bd.programs_per_sm(255, 4, 36 * 1024) == 2  # registers: 256 x 128 = 32,768 of 65,536
+    assert bd.programs_per_sm(168, 4, 36 * 1024) == 3
+    assert bd.programs_per_sm(64, 4, 113 * 1024) == 2  # shared memory: 2 x (113 + 1) KiB = 228 KiB
+    assert bd.programs_per_sm(32, 1, 1024) == 32  # the 32-program limit
+
+
+def test_splits_end_to_end_in_the_interpreter(monkeypatch, tmp_path):
+    """The sweep on a tiny point (fp32, the timer faked): check each count, model beside it, write, render."""
+    import json
+
+    import triton.testing
+
+    from course_utils import results
+
+    if course_utils.DEVICE != "cpu":
+        return  # on a GPU the real command runs (python -m course_utils.bench decode --splits)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 0.5)[1])
+    log = []
+    # 256 keys in the interpreter's blocks of 32: 8 blocks, so 1 or 2 splits (each at least 4 blocks).
+    rows, point = bd.measure_splits(1, 256, (1, 2, 4), log=log.append, device="cpu", dtype=torch.float32,
+                                    graphs=False, sm_count=132)
+    assert point["block_n"] == 32 and [r["num_splits"] for r in rows] == [1, 2] and len(log) == 2
+    assert all(r["status"] == "ok" and r["rel_err"] < 1e-5 for r in rows)
+    assert point["model_pick"] == 2 and [r["model_pick"] for r in rows] == [False, True]
+    assert rows[1]["predicted_busy"] == bd.model_of(1, 256, 2, 132, 32)
+    assert point["n_regs"] is None  # nothing compiled in the interpreter
+    assert point["best_gbps"] == point["ceiling_gbps"] == bd.gb_per_s(bd.cache_bytes(1, 256, element_size=4), 0.5)
+    paths = bd.write_splits(rows, [point], tmp_path, {"gpu": "none"})
+    text = paths["md"].read_text()
+    assert "## B = 1, context 256" in text and "| 2 |" in text and "model's pick" in text
+    # the timer is faked: every count ties, so the first is the best and the pick reads 100% of it
+    assert "the pick (2 splits) reads 100% of the best count's GB/s (num_splits = 1; met: 97%)" in text
+    doc = json.loads(paths["json"].read_text())
+    monkeypatch.setattr(results, "load", lambda name: doc)
+    table = results.markdown("decode_splits")
+    assert "| 1 | 256 | 2 | " in table and "yes" in table and "100%" in table

@@ -338,3 +338,112 @@ def test_combine_that_edits_lse_parts_in_place_fails(variant):
 
     text = str(pytest.raises(GradingError, check_decode_combine, shifts_lse_in_place).value)
     assert "changed its input `lse_parts` in place" in text, text
+
+
+# -- check_choose_num_splits (the wave model; lesson 09's exercise 4) ---------------------------
+def _learner(mistake=None, pick="smallest", cap=True, min_blocks=4, keys=False):
+    """A learner's choose_num_splits, written from the lesson's spec (time counted in keys, not blocks)."""
+    from course_utils.grading import check_choose_num_splits  # noqa: F401  (the check these answers are for)
+
+    def choose(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm):
+        n = context if keys else math.ceil(context / 64)
+        slots = n_sms * (1 if mistake == "no_resident" else programs_per_sm)
+        heads = n_q_heads if mistake == "q_heads" else (1 if mistake == "no_kv_heads" else n_kv_heads)
+        most = max(1, n // min_blocks)
+        if cap:
+            most = min(128, most)
+        busy = []
+        for s in range(1, most + 1):
+            programs = batch * heads * s
+            waves = programs / slots if mistake == "no_tail" else math.ceil(programs / slots)
+            if (programs > slots and mistake != "no_drain") or mistake == "no_drain_one_wave":
+                waves += 0.25
+            keys_per_program = 64 * (math.ceil(n / s) + (0 if mistake == "no_overhead" else 1))
+            combine = 0 if s == 1 or mistake == "no_combine" else 2 * 64
+            busy.append(batch * heads * n * 64 / slots / (waves * keys_per_program + combine))
+        best = max(busy)
+        if pick == "argmax":
+            return busy.index(best) + 1
+        return next(s for s, b in enumerate(busy, start=1) if b >= 0.98 * best)
+
+    return choose
+
+
+def _choose_numpy(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm):
+    n_blocks = -(-context // 64)
+    s = np.arange(1, max(1, min(128, n_blocks // 4)) + 1)
+    waves = batch * n_kv_heads * s / (n_sms * programs_per_sm)
+    time = (np.ceil(waves) + np.where(waves > 1, 0.25, 0.0)) * (np.ceil(n_blocks / s) + 1) + np.where(s > 1, 2, 0)
+    busy = batch * n_kv_heads * n_blocks / (n_sms * programs_per_sm) / time
+    return s[np.argmax(busy >= 0.98 * busy.max())]  # a NumPy int
+
+
+def _choose_float(*args):
+    return float(_learner()(*args))  # 3.0 is a count too
+
+
+@pytest.mark.parametrize("fn", [_learner(), _learner(pick="argmax"), _choose_numpy, _choose_float],
+                         ids=["smallest-within-2%", "argmax", "numpy", "float"])
+def test_choose_splits_correct_variants_pass(fn):
+    from course_utils.grading import check_choose_num_splits
+
+    for seed in (0, 1, 2):
+        check_choose_num_splits(fn, seed=seed)
+
+
+def test_choose_splits_agrees_with_the_launcher():
+    """The exercise's model is pick_num_splits's: the same choices on the benchmark's grid (an H200)."""
+    for b in (1, 4, 16, 64):
+        for n in (1024, 4096, 16384, 65536):
+            assert _learner()(b, 32, 8, n, 132, 2) == decode.pick_num_splits(b, 8, 1, n, torch.device("cpu"), 64,
+                                                                            sm_count=132)
+            for s in (1, 2, 7):
+                assert p5.splits_busy(b, 32, 8, n, s, 132, 2) == decode.split_busy_fraction(b, 8, 1, n // 64, s, 264)
+
+
+CHOOSE_MISTAKES = {m: dict(p5.SPLIT_MISTAKES)[m] for m, _ in p5.SPLIT_MISTAKES}
+
+
+@pytest.mark.parametrize("mistake", list(CHOOSE_MISTAKES))
+@pytest.mark.parametrize("pick", ["smallest", "argmax"])
+def test_choose_splits_mistakes_are_diagnosed(mistake, pick):
+    from course_utils.grading import check_choose_num_splits
+
+    for seed in (0, 1):
+        text = _fails(lambda fn: check_choose_num_splits(fn, seed=seed), _learner(mistake, pick),
+                      " " + CHOOSE_MISTAKES[mistake])
+        assert "busy by the model" in text
+
+
+@pytest.mark.parametrize("learner, words", [
+    (_learner(min_blocks=1), "shorter than the 4 blocks a split must have"),
+    (_learner(keys=True), "count the cache in blocks of 64 keys"),
+    (_learner(cap=False, pick="argmax"), "more than the 128 splits"),
+    (lambda *a: None, "return the number of splits, a positive int"),
+    (lambda *a: 0, "return the number of splits, a positive int"),
+    (lambda *a: "4", "return the number of splits, a positive int"),
+    (lambda *a: 2.5, "return the number of splits, a positive int"),
+], ids=["below-min-chunk", "keys-not-blocks", "past-max-splits", "none", "zero", "str", "fraction"])
+def test_choose_splits_bad_counts_get_a_sentence(learner, words):
+    from course_utils.grading import check_choose_num_splits
+
+    with pytest.raises(GradingError, match=words):
+        check_choose_num_splits(learner, seed=0)
+
+
+@pytest.mark.parametrize("answer_key", ["pick_num_splits", "split_busy_fraction"])
+def test_choose_splits_calling_the_course_fails(answer_key):
+    from course_utils.grading import check_choose_num_splits
+
+    def borrow(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm):
+        if answer_key == "pick_num_splits":
+            return decode.pick_num_splits(batch, n_kv_heads, 1, context, torch.device("cpu"), 64,
+                                          sm_count=n_sms * programs_per_sm // 2)
+        n = -(-context // 64)
+        busy = [decode.split_busy_fraction(batch, n_kv_heads, 1, n, s, n_sms * programs_per_sm)
+                for s in range(1, max(1, min(128, n // 4)) + 1)]
+        return busy.index(max(busy)) + 1
+
+    with pytest.raises(GradingError, match=answer_key):
+        check_choose_num_splits(borrow, seed=0)
+    assert decode.pick_num_splits(64, 8, 1, 16384, torch.device("cpu"), 64, sm_count=132) == 3  # restored after

@@ -119,9 +119,71 @@ def test_num_splits_heuristic():
     few = decode.pick_num_splits(1, 8, 1, 16384, cpu, 64, sm_count=132)
     many = decode.pick_num_splits(64, 8, 1, 16384, cpu, 64, sm_count=132)
     short = decode.pick_num_splits(1, 8, 1, 256, cpu, 64, sm_count=132)
-    assert many == 1  # 512 programs already fill 132 SMs
+    # 512 programs make 1.94 waves of 264 slots: the second ends raggedly (issue 24: one split ran at 86-88% of
+    # the read ceiling there), so the model splits; the counts are derived in test_split_model_by_hand.
+    assert many == 3
     assert 8 <= few <= decode.MAX_SPLITS  # 8 programs alone would leave most SMs idle
     assert short == 1  # 4 blocks: too short to split
+
+
+# -- the split model, by hand (an H200: 132 SMs x 2 resident programs = 264 slots) --------------
+def _by_hand(waves_rounded, drain, blocks_per_split, splits, useful):
+    """busy = useful / time, time = (ceil(waves) + drain if past one wave) x (blocks + 1) + 2 if split."""
+    return useful / ((waves_rounded + drain) * (blocks_per_split + 1) + (2 if splits > 1 else 0))
+
+
+def test_split_model_by_hand():
+    busy = decode.split_busy_fraction
+    # B = 64, Hkv = 8, a 16k context (256 blocks of 64 keys): useful = 512 * 256 / 264 block reads per slot.
+    useful = 512 * 256 / 264
+    want = {1: _by_hand(2, 0.25, 256, 1, useful),  # 512 programs: 1.94 waves -> 2, ragged end
+            2: _by_hand(4, 0.25, 128, 2, useful),  # 1024: 3.88 -> 4
+            3: _by_hand(6, 0.25, 86, 3, useful),  # 1536: 5.82 -> 6; ceil(256 / 3) = 86 blocks
+            4: _by_hand(8, 0.25, 64, 4, useful)}  # 2048: 7.76 -> 8
+    for s, w in want.items():
+        assert busy(64, 8, 1, 256, s, 264) == pytest.approx(w, rel=1e-12)
+    assert want[1] == pytest.approx(0.8586, abs=1e-4) and want[4] == pytest.approx(0.9224, abs=1e-4)
+    # The best of the 64 counts allowed (256 / 4 blocks) is 4's (8 ties it): 3 is within 2% of it, 1 and 2 are not.
+    best = max(busy(64, 8, 1, 256, s, 264) for s in range(1, 65))
+    assert best == pytest.approx(want[4])
+    assert want[3] >= 0.98 * best > want[2] > want[1]
+    assert decode.pick_num_splits(64, 8, 1, 16384, torch.device("cpu"), 64, sm_count=132) == 3
+    # Without the ragged end the waves alone keep one split: 2 x 257 vs 8 x 65 + 2 block reads.
+    assert busy(64, 8, 1, 256, 1, 264, drain=0.0) == pytest.approx(useful / 514)
+    assert busy(64, 8, 1, 256, 1, 264, drain=0.0) > busy(64, 8, 1, 256, 4, 264, drain=0.0)
+
+    # B = 16, a 4k context (64 blocks): 2 splits make 256 programs, one wave of 264 slots, 32 + 1 blocks + combine.
+    useful = 128 * 64 / 264
+    assert busy(16, 8, 1, 64, 2, 264) == pytest.approx(useful / 35)
+    assert busy(16, 8, 1, 64, 1, 264) == pytest.approx(useful / 65)  # 128 programs: half the slots idle
+    assert busy(16, 8, 1, 64, 4, 264) == pytest.approx(useful / (2.25 * 17 + 2))  # 1.94 waves again
+    assert decode.pick_num_splits(16, 8, 1, 4096, torch.device("cpu"), 64, sm_count=132) == 2
+
+    # B = 1, a 16k context: 32 splits = 256 programs (one wave), 8 blocks each; 31 splits need 9 blocks.
+    useful = 8 * 256 / 264
+    assert busy(1, 8, 1, 256, 32, 264) == pytest.approx(useful / 11)
+    assert busy(1, 8, 1, 256, 31, 264) == pytest.approx(useful / 12)
+    assert useful / 12 < 0.98 * useful / 11
+    assert decode.pick_num_splits(1, 8, 1, 16384, torch.device("cpu"), 64, sm_count=132) == 32
+
+    # GQA packing: the query heads of a kv head share a program, so only n_kv_heads and m_blocks count.
+    assert busy(2, 8, 2, 64, 3, 264) == busy(4, 8, 1, 64, 3, 264) == busy(4, 4, 2, 64, 3, 264)
+    # Splits stay at least 4 blocks long: 7 blocks allow one split only, 8 allow two.
+    assert decode.pick_num_splits(1, 1, 1, 7 * 64, torch.device("cpu"), 64, sm_count=132) == 1
+    assert decode.pick_num_splits(1, 1, 1, 8 * 64, torch.device("cpu"), 64, sm_count=132) == 2
+
+
+def test_drain_is_what_the_recorded_b64_run_says():
+    """DRAIN_WAVES solves the model for results/decode_bench.json's B = 64, one-split rows (16k context and up)."""
+    from course_utils import results
+
+    for row in results.rows("decode_bench", B=64, context=lambda n: n >= 16384):
+        assert row["splits"] == 1
+        n = row["context"] // 64
+        useful = 512 * n / 264
+        measured = row["course_over_ceiling"] / 100
+        drain = useful / (measured * (n + 1)) - 2  # busy = useful / ((2 + drain) * (n + 1))
+        assert abs(drain - decode.DRAIN_WAVES) < 0.06, (row, drain)
 
 
 BAD = [
@@ -179,3 +241,53 @@ def test_gpu_bf16_long_ragged_caches(t, page_size):
                                                         page_size=page_size)
     o = decode_attention(q, k, v, seqlens, block_table=table)
     np.testing.assert_allclose(o.double().cpu().numpy(), want_o, atol=3e-2, rtol=3e-2)
+
+
+def test_pick_num_splits_docstring_counts():
+    """The counts pick_num_splits's docstring states for an H200 (132 SMs, 8 kv heads, one row block)."""
+    cpu = torch.device("cpu")
+    pick = {(b, n): decode.pick_num_splits(b, 8, 1, n, cpu, 64, sm_count=132)
+            for b, n in ((1, 16384), (4, 16384), (16, 16384), (64, 1024), (64, 4096), (64, 16384), (64, 65536))}
+    assert pick == {(1, 16384): 32, (4, 16384): 8, (16, 16384): 2, (64, 1024): 1, (64, 4096): 2, (64, 16384): 3,
+                    (64, 65536): 17}
+    assert "32 splits at ``B = 1``" in decode.pick_num_splits.__doc__
+    assert "1 split at 1k, 2 at 4k, 3 at 16k and 17 at 64k" in " ".join(decode.pick_num_splits.__doc__.split())
+
+
+# -- the split model's PROGRAMS_PER_SM is what the split kernel compiles to for an H200 ---------------
+OCCUPANCY_SCRIPT = r"""
+import json
+import torch
+from course_utils.kernels import decode, targets
+from course_utils.bench import decode as bench
+
+targets._TYPES.setdefault(torch.int32, "i32")  # cache_seqlens
+cfg = dict(decode._gpu_config(128, 2, (9, 0)))  # what decode_config gives bf16, D = 128 on sm_90
+decode.decode_config = lambda *args: dict(cfg)
+q = torch.zeros(1, 32, 1, 128, dtype=torch.bfloat16)
+k = torch.zeros(1, 8, 256, 128, dtype=torch.bfloat16)
+lens = torch.full((1,), 256, dtype=torch.int32)
+with targets._as_if_on_a_gpu(90), targets._captured_launches() as launches:
+    decode.decode_split(q, k, k, lens, 2)
+kernel, args, kwargs = launches[0]
+c = targets.compile_launch(kernel, args, kwargs, 90, "bf16 D=128", registers=True)
+print(json.dumps(dict(vars(c), per_sm=bench.programs_per_sm(c.registers, c.num_warps, c.shared_bytes))))
+"""
+
+
+def test_programs_per_sm_is_what_the_split_kernel_compiles_to():
+    """Compiled for sm_90 here (ptxas, no GPU): registers and shared memory give decode.PROGRAMS_PER_SM."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", OCCUPANCY_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["num_warps"] == 4 and got["spill_bytes"] == 0, got
+    assert got["per_sm"] == decode.PROGRAMS_PER_SM, (
+        f"the split kernel compiles to {got['registers']} registers and {got['shared_bytes']} bytes of shared "
+        f"memory: {got['per_sm']} programs per SM, but the split model assumes {decode.PROGRAMS_PER_SM}")

@@ -47,6 +47,7 @@ QUOTES = [
      dict(B=lambda b: b <= 16)),
     (W09, "paged is faster, {})", "decode_bench", "paged_over_contiguous", "range", dict(B=64)),
     (W09, "splits that cache in {})", "decode_bench", "splits", "value", dict(B=1, context=16384)),
+    (W09, "1.94 waves) read {} of the ceiling", "decode_bench", "course_over_ceiling", "range", dict(B=64)),
     (W10, "the ring ran at {} one GPU", "ring_bench", "ring_over_one_gpu", "range", {}),
     (W10, "and at {} PyTorch's context parallel", "ring_bench", "ring_over_torch_cp", "range", {}),
     (W07, "The course takes {} ms", "training_bench", "course_ms", "range", {}),

@@ -32,6 +32,16 @@ cache between calls, so even small caches come from HBM); ``GB/s = bytes of
 K and V cache read / time`` (``2 * B * Hkv * L * D * 2`` bytes), the same
 count for every provider. The run takes about two minutes on an H200.
 Without a GPU the command says so in one sentence and exits 0.
+
+``python -m course_utils.bench decode --splits`` measures instead the course's
+GB/s against ``num_splits`` at a few points (B = 1, 16 and 64; see
+:data:`SPLIT_POINTS`), each count checked against the reference first and
+timed the same way, beside the read ceiling and the busy fraction that the
+model of :func:`course_utils.kernels.decode.split_busy_fraction` predicts, and
+writes ``results/decode_splits.md`` and ``.json``: the check of the model
+behind ``pick_num_splits``. It also records what the split kernel compiled to
+(registers, shared memory) and how many programs of it fit on one SM, the
+model's ``PROGRAMS_PER_SM``.
 """
 
 from __future__ import annotations
@@ -60,6 +70,13 @@ TOLERANCE = 2e-2  # relative error (norm) allowed against the float32 reference
 NO_GPU_MESSAGE = (
     "No CUDA GPU here, so there is nothing to time: run `python -m course_utils.bench decode` "
     "on a GPU machine (the recorded results are in results/decode_bench.md)."
+)
+SPLITS_STEM = "decode_splits"
+SPLIT_POINTS = ((1, 16384), (16, 4096), (64, 4096), (64, 16384), (64, 65536))  # (batch, context)
+SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+NO_GPU_SPLITS_MESSAGE = (
+    "No CUDA GPU here, so there is nothing to time: run `python -m course_utils.bench decode --splits` "
+    "on a GPU machine (it writes results/decode_splits.md)."
 )
 
 
@@ -454,6 +471,205 @@ def target_checks(lines: list[dict]) -> list[str]:
     return res
 
 
+# --------------------------------------------------------------------------- #
+# GB/s against num_splits: the check of pick_num_splits's model
+# --------------------------------------------------------------------------- #
+def split_counts(context: int, pick: int, counts=SPLIT_COUNTS, block_n: int = 64) -> list[int]:
+    """The split counts measured at one point: ``counts`` the launcher allows there, and the model's pick."""
+    from ..kernels import decode
+
+    n_blocks = -(-context // block_n)
+    most = max(1, min(decode.MAX_SPLITS, n_blocks // decode.MIN_SPLIT_BLOCKS))
+    return sorted({s for s in counts if s <= most} | {pick})
+
+
+def model_of(batch: int, context: int, num_splits: int, sm_count: int, block_n: int = 64) -> float:
+    """The busy fraction :func:`~course_utils.kernels.decode.split_busy_fraction` predicts (the bench's shape)."""
+    from ..kernels import decode
+
+    return decode.split_busy_fraction(batch, N_KV_HEADS, 1, -(-context // block_n), num_splits,
+                                      decode.PROGRAMS_PER_SM * sm_count)
+
+
+def programs_per_sm(n_regs: int, num_warps: int, shared_bytes: int) -> int:
+    """Programs of one kernel resident on an H100/H200 SM (lesson 06's rule: registers, shared memory, warps)."""
+    regs = -(-n_regs // 8) * 8 * 32 * num_warps
+    return int(min(65536 // regs, (228 * 1024) // (shared_bytes + 1024), 64 // num_warps, 32))
+
+
+class _Recorder:
+    """Stands in for the split kernel in ``decode.decode_split(kernel=...)``: launches it, keeps what compiled."""
+
+    def __init__(self, kernel):
+        self.kernel, self.compiled = kernel, None
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.compiled = launch(*args, **kwargs)
+            return self.compiled
+
+        return run
+
+
+def compiled_split_kernel(q, k, v, seqlens) -> dict:
+    """Registers, shared memory and warps of the split kernel as compiled here, and the programs per SM."""
+    from ..kernels import decode
+
+    recorder = _Recorder(decode._decode_split_kernel)
+    decode.decode_split(q, k, v, seqlens, 2, kernel=recorder)
+    c = recorder.compiled
+    try:
+        n_regs, shared, warps = int(c.n_regs), int(c.metadata.shared), int(c.metadata.num_warps)
+    except (AttributeError, TypeError):  # the interpreter returns no compiled kernel
+        return dict(n_regs=None, shared_bytes=None, num_warps=None, programs_per_sm=None)
+    return dict(n_regs=n_regs, shared_bytes=shared, num_warps=warps, programs_per_sm=programs_per_sm(n_regs, warps, shared))
+
+
+def measure_splits(batch: int, context: int, counts=SPLIT_COUNTS, log=print, rep_ms: int = 60, device: str = "cuda",
+                   dtype=None, graphs: bool = True, sm_count: int | None = None) -> tuple[list[dict], dict]:
+    """GB/s of the course's decode at each split count at one point, checked first; and the point's summary."""
+    import torch
+    import triton
+
+    from ..kernels import decode
+
+    g = torch.Generator(device=device).manual_seed(batch * 1_000_003 + context)
+    dt = torch.bfloat16 if dtype is None else dtype
+    q = torch.randn(batch, N_Q_HEADS, 1, HEAD_DIM, device=device, dtype=dt, generator=g)
+    k = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
+    v = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    refs = {b: reference(q, k, v, b) for b in sorted({0, batch - 1})}
+    nbytes = cache_bytes(batch, context, element_size=q.element_size())
+    sms = sm_count or (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132)
+    block_n = decode.decode_config(HEAD_DIM, q.dtype, q.device)["BLOCK_N"]
+    pick = decode.pick_num_splits(batch, N_KV_HEADS, 1, context, q.device, block_n, sm_count=sms)
+    ceiling_fn, ceiling_note = make_provider("ceiling", q, k, v, seqlens)
+    ceiling_ms = triton.testing.do_bench(ceiling_fn, warmup=10, rep=rep_ms, return_mode="median")
+    rows = []
+    for s in split_counts(context, pick, counts, block_n):
+        row = dict(batch=batch, context=context, num_splits=s, ms=None, gbps=None, status="ok", rel_err=None,
+                   predicted_busy=model_of(batch, context, s, sms, block_n), model_pick=s == pick, note="")
+        try:
+            decode.decode_attention(q, k, v, seqlens, num_splits=s)  # the checked call
+            fn = (lambda s=s: decode.launch_decode(q, k, v, seqlens, num_splits=s))
+            row["rel_err"] = rel_error(fn(), refs)
+            if not row["rel_err"] <= TOLERANCE:
+                row["status"] = "wrong"
+            else:
+                if graphs and device == "cuda":
+                    fn = cuda_graphed(fn)
+                row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+                row["gbps"] = gb_per_s(nbytes, row["ms"])
+        except Exception as exc:  # noqa: BLE001  (reported, not timed)
+            row["status"], row["note"] = "skip", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        rows.append(row)
+        log(f"B={batch:>3} L={context:>6} num_splits={s:>3}: " + (f"{row['gbps']:7.0f} GB/s" if row["gbps"] else row["status"])
+            + f", model {row['predicted_busy']:.0%} busy" + (" (model's pick)" if s == pick else ""))
+    point = dict(batch=batch, context=context, sm_count=sms, block_n=block_n, ceiling_gbps=gb_per_s(nbytes, ceiling_ms),
+                 ceiling_note=ceiling_note, model_pick=pick, **compiled_split_kernel(q, k, v, seqlens))
+    timed = [r for r in rows if r["gbps"]]
+    if timed:
+        best = max(timed, key=lambda r: r["gbps"])
+        at_pick = next((r["gbps"] for r in timed if r["num_splits"] == pick), None)
+        point.update(best_splits=best["num_splits"], best_gbps=best["gbps"],
+                     pick_over_best=at_pick / best["gbps"] if at_pick else None)
+    del q, k, v
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows, point
+
+
+def splits_markdown(rows: list[dict], points: list[dict], info: dict) -> str:
+    from ..kernels import decode
+
+    out = [
+        "# Decoding: GB/s against num_splits, and the model behind pick_num_splits",
+        "",
+        f"{info.get('gpu', '?')} (torch {info.get('torch', '?')}, triton {info.get('triton', '?')}, "
+        f"{info.get('date', '?')}); bf16, {N_Q_HEADS} query heads / {N_KV_HEADS} kv heads, D = {HEAD_DIM}, one new "
+        "token, every sequence at the full context. GB/s = bytes of K and V cache read / median time "
+        "(`triton.testing.do_bench`, L2 flushed, " + ("a CUDA graph of one call replayed" if info.get("cuda_graphs")
+                                                       else "launched from Python")
+        + "); each split count checked against a float32 reference first. Model: "
+        f"`decode.split_busy_fraction` with {decode.PROGRAMS_PER_SM} programs per SM, drain "
+        f"{decode.DRAIN_WAVES}, overhead {decode.PROGRAM_OVERHEAD_BLOCKS} and combine {decode.COMBINE_BLOCKS} "
+        "blocks. `python -m course_utils.bench decode --splits`.",
+        "",
+    ]
+    for pt in points:
+        b, n = pt["batch"], pt["context"]
+        compiled = (f"the split kernel compiled to {pt['n_regs']} registers, {pt['shared_bytes'] / 1024:.0f} KiB of "
+                    f"shared memory, {pt['num_warps']} warps: {pt['programs_per_sm']} programs per SM"
+                    if pt.get("n_regs") else "the split kernel's registers not read")
+        out += [f"## B = {b}, context {n}", "",
+                f"Read ceiling {pt['ceiling_gbps']:.0f} GB/s; {compiled}; the model picks {pt['model_pick']} splits"
+                + (f", {pt['pick_over_best']:.0%} of the best measured ({pt['best_splits']} splits, "
+                   f"{pt['best_gbps']:.0f} GB/s)." if pt.get("pick_over_best") else "."),
+                "", "| num_splits | GB/s | of the ceiling | model's busy fraction | |", "|---:|---:|---:|---:|---|"]
+        for r in rows:
+            if (r["batch"], r["context"]) != (b, n):
+                continue
+            got = f"{r['gbps']:.0f} | {r['gbps'] / pt['ceiling_gbps']:.0%}" if r["gbps"] else f"{r['status']} | —"
+            out.append(f"| {r['num_splits']} | {got} | {r['predicted_busy']:.0%} | "
+                       + ("model's pick" if r["model_pick"] else "") + " |")
+        out.append("")
+    out += ["## The model against the measurement", ""] + [f"- {c}" for c in splits_checks(rows, points)] + [""]
+    return "\n".join(out)
+
+
+PICK_WITHIN = 0.97  # the model's pick should read at least this share of the best measured count's GB/s
+
+
+def splits_checks(rows: list[dict], points: list[dict]) -> list[str]:
+    """How well the model did: its pick against the best measured count, and its busy fraction against the GB/s."""
+    out = []
+    for pt in points:
+        mine = [r for r in rows if (r["batch"], r["context"]) == (pt["batch"], pt["context"]) and r["gbps"]]
+        if not mine or not pt.get("pick_over_best"):
+            out.append(f"B = {pt['batch']}, context {pt['context']}: the model's pick was not timed")
+            continue
+        gap = sum(abs(r["gbps"] / pt["ceiling_gbps"] - r["predicted_busy"]) for r in mine) / len(mine)
+        verdict = "met" if pt["pick_over_best"] >= PICK_WITHIN else "NOT met"
+        out.append(f"B = {pt['batch']}, context {pt['context']}: the pick ({pt['model_pick']} splits) reads "
+                   f"{pt['pick_over_best']:.0%} of the best count's GB/s (num_splits = {pt['best_splits']}; {verdict}: "
+                   f"{PICK_WITHIN:.0%}); measured share of the ceiling minus the model's busy fraction: "
+                   f"{100 * gap:.0f} points on average")
+    return out
+
+
+def write_splits(rows, points, out_dir: Path, info: dict) -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{SPLITS_STEM}.json", "md": out_dir / f"{SPLITS_STEM}.md"}
+    paths["json"].write_text(json.dumps({"info": info, "points": points, "rows": rows}, indent=1))
+    paths["md"].write_text(splits_markdown(rows, points, info))
+    return paths
+
+
+def main_splits(args) -> int:
+    if not gpu_available():
+        print(NO_GPU_SPLITS_MESSAGE)
+        return 0
+    import course_utils  # noqa: F401  (configures the environment before triton)
+
+    start = time.perf_counter()
+    rows, points = [], []
+    for batch, context in SPLIT_POINTS:
+        r, pt = measure_splits(batch, context, graphs=not args.no_graphs)
+        rows += r
+        points.append(pt)
+    info = environment_info()
+    info["cuda_graphs"] = not args.no_graphs
+    info["seconds"] = round(time.perf_counter() - start, 1)
+    paths = write_splits(rows, points, args.out, info)
+    print(splits_markdown(rows, points, info))
+    print(f"wrote {paths['md']} and {paths['json']} in {info['seconds']} s")
+    return 0
+
+
 def environment_info() -> dict:
     from . import environment_info as info
 
@@ -471,18 +687,23 @@ def write_results(rows, out_dir: Path, info: dict) -> dict:
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m course_utils.bench decode", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where to write decode_bench.{md,json}")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR,
+                   help="where to write decode_bench.{md,json} (decode_splits.{md,json} with --splits)")
     p.add_argument("--max-cache-gib", type=float, default=16.0,
                    help="leave out points whose K + V caches pass this size (default 16)")
     p.add_argument("--quick", action="store_true", help="four points only")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (it compiles per shape)")
     p.add_argument("--no-graphs", action="store_true",
                    help="launch every provider from Python instead of replaying a CUDA graph")
+    p.add_argument("--splits", action="store_true",
+                   help="GB/s against num_splits at a few points, beside the model (writes decode_splits.{md,json})")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.splits:
+        return main_splits(args)
     if not gpu_available():
         print(NO_GPU_MESSAGE)
         return 0

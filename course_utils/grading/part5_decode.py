@@ -7,6 +7,10 @@
   num_splits) -> (o_parts, lse_parts)``: the split kernel's partial results.
 - :func:`check_decode_combine` grades ``fn(o_parts, lse_parts) -> o``: the
   combine kernel.
+- :func:`check_choose_num_splits` grades ``fn(batch, n_q_heads, n_kv_heads,
+  context, n_sms, programs_per_sm) -> num_splits``: the split count the wave
+  model of :func:`course_utils.kernels.decode.split_busy_fraction` keeps
+  busiest (any count within its tolerance of the best passes).
 
 The references are :func:`course_utils.references.decode_partials` and
 :func:`~course_utils.references.merge_partials` in float64. The caches hold
@@ -28,11 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import numpy as np
 
 from .. import references as ref
 from ..environment import current
+from ..kernels import decode as _decode
 from . import inputs, proof
 from .core import Diagnosis, Run, distance_to
 from .mistakes import SLACK
@@ -40,7 +46,8 @@ from .mistakes import MSG_LSE_NO_MAX_MERGE
 from .mistakes import MSG_NO_KERNEL_ATTENTION
 from .mistakes import MSG_NO_SHIFT_MERGE
 
-__all__ = ["grade_merge_partials", "grade_decode_split", "grade_decode_combine"]
+__all__ = ["grade_merge_partials", "grade_decode_split", "grade_decode_combine", "grade_choose_num_splits",
+           "splits_busy"]
 
 # -- messages: one plain sentence or two each; the tests look for these texts --
 MSG_NOT_RENORMALISED = (
@@ -513,4 +520,136 @@ def grade_decode_combine(fn, *, seed=None):
                     diagnoses=_combine_diagnoses(o64, lse64, large), axes=("batch", "q_head", "t", "col"))
     return run.passed()
 
+
+# =============================================================================
+# check_choose_num_splits (the wave model; no kernel)
+# =============================================================================
+MSG_SPLITS_NOT_INT = "your function returned {out!r}; return the number of splits, a positive int."
+MSG_SPLITS_TOO_SHORT = (
+    "num_splits = {s} cuts the {n} blocks of 64 keys into splits of {chunk} block{plural}, shorter than the "
+    "{min_blocks} blocks a split must have: allow only num_splits <= n_blocks // {min_blocks} (and 1 always){keys}."
+)
+MSG_KEYS_NOT_BLOCKS = "; count the cache in blocks of 64 keys, n_blocks = cdiv(context, 64), not in keys"
+MSG_SPLITS_TOO_MANY = "num_splits = {s} is more than the {most} splits the launcher allows (decode.MAX_SPLITS)."
+SPLIT_MISTAKES = (  # (switch of splits_busy, the message); the first whose choices fit every case is named
+    ("q_heads", "the programs were counted per query head: GQA packing puts the group_size query heads of a kv "
+                "head in one program, so programs = batch * n_kv_heads * num_splits."),
+    ("no_kv_heads", "the kv heads are missing from the count: each (sequence, kv head) pair has its own "
+                    "programs, so programs = batch * n_kv_heads * num_splits."),
+    ("no_resident", "the slots are the SMs alone: each SM holds programs_per_sm programs at once, so one wave "
+                    "is n_sms * programs_per_sm programs."),
+    ("no_tail", "the tail wave was not rounded up: a wave that holds a few programs still lasts a whole "
+                "program's time, so time counts ceil(programs / slots) waves."),
+    ("no_drain", "the ragged end is missing: past one wave, add decode.DRAIN_WAVES of a program's time (the "
+                 "recorded run of one split at B = 64, 1.94 waves, read well below the ceiling: "
+                 "results/decode_bench.md)."),
+    ("no_overhead", "each program's fixed cost is missing: a program costs ceil(n_blocks / num_splits) + "
+                    "decode.PROGRAM_OVERHEAD_BLOCKS block reads, which is what makes very short splits poor."),
+    ("no_combine", "the combine's cost is missing: more than one split adds decode.COMBINE_BLOCKS block reads "
+                   "(the second kernel)."),
+    ("no_drain_one_wave", "the ragged end was added to a launch of one wave too: it is only past one wave "
+                          "(programs > slots) that the last programs start late."),
+)
+
+
+def splits_busy(batch, n_q_heads, n_kv_heads, context, num_splits, n_sms, programs_per_sm, mistake=None) -> float:
+    """The model's busy fraction for lesson 09's exercise (T = 1: one block of packed rows), or a mistake's."""
+    n_blocks = -(-context // 64)
+    heads = {"q_heads": n_q_heads, "no_kv_heads": 1}.get(mistake, n_kv_heads)
+    slots = n_sms * (1 if mistake == "no_resident" else programs_per_sm)
+    programs = batch * heads * num_splits
+    waves = programs / slots
+    per_program = -(-n_blocks // num_splits) + (0.0 if mistake == "no_overhead" else _decode.PROGRAM_OVERHEAD_BLOCKS)
+    ragged = 0.0 if mistake == "no_drain" else _decode.DRAIN_WAVES
+    waves_paid = waves if mistake == "no_tail" else math.ceil(waves)
+    if waves > 1 or mistake == "no_drain_one_wave":
+        waves_paid += ragged
+    combine = 0.0 if mistake == "no_combine" or num_splits == 1 else _decode.COMBINE_BLOCKS
+    return batch * heads * n_blocks / slots / (waves_paid * per_program + combine)
+
+
+def _allowed_splits(context):
+    n_blocks = -(-context // 64)
+    return range(1, max(1, min(_decode.MAX_SPLITS, n_blocks // _decode.MIN_SPLIT_BLOCKS)) + 1)
+
+
+def _good_splits(case, mistake=None):
+    """The split counts within the tolerance of the best one, under the model or under ``mistake``."""
+    b, hq, hkv, context, n_sms, per_sm = case
+    busy = {s: splits_busy(b, hq, hkv, context, s, n_sms, per_sm, mistake) for s in _allowed_splits(context)}
+    best = max(busy.values())
+    return {s for s, x in busy.items() if x >= (1 - _decode.SPLIT_TOLERANCE) * best * (1 - 1e-9)}, busy, best
+
+
+def _choose_cases(rng):
+    """(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm, what)."""
+    cases = [(b, 32, 8, n, 132, 2, "an H200, 32/8 heads (the benchmark's grid)")
+             for b in (1, 4, 16, 64) for n in (1024, 4096, 16384, 65536)]
+    cases += [
+        (64, 8, 8, 16384, 132, 2, "MHA"), (8, 32, 1, 32768, 132, 2, "MQA: 32 query heads, one kv head"),
+        (2, 16, 4, 200, 132, 2, "a short cache: 4 blocks"), (3, 64, 8, 8192, 108, 3, "an A100-sized GPU, 3 per SM"),
+        (32, 32, 8, 4096, 40, 1, "a small GPU, one program per SM"), (128, 32, 8, 2048, 132, 2, "B = 128"),
+        (3, 32, 8, 1024, 40, 1, "a small GPU: the combine's cost decides"),
+    ]
+    for _ in range(6):
+        hkv = int(rng.choice([1, 2, 4, 8]))
+        cases.append((int(rng.integers(1, 97)), hkv * int(rng.choice([1, 2, 4, 8])), hkv, int(rng.integers(64, 131073)),
+                      int(rng.choice([40, 80, 108, 132])), int(rng.integers(1, 5)), "random"))
+    return cases
+
+
+def grade_choose_num_splits(fn, *, seed=None):
+    """Grade ``fn(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm) -> num_splits`` (lesson 09).
+
+    One new token per sequence; the cache is ``n_blocks = cdiv(context, 64)``
+    blocks; the query heads of a kv head share one program (GQA packing).
+    ``programs = batch * n_kv_heads * num_splits`` run ``slots = n_sms *
+    programs_per_sm`` at a time, ``waves = programs / slots``, and a launch
+    takes ``(ceil(waves) + DRAIN_WAVES if waves > 1) * (ceil(n_blocks /
+    num_splits) + PROGRAM_OVERHEAD_BLOCKS) + COMBINE_BLOCKS if num_splits > 1``
+    block reads (the constants are ``course_utils.kernels.decode``'s). The
+    busy fraction is ``batch * n_kv_heads * n_blocks / slots`` over that.
+    Return a count from 1 to ``min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS)``
+    (1 always allowed) whose busy fraction is within ``SPLIT_TOLERANCE`` of
+    the best: any such count passes. The course's ``pick_num_splits`` and
+    ``split_busy_fraction`` are refused while it runs.
+    """
+    __tracebackhide__ = True
+    run = Run("check_choose_num_splits", seed, time_limit_s=10.0)
+    cases = _choose_cases(run.rng)
+    got = []
+    for b, hq, hkv, context, n_sms, per_sm, what in cases:
+        case = (f"batch={b}, n_q_heads={hq}, n_kv_heads={hkv}, context={context}, n_sms={n_sms}, "
+                f"programs_per_sm={per_sm} ({what})")
+        with proof.answer_keys_forbidden(_decode.pick_num_splits, _decode.split_busy_fraction):
+            out = run.call(fn, b, hq, hkv, context, n_sms, per_sm, case=case)
+        integral = isinstance(out, numbers.Integral) or (isinstance(out, float) and out.is_integer())
+        if isinstance(out, bool) or not integral or out < 1:
+            raise run.fail(MSG_SPLITS_NOT_INT.format(out=out), case)
+        got.append((int(out), case))
+    keys = [c[:6] for c in cases]
+    for (s, case), key in zip(got, keys):
+        n_blocks = -(-key[3] // 64)
+        if s > _decode.MAX_SPLITS:
+            raise run.fail(MSG_SPLITS_TOO_MANY.format(s=s, most=_decode.MAX_SPLITS), case)
+        if s > max(1, n_blocks // _decode.MIN_SPLIT_BLOCKS):
+            hint = MSG_KEYS_NOT_BLOCKS if s <= key[3] // _decode.MIN_SPLIT_BLOCKS and s > n_blocks else ""
+            chunk = -(-n_blocks // s)
+            raise run.fail(MSG_SPLITS_TOO_SHORT.format(s=s, n=n_blocks, chunk=chunk, plural="" if chunk == 1 else "s",
+                                                       min_blocks=_decode.MIN_SPLIT_BLOCKS, keys=hint), case)
+    for (s, case), key in zip(got, keys):
+        good, busy, best = _good_splits(key)
+        if s in good:
+            continue
+        lo = min(good)
+        message = (f"num_splits = {s} keeps the SMs {busy[s]:.1%} busy by the model; {lo} splits reach "
+                   f"{busy[lo]:.1%} (the best is {best:.1%}, and any count within "
+                   f"{_decode.SPLIT_TOLERANCE:.0%} of it passes).")
+        for mistake, why in SPLIT_MISTAKES:
+            if all(g in _good_splits(k, mistake)[0] for (g, _), k in zip(got, keys)):
+                message += f"\nLikely cause: {why}"
+                break
+        raise run.fail(message, case)
+    run.max_error = 0.0
+    return run.passed()
 

@@ -45,6 +45,7 @@ __all__ = [
     "decode_split",
     "decode_combine",
     "pick_num_splits",
+    "split_busy_fraction",
     "validate_decode",
     "decode_config",
     "_decode_split_kernel",
@@ -233,35 +234,87 @@ def _gpu_config(d_pad: int, itemsize: int, capability: tuple) -> tuple:
     return (("BLOCK_N", 64), ("num_warps", 4), ("num_stages", 3))
 
 
+# The split-count model (see pick_num_splits). Each constant says where it comes from.
+PROGRAMS_PER_SM = 2  # split programs resident per SM on an H200: 255 registers x 128 threads each (compiled for
+#                      sm_90: 2 x 32,768 of the 65,536 registers; lesson 06's occupancy rule)
+MIN_SPLIT_BLOCKS = 4  # never a split shorter than 4 K/V blocks
+PROGRAM_OVERHEAD_BLOCKS = 1.0  # a program's fixed cost (q tile, first loads' latency, its output), in block reads
+COMBINE_BLOCKS = 2.0  # the combine kernel's launch and work, once per call with more than one split
+DRAIN_WAVES = 0.25  # a launch of more than one wave ends raggedly: about a quarter of one program's time idle
+#                     (fitted to results/decode_bench.json: B = 64, one split, 1.94 waves ran at 86-88% of the
+#                     read ceiling at 16k-64k contexts, where the waves alone predict 97%)
+SPLIT_TOLERANCE = 0.02  # pick the fewest splits within 2% of the best prediction (the model is no finer)
+
+
+def split_busy_fraction(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, num_splits: int, slots: int, *,
+                        drain: float = DRAIN_WAVES, overhead: float = PROGRAM_OVERHEAD_BLOCKS,
+                        combine: float = COMBINE_BLOCKS) -> float:
+    """The model's busy fraction of a decode launch with ``num_splits`` splits (1.0: every slot reading, always).
+
+    ``programs = batch * n_kv_heads * m_blocks * num_splits`` (the query heads of
+    a kv head share one program: GQA packing), each reading ``ceil(n_blocks /
+    num_splits)`` K/V blocks; ``slots`` programs run at once (SMs x resident
+    programs per SM), so the launch takes ``waves = programs / slots``. Time is
+    counted in block reads of one program while every slot is busy::
+
+        time = (ceil(waves) + drain * [waves > 1]) * (ceil(n_blocks / num_splits) + overhead)
+               + combine * [num_splits > 1]
+        busy = (batch * n_kv_heads * m_blocks * n_blocks / slots) / time
+
+    ``ceil(waves)``: the tail wave lasts a whole program however few programs
+    it holds (its idle fraction is ``ceil(waves) - waves`` of a wave);
+    ``drain``: past one wave, the last programs start as earlier ones finish,
+    at staggered times, and the SMs empty out over a fraction of a program's
+    time; ``overhead``: each program's fixed cost (short splits pay it more
+    often); ``combine``: the second kernel, once.
+    """
+    programs = batch * n_kv_heads * m_blocks * num_splits
+    waves = programs / slots
+    per_program = math.ceil(n_blocks / num_splits) + overhead
+    time = (math.ceil(waves) + (drain if waves > 1 else 0.0)) * per_program + (combine if num_splits > 1 else 0.0)
+    return batch * n_kv_heads * m_blocks * n_blocks / slots / time
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_splits(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, slots: int) -> int:
+    max_splits = max(1, min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS))
+    busy = [split_busy_fraction(batch, n_kv_heads, m_blocks, n_blocks, s, slots) for s in range(1, max_splits + 1)]
+    best = max(busy)
+    return next(s for s, b in enumerate(busy, start=1) if b >= (1 - SPLIT_TOLERANCE) * best)
+
+
 def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, device: torch.device,
                     block_n: int = 64, sm_count: int | None = None) -> int:
-    """How many splits of the keys: enough programs to fill the GPU, no more.
+    """How many splits of the keys: the count the wave model predicts keeps the SMs busiest.
 
-    ``batch * n_kv_heads * m_blocks`` programs already run without splitting.
-    On a GPU we count two resident programs per SM as the machine's slots and
-    pick, like FlashAttention-2's heuristic, the smallest split count whose
-    last wave is nearly as full as the best one's, never making a split shorter
-    than four K/V blocks (each split reloads the query tile and writes a
-    partial). ``max_len`` is the caches' capacity, not ``cache_seqlens``:
-    reading the lengths would stall the GPU to copy them to the host every
-    step. On the CPU (the interpreter runs programs one after another) a
-    small count, so the combine still runs in the lessons. ``sm_count``
-    answers for a GPU of that many SMs, whatever ``device`` is.
+    The model (:func:`split_busy_fraction`): ``batch * n_kv_heads * m_blocks``
+    programs run without splitting, and ``num_splits`` multiplies them;
+    :data:`PROGRAMS_PER_SM` of them fit on each of the ``sm_count`` SMs at once,
+    so a launch takes ``programs / slots`` waves. The tail wave costs a whole
+    program's time however empty it is; past one wave the launch also ends
+    raggedly (:data:`DRAIN_WAVES` of a program's time); every program pays a
+    fixed :data:`PROGRAM_OVERHEAD_BLOCKS` (short splits pay it more often) and
+    more than one split pays the combine (:data:`COMBINE_BLOCKS`). Splits are at
+    least :data:`MIN_SPLIT_BLOCKS` blocks of ``block_n`` keys (at most
+    :data:`MAX_SPLITS`); of the counts allowed, the fewest whose predicted busy
+    fraction is within :data:`SPLIT_TOLERANCE` of the best. On an H200 (132
+    SMs, 32/8 heads, one new token) this gives 32 splits at ``B = 1`` and a 16k
+    context, 8 at ``B = 4``, 2 at ``B = 16``, and at ``B = 64``, where 512
+    programs make 1.94 waves, 1 split at 1k, 2 at 4k, 3 at 16k and 17 at 64k.
+    ``python -m course_utils.bench decode --splits`` measures GB/s against
+    ``num_splits`` to check the model (``results/decode_splits.md``).
+
+    ``max_len`` is the caches' capacity, not ``cache_seqlens``: reading the
+    lengths would stall the GPU to copy them to the host every step. On the
+    CPU (the interpreter runs programs one after another) a small count, so
+    the combine still runs in the lessons. ``sm_count`` answers for a GPU of
+    that many SMs, whatever ``device`` is.
     """
     n_blocks = max(1, triton.cdiv(max_len, block_n))
     if sm_count is None and device.type != "cuda":
         return max(1, min(2, n_blocks // 2))
-    programs = batch * n_kv_heads * m_blocks
-    slots = 2 * (_sm_count(device) if sm_count is None else sm_count)
-    max_splits = max(1, min(MAX_SPLITS, n_blocks // 4))
-    if programs >= 0.8 * slots or max_splits == 1:
-        return 1
-    eff = []
-    for s in range(1, max_splits + 1):
-        waves = programs * s / slots
-        eff.append(waves / math.ceil(waves))
-    best = max(eff)
-    return next(s for s, e in enumerate(eff, start=1) if e >= 0.85 * best)
+    slots = PROGRAMS_PER_SM * (_sm_count(device) if sm_count is None else sm_count)
+    return _best_splits(batch, n_kv_heads, m_blocks, n_blocks, slots)
 
 
 def validate_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None,
