@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from course_utils import distributed as ring
 from course_utils import references as ref
-from course_utils.grading import GradingError, check_ring_attention, check_ring_simulation
+from course_utils.grading import GradingError, check_overlap_shard_length, check_ring_attention, check_ring_simulation
 from course_utils.grading import part6_ring as p6
 from course_utils.kernels import flash_attention_with_lse
 
@@ -578,3 +578,102 @@ def test_a_correct_ring_shipped_by_value_passes_with_an_lru_cached_course_helper
 
     assert ring.portable(ring_forward_reversed) is not ring_forward_reversed  # by value
     assert check_ring_attention(ring_forward_reversed)
+
+
+# -----------------------------------------------------------------------------
+# The overlap formula (Python only: no processes)
+# -----------------------------------------------------------------------------
+def overlap_learner(flops_per_s, bytes_per_s, n_q_heads, n_kv_heads, head_dim, dtype_bytes, causal, *, mistake=None,
+                    rounding="floor+1"):
+    """The lesson's derivation: compute(n) = a n^2 / flops_per_s > transfer(n) = b n / bytes_per_s for n > x."""
+    flops = 4 * head_dim * n_q_heads  # per n^2
+    if mistake == "one_matmul":
+        flops = 2 * head_dim * n_q_heads
+    elif mistake == "no_four":
+        flops = head_dim * n_q_heads
+    if causal and mistake != "causal_not_halved" or mistake == "halved_always":
+        flops /= 2
+    heads = n_q_heads if mistake == "q_heads_for_kv" else n_kv_heads
+    sent = (1 if mistake == "no_v" else 2) * heads * head_dim * (1 if mistake == "no_dtype" else dtype_bytes)
+    if mistake == "per_q_head":  # one q head's compute against one kv head's bytes
+        flops, sent = flops / n_q_heads, sent / n_kv_heads
+    if mistake == "head_dim_in_bytes_only":
+        flops /= head_dim
+    x = sent * flops_per_s / (flops * bytes_per_s)
+    if mistake == "upside_down":
+        x = 1 / x
+    return {"floor+1": lambda: math.floor(x) + 1, "ceil": lambda: math.ceil(x), "float": lambda: x,
+            "int": lambda: int(x), "round": lambda: round(x), "numpy": lambda: np.int64(np.floor(x) + 1),
+            "whole float": lambda: float(math.floor(x) + 1)}[rounding]()
+
+
+def overlap_by_search(flops_per_s, bytes_per_s, n_q_heads, n_kv_heads, head_dim, dtype_bytes, causal):
+    """Correct, written differently: doubling then bisection on the times themselves (no algebra)."""
+    def longer(n):
+        compute = 4 * n * n * head_dim * n_q_heads / (2 if causal else 1) / flops_per_s
+        return compute > 2 * n * n_kv_heads * head_dim * dtype_bytes / bytes_per_s
+
+    hi = 1
+    while not longer(hi):
+        hi *= 2
+    lo = hi // 2  # not longer(lo) (or lo == 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if longer(mid) else (mid, hi)
+    return hi
+
+
+@pytest.mark.parametrize("fn", [
+    overlap_learner,
+    lambda *a: overlap_learner(*a, rounding="ceil"),
+    lambda *a: overlap_learner(*a, rounding="numpy"),
+    lambda *a: overlap_learner(*a, rounding="whole float"),
+    overlap_by_search,
+], ids=["floor+1", "ceil", "numpy int", "whole float", "bisection on the times"])
+def test_correct_overlap_shard_lengths_pass(fn):
+    assert check_overlap_shard_length(fn)
+    assert check_overlap_shard_length(fn, seed=12)
+
+
+OVERLAP_MISTAKES = [  # (mistake, rounding, the diagnosis)
+    (None, "float", p6.MSG_OVERLAP_FLOAT),
+    (None, "int", p6.MSG_OVERLAP_ROUNDED_DOWN),
+    (None, "round", p6.MSG_OVERLAP_ROUNDED_DOWN),
+    ("no_v", "ceil", p6.MSG_OVERLAP_NO_V),
+    ("q_heads_for_kv", "floor+1", p6.MSG_OVERLAP_Q_HEADS),
+    ("per_q_head", "ceil", p6.MSG_OVERLAP_Q_HEADS),
+    ("per_q_head", "float", p6.MSG_OVERLAP_Q_HEADS),  # a wrong formula is named before its rounding
+    ("one_matmul", "floor+1", p6.MSG_OVERLAP_ONE_MATMUL),
+    ("no_four", "floor+1", p6.MSG_OVERLAP_NO_FOUR),
+    ("causal_not_halved", "floor+1", p6.MSG_OVERLAP_CAUSAL),
+    ("halved_always", "floor+1", p6.MSG_OVERLAP_CAUSAL_NOT_CAUSAL),
+    ("no_dtype", "floor+1", p6.MSG_OVERLAP_DTYPE),
+    ("head_dim_in_bytes_only", "floor+1", p6.MSG_OVERLAP_HEAD_DIM),
+    ("upside_down", "floor+1", p6.MSG_OVERLAP_INVERTED),
+]
+
+
+@pytest.mark.parametrize("mistake, rounding, message", OVERLAP_MISTAKES,
+                         ids=[f"{m}-{r}" for m, r, _ in OVERLAP_MISTAKES])
+def test_planted_overlap_mistakes_are_diagnosed(mistake, rounding, message):
+    with pytest.raises(GradingError) as info:
+        check_overlap_shard_length(lambda *a: overlap_learner(*a, mistake=mistake, rounding=rounding), seed=4)
+    assert f"Likely cause: {message}" in str(info.value), str(info.value)
+
+
+def test_overlap_answers_of_the_wrong_form_are_named():
+    with pytest.raises(GradingError, match="returned None"):
+        check_overlap_shard_length(lambda *a: None)
+    with pytest.raises(GradingError, match="returned a tuple; return the shard length"):
+        check_overlap_shard_length(lambda *a: (1, 2))
+    with pytest.raises(GradingError, match="returned a bool"):
+        check_overlap_shard_length(lambda *a: True)
+    with pytest.raises(GradingError, match="expects a function"):
+        check_overlap_shard_length(596)
+
+
+def test_overlap_cases_keep_the_crossover_off_whole_numbers():
+    for seed in range(20):
+        for case in p6._overlap_cases(np.random.default_rng(seed)):
+            x = p6.overlap_crossover(*case)
+            assert x >= 16 and math.floor(x) + 1 == math.ceil(x), (case, x)

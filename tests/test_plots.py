@@ -41,3 +41,20 @@ def test_pictures_draw():
     assert plots.plot_tile_addresses(0, 0, 2, 4, 6, 3, 5, ax=axes[0, 2]) is axes[0, 2]
     assert list(plots.plot_backward_passes(128, 32, 32, axes=axes[1, :2])) == list(axes[1, :2])
     plt.close(fig)
+
+
+def test_ring_timeline_overlaps_the_send_with_the_compute():
+    for compute, transfer in ((3.0, 1.0), (1.0, 3.0)):
+        overlapped = plots.ring_timeline(4, compute, transfer, overlap=True)
+        sequential = plots.ring_timeline(4, compute, transfer, overlap=False)
+        assert max(b[4] for b in overlapped) == 3 * max(compute, transfer) + compute
+        assert max(b[4] for b in sequential) == 3 * (compute + transfer) + compute
+        sends = [b for b in overlapped if b[0] == 0 and b[1] == "send"]
+        computes = [b for b in overlapped if b[0] == 0 and b[1] == "compute"]
+        assert [b[2] for b in sends] == [0, 1, 2] and len(computes) == 4  # no send at the last step
+        assert all(s[3] == c[3] for s, c in zip(sends, computes))  # each send starts with its step's compute
+    fig, axes = plt.subplots(1, 2)
+    assert plots.plot_ring_timeline(3, 2e-6, 5e-6, overlap=False, ax=axes[0], title="short") is axes[0]
+    assert "in sequence" in axes[0].get_title() and "computing 26% of the time" in axes[0].get_title()
+    assert plots.plot_ring_timeline(3, 2e-6, 5e-6, ax=axes[1]) is axes[1]
+    plt.close(fig)
