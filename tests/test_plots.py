@@ -54,7 +54,7 @@ def test_ring_timeline_overlaps_the_send_with_the_compute():
         assert [b[2] for b in sends] == [0, 1, 2] and len(computes) == 4  # no send at the last step
         assert all(s[3] == c[3] for s, c in zip(sends, computes))  # each send starts with its step's compute
     fig, axes = plt.subplots(1, 2)
-    assert plots.plot_ring_timeline(3, 2e-6, 5e-6, overlap=False, ax=axes[0], title="short") is axes[0]
-    assert "in sequence" in axes[0].get_title() and "computing 26% of the time" in axes[0].get_title()
+    assert plots.plot_ring_timeline(3, 2e-6, 6e-6, overlap=False, ax=axes[0], title="short") is axes[0]
+    assert "in sequence" in axes[0].get_title() and "18 µs, computing 33% of the time" in axes[0].get_title()
     assert plots.plot_ring_timeline(3, 2e-6, 5e-6, ax=axes[1]) is axes[1]
     plt.close(fig)
