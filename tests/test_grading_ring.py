@@ -19,6 +19,7 @@ shards, or references.attention_lse with every key) is refused.
 """
 
 import math
+from pathlib import Path
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
@@ -517,6 +518,31 @@ def test_ring_worker_passes_a_correct_ring_of_triton_blocks(one_rank_group):
     run = p6.Run("check_ring_attention", seed=2)
     cases = p6._dist_cases(run.rng, world=1)
     assert p6._grade_distributed(run, cases, run.seed, [p6.ring_check_worker(0, 1, ring_forward, run.seed, cases)], 1)
+
+
+def _student_cell(defining):
+    """The source of the generated student notebook's code cell that defines ``defining`` (its stub)."""
+    import nbformat
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "10_ring_attention.ipynb"
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    return next(source for source in cells if f"def {defining}(" in source)
+
+
+@pytest.mark.interpreter("runs ring_check_worker in this process: its CPU tensors need Triton's interpreter")
+def test_the_untouched_student_stub_fails_with_a_message_not_a_traceback(one_rank_group):
+    """Exercise 2's skeleton, exactly as learners get it: it runs up to its first `# YOUR CODE HERE`."""
+    namespace = dict(math=math, torch=torch, dist=dist, flash_attention_with_lse=flash_attention_with_lse,
+                     chunks_of=ring.chunk_ids)
+    exec(_student_cell("ring_forward"), namespace)
+    run = p6.Run("check_ring_attention", seed=2)
+    cases = p6._dist_cases(run.rng, world=1)
+    records = p6.ring_check_worker(0, 1, namespace["ring_forward"], run.seed, cases)
+    with pytest.raises(GradingError) as info:
+        p6._grade_distributed(run, cases, run.seed, [records], 1)
+    text = str(info.value)
+    assert "your function still raises NotImplementedError on rank 0 (in ring_forward, line " in text, text
+    assert "Traceback" not in text
 
 
 def test_distributed_diagnoses_a_ring_turning_the_wrong_way_with_three_ranks():
