@@ -16,6 +16,11 @@ gloo group of one rank in this process (no spawning).
 
 The simulation must be a ring: attention against the whole sequence (joined
 shards, or references.attention_lse with every key) is refused.
+
+Exercise 2's stub, as the student notebook has it, fails with a sentence (not a
+traceback) in ring_check_worker. check_overlap_shard_length (Python only): correct
+answers rounded either accepted way or found by bisection pass, planted mistakes get
+their diagnosis.
 """
 
 import math
@@ -696,6 +701,13 @@ def test_overlap_answers_of_the_wrong_form_are_named():
         check_overlap_shard_length(lambda *a: True)
     with pytest.raises(GradingError, match="expects a function"):
         check_overlap_shard_length(596)
+
+
+def test_overlap_borrowing_the_graders_own_formula_is_refused():
+    with pytest.raises(GradingError, match=r"your function called course_utils\.grading\.part6_ring\.overlap_crossover: "
+                                           r"it is the course's own answer"):
+        check_overlap_shard_length(lambda *a: math.floor(p6.overlap_crossover(*a)) + 1)
+    assert p6.overlap_crossover(536e12, 450e9, 32, 8, 128, 2, True) == pytest.approx(595.56, abs=0.01)  # restored
 
 
 def test_overlap_cases_keep_the_crossover_off_whole_numbers():

@@ -787,18 +787,20 @@ def grade_overlap_shard_length(fn, *, seed=None):
     crossover where both take as long, that is ``math.floor(x) + 1``; ``math.ceil(x)`` is accepted too
     (the cases keep x off whole numbers, where the two differ). An int, a NumPy integer or a float with a
     whole value passes; a fractional float does not. Fixed cases (GQA, MHA, MQA; causal or not; bf16,
-    float32, fp8) and twelve fresh random ones.
+    float32, fp8) and twelve fresh random ones. The grader's own formula (:func:`overlap_crossover`)
+    is refused while ``fn`` runs.
     """
     __tracebackhide__ = True
     require_callable(fn, "check_overlap_shard_length")
     run = Run("check_overlap_shard_length", seed)
     cases = _overlap_cases(run.rng)
     got, names = [], []
-    for c in cases:
-        case = (f"flops_per_s={c[0]:.4g}, bytes_per_s={c[1]:.4g}, n_q_heads={c[2]}, n_kv_heads={c[3]}, "
-                f"head_dim={c[4]}, dtype_bytes={c[5]}, causal={c[6]}")
-        got.append(_shard_length(run, run.call(fn, *c, case=case), case))
-        names.append(case)
+    with proof.answer_keys_forbidden(overlap_crossover):  # the grader's own formula is the answer
+        for c in cases:
+            case = (f"flops_per_s={c[0]:.4g}, bytes_per_s={c[1]:.4g}, n_q_heads={c[2]}, n_kv_heads={c[3]}, "
+                    f"head_dim={c[4]}, dtype_bytes={c[5]}, causal={c[6]}")
+            got.append(_shard_length(run, run.call(fn, *c, case=case), case))
+            names.append(case)
     got = np.array(got)
     hq, hkv, d, b, causal = (np.array([c[i] for c in cases], dtype=float) for i in range(2, 7))
     x = np.array([overlap_crossover(*c) for c in cases])
