@@ -18,6 +18,8 @@ from . import references as ref
 __all__ = [
     "plot_ring_step",
     "plot_tile_work",
+    "ring_timeline",
+    "plot_ring_timeline",
     "attention_heatmap",
     "measure_peak_memory",
     "plot_memory",
@@ -658,4 +660,50 @@ def plot_tile_work(n, world_size, block, *, ax=None):
     ax.set_ylabel(f"{block}x{block} tiles computed")
     ax.set_title(f"causal attention, N = {n}, {world_size} ranks", fontsize=10)
     ax.legend(fontsize=8, loc="upper left")
+    return ax
+
+
+def ring_timeline(world_size, compute_s, transfer_s, overlap=True):
+    """The bars of one ring forward: ``[(rank, lane, step, start_s, end_s)]``, ``lane`` "compute" or "send".
+
+    Every step computes for ``compute_s``; every step but the last also sends its K/V block on, for
+    ``transfer_s``. Overlapped, the send of step ``s`` starts with its compute and step ``s + 1`` starts
+    when both are done (``max`` of the two); in sequence, the send waits for the compute (their sum).
+    The zigzag layout gives every rank the same work, so the ranks' bars coincide.
+    """
+    bars, start = [], 0.0
+    for step in range(world_size):
+        last = step == world_size - 1
+        send_start = start if overlap else start + compute_s
+        for rank in range(world_size):
+            bars.append((rank, "compute", step, start, start + compute_s))
+            if not last:
+                bars.append((rank, "send", step, send_start, send_start + transfer_s))
+        start = (start + max(compute_s, transfer_s)) if overlap else send_start + transfer_s
+    return bars
+
+
+def plot_ring_timeline(world_size, compute_s, transfer_s, *, overlap=True, ax=None, title=None):
+    """Per-step compute (blue) and K/V transfer (orange) bars of each rank, overlapped or in sequence.
+
+    Two lanes per rank; time in microseconds. The title gives the total time and the share of it
+    during which the GPU computes (what the ring's speed-up depends on).
+    """
+    ax = _axes(ax, (6.0, 0.55 * 2 * world_size + 1.2))
+    bars = ring_timeline(world_size, compute_s, transfer_s, overlap)
+    colours = {"compute": "#2171b5", "send": "#fd8d3c"}
+    for rank, lane, step, t0, t1 in bars:
+        y = 2 * rank + (0 if lane == "compute" else 1)
+        ax.barh(y, (t1 - t0) * 1e6, left=t0 * 1e6, height=0.8, color=colours[lane], edgecolor="white")
+        if (t1 - t0) * 1e6 > 0.04 * max(b[4] for b in bars) * 1e6:
+            ax.text((t0 + t1) / 2 * 1e6, y, str(step), ha="center", va="center", fontsize=7, color="white")
+    total = max(b[4] for b in bars)
+    ax.set_yticks(range(2 * world_size), [f"rank {r} {lane}" for r in range(world_size) for lane in ("compute", "send")],
+                  fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (µs); the number in a bar is its ring step")
+    busy = world_size * compute_s / total
+    head = title + "\n" if title else ""
+    ax.set_title(f"{head}{'overlapped' if overlap else 'in sequence'}: {total * 1e6:,.0f} µs, "
+                 f"computing {100 * busy:.0f}% of the time", fontsize=9)
     return ax

@@ -160,6 +160,23 @@ def test_bench_tables_say_what_was_measured_and_what_was_left_out(tmp_path):
         assert f"{name}={value}" in text
 
 
+@pytest.mark.cpu_processes("gloo processes: the K/V exchange's CPU path")
+def test_the_kv_exchange_alone_is_measured_on_two_processes_and_recorded(tmp_path):
+    import json
+
+    from course_utils.distributed import bench
+
+    records = ring.run_distributed(bench.p2p_bandwidth, 2, args=(64, 2, 2, "cpu"), device="cpu", timeout_s=120)
+    assert records[0] == records[1]  # every rank reports the slowest rank's time
+    p2p = records[0]
+    assert p2p["bytes"] == 2 * bench.N_KV_HEADS * 64 * bench.HEAD_DIM * 4 and p2p["dtype"] == "float32"
+    assert p2p["ms"] > 0 and p2p["gbps"] == pytest.approx(p2p["bytes"] / (p2p["ms"] / 1e3) / 1e9)
+    rows = [dict(n=32768, reps=3, ring_fwd_ms=50.0, ring_fwd_bwd_ms=180.0)]
+    text = bench.write_results(rows, 2, str(tmp_path), dict(gpu="H200", torch="2.11", triton="3.6", date="d"), p2p)
+    assert f"- K/V exchange alone (64 tokens, 0.5 MB of float32 K/V per rank): {p2p['ms']:.3f} ms" in text
+    assert json.loads((tmp_path / "ring_bench.json").read_text())["p2p"] == p2p
+
+
 def test_ring_pictures_draw_every_chunk_pair_once():
     import matplotlib
 

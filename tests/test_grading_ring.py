@@ -16,9 +16,15 @@ gloo group of one rank in this process (no spawning).
 
 The simulation must be a ring: attention against the whole sequence (joined
 shards, or references.attention_lse with every key) is refused.
+
+Exercise 2's stub, as the student notebook has it, fails with a sentence (not a
+traceback) in ring_check_worker. check_overlap_shard_length (Python only): correct
+answers rounded either accepted way or found by bisection pass, planted mistakes get
+their diagnosis.
 """
 
 import math
+from pathlib import Path
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
@@ -29,7 +35,7 @@ import torch.distributed as dist
 
 from course_utils import distributed as ring
 from course_utils import references as ref
-from course_utils.grading import GradingError, check_ring_attention, check_ring_simulation
+from course_utils.grading import GradingError, check_overlap_shard_length, check_ring_attention, check_ring_simulation
 from course_utils.grading import part6_ring as p6
 from course_utils.kernels import flash_attention_with_lse
 
@@ -519,6 +525,31 @@ def test_ring_worker_passes_a_correct_ring_of_triton_blocks(one_rank_group):
     assert p6._grade_distributed(run, cases, run.seed, [p6.ring_check_worker(0, 1, ring_forward, run.seed, cases)], 1)
 
 
+def _student_cell(defining):
+    """The source of the generated student notebook's code cell that defines ``defining`` (its stub)."""
+    import nbformat
+
+    path = Path(__file__).resolve().parent.parent / "notebooks" / "10_ring_attention.ipynb"
+    cells = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+    return next(source for source in cells if f"def {defining}(" in source)
+
+
+@pytest.mark.interpreter("runs ring_check_worker in this process: its CPU tensors need Triton's interpreter")
+def test_the_untouched_student_stub_fails_with_a_message_not_a_traceback(one_rank_group):
+    """Exercise 2's skeleton, exactly as learners get it: it runs up to its first `# YOUR CODE HERE`."""
+    namespace = dict(math=math, torch=torch, dist=dist, flash_attention_with_lse=flash_attention_with_lse,
+                     chunks_of=ring.chunk_ids)
+    exec(_student_cell("ring_forward"), namespace)
+    run = p6.Run("check_ring_attention", seed=2)
+    cases = p6._dist_cases(run.rng, world=1)
+    records = p6.ring_check_worker(0, 1, namespace["ring_forward"], run.seed, cases)
+    with pytest.raises(GradingError) as info:
+        p6._grade_distributed(run, cases, run.seed, [records], 1)
+    text = str(info.value)
+    assert "your function still raises NotImplementedError on rank 0 (in ring_forward, line " in text, text
+    assert "Traceback" not in text
+
+
 def test_distributed_diagnoses_a_ring_turning_the_wrong_way_with_three_ranks():
     run = p6.Run("check_ring_attention", seed=11)
     cases = p6._dist_cases(run.rng)
@@ -578,3 +609,109 @@ def test_a_correct_ring_shipped_by_value_passes_with_an_lru_cached_course_helper
 
     assert ring.portable(ring_forward_reversed) is not ring_forward_reversed  # by value
     assert check_ring_attention(ring_forward_reversed)
+
+
+# -----------------------------------------------------------------------------
+# The overlap formula (Python only: no processes)
+# -----------------------------------------------------------------------------
+def overlap_learner(flops_per_s, bytes_per_s, n_q_heads, n_kv_heads, head_dim, dtype_bytes, causal, *, mistake=None,
+                    rounding="floor+1"):
+    """The lesson's derivation: compute(n) = a n^2 / flops_per_s > transfer(n) = b n / bytes_per_s for n > x."""
+    flops = 4 * head_dim * n_q_heads  # per n^2
+    if mistake == "one_matmul":
+        flops = 2 * head_dim * n_q_heads
+    elif mistake == "no_four":
+        flops = head_dim * n_q_heads
+    if causal and mistake != "causal_not_halved" or mistake == "halved_always":
+        flops /= 2
+    heads = n_q_heads if mistake == "q_heads_for_kv" else n_kv_heads
+    sent = (1 if mistake == "no_v" else 2) * heads * head_dim * (1 if mistake == "no_dtype" else dtype_bytes)
+    if mistake == "per_q_head":  # one q head's compute against one kv head's bytes
+        flops, sent = flops / n_q_heads, sent / n_kv_heads
+    if mistake == "head_dim_in_bytes_only":
+        flops /= head_dim
+    x = sent * flops_per_s / (flops * bytes_per_s)
+    if mistake == "upside_down":
+        x = 1 / x
+    return {"floor+1": lambda: math.floor(x) + 1, "ceil": lambda: math.ceil(x), "float": lambda: x,
+            "int": lambda: int(x), "round": lambda: round(x), "numpy": lambda: np.int64(np.floor(x) + 1),
+            "whole float": lambda: float(math.floor(x) + 1)}[rounding]()
+
+
+def overlap_by_search(flops_per_s, bytes_per_s, n_q_heads, n_kv_heads, head_dim, dtype_bytes, causal):
+    """Correct, written differently: doubling then bisection on the times themselves (no algebra)."""
+    def longer(n):
+        compute = 4 * n * n * head_dim * n_q_heads / (2 if causal else 1) / flops_per_s
+        return compute > 2 * n * n_kv_heads * head_dim * dtype_bytes / bytes_per_s
+
+    hi = 1
+    while not longer(hi):
+        hi *= 2
+    lo = hi // 2  # not longer(lo) (or lo == 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if longer(mid) else (mid, hi)
+    return hi
+
+
+@pytest.mark.parametrize("fn", [
+    overlap_learner,
+    lambda *a: overlap_learner(*a, rounding="ceil"),
+    lambda *a: overlap_learner(*a, rounding="numpy"),
+    lambda *a: overlap_learner(*a, rounding="whole float"),
+    overlap_by_search,
+], ids=["floor+1", "ceil", "numpy int", "whole float", "bisection on the times"])
+def test_correct_overlap_shard_lengths_pass(fn):
+    assert check_overlap_shard_length(fn)
+    assert check_overlap_shard_length(fn, seed=12)
+
+
+OVERLAP_MISTAKES = [  # (mistake, rounding, the diagnosis)
+    (None, "float", p6.MSG_OVERLAP_FLOAT),
+    (None, "int", p6.MSG_OVERLAP_ROUNDED_DOWN),
+    (None, "round", p6.MSG_OVERLAP_ROUNDED_DOWN),
+    ("no_v", "ceil", p6.MSG_OVERLAP_NO_V),
+    ("q_heads_for_kv", "floor+1", p6.MSG_OVERLAP_Q_HEADS),
+    ("per_q_head", "ceil", p6.MSG_OVERLAP_Q_HEADS),
+    ("per_q_head", "float", p6.MSG_OVERLAP_Q_HEADS),  # a wrong formula is named before its rounding
+    ("one_matmul", "floor+1", p6.MSG_OVERLAP_ONE_MATMUL),
+    ("no_four", "floor+1", p6.MSG_OVERLAP_NO_FOUR),
+    ("causal_not_halved", "floor+1", p6.MSG_OVERLAP_CAUSAL),
+    ("halved_always", "floor+1", p6.MSG_OVERLAP_CAUSAL_NOT_CAUSAL),
+    ("no_dtype", "floor+1", p6.MSG_OVERLAP_DTYPE),
+    ("head_dim_in_bytes_only", "floor+1", p6.MSG_OVERLAP_HEAD_DIM),
+    ("upside_down", "floor+1", p6.MSG_OVERLAP_INVERTED),
+]
+
+
+@pytest.mark.parametrize("mistake, rounding, message", OVERLAP_MISTAKES,
+                         ids=[f"{m}-{r}" for m, r, _ in OVERLAP_MISTAKES])
+def test_planted_overlap_mistakes_are_diagnosed(mistake, rounding, message):
+    with pytest.raises(GradingError) as info:
+        check_overlap_shard_length(lambda *a: overlap_learner(*a, mistake=mistake, rounding=rounding), seed=4)
+    assert f"Likely cause: {message}" in str(info.value), str(info.value)
+
+
+def test_overlap_answers_of_the_wrong_form_are_named():
+    with pytest.raises(GradingError, match="returned None"):
+        check_overlap_shard_length(lambda *a: None)
+    with pytest.raises(GradingError, match="returned a tuple; return the shard length"):
+        check_overlap_shard_length(lambda *a: (1, 2))
+    with pytest.raises(GradingError, match="returned a bool"):
+        check_overlap_shard_length(lambda *a: True)
+    with pytest.raises(GradingError, match="expects a function"):
+        check_overlap_shard_length(596)
+
+
+def test_overlap_borrowing_the_graders_own_formula_is_refused():
+    with pytest.raises(GradingError, match=r"your function called course_utils\.grading\.part6_ring\.overlap_crossover: "
+                                           r"it is the course's own answer"):
+        check_overlap_shard_length(lambda *a: math.floor(p6.overlap_crossover(*a)) + 1)
+    assert p6.overlap_crossover(536e12, 450e9, 32, 8, 128, 2, True) == pytest.approx(595.56, abs=0.01)  # restored
+
+
+def test_overlap_cases_keep_the_crossover_off_whole_numbers():
+    for seed in range(20):
+        for case in p6._overlap_cases(np.random.default_rng(seed)):
+            x = p6.overlap_crossover(*case)
+            assert x >= 16 and math.floor(x) + 1 == math.ceil(x), (case, x)

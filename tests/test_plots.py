@@ -85,3 +85,20 @@ def test_dkdv_column_draws_and_its_widget_builds_headless(capsys):
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
     assert "image/png" in widgets.window_explorer(64, 16, 16, window_size=8, sink_size=2)._repr_mimebundle_()
+
+
+def test_ring_timeline_overlaps_the_send_with_the_compute():
+    for compute, transfer in ((3.0, 1.0), (1.0, 3.0)):
+        overlapped = plots.ring_timeline(4, compute, transfer, overlap=True)
+        sequential = plots.ring_timeline(4, compute, transfer, overlap=False)
+        assert max(b[4] for b in overlapped) == 3 * max(compute, transfer) + compute
+        assert max(b[4] for b in sequential) == 3 * (compute + transfer) + compute
+        sends = [b for b in overlapped if b[0] == 0 and b[1] == "send"]
+        computes = [b for b in overlapped if b[0] == 0 and b[1] == "compute"]
+        assert [b[2] for b in sends] == [0, 1, 2] and len(computes) == 4  # no send at the last step
+        assert all(s[3] == c[3] for s, c in zip(sends, computes))  # each send starts with its step's compute
+    fig, axes = plt.subplots(1, 2)
+    assert plots.plot_ring_timeline(3, 2e-6, 6e-6, overlap=False, ax=axes[0], title="short") is axes[0]
+    assert "in sequence" in axes[0].get_title() and "18 µs, computing 33% of the time" in axes[0].get_title()
+    assert plots.plot_ring_timeline(3, 2e-6, 5e-6, ax=axes[1]) is axes[1]
+    plt.close(fig)

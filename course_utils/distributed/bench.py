@@ -12,7 +12,11 @@ N = 32k..256k. For each N, in tokens per second (N / time):
   ``scaled_dot_product_attention`` on the same GPUs (optional: if it is
   missing or fails, the row says why).
 
-Forward alone, and forward + backward. Before timing, the ring's output is
+Forward alone, and forward + backward. First, the K/V exchange alone
+(:func:`p2p_bandwidth`): GB/s of one ring step's ``batch_isend_irecv`` of a
+K/V shard (N = 32k's on 2 ranks), each rank sending to the next while
+receiving from the previous, as the ring does (lesson 10's overlap exercise
+reads it). Before timing, the ring's output is
 compared with the one-GPU output (N <= 128k) and its gradients at the
 smallest N. Results go to ``results/ring_bench.{md,json}``. The whole run is
 kept to about four minutes on two H200s: fewer repetitions at long N, and a
@@ -39,6 +43,7 @@ QUICK_NS = (32768, 65536)
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM, BATCH = 32, 8, 128, 1
 TIME_BUDGET_S = 190.0  # seconds of measuring, after the processes started (spawn + NCCL set-up: ~20 s more)
 CHECK_UP_TO = 131072  # outputs compared with one GPU up to this N
+P2P_TOKENS = 16384  # the K/V shard of the exchange measured alone: N = 32k on 2 ranks
 
 
 def _reps(n):
@@ -66,6 +71,52 @@ def _timed(fn, reps, active=True):
     worst = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst.item())
+
+
+def p2p_bandwidth(rank, world, tokens=P2P_TOKENS, reps=None, inner=None, device="cuda"):
+    """GB/s of one ring step's K/V exchange, measured alone (every rank calls this; same result on each).
+
+    Each rank sends a ``[2, 1, N_KV_HEADS, tokens, HEAD_DIM]`` block (bf16 on GPUs, float32 on the CPU,
+    where gloo runs) to rank + 1 while receiving one from rank - 1, with ``batch_isend_irecv`` as
+    :func:`course_utils.distributed.ring_attention_forward` does; ``inner`` exchanges back to back per
+    repetition (so a launch's latency is not what is timed), the median over ``reps``, the slowest rank's.
+    GB/s = bytes one rank sends / time of one exchange (each direction of a link carries that much).
+    """
+    import torch
+    import torch.distributed as dist
+
+    cuda = device == "cuda"
+    reps = reps or (20 if cuda else 3)
+    inner = inner or (10 if cuda else 2)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    blocks = [torch.ones((2, BATCH, N_KV_HEADS, tokens, HEAD_DIM), dtype=dtype, device=device) for _ in range(2)]
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def exchange():
+        for i in range(inner):
+            send, recv = blocks[i % 2], blocks[(i + 1) % 2]
+            for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]):
+                request.wait()
+        if cuda:
+            torch.cuda.synchronize()
+
+    exchange()  # warm-up: NCCL sets up the pair's connection on the first message
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        exchange()
+        times.append((time.perf_counter() - start) / inner)
+    worst = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    seconds = float(worst.item())
+    sent = blocks[0].numel() * blocks[0].element_size()
+    return dict(tokens=tokens, bytes=sent, dtype=str(dtype).replace("torch.", ""), reps=reps, inner=inner,
+                ms=seconds * 1e3, gbps=sent / seconds / 1e9,
+                how="batch_isend_irecv of one K/V shard to rank + 1 while receiving from rank - 1, every rank at "
+                    "once; bytes sent by one rank / time of one exchange (median, slowest rank)")
 
 
 def _inputs(n, seed=0):
@@ -182,6 +233,9 @@ def bench_worker(rank, world, ns):
     from .. import kernels
     from . import ring_attention
 
+    p2p = p2p_bandwidth(rank, world)
+    if rank == 0:
+        print(f"K/V exchange alone: {json.dumps(p2p)}", flush=True)
     budget = _Budget()
     rows = []
     for n in ns:
@@ -272,7 +326,7 @@ def bench_worker(rank, world, ns):
         torch.cuda.empty_cache()
         if rank == 0:
             print(f"N={n}: {json.dumps({k: v for k, v in row.items() if k != 'n'})}", flush=True)
-    return rows
+    return dict(rows=rows, p2p=p2p)
 
 
 def gpu_check_worker(rank, world, ns, layout="zigzag"):
@@ -326,10 +380,11 @@ def _ratio(a, b):
     return "—" if not a or not b else f"{a / b:.2f}×"
 
 
-def write_results(rows, nproc, out, meta):
+def write_results(rows, nproc, out, meta, p2p=None):
+    """``ring_bench.json`` (meta, rows, and ``p2p``: :func:`p2p_bandwidth`'s record, if measured) and its markdown."""
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "ring_bench.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, **({"p2p": p2p} if p2p else {})), f, indent=1)
     lines = [
         f"# Ring attention on {nproc} GPUs",
         "",
@@ -360,6 +415,9 @@ def write_results(rows, nproc, out, meta):
             notes.append(f"- N = {n}, torch CP: {row['torch_cp_note']}.")
         if row.get("one_gpu"):
             notes.append(f"- N = {n}, 1 GPU: {row['one_gpu']}.")
+    if p2p:
+        notes.append(f"- K/V exchange alone ({p2p['tokens']} tokens, {p2p['bytes'] / 1e6:.1f} MB of {p2p['dtype']} "
+                     f"K/V per rank): {p2p['ms']:.3f} ms, {p2p['gbps']:.0f} GB/s per GPU each way ({p2p['how']}).")
     lines += ["", *notes, "", f"Environment of every process: {', '.join(f'{k}={v}' for k, v in SAFE_ENV.items())}."]
     with open(os.path.join(out, "ring_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -376,10 +434,10 @@ def main(nproc=2, out="results", quick=False) -> int:
     ns = QUICK_NS if quick else NS
     began = time.perf_counter()
     per_rank = run_distributed(bench_worker, nproc, args=(ns,), device="cuda")
-    rows = per_rank[0]
+    rows, p2p = per_rank[0]["rows"], per_rank[0]["p2p"]
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), nproc=nproc, wall_s=round(time.perf_counter() - began, 1),
                 env=SAFE_ENV)
-    print(write_results(rows, nproc, out, meta))
+    print(write_results(rows, nproc, out, meta, p2p))
     print(f"wrote {out}/ring_bench.md and {out}/ring_bench.json in {meta['wall_s']} s")
     return 0

@@ -100,6 +100,8 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("check_ring_simulation", "10_ring_attention", part6_ring.grade_ring_simulation, False, None, 1,
              allowed=("course_utils.references.attention_lse",)),  # the lesson computes each block with it
     Exercise("check_ring_attention", "10_ring_attention", part6_ring.grade_ring_attention, False, None, 1),
+    Exercise("check_overlap_shard_length", "10_ring_attention", part6_ring.grade_overlap_shard_length, False, None,
+             1),
     Exercise("check_quantize_fp8", "11_hopper_and_fp8", part7_hopper.grade_quantize_fp8, False, None, 1,
              answer_keys=("course_utils.kernels.fp8.quantize_fp8",)),
     Exercise("check_persistent_schedule", "11_hopper_and_fp8", part7_hopper.grade_persistent_schedule,

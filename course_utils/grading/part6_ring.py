@@ -18,6 +18,10 @@
   when the course's ring backward
   (:func:`course_utils.distributed.ring_attention_backward`) runs from what
   ``fn`` returned.
+- :func:`check_overlap_shard_length` grades a formula
+  ``fn(flops_per_s, bytes_per_s, n_q_heads, n_kv_heads, head_dim, dtype_bytes, causal) -> int``:
+  the shortest shard (tokens per rank) at which one ring step's attention takes longer than
+  sending the next K/V shard, so that the transfer hides behind the compute. Pure Python, no processes.
 
 A wrong answer is explained by the first known mistake it reproduces, each
 re-enacted in float64 by :func:`simulate` on the same inputs: a merge
@@ -32,6 +36,7 @@ shard, no concatenation of several ranks' K or V shards.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import signal
 import types
 
@@ -45,7 +50,7 @@ from .outcome import crash_message
 from .mistakes import MSG_NO_SHIFT_RING
 from .mistakes import MSG_NO_TRITON_RING
 
-__all__ = ["grade_ring_simulation", "grade_ring_attention", "simulate"]
+__all__ = ["grade_ring_simulation", "grade_ring_attention", "grade_overlap_shard_length", "simulate"]
 
 ATOL, RTOL = 1e-8, 1e-6  # NumPy answers (float64)
 TORCH_TOL = {"float32": (2e-4, 2e-4), "float16": (2e-2, 2e-2)}  # interpreter, fp32 tl.dot exact
@@ -94,6 +99,12 @@ MSG_NOT_A_RING = (
     "and receives the next from rank - 1, and never holds more than two blocks. Gathering every "
     "block (all_gather), broadcasting or reducing them is another algorithm, which needs all of K/V "
     "on every GPU."
+)
+MSG_NOT_IMPLEMENTED_RING = (
+    "your function still raises NotImplementedError on rank {rank} ({where}): a `# YOUR CODE HERE` "
+    "block of the stub is not filled in yet. Replace each `raise NotImplementedError()` with your code: "
+    "the running (acc, lse) before the loop, whose K/V the rank holds at each step, the causal plan of "
+    "each pair of chunks, and merge_."
 )
 MSG_TORCH_ATTENTION_RING = (
     "while your function ran on rank {rank}, torch computed {what} ({op}). Compute each block's attention "
@@ -567,10 +578,13 @@ def ring_check_worker(rank, world, fn, seed, cases):
                 record["grads"] = [t.grad.double().numpy() for t in leaves]
         except Forbidden as exc:  # the course's own ring forward, or a reference: one sentence
             record["forbidden"] = str(exc)
+        except NotImplementedError as exc:  # the stub, not filled in yet: say so, not a traceback
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            record["not_implemented"] = f"in {frame.name}, line {frame.lineno}"
         except Exception as exc:  # noqa: BLE001  (the learner's error, shown with its traceback)
             record["error"] = "".join(traceback.format_exception(exc))
         results.append(record)
-        if "error" in record or "forbidden" in record or record.get("collectives") or record.get("torch_attention"):
+        if "error" in record or "forbidden" in record or "not_implemented" in record or record.get("collectives") or record.get("torch_attention"):
             break  # refused, or failed: stop here (a rank waiting on this one sees the connection close)
     return results
 
@@ -589,6 +603,9 @@ def _grade_distributed(run, cases, seed, per_rank, world):
         forbidden = [r["forbidden"] for r in records if "forbidden" in r]
         if forbidden:
             raise run.fail(forbidden[0], name)
+        for rank, record in enumerate(records):  # an untouched stub: before the broken connections it leaves
+            if "not_implemented" in record:
+                raise run.fail(MSG_NOT_IMPLEMENTED_RING.format(rank=rank, where=record["not_implemented"]), name)
         # Before the errors: a rank that stopped here leaves the others a broken connection.
         for rank, record in enumerate(records):  # no all-gather, broadcast, ...: a ring
             if record.get("collectives"):
@@ -666,3 +683,150 @@ def grade_ring_attention(fn, *, seed=None, world_size=WORLD_SIZE, timeout_s=180.
         code = -signal.Signals[exc.signal_name].value if exc.signal_name else exc.exit_code
         raise Crashed(crash_message("check_ring_attention", code)) from None
     return _grade_distributed(run, cases, run.seed, per_rank, world_size)
+
+
+# -----------------------------------------------------------------------------
+# When does the transfer hide behind the compute? (a formula, no processes)
+# -----------------------------------------------------------------------------
+MSG_OVERLAP_FLOAT = (
+    "you returned the crossover as a float (the length where compute and transfer take exactly as long). "
+    "Return a whole number of tokens: the smallest integer shard length n whose compute takes LONGER than "
+    "its transfer, math.floor(x) + 1 for the crossover x (math.ceil(x) is the same unless x is a whole number)."
+)
+MSG_OVERLAP_ROUNDED_DOWN = (
+    "the crossover x was rounded down (int(x), math.floor(x) or round(x)): at floor(x) tokens the transfer "
+    "still takes at least as long as the compute. Return the first length past the crossover, "
+    "math.floor(x) + 1."
+)
+MSG_OVERLAP_NO_V = (
+    "the transfer counts K only: each step sends K AND V of the shard, 2 * shard * n_kv_heads * head_dim * "
+    "dtype_bytes bytes (the ring stacks them into one message)."
+)
+MSG_OVERLAP_Q_HEADS = (
+    "the heads are wrong on one side: K and V have n_kv_heads heads (the bytes), while the compute runs for "
+    "every one of the n_q_heads query heads (the FLOPs). Counting n_q_heads for the K/V bytes, or one head on "
+    "both sides, drops the factor group_size = n_q_heads / n_kv_heads that GQA gains."
+)
+MSG_OVERLAP_ONE_MATMUL = (
+    "the compute is half the convention's: a block is two matrix products (S = Q K^T and O = P V), each "
+    "2 * shard^2 * head_dim FLOPs per query head (a multiply-add is two FLOPs): 4 * shard^2 * head_dim * n_q_heads."
+)
+MSG_OVERLAP_NO_FOUR = (
+    "the factor 4 is missing from the FLOPs: shard^2 * head_dim * n_q_heads counts one multiply per score "
+    "and product; the convention is 4 * shard^2 * head_dim * n_q_heads (two products, two FLOPs per multiply-add)."
+)
+MSG_OVERLAP_CAUSAL = (
+    "with causal=True the compute is not halved: in the zigzag layout every ring step computes half a "
+    "block pair (step 0 the triangle of its own shard, every later step two of its four chunk pairs), "
+    "2 * shard^2 * head_dim * n_q_heads FLOPs."
+)
+MSG_OVERLAP_CAUSAL_NOT_CAUSAL = (
+    "the compute was halved although causal=False: without the mask a step computes the whole "
+    "shard x shard block, 4 * shard^2 * head_dim * n_q_heads FLOPs."
+)
+MSG_OVERLAP_DTYPE = "the bytes per element are missing: the transfer is 2 * shard * n_kv_heads * head_dim * dtype_bytes bytes."
+MSG_OVERLAP_HEAD_DIM = (
+    "head_dim is on one side only: both the FLOPs (4 * shard^2 * head_dim * n_q_heads) and the bytes "
+    "(2 * shard * n_kv_heads * head_dim * dtype_bytes) grow with it, so it cancels from the crossover."
+)
+MSG_OVERLAP_INVERTED = (
+    "this is the crossover with the rates swapped or the ratio upside down: compute time = FLOPs / flops_per_s, "
+    "transfer time = bytes / bytes_per_s; solve compute(n) > transfer(n) for n."
+)
+
+
+def overlap_crossover(flops_per_s, bytes_per_s, n_q_heads, n_kv_heads, head_dim, dtype_bytes, causal):
+    """The shard length x (tokens, a float) where one step's compute time equals its transfer time.
+
+    Compute: ``4 * n**2 * head_dim * n_q_heads`` FLOPs, halved when causal (zigzag: every step is half a
+    block pair), at ``flops_per_s``; transfer: ``2 * n * n_kv_heads * head_dim * dtype_bytes`` bytes at
+    ``bytes_per_s``. Compute grows like n², the transfer like n: compute is longer exactly when n > x.
+    """
+    flops_per_n2 = 4.0 * head_dim * n_q_heads / (2 if causal else 1)
+    bytes_per_n = 2.0 * n_kv_heads * head_dim * dtype_bytes
+    return bytes_per_n * flops_per_s / (flops_per_n2 * bytes_per_s)
+
+
+def _overlap_cases(rng):
+    """(flops_per_s, bytes_per_s, n_q_heads, n_kv_heads, head_dim, dtype_bytes, causal), crossovers off integers."""
+    fixed = [
+        (536e12, 450e9, 32, 8, 128, 2, True),  # the fast kernel's rate over NVLink's published 450 GB/s
+        (536e12, 450e9, 32, 8, 128, 2, False),
+        (61.3e12, 47e9, 16, 16, 64, 4, False),  # MHA, float32
+        (312e12, 23e9, 64, 1, 128, 2, True),  # MQA over a slow link
+        (990e12, 397e9, 40, 8, 256, 1, True),  # fp8
+    ]
+    cases = list(fixed)
+    while len(cases) < len(fixed) + 12:
+        n_kv = int(rng.choice([1, 2, 4, 8]))
+        case = (float(rng.uniform(50e12, 1000e12)), float(rng.uniform(20e9, 900e9)), n_kv * int(rng.choice([1, 2, 4, 8])),
+                n_kv, int(rng.choice([64, 128, 256])), int(rng.choice([1, 2, 4])), bool(len(cases) % 2))
+        x = overlap_crossover(*case)
+        # Off whole numbers (where > and >= differ), and long enough that the mistakes' answers stay apart.
+        if x >= 16 and abs(x - round(x)) > 1e-6 * x:
+            cases.append(case)
+    return cases
+
+
+def _shard_length(run, out, case):
+    """The learner's answer as a float (a number, not a bool), or one plain sentence."""
+    if out is None:
+        raise run.fail("your function returned None: did you forget a `return`?", case)
+    if isinstance(out, bool) or not isinstance(out, (numbers.Real, np.floating, np.integer)):
+        raise run.fail(f"your function returned a {type(out).__name__}; return the shard length, an int.", case)
+    return float(out)
+
+
+def grade_overlap_shard_length(fn, *, seed=None):
+    """Grade ``fn(flops_per_s, bytes_per_s, n_q_heads, n_kv_heads, head_dim, dtype_bytes, causal) -> int``.
+
+    The smallest shard length ``n`` (tokens per rank, an integer) at which one ring step's attention takes
+    LONGER than sending the next K/V shard: ``4 * n**2 * head_dim * n_q_heads`` FLOPs (halved when
+    causal: in the zigzag layout every step computes half a block pair) at ``flops_per_s``, against
+    ``2 * n * n_kv_heads * head_dim * dtype_bytes`` bytes (K and V) at ``bytes_per_s``. With x the
+    crossover where both take as long, that is ``math.floor(x) + 1``; ``math.ceil(x)`` is accepted too
+    (the cases keep x off whole numbers, where the two differ). An int, a NumPy integer or a float with a
+    whole value passes; a fractional float does not. Fixed cases (GQA, MHA, MQA; causal or not; bf16,
+    float32, fp8) and twelve fresh random ones. The grader's own formula (:func:`overlap_crossover`)
+    is refused while ``fn`` runs.
+    """
+    __tracebackhide__ = True
+    require_callable(fn, "check_overlap_shard_length")
+    run = Run("check_overlap_shard_length", seed)
+    cases = _overlap_cases(run.rng)
+    got, names = [], []
+    with proof.answer_keys_forbidden(overlap_crossover):  # the grader's own formula is the answer
+        for c in cases:
+            case = (f"flops_per_s={c[0]:.4g}, bytes_per_s={c[1]:.4g}, n_q_heads={c[2]}, n_kv_heads={c[3]}, "
+                    f"head_dim={c[4]}, dtype_bytes={c[5]}, causal={c[6]}")
+            got.append(_shard_length(run, run.call(fn, *c, case=case), case))
+            names.append(case)
+    got = np.array(got)
+    hq, hkv, d, b, causal = (np.array([c[i] for c in cases], dtype=float) for i in range(2, 7))
+    x = np.array([overlap_crossover(*c) for c in cases])
+    want = np.floor(x) + 1
+
+    def formula(message, factor):  # a mistaken formula's crossover, however it was rounded (within 1 token)
+        return Diagnosis(message, expected=x * factor, atol=1.0 + 1e-9, rtol=1e-9)
+
+    def whole(a):
+        return bool(np.all(np.isfinite(a)) and np.all(a == np.round(a)))
+
+    diagnoses = [
+        Diagnosis(MSG_OVERLAP_FLOAT, when=lambda a: not whole(a) and bool(np.all((a >= x * (1 - 1e-6)) & (a <= want)))),
+        Diagnosis(MSG_OVERLAP_ROUNDED_DOWN, when=lambda a: whole(a) and bool(np.all((a == want) | (a == want - 1)))),
+        formula(MSG_OVERLAP_NO_V, 0.5),
+        formula(MSG_OVERLAP_Q_HEADS, hq / hkv),
+        formula(MSG_OVERLAP_ONE_MATMUL, 2.0),
+        formula(MSG_OVERLAP_NO_FOUR, 4.0),
+        formula(MSG_OVERLAP_CAUSAL, np.where(causal == 1, 0.5, 1.0)),
+        formula(MSG_OVERLAP_CAUSAL_NOT_CAUSAL, np.where(causal == 1, 1.0, 2.0)),
+        formula(MSG_OVERLAP_DTYPE, 1 / b),
+        formula(MSG_OVERLAP_HEAD_DIM, 1 / d),
+        formula(MSG_OVERLAP_HEAD_DIM, d),
+        formula(MSG_OVERLAP_INVERTED, 1 / x**2),
+    ]
+    bad = got != want
+    run.compare(got, want, case=names[int(np.argmax(bad))] if bad.any() else "all", what="the shard length "
+                "(tokens per rank) of each case", atol=0, rtol=0, diagnoses=diagnoses, axes=("case",))
+    return run.passed()
