@@ -13,6 +13,16 @@ Two kernels, each taught in a lesson and kept here as the one copy:
   Its inner loop is :func:`attn_fwd_inner`, as in Triton's fused-attention
   tutorial (a public name: lesson 08 imports it for its window kernel).
 
+Lesson 08's window/sink kernel (kernel C, :func:`_flash_attention_forward_window_kernel`)
+and lesson 12's kernel D (:func:`_flash_attention_forward_mods_kernel`): packed
+documents (``cu_seqlens``), soft-capping, ALiBi and sink logits, alone or with
+causal and the window, behind compile-time flags (a flag that is off compiles
+to nothing). Its tile ranges (:func:`_mods_bounds`, in Python
+:func:`mods_tile_bounds`) skip every tile no visible pair touches; its score
+modification (:func:`_score_mod`) and mask (:func:`_mods_keep`) are shared
+with the backward's kernels. Launcher :func:`flash_attention_mods_forward`,
+validation :func:`validate_mods`.
+
 One copy: the solution notebooks ``solutions/04_flash_attention_forward.ipynb``
 and ``solutions/05_causal_gqa.ipynb`` define these same ``@triton.jit``
 functions. The ``### BEGIN SOLUTION`` / ``### END SOLUTION`` comment lines
