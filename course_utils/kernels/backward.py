@@ -869,6 +869,8 @@ def _attn_bwd_dq_mods(
 ):
     """dQ of one query block with lesson 12's modifications: the forward's tile ranges (``_mods_bounds``)."""
     pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # the last query blocks have the most key tiles: launch them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // n_q_heads
     q_head = pid_bh % n_q_heads

@@ -791,6 +791,8 @@ def _flash_attention_forward_mods_kernel(
     score whose value is 0: ``m_i = z``, ``l_i = 1``, ``acc = 0``.
     """
     start_m = tl.program_id(0)
+    if IS_CAUSAL:  # the last query blocks have the most tiles: launch them first, the short ones fill in
+        start_m = tl.num_programs(0) - 1 - start_m
     batch_head = tl.program_id(1)
     batch = batch_head // N_Q_HEADS
     q_head = batch_head % N_Q_HEADS
@@ -1173,6 +1175,7 @@ def has_mods(cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None)
 
 def document_bounds(cu_seqlens, n: int):
     """``(doc_start, doc_end)``: int32 ``[n]`` tensors, where each position's document starts and ends."""
+    cu_seqlens = cu_seqlens.contiguous()  # any strides (searchsorted wants a contiguous one)
     pos = torch.arange(n, dtype=torch.int32, device=cu_seqlens.device)
     seg = torch.searchsorted(cu_seqlens, pos, right=True) - 1  # each position's document
     return cu_seqlens[seg].contiguous(), cu_seqlens[seg + 1].contiguous()
