@@ -270,6 +270,30 @@ def test_mods_tile_bounds_visit_exactly_the_visible_tiles(n, kwargs, block_m, bl
     _check_tiles(got, want, kwargs.get("sink_size", 0) > 0)
 
 
+def test_mods_tile_bounds_on_random_cases():
+    """Fresh random documents, windows, sinks and tiles (no documents too): the same exact-visit rule."""
+    rng = np.random.default_rng(1212)
+    for _ in range(150):
+        n = int(rng.integers(1, 160))
+        block_m, block_n = (int(x) for x in rng.choice([16, 32, 64], size=2))
+        cuts = sorted(rng.choice(np.arange(1, n), size=min(n - 1, int(rng.integers(0, 6))), replace=False)) if n > 1 else []
+        kwargs = dict(cu_seqlens=[0, *map(int, cuts), n], causal=bool(rng.integers(0, 2)))
+        if kwargs["causal"] and rng.integers(0, 2):
+            kwargs.update(window_size=int(rng.integers(1, 80)), sink_size=int(rng.integers(0, 40)))
+        with_docs = bool(rng.integers(0, 4))
+        want = _tile_states(_mask(n, kwargs) if with_docs else
+                            _mask(n, dict(kwargs, cu_seqlens=[0, n])), block_m, block_n)
+        got = {}
+        for start_m in range(-(-n // block_m)):
+            bounds = forward.mods_tile_bounds(start_m, block_m, block_n, n,
+                                              **dict(kwargs, cu_seqlens=kwargs["cu_seqlens"] if with_docs else None))
+            for lo, f_lo, f_hi, hi in bounds:
+                for start in range(lo, hi, block_n):
+                    assert (start_m * block_m, start) not in got, (n, block_m, block_n, kwargs)
+                    got[(start_m * block_m, start)] = not f_lo <= start < f_hi
+        _check_tiles(got, want, kwargs.get("sink_size", 0) > 0)
+
+
 def test_packing_cost_follows_the_visible_pairs():
     """16 documents packed into one sequence: about 1/16 of the causal tiles are visited."""
     n, block = 4096, 64
