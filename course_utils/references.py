@@ -24,7 +24,18 @@ Conventions shared by every section:
 - grouped-query attention (GQA): when ``q`` has more heads on axis ``-3``
   than ``k`` and ``v``, each kv head serves ``group_size = n_q_heads //
   n_kv_heads`` consecutive query heads, i.e. ``kv_head = q_head //
-  group_size`` (the convention of torch's ``enable_gqa=True``).
+  group_size`` (the convention of torch's ``enable_gqa=True``);
+- score modifications (lesson 12), in this order: ``s_ij = scale * q_i . k_j``;
+  ``softcap = c``: ``s_ij <- c * tanh(s_ij / c)``; ``alibi_slopes`` (one
+  slope ``m_h`` per query head): ``s_ij <- s_ij - m_h * |i - j|``. Key ``j``
+  is visible from query ``i`` iff they lie in one segment of ``cu_seqlens``
+  (:func:`document_mask`), AND ``j <= i`` if causal, AND the window/sink
+  rule if ``window_size`` is given. ``sink_logits`` (one ``z_h`` per query
+  head) join each row's denominator but have no value:
+  ``lse_i = log(exp(z_h) + sum_visible exp(s_ij))``, ``p_ij = exp(s_ij -
+  lse_i)``, ``o_i = sum_j p_ij v_j``. Positions ``i, j`` are those of the
+  packed sequence, so the ``sink_size`` sink keys of lesson 08 are the first
+  keys of the packed sequence (they serve the first document only).
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ __all__ = [
     "repeat_kv_heads",
     "attention",
     "attention_lse",
+    "document_mask",
     "online_softmax",
     "online_softmax_states",
     "tiled_attention",
@@ -92,15 +104,81 @@ def window_mask(n_q: int, n_k: int, window_size=None, sink_size: int = 0) -> np.
     return (j <= i) & ((i - j < window_size) | (j < sink_size))
 
 
-def _score_mask(n_q, n_k, causal, window_size, sink_size):
+def document_mask(cu_seqlens, n: int) -> np.ndarray:
+    """Boolean ``[n, n]`` array, True where positions ``i`` and ``j`` lie in one document (lesson 12).
+
+    ``cu_seqlens`` ``[S + 1]`` are the documents' boundaries in the packed
+    sequence, ``0 = cu[0] < cu[1] < ... < cu[S] = n``: document ``s`` holds
+    positions ``cu[s]`` to ``cu[s + 1] - 1`` (FlashAttention's varlen
+    convention). The mask is block-diagonal, one block per document.
+    """
+    cu = np.asarray(cu_seqlens).reshape(-1)
+    if cu.size < 2 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"cu_seqlens must be integers [S + 1] with S >= 1, not {cu.dtype} of shape {cu.shape}.")
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 (the first document's start), not {cu[0]}.")
+    if cu[-1] != n:
+        raise ValueError(f"cu_seqlens must end at N = {n} (the packed length), not {cu[-1]}.")
+    if np.any(np.diff(cu) <= 0):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty document), but it is {cu.tolist()}.")
+    seg = np.searchsorted(cu, np.arange(n), side="right") - 1  # the document of each position
+    return seg[:, None] == seg[None, :]
+
+
+def _score_mask(n_q, n_k, causal, window_size, sink_size, cu_seqlens=None):
     """The boolean mask attention applies, or None; a window without causal is refused."""
     if window_size is None and not sink_size:
-        return causal_mask(n_q, n_k) if causal else None
-    if not causal:
+        mask = causal_mask(n_q, n_k) if causal else None
+    elif not causal:
         raise ValueError("window_size and sink_size need causal=True: a sliding window here looks back only.")
-    if window_size is None:
+    elif window_size is None:
         raise ValueError("sink_size needs a window_size: without a window every earlier key is visible already.")
-    return window_mask(n_q, n_k, window_size, sink_size)
+    else:
+        mask = window_mask(n_q, n_k, window_size, sink_size)
+    if cu_seqlens is not None:
+        if n_q != n_k:
+            raise ValueError(f"cu_seqlens needs as many queries as keys, but there are {n_q} and {n_k}.")
+        docs = document_mask(cu_seqlens, n_q)
+        mask = docs if mask is None else mask & docs
+    return mask
+
+
+def _per_head(x, q, name):
+    """``x`` [Hq] (one number per query head) shaped to broadcast against ``[..., Hq, Nq, Nk]``."""
+    x = np.asarray(x, dtype=np.float64)
+    if q.ndim < 3 or x.shape != (q.shape[-3],):
+        heads = q.shape[-3] if q.ndim >= 3 else "no"
+        raise ValueError(f"{name} must have one value per query head, shape ({heads},), not {x.shape}.")
+    return x[:, None, None]
+
+
+def _modified_scores(q, k, sm_scale, causal, window_size, sink_size, cu_seqlens, softcap, alibi_slopes):
+    """``(s, t)``: the masked, modified scores ``[..., Nq, Nk]`` and ``tanh`` of the soft-cap (or None)."""
+    s = sm_scale * (q @ np.swapaxes(k, -1, -2))
+    t = None
+    if softcap is not None:
+        softcap = float(softcap)
+        if not softcap > 0:
+            raise ValueError(f"softcap must be a number above 0, not {softcap}.")
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    if alibi_slopes is not None:
+        distance = np.abs(np.arange(q.shape[-2])[:, None] - np.arange(k.shape[-2])[None, :])
+        s = s - _per_head(alibi_slopes, q, "alibi_slopes") * distance
+    mask = _score_mask(q.shape[-2], k.shape[-2], causal, window_size, sink_size, cu_seqlens)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    return s, t
+
+
+def _softmax_stats(s, q, sink_logits):
+    """``(m, l)`` per row ``[..., Nq, 1]``: the max and the sum ``exp(z - m) + sum_j exp(s_j - m)``."""
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    if sink_logits is None:
+        return m, np.sum(np.exp(s - m), axis=-1, keepdims=True)
+    z = np.broadcast_to(_per_head(sink_logits, q, "sink_logits")[..., 0:1], m.shape)
+    m = np.maximum(m, z)  # the sink is a score like any other here: no row is ever empty
+    return m, np.sum(np.exp(s - m), axis=-1, keepdims=True) + np.exp(z - m)
 
 
 def repeat_kv_heads(q, k, v):
@@ -125,7 +203,8 @@ def repeat_kv_heads(q, k, v):
     return np.repeat(k, group_size, axis=-3), np.repeat(v, group_size, axis=-3)
 
 
-def attention_lse(q, k, v, causal=False, scale=None, *, window_size=None, sink_size=0):
+def attention_lse(q, k, v, causal=False, scale=None, *, window_size=None, sink_size=0,
+                  cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None):
     """Scaled dot-product attention and the logsumexp of each query row.
 
     ``q [..., Nq, d]``, ``k``/``v [..., Nk, d]`` (``v`` may have its own last
@@ -135,28 +214,34 @@ def attention_lse(q, k, v, causal=False, scale=None, *, window_size=None, sink_s
     aligned; fewer kv heads than query heads means GQA (module docstring).
     ``window_size`` and ``sink_size`` (with ``causal=True``) apply
     :func:`window_mask` instead of the causal mask.
+
+    Lesson 12's keywords (module docstring for the exact order):
+    ``cu_seqlens`` (documents packed into one sequence, :func:`document_mask`;
+    ``Nq == Nk``, the same documents for every batch element), ``softcap``
+    (a float > 0), ``alibi_slopes`` and ``sink_logits`` (``[Hq]`` each; then
+    ``lse`` includes ``exp(z_h)``, and a row that sees no key has ``o = 0``,
+    ``lse = z_h``).
     """
     q, k, v = (np.asarray(t, dtype=np.float64) for t in (q, k, v))
     k, v = repeat_kv_heads(q, k, v)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    s = sm_scale * (q @ np.swapaxes(k, -1, -2))
-    mask = _score_mask(q.shape[-2], k.shape[-2], causal, window_size, sink_size)
-    if mask is not None:
-        s = np.where(mask, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
+    s, _ = _modified_scores(q, k, sm_scale, causal, window_size, sink_size, cu_seqlens, softcap, alibi_slopes)
+    m, l = _softmax_stats(s, q, sink_logits)
     p = np.exp(s - m)
-    l = np.sum(p, axis=-1, keepdims=True)
     o = (p / l) @ v
     lse = (m + np.log(l))[..., 0]
     return o, lse
 
 
-def attention(q, k, v, causal=False, scale=None, *, window_size=None, sink_size=0):
+def attention(q, k, v, causal=False, scale=None, *, window_size=None, sink_size=0,
+              cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None):
     """Scaled dot-product attention ``softmax(scale * q k^T) v``: the output only.
 
     Same arguments and conventions as :func:`attention_lse`.
     """
-    return attention_lse(q, k, v, causal=causal, scale=scale, window_size=window_size, sink_size=sink_size)[0]
+    return attention_lse(q, k, v, causal=causal, scale=scale, window_size=window_size, sink_size=sink_size,
+                         cu_seqlens=cu_seqlens, softcap=softcap, alibi_slopes=alibi_slopes,
+                         sink_logits=sink_logits)[0]
 
 
 def online_softmax(x, block_size: int):
@@ -302,7 +387,8 @@ def sum_kv_groups(dx, group_size: int):
     return dx.reshape(shape).sum(axis=-3)
 
 
-def attention_backward(q, k, v, do, causal=False, scale=None, *, window_size=None, sink_size=0):
+def attention_backward(q, k, v, do, causal=False, scale=None, *, window_size=None, sink_size=0,
+                       cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` for an upstream ``do``.
 
     The textbook chain rule, with the whole score matrix in memory (fine at
@@ -317,24 +403,40 @@ def attention_backward(q, k, v, do, causal=False, scale=None, *, window_size=Non
     P_ik dP_ik)``, and ``sum_k P_ik dP_ik = dO_i . (sum_k P_ik V_k) = dO_i . O_i``.
     With GQA, dK and dV are summed over each group's query heads.
     ``window_size``/``sink_size`` mask as in :func:`attention_lse`.
+
+    Lesson 12's keywords as in :func:`attention_lse`. ``P = exp(S - lse)``
+    with the sink inside ``lse``; ``D`` is still ``rowsum(dO * O)`` (the sink
+    has no value, so its ``dP`` is 0). The soft-cap multiplies ``dS`` by its
+    derivative ``1 - tanh(S / c)^2`` before ``dQ``/``dK``; ALiBi's bias has no
+    gradient (it depends on positions only). With ``sink_logits`` the return
+    value is ``(dq, dk, dv, d_sink_logits)``, ``d_sink_logits [Hq]`` =
+    ``sum over batch and queries of -exp(z_h - lse_i) * D_i``; without it,
+    ``(dq, dk, dv)`` as always.
     """
     q, k, v, do = (np.asarray(t, dtype=np.float64) for t in (q, k, v, do))
     group_size = _check_backward_shapes(q, k, v, do)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     k_rep, v_rep = repeat_kv_heads(q, k, v)
-    s = sm_scale * (q @ np.swapaxes(k_rep, -1, -2))
-    mask = _score_mask(q.shape[-2], k.shape[-2], causal, window_size, sink_size)
-    if mask is not None:
-        s = np.where(mask, s, -np.inf)
-    p = softmax(s, axis=-1)
+    s, t = _modified_scores(q, k_rep, sm_scale, causal, window_size, sink_size, cu_seqlens, softcap, alibi_slopes)
+    m, l = _softmax_stats(s, q, sink_logits)
+    lse = m + np.log(l)
+    p = np.exp(s - lse)
     o = p @ v_rep
     dv = np.swapaxes(p, -1, -2) @ do
     dp = do @ np.swapaxes(v_rep, -1, -2)
     delta = np.sum(do * o, axis=-1, keepdims=True)
     ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1.0 - t * t)  # d(c * tanh(x / c)) / dx
     dq = sm_scale * (ds @ k_rep)
     dk = sm_scale * (np.swapaxes(ds, -1, -2) @ q)
-    return dq, sum_kv_groups(dk, group_size), sum_kv_groups(dv, group_size)
+    grads = (dq, sum_kv_groups(dk, group_size), sum_kv_groups(dv, group_size))
+    if sink_logits is None:
+        return grads
+    z = _per_head(sink_logits, q, "sink_logits")[..., 0:1]
+    d_sink = -np.exp(z - lse) * delta  # [..., Hq, Nq, 1]: each row's share
+    d_sink = d_sink.reshape(-1, q.shape[-3], q.shape[-2]).sum(axis=(0, 2))
+    return grads + (d_sink,)
 
 
 def tiled_attention_backward(q, k, v, o, lse, do, block_m: int, block_n: int, causal=False, scale=None):
