@@ -77,6 +77,10 @@ ANSWERS = {
     "check_flash_forward": lambda: solution_function("04_flash_attention_forward.ipynb", "flash_attention"),
     "check_flash_gqa": lambda: solution_function("05_causal_gqa.ipynb", "flash_attention_gqa"),
     "check_flash_backward": lambda: solution_function("07_backward.ipynb", "flash_attention"),
+    "check_two_per_sm": lambda: solution_function("06_performance.ipynb", "flash_attention_two_per_sm"),
+    "check_dkdv_bounds": lambda: solution_function("08_sliding_window_and_sinks.ipynb", "dkdv_query_bounds"),
+    "check_choose_num_splits": lambda: solution_function("09_decoding.ipynb", "choose_num_splits"),
+    "check_overlap_shard_length": lambda: solution_function("10_ring_attention.ipynb", "overlap_shard_length"),
 }
 
 
