@@ -356,14 +356,27 @@ def grade_doc_tile_bounds(fn, *, seed=None):
 # =============================================================================
 # The forward: models of the right answer and of the mistakes
 # =============================================================================
-def visited_pairs(cu, n, block_m, block_n, causal) -> np.ndarray:
-    """``[n, n]``: True where key j lies in a tile that query i's block visits (the right tile bounds)."""
-    out = np.zeros((n, n), dtype=bool)
-    for start_m in range(-(-n // block_m)):
-        lo, hi, _ = _bounds_variant(cu, block_m, block_n, start_m, causal)
-        end = min(-(-hi // block_n) * block_n, n)
-        out[start_m * block_m:min((start_m + 1) * block_m, n), lo:end] = True
-    return out
+def visited_pairs(cu, n, block_m, block_n, causal, n_keys=None) -> np.ndarray:
+    """``[n, n_keys]``: True where key slot j lies in a tile that query i's block visits (the right tile bounds).
+
+    ``n_keys`` (default ``n``) longer than ``n`` keeps the slots past the end that the last tile of
+    a range covers (a kernel loads them as zeros and masks them).
+    """
+    n_keys = n if n_keys is None else n_keys
+    key = (tuple(int(x) for x in cu), n, block_m, block_n, causal, n_keys)
+    if key not in _VISITED:
+        out = np.zeros((n, n_keys), dtype=bool)
+        for start_m in range(-(-n // block_m)):
+            lo, hi, _ = _bounds_variant(cu, block_m, block_n, start_m, causal)
+            end = min(-(-hi // block_n) * block_n, n_keys)
+            out[start_m * block_m:min((start_m + 1) * block_m, n), lo:end] = True
+        if len(_VISITED) > 64:
+            _VISITED.clear()
+        _VISITED[key] = out
+    return _VISITED[key]
+
+
+_VISITED: dict = {}
 
 
 def _softmax_out(s, v, z=None, numerator=False):
@@ -381,23 +394,42 @@ def _softmax_out(s, v, z=None, numerator=False):
         return o, m + np.log(l), m + np.log(l_keys)
 
 
-def _forward_variant(q, k, v, cu, causal, softcap, slopes, sinks, mistake=None, blocks=None):
+def _forward_variant(q, k, v, cu, causal, softcap, slopes, sinks, mistake=None, blocks=None, cache=None):
     """``(o, lse)`` in float64 of one packed sequence (``q [Hq, N, D]``, ``k, v [Hkv, N, D]``), or of a mistake.
 
     ``blocks = (block_m, block_n)``: the tiles a kernel visits, for the mistakes that
-    only show inside visited tiles.
+    only show inside visited tiles. ``cache`` (a dict) keeps the scores, which do not depend
+    on the blocks, between calls for the same inputs.
     """
+    key = (mistake, None if blocks is None else max(blocks))
+    if cache is not None and key in cache:
+        s, bias, v, keep, n, n_keys, scale = cache[key]
+    else:
+        s, bias, v, keep, n, n_keys, scale = _variant_scores(q, k, v, cu, causal, softcap, slopes, mistake, blocks)
+        if cache is not None:
+            cache[key] = (s, bias, v, keep, n, n_keys, scale)
+    return _variant_softmax(s, bias, v, keep, n, n_keys, scale, cu, causal, softcap, sinks, mistake, blocks)
+
+
+def _variant_scores(q, k, v, cu, causal, softcap, slopes, mistake, blocks):
+    """The first half of :func:`_forward_variant`: the modified scores and the document mask."""
     group = q.shape[0] // k.shape[0]
     k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
     h, n, d = q.shape
+    after_mask = mistake in ("softcap_after_mask", "softcap_after_mask_bias")
+    if after_mask:  # capped after the mask, even the slots past N of the last tile count: zeros, score -c
+        pad = max(blocks)
+        k = np.concatenate([k, np.zeros((h, pad, d))], axis=1)
+        v = np.concatenate([v, np.zeros((h, pad, v.shape[-1]))], axis=1)
+    n_keys = k.shape[1]
     scale = 1.0 / math.sqrt(d)
     s = scale * (q @ np.swapaxes(k, -1, -2))
-    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    i, j = np.arange(n)[:, None], np.arange(n_keys)[None, :]
     bias = 0.0
     if slopes is not None:
         slope = np.asarray(slopes, dtype=np.float64)
         if mistake == "alibi_kv_head":
-            slope = slope[np.arange(h) // group * group]
+            slope = slope[np.arange(h) // group]  # the kv head's index: q_head // group_size
         dist = (i - j) if mistake == "alibi_signed" else np.abs(i - j)
         bias = slope[:, None, None] * dist
         if mistake == "alibi_sign":
@@ -407,7 +439,7 @@ def _forward_variant(q, k, v, cu, causal, softcap, slopes, sinks, mistake=None, 
         elif mistake == "no_alibi":
             bias = 0.0
     with np.errstate(all="ignore"):
-        if softcap is not None and mistake != "no_softcap":
+        if softcap is not None and mistake != "no_softcap" and not after_mask:
             c = float(softcap)
             if mistake == "softcap_no_outer":
                 s = np.tanh(s / c)
@@ -417,23 +449,35 @@ def _forward_variant(q, k, v, cu, causal, softcap, slopes, sinks, mistake=None, 
                 s, bias = c * np.tanh((s - bias) / c), 0.0
             else:
                 s = c * np.tanh(s / c)
-        s = s - bias
-    keep = _doc_mask(cu, n, causal)
-    if mistake in ("leak_all", "leak_lower", "leak_upper", "softcap_after_mask", "softcap_after_mask_bias"):
-        seen = visited_pairs(cu, n, *blocks, causal)
-        doc = document_of(cu, n)
+        if mistake != "softcap_after_mask_bias":
+            s = s - bias
+    doc = np.concatenate([document_of(cu, n), np.full(n_keys - n, -1)])
+    keep = (doc[:n, None] == doc[None, :]) & ((j <= i) if causal else True)
+    return s, bias, v, keep, n, n_keys, scale
+
+
+def _variant_softmax(s, bias, v, keep, n, n_keys, scale, cu, causal, softcap, sinks, mistake, blocks):
+    """The second half of :func:`_forward_variant`: the tiles' mask mistakes, the sink, the softmax."""
+    after_mask = mistake in ("softcap_after_mask", "softcap_after_mask_bias")
+    i, j = np.arange(n)[:, None], np.arange(n_keys)[None, :]
+    doc = np.concatenate([document_of(cu, n), np.full(n_keys - n, -1)])
+    if mistake in ("leak_all", "leak_lower", "leak_upper") or after_mask:
+        seen = visited_pairs(cu, n, *blocks, causal, n_keys)
         cu_arr = np.asarray(cu)
-        row_lo, row_hi = cu_arr[doc][:, None], cu_arr[doc + 1][:, None]
-        causal_ok = (j <= i) if causal else np.ones((n, n), bool)
+        row_lo, row_hi = cu_arr[doc[:n]][:, None], cu_arr[doc[:n] + 1][:, None]
+        causal_ok = (j <= i) if causal else (j < n)
         if mistake == "leak_all":
             keep = seen & causal_ok
         elif mistake == "leak_lower":
             keep = seen & causal_ok & (j < row_hi)
         elif mistake == "leak_upper":
             keep = seen & causal_ok & (j >= row_lo)
-        else:  # capped after the mask: masked keys of visited tiles score -c (then the bias, if any)
-            masked = -float(softcap) - (bias if mistake == "softcap_after_mask_bias" else 0.0)
-            s = np.where(keep, s, np.where(seen, masked, -np.inf))
+        else:  # masked, then capped: c * tanh(-inf / c) = -c. "softcap_after_mask": bias, mask, cap;
+            c = float(softcap)  # "softcap_after_mask_bias": mask, cap, then the bias
+            with np.errstate(all="ignore"):
+                s = np.where(keep, c * np.tanh(s / c), np.where(seen, -c, -np.inf))
+                if mistake == "softcap_after_mask_bias":
+                    s = s - bias
             keep = seen
     s = np.where(keep, s, -np.inf)
     z = None if sinks is None or mistake == "no_sink" else np.asarray(sinks, dtype=np.float64)
@@ -447,16 +491,17 @@ def _forward_variant(q, k, v, cu, causal, softcap, slopes, sinks, mistake=None, 
     return o, lse
 
 
-def _forward_diagnoses(c, q64, k64, v64, which):
-    """The diagnoses that fit case ``c`` for output ``which`` (0: o, 1: lse)."""
+def _forward_diagnoses(c, q64, k64, v64, which, cache=None):
+    """The diagnoses that fit case ``c`` for output ``which`` (0: o, 1: lse); ``cache`` shared by both."""
     args = (q64, k64, v64, c.cu, c.causal, c.softcap, c.slopes, c.sinks)
-    cache = {}
+    cache = {} if cache is None else cache
+    scores = cache.setdefault("scores", {})
 
     def predict(mistake):
         def fn(blocks):
             key = (mistake, blocks)
             if key not in cache:
-                cache[key] = _forward_variant(*args, mistake=mistake, blocks=blocks)
+                cache[key] = _forward_variant(*args, mistake=mistake, blocks=blocks, cache=scores)
             return cache[key][which]
         return fn
 
@@ -464,15 +509,11 @@ def _forward_diagnoses(c, q64, k64, v64, which):
         return Model(message, predict(mistake), _BLOCK_PAIRS if tiled else (None,))
 
     diagnoses = []
-    if len(c.cu) > 2:
-        diagnoses += [model(MSG_DOC_LEAK, m, tiled=True) for m in ("leak_all", "leak_lower", "leak_upper")]
     if c.softcap is not None:
-        diagnoses += [model(MSG_SOFTCAP_AFTER_MASK, "softcap_after_mask", tiled=True),
-                      model(MSG_NO_SOFTCAP, "no_softcap"), model(MSG_SOFTCAP_FORM, "softcap_no_outer"),
+        diagnoses += [model(MSG_NO_SOFTCAP, "no_softcap"), model(MSG_SOFTCAP_FORM, "softcap_no_outer"),
                       model(MSG_SOFTCAP_FORM, "softcap_no_inner")]
         if c.slopes is not None:
-            diagnoses += [model(MSG_SOFTCAP_AFTER_MASK, "softcap_after_mask_bias", tiled=True),
-                          model(MSG_ALIBI_INSIDE_CAP, "alibi_inside_cap")]
+            diagnoses.append(model(MSG_ALIBI_INSIDE_CAP, "alibi_inside_cap"))
     if c.slopes is not None:
         diagnoses += [model(MSG_NO_ALIBI, "no_alibi"), model(MSG_ALIBI_SIGN, "alibi_sign"),
                       model(MSG_ALIBI_SCALED, "alibi_scaled")]
@@ -485,6 +526,13 @@ def _forward_diagnoses(c, q64, k64, v64, which):
             diagnoses.append(model(MSG_SINK_NOT_IN_LSE, "sink_not_in_lse"))
         diagnoses += [model(MSG_SINK_MISSING, "no_sink"), model(MSG_SINK_NUMERATOR, "sink_numerator"),
                       model(MSG_SINK_BASE, "sink_base"), model(MSG_SINK_SCALED, "sink_scaled")]
+    # The mistakes that depend on the tiles visited, tried for each block size (the slowest models: last).
+    if len(c.cu) > 2:
+        diagnoses += [model(MSG_DOC_LEAK, m, tiled=True) for m in ("leak_all", "leak_lower", "leak_upper")]
+    if c.softcap is not None:
+        diagnoses.append(model(MSG_SOFTCAP_AFTER_MASK, "softcap_after_mask", tiled=True))
+        if c.slopes is not None:
+            diagnoses.append(model(MSG_SOFTCAP_AFTER_MASK, "softcap_after_mask_bias", tiled=True))
     return diagnoses
 
 
@@ -516,14 +564,17 @@ def _forward_cases(rng, device):
     """Small on purpose: in the CPU interpreter every (program, K/V tile) costs milliseconds."""
     z2, z4 = np.array([0.5, 2.0]), np.array([1.5, -0.5, 3.0, 0.0])
     cases = [
+        # All three modifications first: most mistakes show (and are told apart) on the first case.
+        _Case("fixed: GQA 4/2, not causal, 6 documents (one of 1 token), softcap 1.5 + ALiBi + sinks", 4, 2,
+              [0, 30, 31, 70, 100, 101, 150], 16, False, 1.5, alibi_slopes(4), z4),
+        _Case("fixed: GQA 4/2, causal, 8 documents, softcap 1.5 + ALiBi + sinks, D = 32", 4, 2,
+              [0, 1, 17, 18, 60, 64, 100, 120, 130], 32, True, 1.5, alibi_slopes(4), z4, transpose=True),
         _Case("fixed: MHA 2/2, causal, 4 documents (one of 3 tokens), softcap 2", 2, 2, [0, 37, 40, 100, 150], 16,
               True, 2.0, None, None),
         _Case("fixed: GQA 4/2, not causal, 5 documents, ALiBi", 4, 2, [0, 20, 50, 51, 90, 130], 16, False, None,
               alibi_slopes(4), None),
         _Case("fixed: MQA 2/1, causal, 3 documents, learned sinks", 2, 1, [0, 45, 70, 100], 16, True, None, None, z2,
               transpose=True),
-        _Case("fixed: GQA 4/2, causal, 8 documents, softcap 1.5 + ALiBi + sinks", 4, 2,
-              [0, 1, 17, 18, 60, 64, 100, 150, 170], 32, True, 1.5, alibi_slopes(4), z4),
         _Case("fixed: MHA 2/2, not causal, one document, softcap 3 + sinks, fp16", 2, 2, [0, 90], 16, False, 3.0,
               None, z2, "float16"),
     ]
@@ -617,10 +668,11 @@ def grade_mods_forward(fn, *, seed=None):
         lse = _tensor_out(run, out[1], "lse", q.shape[:3], c.name)
         want_o, want_lse = _right_forward(c, q64, k64, v64)
         atol, rtol, lse_atol = _FWD_TOL[(env.device, c.dtype)]
+        models = {}  # the mistakes' outputs, computed once for o and lse
         run.compare(o[0], want_o[0], case=c.name, what="the output o", atol=atol, rtol=rtol,
-                    axes=("q_head", "i", "d"), diagnoses=_forward_diagnoses(c, q64[0], k64[0], v64[0], 0))
+                    axes=("q_head", "i", "d"), diagnoses=_forward_diagnoses(c, q64[0], k64[0], v64[0], 0, models))
         run.compare(lse[0], want_lse[0], case=c.name, what="lse", atol=lse_atol, rtol=0.0, axes=("q_head", "i"),
-                    diagnoses=_forward_diagnoses(c, q64[0], k64[0], v64[0], 1))
+                    diagnoses=_forward_diagnoses(c, q64[0], k64[0], v64[0], 1, models))
     return run.passed()
 
 
