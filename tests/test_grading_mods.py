@@ -351,3 +351,28 @@ def test_backward_references_are_forbidden_inside():
 
     with pytest.raises(GradingError, match="reference"):
         check_mods_backward(calls_reference)
+
+
+# -----------------------------------------------------------------------------
+# The lesson's picture says what the check says
+# -----------------------------------------------------------------------------
+def test_the_widgets_tiles_are_the_checks_tiles():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_utils import plots, widgets
+
+    for cu, bm, bn, causal in ([0, 37, 40, 100, 150, 256], 32, 32, True), ([0, 5, 133], 16, 32, False):
+        states = plots.document_tile_states(cu, bm, bn, causal)
+        for m in range(states.shape[0]):
+            np.testing.assert_array_equal(states[m], p8.tile_classes(cu, bm, bn, m, causal))
+    assert (plots.SKIPPED, plots.FULL, plots.DIAGONAL) == (0, 1, 2)  # the check's 0 skipped, 1 full, 2 partial
+    ax = plots.plot_document_tiles([0, 37, 40, 100, 150, 256], 32, 32, True)
+    assert "5 documents" in ax.get_title() and "3 full, 16 partial, 45 skipped" in ax.get_title()
+    plt.close(ax.figure)
+    assert widgets.parse_lengths("37, 3, 60") == [0, 37, 40, 100]
+    with pytest.raises(ValueError, match=">= 1"):
+        widgets.parse_lengths("4, 0, 3")
+    assert widgets.document_explorer(lengths=(10, 20), block_m=16, block_n=16).children
