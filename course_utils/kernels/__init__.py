@@ -2,8 +2,10 @@
 
 Public API (torch tensors ``[B, H, N, D]``)::
 
-    o = flash_attention(q, k, v, causal=False, *, window_size=None, sink_size=0)
-    o, lse = flash_attention_with_lse(q, k, v, causal=False, *, window_size=None, sink_size=0)
+    o = flash_attention(q, k, v, causal=False, *, window_size=None, sink_size=0,
+                        cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None)
+    o, lse = flash_attention_with_lse(q, k, v, causal=False, *, window_size=None, sink_size=0,
+                                      cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None)
 
 ``q`` is ``[B, Hq, N, D]``, ``k`` and ``v`` are ``[B, Hkv, N, D]`` with
 ``Hq`` a multiple of ``Hkv`` (MHA, GQA and MQA), any strides, fp16, bf16 (on
@@ -27,6 +29,18 @@ sink_size)``. Such calls run lesson 08's kernels
 (:func:`.forward.flash_attention_window_forward` and the window kernels of
 :mod:`.backward`) on every machine: the Hopper-tuned :mod:`.fast` kernel
 serves plain attention only.
+
+Packed documents and score modifications (lesson 12), in any combination with
+each other, ``causal`` and the window: ``cu_seqlens`` (int32 ``[S + 1]`` on
+the inputs' device, ``0 = cu[0] < ... < cu[S] = N``, B == 1) makes key ``j``
+visible from query ``i`` only within one document; ``softcap = c`` (a float >
+0) turns each score ``s`` into ``c * tanh(s / c)``; ``alibi_slopes`` (float32
+``[Hq]``) then subtracts ``m_h * |i - j|``; ``sink_logits`` (float32 ``[Hq]``,
+differentiable) join each row's denominator with no value: ``lse_i =
+log(exp(z_h) + sum_j exp(s_ij))``. Such calls run kernel D
+(:func:`.forward.flash_attention_mods_forward`, and the ``_mods`` kernels of
+:mod:`.backward`) on every machine; each query block visits only the tiles its
+documents, causality and window leave visible, and masks only partial ones.
 
 Modules: :mod:`.backward` holds the backward kernels and the autograd
 wiring (lesson 07), :mod:`.fast` holds the Hopper-tuned forward kernel (lesson 06),
@@ -67,30 +81,43 @@ __all__ = [
 ]
 
 
-def flash_attention(q, k, v, causal: bool = False, *, window_size=None, sink_size=0):
+def flash_attention(q, k, v, causal: bool = False, *, window_size=None, sink_size=0, cu_seqlens=None, softcap=None,
+                    alibi_slopes=None, sink_logits=None):
     """Attention ``softmax(q k^T / sqrt(D)) v`` per head, by Triton kernels.
 
     ``q``: ``[B, Hq, N, D]``; ``k, v``: ``[B, Hkv, N, D]`` (``Hq`` a multiple
     of ``Hkv``). ``causal`` hides from each query the keys after it;
     ``window_size`` (with ``causal``) also the keys ``window_size`` or more
-    positions back, except the first ``sink_size`` keys. Returns
-    ``o`` with ``q``'s shape and dtype. Differentiable: when an input requires
-    grad, the backward pass runs the Triton kernels of :mod:`.backward`
-    (lesson 07), which rebuild the softmax from the saved ``lse``.
+    positions back, except the first ``sink_size`` keys. Lesson 12:
+    ``cu_seqlens`` (int32 ``[S + 1]``, B == 1) keeps packed documents apart,
+    ``softcap`` caps the scores at ``c * tanh(s / c)``, ``alibi_slopes``
+    (float32 ``[Hq]``) subtracts ``m_h * |i - j|``, ``sink_logits`` (float32
+    ``[Hq]``) adds ``exp(z_h)`` to each row's denominator. Returns
+    ``o`` with ``q``'s shape and dtype. Differentiable in ``q, k, v`` and
+    ``sink_logits``: when one requires grad, the backward pass runs the Triton
+    kernels of :mod:`.backward` (lesson 07), which rebuild the softmax from the
+    saved ``lse``.
     """
-    check_call(q, k, v, causal, window_size, sink_size)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    mods = dict(cu_seqlens=cu_seqlens, softcap=softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
+    check_call(q, k, v, causal, window_size, sink_size, **mods)
+    inputs = (q, k, v) if sink_logits is None else (q, k, v, sink_logits)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         # validated=True: the autograd function's forward does not check the call again
-        return FlashAttentionFunction.apply(q, k, v, bool(causal), window_size, sink_size, True)
-    return launch_forward(q, k, v, bool(causal), window_size, sink_size)[0]
+        return FlashAttentionFunction.apply(q, k, v, bool(causal), window_size, sink_size, True,
+                                            cu_seqlens, softcap, alibi_slopes, sink_logits)
+    return launch_forward(q, k, v, bool(causal), window_size, sink_size, **mods)[0]
 
 
-def flash_attention_with_lse(q, k, v, causal: bool = False, *, window_size=None, sink_size=0):
+def flash_attention_with_lse(q, k, v, causal: bool = False, *, window_size=None, sink_size=0, cu_seqlens=None,
+                             softcap=None, alibi_slopes=None, sink_logits=None):
     """Like :func:`flash_attention`, also returning ``lse`` (float32 ``[B, Hq, N]``).
 
     ``lse[b, h, i] = log(sum_j exp(s_ij))`` with ``s = q k^T / sqrt(D)``
-    (masked keys excluded): the statistic the backward pass uses to rebuild
-    the softmax ``p_ij = exp(s_ij - lse_i)`` without storing it.
+    (masked keys excluded, modified scores with lesson 12's keywords, and
+    ``exp(z_h)`` inside the sum with ``sink_logits``): the statistic the
+    backward pass uses to rebuild the softmax ``p_ij = exp(s_ij - lse_i)``
+    without storing it. Not differentiable.
     """
-    check_call(q, k, v, causal, window_size, sink_size)
-    return launch_forward(q, k, v, bool(causal), window_size, sink_size)
+    mods = dict(cu_seqlens=cu_seqlens, softcap=softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
+    check_call(q, k, v, causal, window_size, sink_size, **mods)
+    return launch_forward(q, k, v, bool(causal), window_size, sink_size, **mods)

@@ -46,7 +46,8 @@ import triton.language as tl
 
 from course_utils.kernels.dispatch import check_call, launch_forward  # absolute: tests load copies of this file
 from course_utils.kernels.forward import (
-    _capability, _window_bounds, _window_keep, bf16_problem, validate_window,
+    _capability, _mods_bounds, _mods_keep, _score_mod, _split_range, _window_bounds, _window_keep, bf16_problem,
+    has_mods, mods_arguments, validate_mods, validate_window,
 )
 
 
@@ -62,6 +63,7 @@ __all__ = [
     "attn_bwd_preprocess",
     "dkdv_inner",
     "attn_bwd_dq_window",
+    "sink_logits_grad",
 ]
 
 # log2(e): exp(x) == exp2(x * LOG2E). The kernels write it out as a literal:
@@ -614,6 +616,299 @@ def attn_bwd_dq_window(
 
 
 # -----------------------------------------------------------------------------
+# 5. Lesson 12: packed documents, soft-capping, ALiBi and sink logits.
+# The scores are recomputed and modified exactly as in the forward
+# (forward._score_mod); the soft-cap multiplies dS by 1 - tanh^2, ALiBi has no
+# gradient, and the sink logit is already inside lse (its own gradient comes
+# from lse, O and dO: sink_logits_grad). Tiles outside every visible pair are
+# skipped; only partial tiles are masked (forward._mods_keep).
+# -----------------------------------------------------------------------------
+@triton.jit
+def _dkdv_inner_mods(
+    dk, dv, k, v,
+    q_base, do_base, lse_base, delta_base,
+    stride_qn, stride_qd, stride_don, stride_dod,
+    offs_n, offs_d, doc_n, DOC_START, start_m_lo, start_m_hi, N_Q, head_dim, qk_scale, softcap2, slope2,
+    WINDOW_SIZE, SINK_SIZE,
+    BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):
+    """:func:`dkdv_inner` with the scores modified, and masked only when ``MASK`` (partial tiles)."""
+    for start_m in range(start_m_lo, start_m_hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = load_tile(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                      offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+        do = load_tile(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                       offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+        # lse = +inf on rows past the end makes their P exactly 0.
+        lse = tl.load(lse_base + offs_m, mask=offs_m < N_Q, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=offs_m < N_Q, other=0.0)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale  # [BLOCK_N, BLOCK_M], log2 units
+        s_t, t_t = _score_mod(s_t, offs_m[None, :], offs_n[:, None], softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        p_t = tl.math.exp2(s_t - lse[None, :] * 1.4426950408889634)
+        if MASK:
+            if HAS_DOCS:
+                doc_m = tl.load(DOC_START + offs_m, mask=offs_m < N_Q, other=-1)
+            else:
+                doc_m = offs_m
+            keep = _mods_keep(offs_m[None, :], offs_n[:, None], doc_m[None, :], doc_n[:, None], N_Q,
+                              WINDOW_SIZE, SINK_SIZE, IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS)
+            p_t = tl.where(keep, p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        ### BEGIN SOLUTION
+        if HAS_SOFTCAP:  # d(c * tanh(x / c)) / dx = 1 - tanh(x / c)^2
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        ### END SOLUTION
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_bounds_mods(start_n, DOC_START, DOC_END, N_Q, WINDOW_SIZE, SINK_SIZE,
+                      IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                      HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(lo, f_lo, f_hi, hi)``: the query tiles that see key block ``start_n`` (``[f_lo, f_hi)``: every pair).
+
+    Rows ``[lo, hi)``: from the first key's document start (causal: the first
+    key) rounded down to a query tile, to the last key's document end (window:
+    at most the last key + ``WINDOW_SIZE``; a block holding sink keys: the end
+    of the last sink key's document). Rows that see every key of the block:
+    one document holds every key, the row is at or after the last key
+    (causal) and within the window of the first key (unless every key is a
+    sink).
+    """
+    n_last = tl.minimum(start_n + BLOCK_N, N_Q) - 1
+    if HAS_DOCS:
+        ds = tl.load(DOC_START + start_n)
+        de = tl.load(DOC_END + n_last)
+        one_doc = tl.load(DOC_START + n_last) == ds
+    else:
+        ds = 0
+        de = N_Q
+        one_doc = True
+    lo = ds
+    full_lo = ds
+    if IS_CAUSAL:
+        lo = start_n
+        full_lo = tl.maximum(ds, n_last)
+    lo = lo // BLOCK_M * BLOCK_M
+    full_lo = (full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    hi = de
+    full_hi = de
+    if HAS_WINDOW:
+        hi = tl.minimum(de, n_last + WINDOW_SIZE)
+        full_hi = tl.minimum(de, start_n + WINDOW_SIZE)
+        if HAS_SINKS:
+            if HAS_DOCS:
+                de_sink = tl.load(DOC_END + tl.minimum(n_last, SINK_SIZE - 1))
+            else:
+                de_sink = N_Q
+            hi = tl.where(start_n < SINK_SIZE, tl.maximum(hi, de_sink), hi)
+            full_hi = tl.where(n_last < SINK_SIZE, de, full_hi)
+    full_hi = full_hi // BLOCK_M * BLOCK_M
+    full_lo = tl.where(one_doc, full_lo, hi)
+    full_hi = tl.where(one_doc, full_hi, hi)
+    return _split_range(lo, full_lo, full_hi, hi)
+
+
+@triton.jit
+def _attn_bwd_dkdv_mods(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DOC_START, DOC_END, SLOPES,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lseb, stride_lseh,
+    stride_deltab, stride_deltah,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    n_kv_heads, group_size, N_Q, N_K, head_dim, sm_scale, WINDOW_SIZE, SINK_SIZE, softcap2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr, ACC: tl.constexpr,
+):
+    """dK, dV of one key block with lesson 12's modifications (same grid as :func:`_attn_bwd_dkdv`)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    k = load_tile(K + b * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                  offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    v = load_tile(V + b * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                  offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    if HAS_DOCS:
+        doc_n = tl.load(DOC_START + offs_n, mask=offs_n < N_K, other=-2)
+    else:
+        doc_n = offs_n
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    lo, f_lo, f_hi, hi = _dkdv_bounds_mods(start_n, DOC_START, DOC_END, N_Q, WINDOW_SIZE, SINK_SIZE,
+                                           IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, BLOCK_M, BLOCK_N)
+    for g in range(0, group_size):
+        q_head = kv_head * group_size + g
+        q_base = Q + b * stride_qb + q_head * stride_qh
+        do_base = DO + b * stride_dob + q_head * stride_doh
+        lse_base = LSE + b * stride_lseb + q_head * stride_lseh
+        delta_base = DELTA + b * stride_deltab + q_head * stride_deltah
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(SLOPES + q_head) * 1.4426950408889634
+        dk, dv = _dkdv_inner_mods(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                  stride_qn, stride_qd, stride_don, stride_dod,
+                                  offs_n, offs_d, doc_n, DOC_START, lo, f_lo, N_Q, head_dim, qk_scale, softcap2,
+                                  slope2, WINDOW_SIZE, SINK_SIZE, BLOCK_M, EVEN_M, PAD_D, True,
+                                  IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI)
+        dk, dv = _dkdv_inner_mods(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                  stride_qn, stride_qd, stride_don, stride_dod,
+                                  offs_n, offs_d, doc_n, DOC_START, f_lo, f_hi, N_Q, head_dim, qk_scale, softcap2,
+                                  slope2, WINDOW_SIZE, SINK_SIZE, BLOCK_M, EVEN_M, PAD_D, False,
+                                  IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI)
+        dk, dv = _dkdv_inner_mods(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                  stride_qn, stride_qd, stride_don, stride_dod,
+                                  offs_n, offs_d, doc_n, DOC_START, f_hi, hi, N_Q, head_dim, qk_scale, softcap2,
+                                  slope2, WINDOW_SIZE, SINK_SIZE, BLOCK_M, EVEN_M, PAD_D, True,
+                                  IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI)
+
+    dk *= sm_scale
+    store_tile(DK + b * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+               dk.to(DK.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+    store_tile(DV + b * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+               dv.to(DV.dtype.element_ty), offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+
+
+@triton.jit
+def _dq_inner_mods(
+    dq, q, do, lse2, delta,
+    k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, doc_m, DOC_START, start_n_lo, start_n_hi, N_K, head_dim, qk_scale, softcap2, slope2,
+    WINDOW_SIZE, SINK_SIZE,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr, MASK: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):
+    """:func:`_dq_inner` with the scores modified, and masked only when ``MASK`` (partial tiles)."""
+    for start_n in range(start_n_lo, start_n_hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = load_tile(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                      offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        v = load_tile(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                      offs_n, N_K, offs_d, head_dim, EVEN_N, PAD_D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s, t = _score_mod(s, offs_m[:, None], offs_n[None, :], softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASK:
+            if HAS_DOCS:
+                doc_n = tl.load(DOC_START + offs_n, mask=offs_n < N_K, other=-2)
+            else:
+                doc_n = offs_n
+            keep = _mods_keep(offs_m[:, None], offs_n[None, :], doc_m[:, None], doc_n[None, :], N_K,
+                              WINDOW_SIZE, SINK_SIZE, IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _dq_range_mods(
+    dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, doc_m, DOC_START, lo, f_lo, f_hi, hi, N_K, head_dim, qk_scale, softcap2, slope2,
+    WINDOW_SIZE, SINK_SIZE,
+    BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+):
+    """One range of key tiles in three phases: ``[lo, f_lo)`` masked, ``[f_lo, f_hi)`` whole, ``[f_hi, hi)`` masked."""
+    dq = _dq_inner_mods(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        offs_m, offs_d, doc_m, DOC_START, lo, f_lo, N_K, head_dim, qk_scale, softcap2, slope2,
+                        WINDOW_SIZE, SINK_SIZE, BLOCK_N, EVEN_N, PAD_D, True,
+                        IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI)
+    dq = _dq_inner_mods(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        offs_m, offs_d, doc_m, DOC_START, f_lo, f_hi, N_K, head_dim, qk_scale, softcap2, slope2,
+                        WINDOW_SIZE, SINK_SIZE, BLOCK_N, EVEN_N, PAD_D, False,
+                        IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI)
+    dq = _dq_inner_mods(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        offs_m, offs_d, doc_m, DOC_START, f_hi, hi, N_K, head_dim, qk_scale, softcap2, slope2,
+                        WINDOW_SIZE, SINK_SIZE, BLOCK_N, EVEN_N, PAD_D, True,
+                        IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_mods(
+    Q, K, V, DO, LSE, DELTA, DQ, DOC_START, DOC_END, SLOPES,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lseb, stride_lseh,
+    stride_deltab, stride_deltah,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    n_q_heads, group_size, N_Q, N_K, head_dim, sm_scale, WINDOW_SIZE, SINK_SIZE, softcap2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, PAD_D: tl.constexpr, ACC: tl.constexpr,
+):
+    """dQ of one query block with lesson 12's modifications: the forward's tile ranges (``_mods_bounds``)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_q_heads
+    q_head = pid_bh % n_q_heads
+    kv_head = q_head // group_size
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    q = load_tile(Q + b * stride_qb + q_head * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+                  offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    do = load_tile(DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                   offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+    lse = tl.load(LSE + b * stride_lseb + q_head * stride_lseh + offs_m, mask=offs_m < N_Q, other=0.0)
+    delta = tl.load(DELTA + b * stride_deltab + q_head * stride_deltah + offs_m, mask=offs_m < N_Q, other=0.0)
+    lse2 = lse * 1.4426950408889634
+    if HAS_DOCS:
+        doc_m = tl.load(DOC_START + offs_m, mask=offs_m < N_Q, other=-1)
+    else:
+        doc_m = offs_m
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + q_head) * 1.4426950408889634
+
+    k_base = K + b * stride_kb + kv_head * stride_kh
+    v_base = V + b * stride_vb + kv_head * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    s_lo, s_flo, s_fhi, s_hi, lo, f_lo, f_hi, hi = _mods_bounds(
+        start_m, DOC_START, DOC_END, N_K, WINDOW_SIZE, SINK_SIZE,
+        IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, BLOCK_M, BLOCK_N)
+    if HAS_SINKS:
+        dq = _dq_range_mods(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                            offs_m, offs_d, doc_m, DOC_START, s_lo, s_flo, s_fhi, s_hi, N_K, head_dim, qk_scale,
+                            softcap2, slope2, WINDOW_SIZE, SINK_SIZE, BLOCK_N, EVEN_N, PAD_D,
+                            IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI)
+    dq = _dq_range_mods(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                        offs_m, offs_d, doc_m, DOC_START, lo, f_lo, f_hi, hi, N_K, head_dim, qk_scale,
+                        softcap2, slope2, WINDOW_SIZE, SINK_SIZE, BLOCK_N, EVEN_N, PAD_D,
+                        IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI)
+    dq *= sm_scale
+    store_tile(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd,
+               dq.to(DQ.dtype.element_ty), offs_m, N_Q, offs_d, head_dim, EVEN_M, PAD_D)
+
+
+# -----------------------------------------------------------------------------
 # Launch configuration
 # -----------------------------------------------------------------------------
 class BackwardConfig:
@@ -712,7 +1007,8 @@ def check_backward_inputs(q, k, v, o, lse, do):
 
 
 def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, config: BackwardConfig | None = None,
-                       window_size=None, sink_size=0):
+                       window_size=None, sink_size=0, cu_seqlens=None, softcap=None, alibi_slopes=None,
+                       sink_logits=None):
     """``(dq, dk, dv)`` of FlashAttention from what the forward saved, in Triton.
 
     ``q``, ``o``, ``do``: ``[B, H_q, N_q, D]``; ``k``, ``v``: ``[B, H_kv, N_k, D]``
@@ -728,9 +1024,21 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     ``sink_size`` (with ``causal=True``, lesson 08) run the window kernels:
     key ``j`` is visible from query ``i`` iff ``j <= i and (i - j <
     window_size or j < sink_size)``.
+
+    Lesson 12's keywords (``cu_seqlens``, ``softcap``, ``alibi_slopes``,
+    ``sink_logits``; semantics in :mod:`course_utils.references`) run the
+    kernels of section 5 (:func:`_attn_bwd_dkdv_mods`, :func:`_attn_bwd_dq_mods`),
+    with ``lse`` the forward's (the sink logit inside it). The return value is
+    ``(dq, dk, dv)`` always; the sink logits' gradient is
+    :func:`sink_logits_grad`. With sinks (``sink_size``) the sink keys' far
+    queries are not split over programs of their own here (lesson 08's
+    ``split_sinks`` applies to the window kernels only).
     """
     check_backward_inputs(q, k, v, o, lse, do)
     validate_window(causal, window_size, sink_size)
+    mods = has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits)
+    if mods:
+        validate_mods(q, cu_seqlens, softcap, alibi_slopes, sink_logits)
     B, n_q_heads, N_Q, D = q.shape
     n_kv_heads, N_K = k.shape[1], k.shape[2]
     group_size = n_q_heads // n_kv_heads
@@ -761,6 +1069,10 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     )
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
               lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+    if mods:
+        _mods_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_size, sm_scale, BLOCK_D, PAD_D, ACC,
+                       causal, window_size, sink_size, cu_seqlens, softcap, alibi_slopes, sink_logits)
+        return dq, dk, dv
     if window_size is not None:
         _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_size, sm_scale,
                          min(int(window_size), N_Q), min(int(sink_size), N_Q), BLOCK_D, PAD_D, ACC)
@@ -817,6 +1129,50 @@ def _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_siz
     )
 
 
+def _mods_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_size, sm_scale, BLOCK_D, PAD_D, ACC,
+                   causal, window_size, sink_size, cu_seqlens, softcap, alibi_slopes, sink_logits):
+    """Launch lesson 12's dK/dV and dQ kernels (documents, soft-cap, ALiBi; sinks are in lse) into ``dq, dk, dv``."""
+    B, n_q_heads, N_Q, D = q.shape
+    n_kv_heads, N_K = k.shape[1], k.shape[2]
+    if N_Q != N_K:
+        raise ValueError(f"these keywords need as many queries as keys, but there are {N_Q} queries and {N_K} keys.")
+    pointers, flags = mods_arguments(q, causal, window_size, sink_size, cu_seqlens, softcap, alibi_slopes,
+                                     sink_logits)
+    scalars = (flags["WINDOW_SIZE"], flags["SINK_SIZE"], flags["softcap2"])
+    modes = {name: flags[name] for name in ("IS_CAUSAL", "HAS_DOCS", "HAS_WINDOW", "HAS_SINKS", "HAS_SOFTCAP",
+                                            "HAS_ALIBI")}
+    docs = (pointers["DOC_START"], pointers["DOC_END"], pointers["SLOPES"])
+    bm, bn = cfg.dkdv_block_m, cfg.dkdv_block_n
+    _attn_bwd_dkdv_mods[(triton.cdiv(N_K, bn), B * n_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, *docs, *common, *dk.stride(), *dv.stride(),
+        n_kv_heads, group_size, N_Q, N_K, D, sm_scale, *scalars,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, **modes,
+        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
+        num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )
+    bm, bn = cfg.dq_block_m, cfg.dq_block_n
+    _attn_bwd_dq_mods[(triton.cdiv(N_Q, bm), B * n_q_heads)](
+        q, k, v, do, lse, delta, dq, *docs, *common, *dq.stride(),
+        n_q_heads, group_size, N_Q, N_K, D, sm_scale, *scalars,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, **modes,
+        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )
+
+
+def sink_logits_grad(o, do, lse, sink_logits):
+    """The gradient of the sink logits ``[Hq]``: ``sum over batch and queries of -exp(z_h - lse_i) * (dO_i . O_i)``.
+
+    The sink's probability in row ``i`` is ``p_i = exp(z_h - lse_i)`` and its
+    value is 0, so ``dL/dz_h = sum_i p_i (0 - delta_i)`` with ``delta_i = dO_i .
+    O_i``, the same ``delta`` as every other score's (a small torch reduction,
+    float32, in the logits' dtype).
+    """
+    delta = (do.float() * o.float()).sum(-1)  # [B, Hq, N]
+    z = sink_logits.detach().float()[None, :, None]
+    return (-torch.exp(z - lse.float()) * delta).sum(dim=(0, 2)).to(sink_logits.dtype)
+
+
 def _sink_chunks(rows: int, block_m: int, programs_per_chunk: int, device: torch.device) -> int:
     """How many query chunks :func:`_attn_bwd_dkdv_sinks` spreads ``rows`` far rows over.
 
@@ -864,26 +1220,35 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     The forward saves only ``q, k, v, o`` and the per-row ``lse`` (O(N) extra
     memory), not the ``N x N`` probabilities: the backward recomputes them
-    tile by tile from ``q``, ``k`` and ``lse``.
+    tile by tile from ``q``, ``k`` and ``lse``. Positional arguments after
+    ``validated`` are lesson 12's (``cu_seqlens, softcap, alibi_slopes,
+    sink_logits``); ``sink_logits`` gets a gradient (:func:`sink_logits_grad`).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal=False, window_size=None, sink_size=0, validated=False):
+    def forward(ctx, q, k, v, causal=False, window_size=None, sink_size=0, validated=False,
+                cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None):
+        mods = dict(cu_seqlens=cu_seqlens, softcap=softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
         if not validated:  # a direct caller; course_utils.kernels.flash_attention has checked already
-            check_call(q, k, v, causal, window_size, sink_size)
-        o, lse = launch_forward(q, k, v, bool(causal), window_size, sink_size)
-        ctx.save_for_backward(q, k, v, o, lse)
+            check_call(q, k, v, causal, window_size, sink_size, **mods)
+        o, lse = launch_forward(q, k, v, bool(causal), window_size, sink_size, **mods)
+        ctx.save_for_backward(q, k, v, o, lse, cu_seqlens, alibi_slopes, sink_logits)
         ctx.causal = bool(causal)
         ctx.window = (window_size, sink_size)
+        ctx.softcap = softcap
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, cu_seqlens, alibi_slopes, sink_logits = ctx.saved_tensors
         window_size, sink_size = ctx.window
         dq, dk, dv = attention_backward(q, k, v, o, lse, do, causal=ctx.causal,
-                                        window_size=window_size, sink_size=sink_size)
-        return dq, dk, dv, None, None, None, None
+                                        window_size=window_size, sink_size=sink_size, cu_seqlens=cu_seqlens,
+                                        softcap=ctx.softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
+        d_sink = None
+        if sink_logits is not None and ctx.needs_input_grad[10]:
+            d_sink = sink_logits_grad(o, do, lse, sink_logits)
+        return dq, dk, dv, None, None, None, None, None, None, None, d_sink
 
 
 def flash_attention_differentiable(q, k, v, causal=False):

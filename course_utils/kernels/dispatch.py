@@ -6,6 +6,7 @@ of :mod:`.backward` come here; nothing here calls back up to the package::
     kernels.flash_attention / flash_attention_with_lse / backward.FlashAttentionFunction
         -> check_call (once; FlashAttentionFunction skips it when flash_attention has run it)
         -> launch_forward (the one decision)
+            -> forward.flash_attention_mods_forward    (lesson 12's keywords: every machine)
             -> forward.flash_attention_window_forward  (a window: lesson 08, every machine)
             -> fast.attention_forward_tuned            (plain attention the Hopper kernel supports)
             -> forward.flash_attention_gqa_forward     (everything else: lesson 05's kernel)
@@ -21,25 +22,38 @@ from . import fast, forward
 __all__ = ["check_call", "launch_forward"]
 
 
-def check_call(q, k, v, causal=False, window_size=None, sink_size=0) -> None:
+def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
+               alibi_slopes=None, sink_logits=None) -> None:
     """Raise ``ValueError`` (one sentence) unless the call can go to a forward kernel.
 
     The tensors first (:func:`.forward.validate`), then the mask settings
-    (:func:`.forward.validate_window`).
+    (:func:`.forward.validate_window`), then lesson 12's keywords
+    (:func:`.forward.validate_mods`: ``cu_seqlens``, ``softcap``,
+    ``alibi_slopes``, ``sink_logits``, each by a small helper of its own).
     """
     forward.validate(q, k, v)
     forward.validate_window(causal, window_size, sink_size)
+    forward.validate_mods(q, cu_seqlens, softcap, alibi_slopes, sink_logits)
 
 
-def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0):
+def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
+                   alibi_slopes=None, sink_logits=None):
     """``(o, lse)`` by the one kernel that fits, for a call :func:`check_call` has accepted.
 
-    With a window (lesson 08), the window kernel of :mod:`.forward` on every
-    machine. Otherwise, on a Hopper GPU, for the shapes it covers (bf16/fp16,
-    D of 64 or 128, N a multiple of 64), the autotuned kernel of :mod:`.fast`
-    (lesson 06); for everything else, and in the interpreter, the course's
-    GQA kernel from lesson 05, which handles MHA, GQA and MQA, causal or not.
+    With any of lesson 12's keywords (documents, soft-cap, ALiBi, sink
+    logits, alone or with a window), kernel D of :mod:`.forward` on every
+    machine. With a window alone (lesson 08), the window kernel of
+    :mod:`.forward` on every machine. Otherwise, on a Hopper GPU, for the
+    shapes it covers (bf16/fp16, D of 64 or 128, N a multiple of 64), the
+    autotuned kernel of :mod:`.fast` (lesson 06); for everything else, and in
+    the interpreter, the course's GQA kernel from lesson 05, which handles
+    MHA, GQA and MQA, causal or not.
     """
+    if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
+        return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
+                                                    cu_seqlens=cu_seqlens, softcap=softcap,
+                                                    alibi_slopes=alibi_slopes, sink_logits=sink_logits,
+                                                    _validated=True)
     if window_size is not None:
         return forward.flash_attention_window_forward(q, k, v, window_size=window_size, sink_size=sink_size,
                                                       _validated=True)

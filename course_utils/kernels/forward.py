@@ -56,6 +56,13 @@ __all__ = [
     "flash_attention_window_forward",
     "block_config",
     "LOG2E",
+    "mods_tile_bounds",
+    "validate_mods",
+    "has_mods",
+    "document_bounds",
+    "mods_arguments",
+    "_flash_attention_forward_mods_kernel",
+    "flash_attention_mods_forward",
 ]
 
 #: log2(e): exp(x) == exp2(x * LOG2E). Folded into the scale in kernel B.
@@ -493,6 +500,354 @@ def _flash_attention_forward_window_kernel(
 
 
 # -----------------------------------------------------------------------------
+# Kernel D (lesson 12): packed documents (cu_seqlens), soft-capping, ALiBi and
+# sink logits, on top of lesson 08's window and sinks.
+# -----------------------------------------------------------------------------
+def mods_tile_bounds(start_m, block_m, block_n, seq_len, cu_seqlens=None, causal=False,
+                     window_size=None, sink_size=0):
+    """The K/V tiles query block ``start_m`` visits under the document mask: ``(sinks, band)``.
+
+    Each is ``(lo, full_lo, full_hi, hi)``: the block visits the tiles starting
+    at ``lo, lo + block_n, ...`` below ``hi``; those in ``[full_lo, full_hi)``
+    are seen whole by every row of the block (no mask), the others are partial
+    (masked). ``band`` is the keys of the documents the block's rows lie in
+    (from the first row's document start to the last row's document end),
+    cut by causality (up to the last row) and the window (from the first row's
+    oldest window key); ``sinks`` is the sink tiles below the band (lesson 08's
+    ``sink_size`` first keys of the packed sequence; they serve the first
+    row's document only), ``(lo, lo, lo, lo)`` when there are none. Every
+    tile of these ranges holds a visible pair; every tile outside is skipped.
+    The kernel computes the same in :func:`_mods_bounds`.
+    """
+    q_first = start_m * block_m
+    q_last = min(q_first + block_m, seq_len) - 1
+    if cu_seqlens is None:
+        ds = ds_last = 0
+        de = de_first = seq_len
+    else:
+        cu = [int(c) for c in cu_seqlens]
+        seg_first = max(s for s in range(len(cu) - 1) if cu[s] <= q_first)
+        seg_last = max(s for s in range(len(cu) - 1) if cu[s] <= q_last)
+        ds, de_first, ds_last, de = cu[seg_first], cu[seg_first + 1], cu[seg_last], cu[seg_last + 1]
+    return _tile_ranges(q_first, q_last, ds, de, ds_last, de_first, seq_len, block_n, causal,
+                        window_size, sink_size)
+
+
+def _tile_ranges(q_first, q_last, ds, de, ds_last, de_first, seq_len, block_n, causal, window_size, sink_size):
+    """:func:`mods_tile_bounds` from the block's rows and its first and last rows' document bounds."""
+    def down(x):
+        return x // block_n * block_n
+
+    def up(x):
+        return -(-x // block_n) * block_n
+
+    def split(lo, full_lo, full_hi, hi):
+        f_lo = min(max(full_lo, lo), hi)
+        return lo, f_lo, max(min(full_hi, hi), f_lo), hi
+
+    window = window_size is not None
+    lo = down(max(ds, q_first - window_size + 1 if window else 0))
+    hi = min(de, q_last + 1) if causal else de
+    if ds_last == ds:  # one document holds every row: some tiles may be seen whole
+        full_lo = up(max(ds, q_last - window_size + 1 if window else 0))
+        full_hi = down(min(de, q_first + 1) if causal else de)
+    else:
+        full_lo = full_hi = hi
+    band = split(lo, full_lo, full_hi, hi)
+    s_lo = down(ds)
+    if window and sink_size > ds:
+        s_end = min(sink_size, de_first)
+        sinks = split(s_lo, up(ds) if ds_last == ds else lo, down(s_end) if ds_last == ds else lo,
+                      max(s_lo, min(up(s_end), lo)))
+    else:
+        sinks = (s_lo, s_lo, s_lo, s_lo)
+    return sinks, band
+
+
+@triton.jit
+def _tanh(x):
+    """``tanh(x)`` from ``exp2`` (tl has no tanh): ``(1 - e) / (1 + e)``, ``e = exp(-2|x|)`` <= 1, sign restored."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _score_mod(s, i, j, softcap2, slope2, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Lesson 12's score modification, in log2 units (``s`` is ``q . k * sm_scale * log2(e)``).
+
+    ``c * tanh(s / c)`` keeps its form in log2 units with ``softcap2 = c *
+    log2(e)``, and ALiBi's ``- m * |i - j|`` becomes ``- slope2 * |i - j|``
+    with ``slope2 = m * log2(e)``. Returns ``(s, t)``: the modified scores and
+    ``t = tanh(s / c)`` (the backward's ``1 - t^2``; ``s`` itself without a cap).
+    """
+    ### BEGIN SOLUTION
+    t = s
+    if HAS_SOFTCAP:
+        t = _tanh(s / softcap2)
+        s = softcap2 * t
+    if HAS_ALIBI:
+        s = s - slope2 * tl.abs(i - j).to(tl.float32)
+    ### END SOLUTION
+    return s, t
+
+
+@triton.jit
+def _mods_keep(i, j, doc_i, doc_j, SEQ_LEN, WINDOW_SIZE, SINK_SIZE,
+               IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """True where query ``i`` may see key ``j`` (broadcast): a real key, one document, causal, window/sinks.
+
+    ``doc_i``, ``doc_j`` are the positions where ``i``'s and ``j``'s documents
+    start (equal iff one document; ``-1`` for rows past the end).
+    """
+    ### BEGIN SOLUTION
+    keep = j < SEQ_LEN
+    if HAS_DOCS:
+        keep = keep & (doc_i == doc_j)
+    if IS_CAUSAL:
+        keep = keep & (j <= i)
+    if HAS_WINDOW:
+        if HAS_SINKS:
+            keep = keep & ((i - j < WINDOW_SIZE) | (j < SINK_SIZE))
+        else:
+            keep = keep & (i - j < WINDOW_SIZE)
+    ### END SOLUTION
+    return keep
+
+
+@triton.jit
+def _split_range(lo, full_lo, full_hi, hi):
+    """``(lo, f_lo, f_hi, hi)``: ``[lo, f_lo)`` partial, ``[f_lo, f_hi)`` full, ``[f_hi, hi)`` partial."""
+    f_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    f_hi = tl.maximum(tl.minimum(full_hi, hi), f_lo)
+    return lo, f_lo, f_hi, hi
+
+
+@triton.jit
+def _mods_bounds(q_first, DOC_START, DOC_END, SEQ_LEN, WINDOW_SIZE, SINK_SIZE,
+                 IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 HAS_SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The query block's tile ranges: ``(s_lo, s_flo, s_fhi, s_hi, lo, f_lo, f_hi, hi)`` (:func:`mods_tile_bounds`).
+
+    The band ``[lo, hi)``: from the first row's document start (and oldest
+    window key) rounded down to a tile, to the last row's document end (and,
+    causal, the last row + 1). Tiles in ``[f_lo, f_hi)`` every row sees whole;
+    only a block inside one document has such tiles. The sink tiles ``[s_lo,
+    s_hi)`` (window with sinks) lie below the band, in the first row's document.
+    """
+    q_last = tl.minimum(q_first + BLOCK_M, SEQ_LEN) - 1
+    if HAS_DOCS:
+        ds = tl.load(DOC_START + q_first)  # where the first row's document starts
+        de = tl.load(DOC_END + q_last)  # where the last row's document ends
+        de_first = tl.load(DOC_END + q_first)
+        one_doc = tl.load(DOC_START + q_last) == ds
+    else:
+        ds = 0
+        de = SEQ_LEN
+        de_first = SEQ_LEN
+        one_doc = True
+    ### BEGIN SOLUTION
+    lo = ds
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, q_first - WINDOW_SIZE + 1)
+    lo = lo // BLOCK_N * BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.minimum(de, q_last + 1)
+    else:
+        hi = de
+    ### END SOLUTION
+    full_lo = ds
+    if HAS_WINDOW:
+        full_lo = tl.maximum(full_lo, q_last - WINDOW_SIZE + 1)
+    full_lo = (full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if IS_CAUSAL:
+        full_hi = tl.minimum(de, q_first + 1) // BLOCK_N * BLOCK_N
+    else:
+        full_hi = de // BLOCK_N * BLOCK_N
+    full_lo = tl.where(one_doc, full_lo, hi)
+    full_hi = tl.where(one_doc, full_hi, hi)
+    lo, f_lo, f_hi, hi = _split_range(lo, full_lo, full_hi, hi)
+    s_lo = ds // BLOCK_N * BLOCK_N
+    s_flo = s_lo
+    s_fhi = s_lo
+    s_hi = s_lo
+    if HAS_SINKS:
+        s_end = tl.minimum(SINK_SIZE, de_first)
+        s_hi = tl.where(SINK_SIZE > ds, tl.maximum(s_lo, tl.minimum((s_end + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo)),
+                        s_lo)
+        s_full_lo = tl.where(one_doc, (ds + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo)
+        s_full_hi = tl.where(one_doc, s_end // BLOCK_N * BLOCK_N, lo)
+        s_lo, s_flo, s_fhi, s_hi = _split_range(s_lo, s_full_lo, s_full_hi, s_hi)
+    return s_lo, s_flo, s_fhi, s_hi, lo, f_lo, f_hi, hi
+
+
+@triton.jit
+def _attn_fwd_inner_mods(
+    acc, l_i, m_i, q,
+    k_base, v_base,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, d_ok, doc_m, DOC_START,
+    lo, hi, SEQ_LEN, qk_scale, softcap2, slope2, WINDOW_SIZE, SINK_SIZE,
+    MASK: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Fold K/V tiles ``lo, lo + BLOCK_N, ...`` (below ``hi``) into the state, scores modified.
+
+    ``MASK``: partial tiles, masked by :func:`_mods_keep`, and a row that has
+    seen nothing yet stays at ``m_i = -inf, l_i = 0`` instead of turning into
+    NaN (lesson 08's ``m_shift``). Without ``MASK`` the caller promises every
+    pair is visible: no mask is compiled at all.
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < SEQ_LEN
+        k = tl.load(
+            k_base + offs_n[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        s = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        s, t = _score_mod(s, offs_m[:, None], offs_n[None, :], softcap2, slope2, HAS_SOFTCAP, HAS_ALIBI)
+        if MASK:
+            if HAS_DOCS:
+                doc_n = tl.load(DOC_START + offs_n, mask=n_ok, other=-2)
+            else:
+                doc_n = offs_n
+            keep = _mods_keep(offs_m[:, None], offs_n[None, :], doc_m[:, None], doc_n[None, :], SEQ_LEN,
+                              WINDOW_SIZE, SINK_SIZE, IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS)
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_shift = m_new
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_range_mods(
+    acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, d_ok, doc_m, DOC_START, lo, f_lo, f_hi, hi, SEQ_LEN, qk_scale, softcap2, slope2,
+    WINDOW_SIZE, SINK_SIZE, IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One range of tiles in three phases: ``[lo, f_lo)`` masked, ``[f_lo, f_hi)`` whole, ``[f_hi, hi)`` masked."""
+    acc, l_i, m_i = _attn_fwd_inner_mods(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, d_ok, doc_m, DOC_START, lo, f_lo, SEQ_LEN, qk_scale, softcap2, slope2,
+        WINDOW_SIZE, SINK_SIZE, True, IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_inner_mods(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, d_ok, doc_m, DOC_START, f_lo, f_hi, SEQ_LEN, qk_scale, softcap2, slope2,
+        WINDOW_SIZE, SINK_SIZE, False, IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_inner_mods(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, d_ok, doc_m, DOC_START, f_hi, hi, SEQ_LEN, qk_scale, softcap2, slope2,
+        WINDOW_SIZE, SINK_SIZE, True, IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_attention_forward_mods_kernel(
+    Q_ptr, K_ptr, V_ptr, O_ptr, LSE_ptr, DOC_START, DOC_END, SLOPES, SINK_LOGITS,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    sm_scale, SEQ_LEN, N_Q_HEADS, N_KV_HEADS, WINDOW_SIZE, SINK_SIZE, softcap2,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINK_LOGITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """GQA forward with packed documents, soft-capping, ALiBi and sink logits (and lesson 08's window/sinks).
+
+    Same tensors, strides and grid as :func:`_flash_attention_forward_gqa_kernel`;
+    ``DOC_START``/``DOC_END`` (int32 ``[SEQ_LEN]``) hold where each position's
+    document starts and ends, ``SLOPES``/``SINK_LOGITS`` (float32 ``[N_Q_HEADS]``)
+    the ALiBi slopes and sink logits; each is read only when its flag is set.
+    The block visits the tiles of :func:`_mods_bounds` only: full ones unmasked,
+    partial ones masked. A sink logit ``z`` starts the online softmax as one more
+    score whose value is 0: ``m_i = z``, ``l_i = 1``, ``acc = 0``.
+    """
+    start_m = tl.program_id(0)
+    batch_head = tl.program_id(1)
+    batch = batch_head // N_Q_HEADS
+    q_head = batch_head % N_Q_HEADS
+    kv_head = q_head // (N_Q_HEADS // N_KV_HEADS)
+
+    q_base = Q_ptr + batch * stride_qb + q_head * stride_qh
+    k_base = K_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = V_ptr + batch * stride_vb + kv_head * stride_vh
+    o_base = O_ptr + batch * stride_ob + q_head * stride_oh
+
+    q_first = start_m * BLOCK_M
+    offs_m = q_first + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < SEQ_LEN
+    q = tl.load(
+        q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
+        mask=m_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    if HAS_DOCS:
+        doc_m = tl.load(DOC_START + offs_m, mask=m_ok, other=-1)
+    else:
+        doc_m = offs_m
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + q_head) * 1.4426950408889634
+    qk_scale = sm_scale * 1.4426950408889634
+
+    # The sink logit joins the denominator as a score with no value.
+    ### BEGIN SOLUTION
+    if HAS_SINK_LOGITS:
+        z2 = tl.load(SINK_LOGITS + q_head) * 1.4426950408889634
+        m_i = tl.zeros((BLOCK_M,), dtype=tl.float32) + z2
+        l_i = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    ### END SOLUTION
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
+
+    s_lo, s_flo, s_fhi, s_hi, lo, f_lo, f_hi, hi = _mods_bounds(
+        q_first, DOC_START, DOC_END, SEQ_LEN, WINDOW_SIZE, SINK_SIZE,
+        IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, BLOCK_M, BLOCK_N)
+    if HAS_SINKS:  # the sink tiles below the band: partial, full, partial
+        acc, l_i, m_i = _attn_fwd_range_mods(
+            acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+            offs_m, offs_d, d_ok, doc_m, DOC_START, s_lo, s_flo, s_fhi, s_hi, SEQ_LEN, qk_scale, softcap2, slope2,
+            WINDOW_SIZE, SINK_SIZE, IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_range_mods(  # the band: partial, full, partial
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, d_ok, doc_m, DOC_START, lo, f_lo, f_hi, hi, SEQ_LEN, qk_scale, softcap2, slope2,
+        WINDOW_SIZE, SINK_SIZE, IS_CAUSAL, HAS_DOCS, HAS_WINDOW, HAS_SINKS, HAS_SOFTCAP, HAS_ALIBI, BLOCK_N)
+
+    # Every real row sees itself (or has a sink logit), so l_i > 0 there; rows past the end
+    # may see nothing: give them 1 so that they compute no NaN (they are not stored).
+    l_i = tl.where(m_ok, l_i, 1.0)
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    tl.store(LSE_ptr + batch * stride_lb + q_head * stride_lh + offs_m * stride_ln, lse, mask=m_ok)
+    acc = acc / l_i[:, None]
+    tl.store(
+        o_base + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+        acc.to(O_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+
+
+# -----------------------------------------------------------------------------
 # Launchers
 # -----------------------------------------------------------------------------
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -740,6 +1095,132 @@ def flash_attention_window_forward(q, k, v, *, window_size, sink_size=0,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         1.0 / math.sqrt(D), N, Hq, k.shape[1], min(int(window_size), N), min(int(sink_size), N),
         HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), HAS_SINKS=bool(sink_size),
+        **cfg,
+    )
+    return o, lse
+
+
+def _validate_cu_seqlens(q, cu_seqlens) -> None:
+    """cu_seqlens: an int32 tensor ``[S + 1]`` on q's device, ``0 = cu[0] < ... < cu[S] = N``, and ``B == 1``."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise ValueError(f"cu_seqlens must be an int32 torch tensor, not {type(cu_seqlens).__name__}.")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"cu_seqlens must have dtype torch.int32, not {cu_seqlens.dtype}.")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-d with at least two entries [0, ..., N], not of shape "
+                         f"{tuple(cu_seqlens.shape)}.")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the inputs' device {q.device}, not {cu_seqlens.device}.")
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs the packed layout [1, H, N, D] (batch size 1), but the batch size "
+                         f"is {q.shape[0]}.")
+    cu = cu_seqlens.cpu()  # a few bytes; on a GPU this waits for cu_seqlens to be written
+    n = q.shape[2]
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0 (the first document's start), not {int(cu[0])}.")
+    if int(cu[-1]) != n:
+        raise ValueError(f"cu_seqlens must end at N = {n} (the packed length), not {int(cu[-1])}.")
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty document), but it is {cu.tolist()}.")
+
+
+def _validate_softcap(softcap) -> None:
+    """softcap: a finite real number above 0."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"softcap must be a number above 0 (a Python float), not {softcap!r}.")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be a finite number above 0, not {softcap}.")
+
+
+def _validate_per_head(q, x, name) -> None:
+    """alibi_slopes, sink_logits: a float32 tensor ``[Hq]`` on q's device."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a float32 torch tensor of shape ({q.shape[1]},), not {type(x).__name__}.")
+    if tuple(x.shape) != (q.shape[1],):
+        raise ValueError(f"{name} must have one value per query head, shape ({q.shape[1]},), not {tuple(x.shape)}.")
+    if x.dtype != torch.float32:
+        raise ValueError(f"{name} must have dtype torch.float32, not {x.dtype}.")
+    if x.device != q.device:
+        raise ValueError(f"{name} must be on the inputs' device {q.device}, not {x.device}.")
+
+
+def validate_mods(q, cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None) -> None:
+    """Raise ``ValueError`` (one sentence) unless lesson 12's keywords fit ``q`` (checked by :func:`validate`)."""
+    if cu_seqlens is not None:
+        _validate_cu_seqlens(q, cu_seqlens)
+    if softcap is not None:
+        _validate_softcap(softcap)
+    if alibi_slopes is not None:
+        _validate_per_head(q, alibi_slopes, "alibi_slopes")
+    if sink_logits is not None:
+        _validate_per_head(q, sink_logits, "sink_logits")
+
+
+def has_mods(cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None) -> bool:
+    """True when a call uses any of lesson 12's keywords (it then runs kernel D)."""
+    return any(x is not None for x in (cu_seqlens, softcap, alibi_slopes, sink_logits))
+
+
+def document_bounds(cu_seqlens, n: int):
+    """``(doc_start, doc_end)``: int32 ``[n]`` tensors, where each position's document starts and ends."""
+    pos = torch.arange(n, dtype=torch.int32, device=cu_seqlens.device)
+    seg = torch.searchsorted(cu_seqlens, pos, right=True) - 1  # each position's document
+    return cu_seqlens[seg].contiguous(), cu_seqlens[seg + 1].contiguous()
+
+
+def mods_arguments(q, causal, window_size, sink_size, cu_seqlens, softcap, alibi_slopes, sink_logits):
+    """The pointers, scalars and flags kernel D and the backward's kernels share, as two dicts."""
+    N = q.shape[2]
+    if cu_seqlens is not None:
+        doc_start, doc_end = document_bounds(cu_seqlens, N)
+    else:
+        doc_start = doc_end = q  # never read: HAS_DOCS is off
+    pointers = dict(DOC_START=doc_start, DOC_END=doc_end,
+                    SLOPES=alibi_slopes.contiguous() if alibi_slopes is not None else q,
+                    SINK_LOGITS=sink_logits.detach().contiguous() if sink_logits is not None else q)
+    window = min(int(window_size), N) if window_size is not None else N
+    flags = dict(WINDOW_SIZE=window, SINK_SIZE=min(int(sink_size), N),
+                 softcap2=float(softcap) * LOG2E if softcap is not None else 1.0,
+                 IS_CAUSAL=bool(causal), HAS_DOCS=cu_seqlens is not None, HAS_WINDOW=window_size is not None,
+                 HAS_SINKS=bool(sink_size), HAS_SOFTCAP=softcap is not None, HAS_ALIBI=alibi_slopes is not None)
+    return pointers, flags
+
+
+def flash_attention_mods_forward(q, k, v, causal: bool = False, *, window_size=None, sink_size=0, cu_seqlens=None,
+                                 softcap=None, alibi_slopes=None, sink_logits=None,
+                                 block_m: int | None = None, block_n: int | None = None, _validated: bool = False):
+    """GQA attention with lesson 12's score modifications, by :func:`_flash_attention_forward_mods_kernel`.
+
+    Tensors as in :func:`flash_attention_gqa_forward`; returns ``(o, lse)``,
+    ``lse`` including the sink logit (``log(exp(z_h) + sum_j exp(s_ij))``).
+    ``cu_seqlens`` (int32 ``[S + 1]``, B == 1), ``softcap`` (float > 0),
+    ``alibi_slopes``, ``sink_logits`` (float32 ``[Hq]``) and lesson 08's
+    ``window_size``/``sink_size`` (with ``causal=True``) in any combination;
+    semantics in :mod:`course_utils.references`. ``_validated=True``: the
+    caller has run :func:`validate`, :func:`validate_window` and
+    :func:`validate_mods` already.
+    """
+    if not _validated:
+        validate(q, k, v)
+        validate_window(causal, window_size, sink_size)
+        validate_mods(q, cu_seqlens, softcap, alibi_slopes, sink_logits)
+    B, Hq, N, D = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
+    if o.numel() == 0:
+        return o, lse
+    cfg = _config(q, block_m, block_n)
+    pointers, flags = mods_arguments(q, causal, window_size, sink_size, cu_seqlens, softcap, alibi_slopes,
+                                     sink_logits)
+    grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * Hq)
+    _flash_attention_forward_mods_kernel[grid](
+        q, k, v, o, lse, pointers["DOC_START"], pointers["DOC_END"], pointers["SLOPES"], pointers["SINK_LOGITS"],
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
+        1.0 / math.sqrt(D), N, Hq, k.shape[1], flags["WINDOW_SIZE"], flags["SINK_SIZE"], flags["softcap2"],
+        HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D),
+        IS_CAUSAL=flags["IS_CAUSAL"], HAS_DOCS=flags["HAS_DOCS"], HAS_WINDOW=flags["HAS_WINDOW"],
+        HAS_SINKS=flags["HAS_SINKS"], HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_ALIBI=flags["HAS_ALIBI"],
+        HAS_SINK_LOGITS=sink_logits is not None,
         **cfg,
     )
     return o, lse
