@@ -249,7 +249,8 @@ def document_tile_states(cu_seqlens, block_m, block_n, causal=True):
 
     ``cu_seqlens`` ``[S + 1]`` are the documents' boundaries, ``0 = cu[0] < ... < cu[S] = N``
     (:func:`course_utils.references.document_mask`); with ``causal`` the causal mask applies too.
-    Read off the mask itself, as :func:`window_tile_states` does.
+    Read off the mask itself, as :func:`window_tile_states` does, except that a tile running past
+    N is partial (a kernel masks its empty slots), as lesson 12's ``check_doc_tile_bounds`` says.
     """
     n = int(np.asarray(cu_seqlens)[-1])
     mask = ref.document_mask(cu_seqlens, n)
@@ -259,7 +260,8 @@ def document_tile_states(cu_seqlens, block_m, block_n, causal=True):
     for bi in range(states.shape[0]):
         for bj in range(states.shape[1]):
             tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
-            states[bi, bj] = FULL if tile.all() else DIAGONAL if tile.any() else SKIPPED
+            whole = (bj + 1) * block_n <= n
+            states[bi, bj] = FULL if tile.all() and whole else DIAGONAL if tile.any() else SKIPPED
     return states
 
 

@@ -74,7 +74,7 @@ def bounds_from_the_mask(cu_seqlens, block_m, block_n, start_m, causal):
     rows = keep[start_m * block_m:min((start_m + 1) * block_m, n)]
     seen = np.flatnonzero(rows.any(axis=0))
     lo, hi = seen[0] // block_n * block_n, -(-(seen[-1] + 1) // block_n) * block_n  # kv_hi rounded up: same tiles
-    partial = tuple(np.int64(t) for t in range(lo, hi, block_n) if not rows[:, t:t + block_n].all())
+    partial = tuple(np.int64(t) for t in range(lo, hi, block_n) if not rows[:, t:t + block_n].all() or t + block_n > n)
     return np.int64(lo), np.int64(hi), partial
 
 
@@ -376,3 +376,33 @@ def test_the_widgets_tiles_are_the_checks_tiles():
     with pytest.raises(ValueError, match=">= 1"):
         widgets.parse_lengths("4, 0, 3")
     assert widgets.document_explorer(lengths=(10, 20), block_m=16, block_n=16).children
+
+
+def test_the_packages_tile_bounds_agree_with_the_checks_and_are_refused():
+    from course_utils.kernels import forward
+
+    for cu, bm, bn, causal in (([0, 37, 40, 100, 150], 32, 32, True), ([0, 90, 97, 256, 260], 32, 64, False),
+                               ([0, 1, 2, 3, 70, 71, 200], 64, 16, False)):
+        for m in range(-(-cu[-1] // bm)):
+            _, (lo, full_lo, full_hi, hi) = forward.mods_tile_bounds(m, bm, bn, cu[-1], cu, causal)
+            partial = {t for t in range(lo, hi, bn) if not full_lo <= t < full_hi}
+            np.testing.assert_array_equal(p8._classes_of(lo, hi, partial, cu[-1], bn), p8.tile_classes(cu, bm, bn, m, causal))
+
+    def answer_key(cu_seqlens, block_m, block_n, start_m, causal):
+        _, (lo, full_lo, full_hi, hi) = forward.mods_tile_bounds(start_m, block_m, block_n, cu_seqlens[-1], cu_seqlens,
+                                                                 causal)
+        return lo, hi, [t for t in range(lo, hi, block_n) if not full_lo <= t < full_hi]
+
+    with pytest.raises(GradingError, match="mods_tile_bounds"):
+        check_doc_tile_bounds(answer_key)
+
+
+def test_forward_the_packages_kernel_is_refused():
+    from course_utils.kernels import flash_attention_with_lse
+
+    def course(q, k, v, *, cu_seqlens, causal, softcap, alibi_slopes, sink_logits):
+        return flash_attention_with_lse(q, k, v, causal, cu_seqlens=cu_seqlens, softcap=softcap,
+                                        alibi_slopes=alibi_slopes, sink_logits=sink_logits)
+
+    with pytest.raises(GradingError, match="course_utils's own kernel"):
+        p8.grade_mods_forward(course)

@@ -100,7 +100,7 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("check_fp8_forward", "11_hopper_and_fp8", part7_hopper.grade_fp8_forward, True, 240.0, 2,
              "your launcher", allowed=("course_utils.kernels.fp8.fp8_config",)),  # the lesson's launcher
     Exercise("check_doc_tile_bounds", "12_packed_sequences_and_score_mods", part8_mods.grade_doc_tile_bounds,
-             False, None, 1),
+             False, None, 1, answer_keys=("course_utils.kernels.forward.mods_tile_bounds",)),
     Exercise("check_mods_forward", "12_packed_sequences_and_score_mods", part8_mods.grade_mods_forward,
              True, 120.0, 2, "your launcher"),
     Exercise("check_mods_backward", "12_packed_sequences_and_score_mods", part8_mods.grade_mods_backward,

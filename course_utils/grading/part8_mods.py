@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
+from ..kernels.forward import mods_tile_bounds
 from . import inputs, proof
 from .core import Diagnosis, Run, require_callable
 from .mistakes import Model
@@ -230,12 +231,13 @@ def _bounds_variant(cu, block_m, block_n, start_m, causal, mistake=None):
     partial = []
     for t in range(lo, hi, block_n):
         t_last = min(t + block_n, n) - 1
-        one_doc = d_first == d_last and doc[t] == d_first and doc[t_last] == d_first
+        inside = t + block_n <= n  # a tile that runs past N must be masked (its last slots hold no key)
+        one_doc = d_first == d_last and doc[t] == d_first and doc[t_last] == d_first and inside
         below = not causal or t_last <= q0
         if mistake == "partial_diagonal_only":
             full = below
         elif mistake == "partial_rows_ignored":
-            full = doc[t] == doc[t_last] == d_first and below
+            full = doc[t] == doc[t_last] == d_first and below and inside
         elif mistake == "partial_all":
             full = False
         else:
@@ -246,13 +248,17 @@ def _bounds_variant(cu, block_m, block_n, start_m, causal, mistake=None):
 
 
 def tile_classes(cu, block_m, block_n, start_m, causal) -> np.ndarray:
-    """Per K/V tile of the sequence: 0 skipped, 1 full, 2 partial, from the mask itself (brute force)."""
+    """Per K/V tile of the sequence: 0 skipped, 1 full, 2 partial, from the mask itself (brute force).
+
+    A tile is full when every real row of the block sees every key of it and it ends at or before
+    N (a tile running past N is masked: without the mask its empty slots would count as keys).
+    """
     n = int(cu[-1])
     keep = _doc_mask(cu, n, causal)[start_m * block_m:min((start_m + 1) * block_m, n)]
     out = np.zeros(-(-n // block_n), dtype=np.int64)
     for t in range(out.size):
         tile = keep[:, t * block_n:min((t + 1) * block_n, n)]
-        out[t] = 0 if not tile.any() else (1 if tile.all() else 2)
+        out[t] = 0 if not tile.any() else (1 if tile.all() and (t + 1) * block_n <= n else 2)
     return out
 
 
@@ -309,7 +315,8 @@ def grade_doc_tile_bounds(fn, *, seed=None):
     multiple of ``block_n``); ``partial`` lists the starts of the visited tiles
     that need the mask. Exact: every tile holding a key some row of the block
     sees is visited and no other; a tile is left out of ``partial`` only when
-    every row of the block sees every key of it (pairs past N do not count).
+    every row of the block sees every key of it and the tile ends at or before
+    N (rows past N do not count).
     Every query block of fixed and fresh random packings is tried.
     """
     __tracebackhide__ = True
@@ -321,7 +328,8 @@ def grade_doc_tile_bounds(fn, *, seed=None):
         blocks = range(-(-n // block_m))
         got = []
         for start_m in blocks:
-            out = run.call(fn, list(cu), block_m, block_n, start_m, causal, case=f"{case}, start_m={start_m}")
+            with proof.answer_keys_forbidden(mods_tile_bounds):  # the package's own answer (kernel D's bounds)
+                out = run.call(fn, list(cu), block_m, block_n, start_m, causal, case=f"{case}, start_m={start_m}")
             where = f"{case}, start_m={start_m}"
             try:
                 lo, hi, partial = out
