@@ -205,3 +205,24 @@ def test_mod_inputs_give_one_modification_each():
         assert on == {{"softcap": "softcap", "alibi": "alibi_slopes", "sinks": "sink_logits"}[mod]}
     with pytest.raises(ValueError, match="unknown"):
         bench_mods.mod_inputs(bench_mods.ModsCase("rope", 4, 100), "cpu")
+
+
+@pytest.mark.parametrize("mod", ["softcap", "sinks"])
+def test_the_course_provider_and_its_training_step_pass_their_own_checks(mod):
+    # The calls the bench times, on small fp32 CPU tensors (the interpreter): checked as the bench checks them.
+    (q, k, v), extra, _ = _small(mod)
+    case = bench_mods.ModsCase(mod, 4, q.shape[-2])
+    ref = bench_mods.reference_forward(q, k, v, extra, rows=16)
+    rel, lse_err = bench_mods.forward_error(bench_mods.make_forward("course", q, k, v, case, extra)(), ref)
+    assert rel < 1e-5 and lse_err < 1e-5
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    if extra["sink_logits"] is not None:
+        extra["sink_logits"].requires_grad_()
+    do = torch.randn_like(q)
+    want = bench_mods.reference_group_grads(q, k, v, do, extra)
+    got = tuple(None if t is None else t.detach() for t in bench_mods.make_training_step("course", q, k, v, do, case,
+                                                                                          extra)())
+    assert (got[4] is None) == (mod != "sinks")
+    assert bench_mods.grads_error(got, want) < 1e-4
+    wrong = (got[0], got[1], got[2], got[3] * 1.1, got[4])
+    assert bench_mods.grads_error(wrong, want) > 0.05  # the comparison can fail
