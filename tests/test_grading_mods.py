@@ -406,3 +406,17 @@ def test_forward_the_packages_kernel_is_refused():
 
     with pytest.raises(GradingError, match="course_utils's own kernel"):
         p8.grade_mods_forward(course)
+
+
+def test_backward_an_answer_kept_from_an_earlier_call_fails():
+    right = planted_backward()
+    seen = {}
+
+    def memoised(q, k, v, o, lse, do, **kwargs):  # right the first time a shape comes, then replays it
+        key = (q.shape, tuple(kwargs["cu_seqlens"]), kwargs["causal"])
+        if key not in seen:
+            seen[key] = right(q, k, v, o, lse, do, **kwargs)
+        return seen[key]
+
+    with pytest.raises(GradingError, match="again with new values"):
+        check_mods_backward(memoised)

@@ -599,6 +599,8 @@ def _forward_cases(rng, device):
                                      ("sinks", sinks is not None)) if on) or "no score mods"
     cases.append(_Case(f"random: {n_q}/{n_kv} heads, cu_seqlens={cu}, causal={causal}, {mods}, {dtype}", n_q, n_kv,
                        cu, 16, causal, softcap, slopes, sinks, dtype, bool(rng.random() < 0.5)))
+    # One shape twice, with new values: an answer kept from an earlier call cannot pass.
+    cases.append(dataclasses.replace(cases[2], name=cases[2].name + ", again with new values"))
     if device == "cuda" and current().bf16_ok:
         cases.append(_Case("fixed: GQA 4/2, causal, 6 documents, softcap 20 + ALiBi + sinks, bf16", 4, 2,
                            [0, 100, 260, 300, 301, 450, 512], 64, True, 20.0, alibi_slopes(4), z4, "bfloat16"))
@@ -743,6 +745,8 @@ def _backward_cases(rng):
     cases.append(_Case(f"random: {h} heads, cu_seqlens={cu}, causal={causal}, softcap={softcap and round(softcap, 3)}, "
                        f"ALiBi={slopes is not None}, sinks={sinks is not None}", h, h, cu, 16, causal, softcap,
                        slopes, sinks))
+    # One shape twice, with new values: an answer kept from an earlier call cannot pass.
+    cases.append(dataclasses.replace(cases[2], name=cases[2].name + ", again with new values"))
     return cases
 
 
