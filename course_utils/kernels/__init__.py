@@ -37,7 +37,9 @@ visible from query ``i`` only within one document; ``softcap = c`` (a float >
 0) turns each score ``s`` into ``c * tanh(s / c)``; ``alibi_slopes`` (float32
 ``[Hq]``) then subtracts ``m_h * |i - j|``; ``sink_logits`` (float32 ``[Hq]``,
 differentiable) join each row's denominator with no value: ``lse_i =
-log(exp(z_h) + sum_j exp(s_ij))``. Such calls run kernel D
+log(exp(z_h) + sum_j exp(s_ij))``. Positions are the packed sequence's, so
+lesson 08's ``sink_size`` sink keys are its first keys (the first document's).
+Such calls run kernel D
 (:func:`.forward.flash_attention_mods_forward`, and the ``_mods`` kernels of
 :mod:`.backward`) on every machine; each query block visits only the tiles its
 documents, causality and window leave visible, and masks only partial ones.

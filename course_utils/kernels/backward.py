@@ -34,6 +34,11 @@ identical. Edit both together. The helpers later lessons reuse have public
 names (lesson 08 imports :func:`load_tile`, :func:`store_tile`,
 :func:`attn_bwd_preprocess`, :func:`dkdv_inner` and :func:`attn_bwd_dq_window`);
 a leading underscore marks what only this module calls.
+
+Section 5 holds lesson 12's kernels (:func:`_attn_bwd_dkdv_mods`,
+:func:`_attn_bwd_dq_mods`): documents, soft-cap (``dS *= 1 - tanh^2``), ALiBi
+(no gradient) and the sink logit (inside ``lse``; its own gradient is
+:func:`sink_logits_grad`, a torch reduction).
 """
 
 from __future__ import annotations
@@ -864,6 +869,8 @@ def _attn_bwd_dq_mods(
 ):
     """dQ of one query block with lesson 12's modifications: the forward's tile ranges (``_mods_bounds``)."""
     pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # the last query blocks have the most key tiles: launch them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // n_q_heads
     q_head = pid_bh % n_q_heads

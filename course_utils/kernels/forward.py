@@ -13,6 +13,16 @@ Two kernels, each taught in a lesson and kept here as the one copy:
   Its inner loop is :func:`attn_fwd_inner`, as in Triton's fused-attention
   tutorial (a public name: lesson 08 imports it for its window kernel).
 
+Lesson 08's window/sink kernel (kernel C, :func:`_flash_attention_forward_window_kernel`)
+and lesson 12's kernel D (:func:`_flash_attention_forward_mods_kernel`): packed
+documents (``cu_seqlens``), soft-capping, ALiBi and sink logits, alone or with
+causal and the window, behind compile-time flags (a flag that is off compiles
+to nothing). Its tile ranges (:func:`_mods_bounds`, in Python
+:func:`mods_tile_bounds`) skip every tile no visible pair touches; its score
+modification (:func:`_score_mod`) and mask (:func:`_mods_keep`) are shared
+with the backward's kernels. Launcher :func:`flash_attention_mods_forward`,
+validation :func:`validate_mods`.
+
 One copy: the solution notebooks ``solutions/04_flash_attention_forward.ipynb``
 and ``solutions/05_causal_gqa.ipynb`` define these same ``@triton.jit``
 functions. The ``### BEGIN SOLUTION`` / ``### END SOLUTION`` comment lines
@@ -781,6 +791,8 @@ def _flash_attention_forward_mods_kernel(
     score whose value is 0: ``m_i = z``, ``l_i = 1``, ``acc = 0``.
     """
     start_m = tl.program_id(0)
+    if IS_CAUSAL:  # the last query blocks have the most tiles: launch them first, the short ones fill in
+        start_m = tl.num_programs(0) - 1 - start_m
     batch_head = tl.program_id(1)
     batch = batch_head // N_Q_HEADS
     q_head = batch_head % N_Q_HEADS
@@ -1163,6 +1175,7 @@ def has_mods(cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None)
 
 def document_bounds(cu_seqlens, n: int):
     """``(doc_start, doc_end)``: int32 ``[n]`` tensors, where each position's document starts and ends."""
+    cu_seqlens = cu_seqlens.contiguous()  # any strides (searchsorted wants a contiguous one)
     pos = torch.arange(n, dtype=torch.int32, device=cu_seqlens.device)
     seg = torch.searchsorted(cu_seqlens, pos, right=True) - 1  # each position's document
     return cu_seqlens[seg].contiguous(), cu_seqlens[seg + 1].contiguous()
