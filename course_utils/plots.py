@@ -31,6 +31,8 @@ __all__ = [
     "COLUMN_STATES",
     "dkdv_column_states",
     "plot_dkdv_column",
+    "document_tile_states",
+    "plot_document_tiles",
     "SKIPPED",
     "FULL",
     "DIAGONAL",
@@ -241,6 +243,73 @@ def plot_window_tiles(n, block_m, block_n, window_size=None, sink_size=0, *, ax=
     ax.set_title(f"window {window_size}, {sink_size} sinks: {counts[FULL]} full, {counts[DIAGONAL]} partial, "
                  f"{counts[SKIPPED]} skipped tiles\n{mask.sum() / (n * (n + 1) / 2):.0%} of the causal pairs visible",
                  fontsize=9)
+    handles = [Patch(color=colours[FULL], label="full (no mask)"), Patch(color=colours[DIAGONAL], label="partial (mask)"),
+               Patch(color=colours[SKIPPED], label="skipped"), Patch(color="#f16913", alpha=0.55, label="visible pair")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    return ax
+
+# -- packed documents (lesson 12) ---------------------------------------------------
+def document_tile_states(cu_seqlens, block_m, block_n, causal=True):
+    """Each tile's state under the document mask of packed documents: ``SKIPPED``, ``FULL`` or ``DIAGONAL``.
+
+    ``cu_seqlens`` ``[S + 1]`` are the documents' boundaries, ``0 = cu[0] < ... < cu[S] = N``
+    (:func:`course_utils.references.document_mask`); with ``causal`` the causal mask applies too.
+    Read off the mask itself, as :func:`window_tile_states` does, except that a tile running past
+    N is partial (a kernel masks its empty slots), as lesson 12's ``check_doc_tile_bounds`` says.
+    """
+    n = int(np.asarray(cu_seqlens)[-1])
+    mask = ref.document_mask(cu_seqlens, n)
+    if causal:
+        mask = mask & ref.causal_mask(n, n)
+    states = np.empty((math.ceil(n / block_m), math.ceil(n / block_n)), dtype=int)
+    for bi in range(states.shape[0]):
+        for bj in range(states.shape[1]):
+            tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
+            whole = (bj + 1) * block_n <= n
+            states[bi, bj] = FULL if tile.all() and whole else DIAGONAL if tile.any() else SKIPPED
+    return states
+
+
+def plot_document_tiles(cu_seqlens, block_m, block_n, causal=True, *, ax=None):
+    """The tiles of a launch over packed documents, over the document mask.
+
+    Skipped tiles grey, full tiles light blue, partial tiles dark blue, the
+    visible (query, key) pairs in orange and the documents' boundaries as
+    thin lines; the title counts the tiles and compares the visible pairs
+    with one unpacked (plain causal or full) sequence of the same length.
+    """
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch, Rectangle
+
+    cu = [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
+    n = cu[-1]
+    states = document_tile_states(cu, block_m, block_n, causal)
+    colours = {FULL: "#9ecae1", DIAGONAL: "#2171b5", SKIPPED: "#e8e8e8"}
+    ax = _axes(ax, (5.6, 4.6))
+    for bi in range(states.shape[0]):
+        for bj in range(states.shape[1]):
+            x, y = bj * block_n, bi * block_m
+            w, h = min(block_n, n - x), min(block_m, n - y)
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=colours[states[bi, bj]], edgecolor="white", lw=1.0))
+    mask = ref.document_mask(cu, n)
+    if causal:
+        mask = mask & ref.causal_mask(n, n)
+    ax.imshow(np.ma.masked_where(~mask, mask), cmap=ListedColormap(["#f16913"]), alpha=0.55,
+              extent=(0, n, n, 0), interpolation="nearest", zorder=2)
+    for b in cu[1:-1]:
+        ax.axvline(b, color="0.35", lw=0.6, zorder=3)
+        ax.axhline(b, color="0.35", lw=0.6, zorder=3)
+    ax.set_xlim(0, n)
+    ax.set_ylim(n, 0)
+    ax.set_aspect("equal")
+    ax.set_xlabel(f"key j (block_n = {block_n})")
+    ax.set_ylabel(f"query i (block_m = {block_m})")
+    counts = {s: int((states == s).sum()) for s in (FULL, DIAGONAL, SKIPPED)}
+    unpacked = n * (n + 1) / 2 if causal else n * n
+    ax.set_title(f"{len(cu) - 1} documents, {'causal' if causal else 'not causal'}: {counts[FULL]} full, "
+                 f"{counts[DIAGONAL]} partial, {counts[SKIPPED]} skipped tiles\n"
+                 f"{mask.sum() / unpacked:.0%} of the pairs of one {'causal ' if causal else ''}sequence "
+                 f"of {n} tokens are visible", fontsize=9)
     handles = [Patch(color=colours[FULL], label="full (no mask)"), Patch(color=colours[DIAGONAL], label="partial (mask)"),
                Patch(color=colours[SKIPPED], label="skipped"), Patch(color="#f16913", alpha=0.55, label="visible pair")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)

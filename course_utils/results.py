@@ -29,6 +29,12 @@ COLUMNS = {
         ("flex_tflops", "Flex TFLOP/s", ".0f", ""), ("sdpa_mask_tflops", "SDPA+mask TFLOP/s", ".0f", ""),
         ("course_over_flex", "course / Flex", ".2f", "×"),
     ],
+    "mods_bench": [
+        ("mode", "pass", "", ""), ("mod", "mod", "", ""), ("docs", "docs", "d", ""), ("N", "N", "d", ""),
+        ("course_ms", "course ms", ".2f", ""), ("course_tflops", "course TFLOP/s", ".0f", ""),
+        ("flex_tflops", "Flex TFLOP/s", ".0f", ""), ("sdpa_tflops", "SDPA TFLOP/s", ".0f", ""),
+        ("course_over_flex", "course / Flex", ".2f", "×"),
+    ],
     "decode_bench": [
         ("B", "B", "d", ""), ("context", "context", "d", ""), ("course_gbps", "course GB/s", ".0f", ""),
         ("sdpa_best_gbps", "SDPA best GB/s", ".0f", ""), ("ceiling_gbps", "read ceiling GB/s", ".0f", ""),
@@ -85,6 +91,19 @@ def _window(d):
     return sorted(out, key=lambda r: (r["mode"] != "forward", r["W"], r["S"], r["N"]))
 
 
+def _mods(d):
+    by = {(r["mode"], r["mod"], r["n_docs"], r["n"], r["provider"]): r for r in d["rows"]}
+    out = []
+    for q in d["ratios"]:
+        key = (q["mode"], q["mod"], q["n_docs"], q["n"])
+        tf = {p: (by.get(key + (p,)) or {}).get("tflops") for p in ("course", "flex", "sdpa")}
+        out.append(dict(mode=key[0], mod=key[1], docs=key[2], N=key[3], course_ms=(by.get(key + ("course",)) or {}).get("ms"),
+                        course_tflops=tf["course"], flex_tflops=tf["flex"], sdpa_tflops=tf["sdpa"],
+                        course_over_flex=q["course_over_flex"]))
+    order = {"softcap": 0, "alibi": 1, "sinks": 2}
+    return sorted(out, key=lambda r: (r["mode"] != "forward", order.get(r["mod"], 9), r["docs"], r["N"]))
+
+
 def _decode(d):
     return [dict(B=s["batch"], context=s["context"], course_gbps=s["course"], sdpa_best_gbps=s["sdpa_best"],
                  ceiling_gbps=s["ceiling"], course_over_sdpa=s["course_vs_sdpa"],
@@ -124,8 +143,8 @@ def _training(d):
     return out
 
 
-_ROWS = {"window_bench": _window, "decode_bench": _decode, "decode_splits": _decode_splits, "ring_bench": _ring,
-         "training_bench": _training}
+_ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, "decode_splits": _decode_splits,
+         "ring_bench": _ring, "training_bench": _training}
 
 
 def rows(name: str, **where) -> list[dict]:

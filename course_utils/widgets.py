@@ -1,7 +1,7 @@
 """Interactive controls for the lessons, built from core ipywidgets only.
 
-Only ``IntSlider``, ``Checkbox`` and ``interactive`` are used, which exist
-unchanged in ipywidgets 7.7 and 8.x. Each function returns the widget; the
+Only ``IntSlider``, ``Checkbox``, ``Text`` and ``interactive`` are used, which
+exist unchanged in ipywidgets 7.7 and 8.x. Each function returns the widget; the
 lesson displays it by leaving it as the cell's last expression. Without a
 frontend (nbval, nbclient, a plain script) the widget is still built and its
 function runs once with the initial values, so nothing fails headless.
@@ -18,7 +18,8 @@ import numpy as np
 from . import plots
 from . import references as ref
 
-__all__ = ["attention_explorer", "online_softmax_stepper", "window_explorer", "dkdv_column_explorer", "ring_stepper"]
+__all__ = ["attention_explorer", "online_softmax_stepper", "window_explorer", "dkdv_column_explorer", "ring_stepper",
+           "document_explorer", "parse_lengths"]
 
 
 def _show(fig):
@@ -174,5 +175,37 @@ def ring_stepper(world_size=4, *, causal=True):
         show,
         step=IntSlider(value=0, min=0, max=world_size - 1, description="ring step"),
         zigzag=Checkbox(value=True, description="zigzag layout"),
+        causal=Checkbox(value=causal, description="causal mask"),
+    )
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"37, 3, 60"`` -> ``[0, 37, 40, 100]``: documents' lengths to ``cu_seqlens`` (ValueError if one is not >= 1)."""
+    lengths = [int(x) for x in text.replace(";", ",").replace(" ", ",").split(",") if x.strip()]
+    if not lengths or min(lengths) < 1:
+        raise ValueError("give the documents' lengths as whole numbers >= 1, separated by commas (e.g. 37, 3, 60)")
+    return [0] + np.cumsum(lengths).tolist()
+
+
+def document_explorer(lengths=(37, 3, 60, 50, 106), block_m=32, block_n=32, *, causal=True):
+    """Type the documents' lengths; see which tiles a packed launch skips, masks or computes whole.
+
+    The picture is :func:`course_utils.plots.plot_document_tiles` for the
+    documents packed one after another (``cu_seqlens`` from the lengths).
+    """
+    from ipywidgets import Checkbox, Text, interactive
+
+    def show(lengths, causal):
+        try:
+            cu = parse_lengths(lengths)
+        except ValueError as exc:
+            print(exc)
+            return
+        ax = plots.plot_document_tiles(cu, block_m, block_n, causal)
+        _show(ax.figure)
+
+    return interactive(
+        show,
+        lengths=Text(value=", ".join(str(x) for x in lengths), description="lengths", continuous_update=False),
         causal=Checkbox(value=causal, description="causal mask"),
     )

@@ -63,12 +63,13 @@ def cases_from_args(args) -> list[Case]:
 
 SUBCOMMANDS = {"window": "lesson 08: sliding window and sinks vs FlexAttention",
                "decode": "lesson 09: decoding over a KV cache, GB/s of cache read",
-               "fp8": "lesson 11: the bf16 and FP8 forwards vs SDPA flash and cuDNN"}
+               "fp8": "lesson 11: the bf16 and FP8 forwards vs SDPA flash and cuDNN",
+               "mods": "lesson 12: packed documents with soft-cap, ALiBi and sinks vs FlexAttention"}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in SUBCOMMANDS:  # python -m course_utils.bench window|decode|fp8 ...
+    if argv and argv[0] in SUBCOMMANDS:  # python -m course_utils.bench window|decode|fp8|mods ...
         import importlib
 
         return importlib.import_module(f"{__package__}.{argv[0]}").main(argv[1:])

@@ -24,7 +24,7 @@ import inspect
 from typing import Callable
 
 from . import (part1_numpy, part2_basics, part2_debug, part2_tiles, part2_triton, part3_performance, part4_backward,
-               part5_decode, part5_window, part6_ring, part7_hopper)
+               part5_decode, part5_window, part6_ring, part7_hopper, part8_mods)
 from .core import require_callable
 from .isolation import run_isolated
 
@@ -108,6 +108,12 @@ EXERCISES: tuple[Exercise, ...] = (
              False, None, 1, answer_keys=("course_utils.kernels.fp8.lpt_schedule",)),
     Exercise("check_fp8_forward", "11_hopper_and_fp8", part7_hopper.grade_fp8_forward, True, 240.0, 2,
              "your launcher", allowed=("course_utils.kernels.fp8.fp8_config",)),  # the lesson's launcher
+    Exercise("check_doc_tile_bounds", "12_packed_sequences_and_score_mods", part8_mods.grade_doc_tile_bounds,
+             False, None, 1, answer_keys=("course_utils.kernels.forward.mods_tile_bounds",)),
+    Exercise("check_mods_forward", "12_packed_sequences_and_score_mods", part8_mods.grade_mods_forward,
+             True, 120.0, 2, "your launcher"),
+    Exercise("check_mods_backward", "12_packed_sequences_and_score_mods", part8_mods.grade_mods_backward,
+             False, None, 1, allowed=("course_utils.references.document_mask",)),  # the lesson's scaffold uses it
 )
 
 
