@@ -81,6 +81,8 @@ ANSWERS = {
     "check_dkdv_bounds": lambda: solution_function("08_sliding_window_and_sinks.ipynb", "dkdv_query_bounds"),
     "check_choose_num_splits": lambda: solution_function("09_decoding.ipynb", "choose_num_splits"),
     "check_overlap_shard_length": lambda: solution_function("10_ring_attention.ipynb", "overlap_shard_length"),
+    "check_doc_tile_bounds": lambda: solution_function("12_packed_sequences_and_score_mods.ipynb", "doc_tile_bounds"),
+    "check_mods_backward": lambda: solution_function("12_packed_sequences_and_score_mods.ipynb", "mods_backward"),
 }
 
 
