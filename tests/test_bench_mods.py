@@ -207,6 +207,8 @@ def test_mod_inputs_give_one_modification_each():
         bench_mods.mod_inputs(bench_mods.ModsCase("rope", 4, 100), "cpu")
 
 
+@pytest.mark.interpreter("the bench's calls on small CPU tensors need Triton's interpreter; on a GPU "
+                         "`python -m course_utils.bench mods` checks the same calls on the GPU before timing them")
 @pytest.mark.parametrize("mod", ["softcap", "sinks"])
 def test_the_course_provider_and_its_training_step_pass_their_own_checks(mod):
     # The calls the bench times, on small fp32 CPU tensors (the interpreter): checked as the bench checks them.
@@ -226,3 +228,17 @@ def test_the_course_provider_and_its_training_step_pass_their_own_checks(mod):
     assert bench_mods.grads_error(got, want) < 1e-4
     wrong = (got[0], got[1], got[2], got[3] * 1.1, got[4])
     assert bench_mods.grads_error(wrong, want) > 0.05  # the comparison can fail
+
+
+def test_lesson_12_says_what_the_recorded_run_measured():
+    # Lesson 12's "Speed" prose: ahead of FlexAttention at some 16k-32k points only, behind at every 8k
+    # point; forward + backward ahead only with soft-capping, at 16k-32k; the targets not met.
+    from course_utils import results
+
+    fwd, trn = (results.rows("mods_bench", mode=m) for m in ("forward", "training"))
+    ahead = [r for r in fwd if r["course_over_flex"] > 1.0]
+    assert ahead and all(16384 <= r["N"] <= 32768 for r in ahead)
+    assert all(r["course_over_flex"] < 1.0 for r in fwd if r["N"] == 8192)
+    ahead_trn = [r for r in trn if r["course_over_flex"] > 1.0]
+    assert ahead_trn and all(r["mod"] == "softcap" and r["N"] >= 16384 for r in ahead_trn)
+    assert min(r["course_over_flex"] for r in fwd) < 1.3 and min(r["course_over_flex"] for r in trn) < 1.2
