@@ -86,3 +86,14 @@ def test_the_fp8_ladder_figures_quoted_are_the_recorded_ones():
     first = {c: min(n for (n, cc), f in faster.items() if cc == c and all(f)) for c in (True, False)}
     assert all(all(f) for (n, c), f in faster.items() if n >= first[c]), "FP8 ahead of bf16 from a length on"
     assert f"from N = {first[True]} with the causal mask and from N = {first[False]} without" in text
+
+
+def test_lesson_06_quotes_the_recorded_counters():
+    nb = nbformat.read(LESSON.parent / "06_performance.ipynb", as_version=4)
+    text = " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    k = results.load("ncu_forward")["kernels"]
+    one, two = k["fast_1_per_sm"], k["fast_2_per_sm"]
+    assert (f"busy **{two['tensor_pipe_pct']:.1f}%** of the active cycles, against **{one['tensor_pipe_pct']:.1f}%** "
+            "with one 8-warp program") in text
+    assert f"**{two['stalls']['barrier']:.2f}** cycles per issued instruction against **{one['stalls']['barrier']:.2f}**" \
+        in text
