@@ -466,6 +466,15 @@ def test_a_query_tile_that_grows_with_n_is_refused_too():
         check_flash_forward(fn)
 
 
+def test_a_gqa_query_tile_that_grows_with_n_is_refused():
+    # Lesson 05's kernel with one query tile covering every row of a head: right answers, no tiling of the rows.
+    fn = lambda q, k, v: forward.flash_attention_gqa_forward(  # noqa: E731
+        q, k, v, True, block_m=max(16, triton.next_power_of_2(q.shape[2])), block_n=16)
+    with pytest.raises(GradingError, match="tile grows with the sequence: its constexpr BLOCK_M") as info:
+        check_flash_gqa(fn)
+    assert "N=300" in str(info.value) and "is wrong" not in str(info.value)
+
+
 # 64, not 128: kernel A's 64 x 128 tiles at D = 128 in float32 need 288 KiB of shared memory (measured on
 # the H200, whose limit is 227 KiB), and the random cases draw D = 128 float32 at times.
 @pytest.mark.parametrize("block_n", [

@@ -561,9 +561,9 @@ def _run_case(run, fn, c: _Case, gqa: bool, history: dict | None = None):
 def _check(fn, *, exercise, gqa, seed=None):
     run = Run(exercise, seed, time_limit_s=60.0)
     device = current().device
-    # (kernel, constexpr) -> [(N, value), ...]: lesson 04's kernel must keep its tiles as N grows (refused
-    # at the launch of fixed 8, N = 300, the first case past every fixed block size)
-    history: dict | None = None if gqa else {}
+    # (kernel, constexpr) -> [(N, value), ...]: lessons 04's and 05's kernels must keep their tiles as N grows
+    # (refused at the launch of the first case past every fixed block size, N = 300)
+    history: dict = {}
     for c in _fixed_cases(gqa, device) + _random_cases(run.rng, gqa, device):
         tiles = _run_case(run, fn, c, gqa, history)
         if history is not None:
@@ -599,7 +599,8 @@ def grade_flash_gqa(fn, *, seed=None):
     the natural-log logsumexp of each query row's scaled, masked scores.
     Cases as in :func:`check_flash_forward`, plus MHA, GQA (group 2 to 8) and
     MQA, and kv heads whose values are shifted apart so that a wrong mapping
-    is named. Isolated on the CPU; ``seed`` replays a call.
+    is named. A launch whose tile grows with N is refused, as there.
+    Isolated on the CPU; ``seed`` replays a call.
     """
     return _check(fn, exercise="check_flash_gqa", gqa=True, seed=seed)
 
