@@ -42,7 +42,8 @@ def test_every_lesson_kernel_is_compiled_for_both_targets(compiled):
     names = {"flash_attention_kernel", "_flash_attention_forward_gqa_kernel",
              "attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
              "_flash_attention_forward_window_kernel", "_attn_bwd_dkdv_window", "_attn_bwd_dkdv_sinks",
-             "attn_bwd_dq_window"}
+             "attn_bwd_dq_window",
+             "_flash_attention_forward_mods_kernel", "_attn_bwd_dkdv_mods", "_attn_bwd_dq_mods"}  # lesson 12
     for sm in (75, 80):
         assert {r["kernel"] for r in compiled if r["sm"] == sm} == names
 

@@ -102,7 +102,8 @@ def _as_if_on_a_gpu(sm: int):
             os.environ["TRITON_INTERPRET"] = saved[3]
 
 
-_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64",
+          torch.int32: "i32", torch.int64: "i64"}  # integers: lesson 12's cu_seqlens and the tile tables from it
 
 
 def _signature(kernel, args, kwargs):
@@ -206,8 +207,9 @@ def lesson_launches(sm: int, head_dim: int, causal: bool = True, dtype: torch.dt
     """The launches the lesson launchers make on a GPU of compute capability ``sm``.
 
     Yields ``(kernel, args, kwargs, case)``: kernel A (lesson 04), kernel B
-    (lesson 05), the three backward kernels (lesson 07) and the window kernels
-    (lesson 08, with the package's split of the sink keys), in fp16 below
+    (lesson 05), the three backward kernels (lesson 07), the window kernels
+    (lesson 08, with the package's split of the sink keys) and lesson 12's
+    kernels (packed documents, soft-cap, ALiBi, sink logits), in fp16 below
     sm_80 (no bf16 there) and bf16 from sm_80 on, for a GQA problem.
     """
     from . import backward, forward
@@ -224,6 +226,11 @@ def lesson_launches(sm: int, head_dim: int, causal: bool = True, dtype: torch.dt
         # lesson 08: the window and sinks (forward, dK/dV with the sinks' far queries split off, dQ)
         forward.flash_attention_window_forward(q, k, k, window_size=64, sink_size=4)
         backward.attention_backward(q, k, k, q, torch.zeros(B, hq, n), q, True, window_size=64, sink_size=4)
+        # lesson 12: packed documents with every score modification (forward, dK/dV, dQ)
+        mods = dict(cu_seqlens=torch.tensor([0, 100, 130, n], dtype=torch.int32), softcap=30.0,
+                    alibi_slopes=torch.full((hq,), 0.5), sink_logits=torch.zeros(hq))
+        forward.flash_attention_mods_forward(q, k, k, True, **mods)
+        backward.attention_backward(q, k, k, q, torch.zeros(B, hq, n), q, True, **mods)
     for kernel, args, kwargs in launches:
         yield kernel, args, kwargs, case
 
