@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 
 from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available, is_oom, tflops
+from .window import _cell  # a table cell of the same benchmark rows
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "results"
@@ -575,14 +576,6 @@ def ratios(rows: list[dict]) -> list[dict]:
             out.append(dict(mode=r["mode"], mod=r["mod"], n_docs=r["n_docs"], n=r["n"],
                             course_over_flex=r["tflops"] / flex["tflops"]))
     return out
-
-
-def _cell(row, field="tflops"):
-    if row is None:
-        return "—"
-    if row[field] is None:
-        return row["status"]
-    return f"{row[field]:.0f}" if field == "tflops" else f"{row[field]:.2f}"
 
 
 def markdown(rows: list[dict], info: dict | None = None) -> str:

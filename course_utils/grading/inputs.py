@@ -364,3 +364,17 @@ def watching(log):
             yield
     finally:
         log["active"] = False
+
+
+def tensor_out(run, out, name, shape, case):
+    """``out`` (one of the learner's returned tensors) as float64 NumPy, or a failure that says what is off.
+
+    A value that is not a torch tensor, or one of the wrong shape, fails case ``case`` with one sentence.
+    """
+    import torch
+
+    if not isinstance(out, torch.Tensor):
+        raise run.fail(f"{name} is a {type(out).__name__}; return torch tensors (o, lse).", case)
+    if tuple(out.shape) != tuple(shape):
+        raise run.fail(f"{name} has shape {tuple(out.shape)}, expected {tuple(shape)}.", case)
+    return out.detach().double().cpu().numpy()

@@ -461,8 +461,11 @@ def _constexpr_ints(kernel, args, kwargs) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _tile_sizes(history: dict | None = None, n: int = 0):
+def _tile_sizes(history: dict | None = None, n: int = 0, judge_launch=None):
     """Record, for each launch of the learner's kernels in the block, its power-of-two constexprs.
+
+    ``judge_launch(name, kernel, args, kwargs, tensors)``, if given, judges each launch first (lesson
+    06's two-programs-per-SM options); it raises :class:`.core.Forbidden` to refuse one.
 
     Yields ``{(kernel name, constexpr name): largest value}``, filled as kernels launch. With
     ``history`` (the earlier cases' records, see :func:`_growing_tile`) and this case's ``n``, a
@@ -473,6 +476,8 @@ def _tile_sizes(history: dict | None = None, n: int = 0):
     seen: dict[tuple[str, str], int] = {}
 
     def before_launch(name, kernel, args, kwargs, tensors):
+        if judge_launch is not None:
+            judge_launch(name, kernel, args, kwargs, tensors)
         tiles = {(name, constexpr): value for constexpr, value in _constexpr_ints(kernel, args, kwargs).items()}
         if history is not None:
             grown = _growing_tile({key: history.get(key, []) + [(n, value)] for key, value in tiles.items()})
@@ -507,13 +512,17 @@ def _tolerance(dtype: str):
     return _TOLERANCES[(current().device, dtype)]
 
 
-def _run_case(run, fn, c: _Case, gqa: bool, history: dict | None = None):
+def _run_case(run, fn, c: _Case, gqa: bool, history: dict | None = None, judge_launch=None):
+    """One case of a forward check: inputs, the learner's call, proof of work, then o (and lse) compared.
+
+    ``history`` and ``judge_launch``: see :func:`_tile_sizes`. Returns the launch's tile sizes.
+    """
     import torch
 
     device = current().device
     q, k, v, q64, k64, v64 = _make_inputs(run.rng, c, device)
     before = inputs.snapshot(q=q, k=k, v=v)
-    with proof.Work(inputs=(q, k, v)) as work, _tile_sizes(history, c.N) as tiles:
+    with proof.Work(inputs=(q, k, v)) as work, _tile_sizes(history, c.N, judge_launch) as tiles:
         if gqa:
             out = run.call(fn, q, k, v, case=c.desc)
         else:

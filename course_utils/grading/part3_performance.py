@@ -19,9 +19,7 @@ import numbers
 import numpy as np
 
 from ..environment import current
-from . import inputs, proof
 from .core import Diagnosis, Forbidden, Run, require_callable
-from .mistakes import MSG_NO_KERNEL_ATTENTION
 
 __all__ = ["grade_attention_flops", "grade_roofline", "grade_programs_per_sm", "grade_two_per_sm", "H200",
            "RECORDED_COMPILES", "BOUNDARY_CASES", "MEASURED_TWO_PER_SM", "lesson05_shared_kib", "two_per_sm_fit"]
@@ -459,8 +457,7 @@ def grade_two_per_sm(fn, *, seed=None):
     __tracebackhide__ = True
     import torch
 
-    from .. import references as ref
-    from .part2_triton import _lse_diagnoses, _make_inputs, _output_diagnoses, _tolerance
+    from .part2_triton import _run_case
 
     require_callable(fn, "check_two_per_sm", "your launcher")
     run = Run("check_two_per_sm", seed, time_limit_s=60.0)
@@ -470,10 +467,7 @@ def grade_two_per_sm(fn, *, seed=None):
         raise run.fail(MSG_TWO_SMALL_GPU.format(gpu=env.gpu_name, sm=f"{env.capability[0]}{env.capability[1]}"),
                        "all")
     for c in _two_per_sm_cases(run.rng, device):
-        q, k, v, q64, k64, v64 = _make_inputs(run.rng, c, device)
-        before = inputs.snapshot(q=q, k=k, v=v)
-
-        def before_launch(name, kernel, args, kwargs, tensors, c=c, dtype=q.dtype):
+        def judge_launch(name, kernel, args, kwargs, tensors, c=c, dtype=getattr(torch, c.dtype)):
             # Judged before the kernel runs: a launch that asks for more shared memory than a program may
             # have would fail on a GPU with OutOfResources instead of this message.
             opts = _launch_options(kernel, args, kwargs)
@@ -482,33 +476,6 @@ def grade_two_per_sm(fn, *, seed=None):
                 shown = ", ".join(f"{key}={value}" for key, value in opts.items() if value is not None)
                 raise Forbidden(f"your kernel `{name}` was launched with {shown or 'no options'}: {problem}")
 
-        with proof.Work(inputs=(q, k, v)) as work, proof.watching_learner_launches(before_launch):
-            out = run.call(fn, q, k, v, case=c.desc)
-        if out is None:
-            raise run.fail("your function returned None: did you forget a `return`? Return the pair (o, lse).",
-                           c.desc)
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            problem = work.problem(no_kernel=MSG_NO_KERNEL_ATTENTION)
-            raise run.fail(problem or f"your function returned a {type(out).__name__}; return the pair (o, lse).",
-                           c.desc)
-        o, lse = out
-        for name, t, shape, dtype in (("o", o, q.shape, q.dtype), ("lse", lse, q.shape[:3], torch.float32)):
-            if not isinstance(t, torch.Tensor):
-                inputs.tensor_like(run, t, name, shape, dtype, q.device, c.desc)
-        problem = work.problem(no_kernel=MSG_NO_KERNEL_ATTENTION, o=o, lse=lse)
-        if problem:
-            raise run.fail(problem, c.desc)
-        changed = inputs.changed_input(before, q=q, k=k, v=v)
-        if changed:
-            raise run.fail(changed, c.desc)
-        inputs.tensor_like(run, o, "o", q.shape, q.dtype, q.device, c.desc)
-        inputs.tensor_like(run, lse, "lse", q.shape[:3], torch.float32, q.device, c.desc,
-                           hint=" lse is float32 [B, Hq, N], one number per query row, whatever q's dtype.")
-        expected_o, expected_lse = ref.attention_lse(q64, k64, v64, causal=True)
-        atol, rtol, lse_atol = _tolerance(c.dtype)
-        run.compare(o.detach().cpu().double().numpy(), expected_o, case=c.desc, what="the output o", atol=atol,
-                    rtol=rtol, diagnoses=_output_diagnoses(c, q64, k64, v64, expected_o, atol, rtol, True),
-                    axes=("batch", "head", "row", "col"))
-        run.compare(lse.detach().cpu().double().numpy(), expected_lse, case=c.desc, what="lse", atol=lse_atol,
-                    rtol=0.0, diagnoses=_lse_diagnoses(c, q64, k64, expected_lse), axes=("batch", "head", "row"))
+        # lesson 05's check of one case (inputs, proof of work, o and lse against float64), these options added
+        _run_case(run, fn, c, True, judge_launch=judge_launch)
     return run.passed()

@@ -711,16 +711,6 @@ def _forward_diagnoses(c: _Case, q64, k64, v64):
     return diagnoses
 
 
-def _tensor_out(run, out, name, shape, case):
-    import torch
-
-    if not isinstance(out, torch.Tensor):
-        raise run.fail(f"{name} is a {type(out).__name__}; return torch tensors (o, lse).", case)
-    if tuple(out.shape) != tuple(shape):
-        raise run.fail(f"{name} has shape {tuple(out.shape)}, expected {tuple(shape)}.", case)
-    return out.detach().double().cpu().numpy()
-
-
 def grade_window_forward(fn, *, seed=None):
     """Grade ``fn(q, k, v, *, window_size, sink_size) -> (o, lse)``: causal GQA with a window and sinks.
 
@@ -754,8 +744,8 @@ def grade_window_forward(fn, *, seed=None):
         changed = inputs.changed_input(before, q=q, k=k, v=v)
         if changed:
             raise run.fail(changed, c.name)
-        o = _tensor_out(run, out[0], "o", q.shape, c.name)
-        lse = _tensor_out(run, out[1], "lse", q.shape[:3], c.name)
+        o = inputs.tensor_out(run, out[0], "o", q.shape, c.name)
+        lse = inputs.tensor_out(run, out[1], "lse", q.shape[:3], c.name)
         want_o, want_lse = ref.attention_lse(q64, k64, v64, causal=True, window_size=c.window_size,
                                              sink_size=c.sink_size)
         atol, rtol, lse_atol = _FWD_TOL[(env.device, c.dtype)]

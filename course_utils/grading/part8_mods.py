@@ -637,16 +637,6 @@ def _right_forward(c, q64, k64, v64):
                              alibi_slopes=c.slopes, sink_logits=c.sinks)
 
 
-def _tensor_out(run, out, name, shape, case):
-    import torch
-
-    if not isinstance(out, torch.Tensor):
-        raise run.fail(f"{name} is a {type(out).__name__}; return torch tensors (o, lse).", case)
-    if tuple(out.shape) != tuple(shape):
-        raise run.fail(f"{name} has shape {tuple(out.shape)}, expected {tuple(shape)}.", case)
-    return out.detach().double().cpu().numpy()
-
-
 def grade_mods_forward(fn, *, seed=None):
     """Grade ``fn(q, k, v, *, cu_seqlens, causal, softcap, alibi_slopes, sink_logits) -> (o, lse)``.
 
@@ -679,8 +669,8 @@ def grade_mods_forward(fn, *, seed=None):
                                        **{k_: t for k_, t in extra.items() if t is not None})
         if changed:
             raise run.fail(changed, c.name)
-        o = _tensor_out(run, out[0], "o", q.shape, c.name)
-        lse = _tensor_out(run, out[1], "lse", q.shape[:3], c.name)
+        o = inputs.tensor_out(run, out[0], "o", q.shape, c.name)
+        lse = inputs.tensor_out(run, out[1], "lse", q.shape[:3], c.name)
         want_o, want_lse = _right_forward(c, q64, k64, v64)
         atol, rtol, lse_atol = _FWD_TOL[(env.device, c.dtype)]
         models = {}  # the mistakes' outputs, computed once for o and lse
