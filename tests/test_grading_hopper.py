@@ -202,6 +202,13 @@ def test_schedule_correct_variants_pass():
     assert check_persistent_schedule(_lpt_lists)
 
 
+def test_schedule_borrowing_the_course_s_lpt_is_refused():
+    from course_utils.kernels import fp8
+
+    with pytest.raises(GradingError, match=r"fp8\.lpt_schedule: it is the course's own answer"):
+        check_persistent_schedule(lambda tiles, costs, n: fp8.lpt_schedule(tiles, costs, n))
+
+
 def test_lpt_passes_where_it_is_above_the_fixed_factor():
     # The H200 run's seed: LPT's own makespan there is 1.19x the lower bound (> MAKESPAN_FACTOR).
     assert check_persistent_schedule(_lpt, seed=1168228237)

@@ -675,6 +675,12 @@ def test_dkdv_bounds_unknown_misalignment_is_named():
     _fails(check_dkdv_bounds, fn, p5.MSG_DKDV_UNALIGNED)
 
 
+def test_dkdv_bounds_borrowed_from_the_grader_is_refused():
+    with pytest.raises(GradingError, match=r"_dkdv_bounds_variant: it is the course's own answer"):
+        check_dkdv_bounds(lambda *args: p5._dkdv_bounds_variant(*args))
+    assert p5._dkdv_bounds_variant(0, 16, 32, 64, 8, 0) == p5._dkdv_bounds_variant(0, 16, 32, 64, 8, 0)  # restored
+
+
 def test_dkdv_bounds_wrong_type_gets_a_sentence():
     with pytest.raises(GradingError, match="three"):
         check_dkdv_bounds(lambda *a: (0, 0))

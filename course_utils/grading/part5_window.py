@@ -523,8 +523,9 @@ def grade_dkdv_bounds(fn, *, seed=None):
         case = _dkdv_case_name(block_m, block_n, seq_len, window_size, sink_size)
         got = {}
         for start_n in range(0, seq_len, block_n):
-            out = run.call(fn, start_n, block_m, block_n, seq_len, window_size, sink_size,
-                           case=f"{case}, start_n={start_n}")
+            with proof.answer_keys_forbidden(_dkdv_bounds_variant):  # the grader's own walk is the answer
+                out = run.call(fn, start_n, block_m, block_n, seq_len, window_size, sink_size,
+                               case=f"{case}, start_n={start_n}")
             try:
                 values = tuple(operator.index(x) for x in out)
             except TypeError:
