@@ -19,9 +19,11 @@ How a notebook is graded (nothing it claims is trusted):
   hidden tests of ``solutions/``), and it runs in a fresh kernel (nbclient),
   in its own process, with that folder as working directory and a guard
   that refuses writes outside it (:mod:`course_utils.guard`, run by :mod:`course_utils.grade_harness`);
-- the last cell imports a pristine ``course_utils`` from the course's files and
-  runs the official checks on the learner's functions; results travel through
-  a file named with a token only the grader knows.
+- the grader cells copy the learner's answers out by value and the last cell
+  writes them to a file; the kernel is then shut down, and the official checks
+  run in fresh processes of the same sandbox (:mod:`course_utils.grade_checks`):
+  where an exercise allows it, the verdict is computed in a process the learner's
+  code never runs in; the results come back on that process's standard output.
 
 A re-run skips (learner, notebook) pairs already graded from the same file;
 ``--force`` grades everything again.
@@ -225,8 +227,9 @@ def _injected(function: str, cfg: dict, *, user_ns: bool = False) -> str:
     )
 
 
-def graded_notebook(submitted, course: CourseNotebook, cfg: dict, skip=()) -> nbformat.NotebookNode:
-    """The notebook to execute: the learner's cells, official grader cells, the grading cell."""
+def graded_notebook(submitted, course: CourseNotebook, cfg: dict) -> nbformat.NotebookNode:
+    """The notebook to execute: the learner's cells, official grader cells (which collect the answers), the last cell
+    (which writes them out for :mod:`course_utils.grade_checks`)."""
     nb = nbformat.v4.new_notebook()
     nb.metadata = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
     cells = []
@@ -261,11 +264,8 @@ def graded_notebook(submitted, course: CourseNotebook, cfg: dict, skip=()) -> nb
     prologue = _code(_injected("prologue", {k: cfg[k] for k in ("token_a", "write_roots", "hidden_dirs",
                                                                 "allowed_programs", "data_limit_bytes",
                                                                 "uses_torch") if k in cfg}), "grader-prologue")
-    calls = [dataclasses.asdict(c) for ex in course.exercises for c in ex.calls]
-    calls.sort(key=lambda c: c["index"])
-    final = _code(_injected("grade", {"token_a": cfg["token_a"], "token_b": cfg["token_b"], "root": str(ROOT),
-                                      "result_file": cfg["result_file"], "borrow_file": cfg["borrow_file"],
-                                      "allowed": course.allowed, "calls": calls, "skip": sorted(skip)}), "grader-final")
+    final = _code(_injected("export", {"token_a": cfg["token_a"], "token_b": cfg["token_b"],
+                                       "answers_file": cfg["answers_file"]}), "grader-final")
     nb.cells = [prologue] + cells + [final]
     return nb
 
@@ -354,10 +354,10 @@ def run_notebook(task: dict) -> dict:
         if sandboxed:  # the home folder does not exist in the sandbox: caches in the working copy
             env.update({"HOME": str(work), "TRITON_CACHE_DIR": str(work / ".triton"),
                         "XDG_CACHE_HOME": str(work / ".cache")})
-        skip: set[int] = set()
+        cfg["answers_file"] = str(private / "answers.pkl")
         retried_lost = False
         while True:
-            nb = graded_notebook(submitted, course, cfg, skip)
+            nb = graded_notebook(submitted, course, cfg)
             client = _client_class()(
                 nb, kernel_name="python3", allow_errors=True, record_timing=False,
                 timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
@@ -382,11 +382,6 @@ def run_notebook(task: dict) -> dict:
             finally:
                 os.environ.clear()
                 os.environ.update(env_backup)
-            record = _read_record(cfg)
-            for entry in record.get("results", []):
-                out["calls"][entry["index"]] = entry
-            if record.get("setup_error"):
-                return _problem(out, "error", "the grader could not import course_utils: " + record["setup_error"])
             if client.too_much:
                 return _problem(out, "invalid", f"the notebook printed more than {MAX_OUTPUT_BYTES // 2**20} MB; "
                                                 "outputs that large are not graded: remove the prints")
@@ -395,49 +390,94 @@ def run_notebook(task: dict) -> dict:
             if exits:
                 return _problem(out, "invalid", "the notebook calls sys.exit() in a cell; a handed-in notebook must run "
                                                 "from top to bottom")
-            hidden = record.get("hidden", {})
-            for cell_id, message in hidden.items():  # a failing hidden test fails the exercises of its cell
-                for grader in course.grader_cells:
-                    if grader["id"] == cell_id:
-                        for c in grader["calls"]:
-                            entry = out["calls"].get(c.index)
-                            if entry is None or entry["status"] == "passed":
-                                out["calls"][c.index] = {"index": c.index, "check": c.check, "status": "failed",
-                                                         "message": f"{c.check}: a hidden test failed: {message}",
-                                                         "seed": None, "seconds": 0.0}
             if timed_out and client.lost_message and not retried_lost:
                 retried_lost = True  # once, with a fresh time budget
                 deadline = time.monotonic() + task["timeout"]
-                out["calls"] = {}
-                skip = set()
                 continue
             if timed_out or time.monotonic() >= deadline:
-                where = _where(nb, record, course, current['cell'])
+                where = _where(nb, {}, course, current['cell'])
                 return _problem(out, "timeout", f"the notebook did not finish within {task['timeout']:g} s "
                                                 f"(stopped {where}); look for a loop that never ends")
             if died:
-                running = record.get("running")
-                where = _where(nb, record, course, current['cell'])
-                if running is not None and time.monotonic() < deadline:
-                    out["calls"][running] = {"index": running, "check": _check_of(course, running), "status": "crashed",
-                                             "message": f"{_check_of(course, running)}: the kernel died while this check "
-                                                        "ran your code (a segfault, a GPU fault or os._exit)",
-                                             "seed": None, "seconds": 0.0}
-                    skip = set(out["calls"])
-                    continue  # run again for the checks that did not get their turn
+                where = _where(nb, {}, course, current['cell'])
                 return _problem(out, "crashed", f"the kernel died {where} (a segfault, out of memory, or os._exit); "
                                                 "the checks after it could not run")
-            poisoned = record.get("poisoned")
-            if poisoned is not None and time.monotonic() < deadline:
-                remaining = {c.index for ex in course.exercises for c in ex.calls} - set(out["calls"])
-                if remaining:
-                    skip = set(out["calls"])
-                    continue  # a fresh kernel (and CUDA context) for the checks after it
-            if not record.get("token") == cfg["token_b"]:
-                return _problem(out, "error", "the grading cell did not run (the notebook stopped before the end)")
-            return out
+            break
+        # The kernel is gone: the checks run in fresh processes of their own (course_utils.grade_checks).
+        record, finished = run_checks(course, cfg, task, base, work, private, env, sandboxed,
+                                      max(1.0, deadline - time.monotonic()))
+        for entry in record.get("results", []):
+            out["calls"][entry["index"]] = entry
+        if record.get("setup_error"):
+            return _problem(out, "error", "the grader could not import course_utils: " + record["setup_error"])
+        hidden = record.get("hidden", {})
+        for cell_id, message in hidden.items():  # a failing hidden test fails the exercises of its cell
+            for grader in course.grader_cells:
+                if grader["id"] == cell_id:
+                    for c in grader["calls"]:
+                        entry = out["calls"].get(c.index)
+                        if entry is None or entry["status"] == "passed":
+                            out["calls"][c.index] = {"index": c.index, "check": c.check, "status": "failed",
+                                                     "message": f"{c.check}: a hidden test failed: {message}",
+                                                     "seed": None, "seconds": 0.0}
+        if not record.get("token") == cfg["token_b"]:
+            return _problem(out, "error", "the grading cell did not run (the notebook stopped before the end)")
+        if not finished:
+            running = record.get("running")
+            where = f" (stopped in {_check_of(course, running)})" if running is not None else ""
+            return _problem(out, "timeout", f"the checks did not finish within the notebook's {task['timeout']:g} s"
+                                            f"{where}; look for a loop that never ends")
+        return out
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def run_checks(course: CourseNotebook, cfg: dict, task: dict, base: Path, work: Path, private: Path, env: dict,
+               sandboxed: bool, timeout: float) -> tuple[dict, bool]:
+    """Run :mod:`course_utils.grade_checks` on the answers the notebook wrote; (its record, whether it finished)."""
+    from course_utils import grade_checks, os_sandbox
+
+    calls = sorted((dataclasses.asdict(c) for ex in course.exercises for c in ex.calls), key=lambda c: c["index"])
+    checks_cfg = {k: cfg[k] for k in ("token_a", "token_b", "write_roots", "hidden_dirs", "allowed_programs",
+                                      "data_limit_bytes", "uses_torch", "answers_file", "borrow_file") if k in cfg}
+    checks_cfg.update({"root": str(ROOT), "calls": calls, "allowed": course.allowed, "skip": [],
+                       "result_file": cfg["result_file"], "learner_result": str(private / "learner-result.json"),
+                       "learner_log": str(work / "tmp" / "learner-process.log"), "cwd": str(work),
+                       "deadline": time.time() + timeout})
+    path = private / "checks.json"
+    path.write_text(json.dumps(checks_cfg))
+    argv = [sys.executable, "-m", "course_utils.grade_checks", "checks", str(path)]
+    if sandboxed:
+        plan_dir = base / "sandbox-checks"
+        plan_dir.mkdir(exist_ok=True)
+        argv = os_sandbox.command(argv, writable=[str(work), str(private)], hidden=task.get("hidden_paths", ()),
+                                  work_dir=str(plan_dir), limits=sandbox_limits(task["timeout"]))
+    finished = True
+    proc = subprocess.Popen(argv, cwd=str(work), env=dict(os.environ, **env), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout + 30)
+    except subprocess.TimeoutExpired:
+        finished = False
+        os.killpg(proc.pid, signal.SIGKILL)  # the checks process and the learner's, sandboxed or not
+        stdout, stderr = proc.communicate()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # nothing of the learner's process may outlive it
+    except OSError:
+        pass
+    record = {}
+    mark = grade_checks.RECORD_MARK.encode()
+    for line in (stdout or b"").splitlines():
+        if line.startswith(mark):
+            try:
+                record = json.loads(line[len(mark):])
+            except ValueError:
+                continue
+    if not record:
+        tail = (stderr or b"").decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+        record = {"token": cfg["token_b"], "results": [],
+                  "setup_error": f"the checks process ended without a result ({tail[0][:300]})"}
+    return record, finished
 
 
 def sandbox_limits(timeout: float) -> dict:
@@ -488,15 +528,6 @@ def _where(nb, record, course, cell_index) -> str:
         return "in a grader cell"
     first = next((ln for ln in cell.source.splitlines() if ln.strip()), "")
     return f"in the cell starting `{first[:60]}`"
-
-
-def _read_record(cfg) -> dict:
-    try:
-        with open(cfg["result_file"]) as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return record if record.get("token") == cfg["token_b"] else {}
 
 
 def _problem(out, status, message):
@@ -843,6 +874,17 @@ def isolation_sentence(refused: str | None) -> str:
             "with user namespaces enabled.")
 
 
+def verdict_sentence() -> str:
+    """Where the checks computed their verdicts, in one sentence (from the exercise table)."""
+    from course_utils.grading import exercises
+
+    inside = [e.name for e in exercises.EXERCISES if not e.verdict_outside]
+    return (f"{len(exercises.EXERCISES) - len(inside)} of {len(exercises.EXERCISES)} exercises were judged in a process "
+            "the learner's code never ran in (their functions ran in another process; only data came back); the "
+            f"other {len(inside)} ({', '.join(inside)}) were judged in the learner's sandboxed process, because their "
+            "proof of work watches the learner's code as it runs.")
+
+
 def write_reports(out: Path, course: list[CourseNotebook], *, roster: Path | None = None,
                   submissions: dict | None = None, isolation: str | None = None) -> list[dict]:
     """Write gradebook.csv/.json, summary.md/.png, feedback/, and with a roster canvas.csv; return the rows.
@@ -865,7 +907,7 @@ def write_reports(out: Path, course: list[CourseNotebook], *, roster: Path | Non
     if submissions:
         extra += similarity.report(learners_cells(course, submissions), out) + [""]
     if isolation:
-        extra += ["## Isolation", "", isolation, ""]
+        extra += ["## Isolation", "", isolation, "", verdict_sentence(), ""]
     write_summary(rows, out, extra)
     write_feedback(rows, out)
     return rows

@@ -1,4 +1,4 @@
-"""The code the batch grader injects into a learner's notebook (stdlib only).
+"""The code the batch grader runs inside a learner's notebook kernel, and inside the learner's process (stdlib only).
 
 :mod:`course_utils.grade` does not import this module: it reads its text and
 runs it inside the learner's kernel, in a private namespace, at three places:
@@ -10,23 +10,29 @@ runs it inside the learner's kernel, in a private namespace, at three places:
   functions of the modules the checks trust (:data:`TRUSTED_MODULES`);
 - ``collect(user_ns, cfg)``, in place of each official grader cell: takes
   the learner's objects named by the grader cell (``softmax`` in
-  ``check_softmax(softmax)``) and runs the cell's hidden tests;
-- ``grade(cfg)``, the last cell: puts back whatever the notebook replaced in
-  those modules (and removes the IPython hooks and trace functions it added),
-  drops every ``course_utils`` module from
-  ``sys.modules``, imports a pristine copy from the course's own files, and
-  calls the official checks on the collected objects. While a check runs,
-  a call from the learner's code into the course's references or kernels
-  (the copies the learner imported) raises instead of answering. Results go
-  to a file whose name holds a token that appears only in this last cell.
+  ``check_softmax(softmax)``), copies them by value (:mod:`course_utils.transport`)
+  as they are at that cell, and runs the cell's hidden tests;
+- ``export(cfg)``, the last cell: writes those copies to a file for
+  :mod:`course_utils.grade_checks`. No check runs in the kernel, and the kernel is
+  shut down before any does.
 
-Outputs of the notebook are never read as results.
+:mod:`course_utils.grade_checks` runs the same text in the learner's process (a fresh
+process of the sandbox that loads the copies), where ``grade(cfg)`` runs the checks
+that must watch the learner's code as it runs
+(:data:`course_utils.grading.exercises.VERDICT_IN_LEARNER_PROCESS`): it puts back
+whatever the learner's code replaced in the trusted modules (and removes the IPython
+hooks and trace functions it added), drops every ``course_utils`` module from
+``sys.modules``, imports a pristine copy from the course's own files, and calls the
+official checks on the collected objects. While a check runs, a call from the
+learner's code into the course's references or kernels (the copies the learner's
+answers refer to) raises instead of answering (:class:`_Trips`); :func:`judge` turns
+how each check ended into the gradebook's status and message (the checks process
+uses it too).
 
-All of this runs in the learner's own process, inside the operating system's sandbox
-(:mod:`course_utils.os_sandbox`): it stops the replacements a notebook makes in plain Python, not
-code written to find the harness's own state (it is reachable, as everything in a process is), to
-rewrite the last cell before it runs (an IPython input transformer), or to keep a thread running.
-A verdict computed in a process the learner's code never ran in is the remedy, not built yet.
+Those verdicts are computed in the process that runs the learner's code: it stops the
+replacements a learner makes in plain Python, not code written to find the harness's
+own state there (it is reachable, as everything in a process is). The other exercises'
+verdicts are computed where the learner's code never runs (:mod:`course_utils.grade_checks`).
 """
 
 # NOTE: no module-level imports from course_utils here, on purpose.
@@ -46,7 +52,7 @@ def _box(token):
     box = sys.modules.get(name)
     if box is None:
         box = types.ModuleType(name)
-        box.calls, box.hidden = {}, {}
+        box.calls, box.hidden, box.shipped = {}, {}, {}
         sys.modules[name] = box
     return box
 
@@ -171,6 +177,15 @@ def collect(user_ns, cfg):
             box.calls[call["index"]] = ("ok", args, kwargs)
         except BaseException as exc:  # noqa: BLE001 - a learner's name may be missing or raise
             box.calls[call["index"]] = ("missing", f"{type(exc).__name__}: {exc}", None)
+            box.shipped[call["index"]] = ("missing", f"{type(exc).__name__}: {exc}")
+            continue
+        # By value, as they are now: the checks run later in a fresh process (course_utils.grade_checks).
+        try:
+            from course_utils import transport
+
+            box.shipped[call["index"]] = ("ok", transport.dumps((args, kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - an open file, a lock, a generator...
+            box.shipped[call["index"]] = ("unshippable", f"{type(exc).__name__}: {exc}"[:500])
     if cfg.get("hidden"):
         try:
             exec(compile(cfg["hidden"], f"<hidden tests of {cfg['cell']}>", "exec"), user_ns)
@@ -179,6 +194,26 @@ def collect(user_ns, cfg):
 
 
 # -- the last cell --------------------------------------------------------------
+def export(cfg):
+    """Write the answers the grader cells collected (by value) for :mod:`course_utils.grade_checks`.
+
+    Also what the notebook replaced in the modules the checks trust (only to tell the learner: the checks
+    run in another process) and the hidden tests' failures. Builtin data only: the checks process reads it
+    without unpickling anything else.
+    """
+    import pickle
+
+    box = _box(cfg["token_a"])
+    tampered = _restore(box.snapshot) if getattr(box, "snapshot", None) else []
+    shipped = {int(k): (str(v[0]), v[1] if isinstance(v[1], bytes) else str(v[1])) for k, v in box.shipped.items()}
+    envelope = {"token": cfg["token_b"], "answers": shipped, "hidden": {str(k): str(v) for k, v in box.hidden.items()},
+                "tampered": [str(t) for t in tampered]}
+    tmp = cfg["answers_file"] + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(envelope, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, cfg["answers_file"])
+
+
 def _fresh_course_utils(root):
     """Import a pristine course_utils from ``root``; return the old modules."""
     import importlib
@@ -317,6 +352,54 @@ class _Trips:
         )
 
 
+def borrowed_name(cfg):
+    """The first course function the learner's code was refused while the last check ran ("" if none)."""
+    if os.path.exists(cfg["borrow_file"]):
+        with open(cfg["borrow_file"]) as f:
+            return _first_line(f.read())
+    return ""
+
+
+def judge(entry, call, outcome, exc, borrowed, core, outcomes):
+    """Fill ``entry``'s status and message from how the check ended (``outcome`` or ``exc``)."""
+    if borrowed:
+        entry["status"] = "failed"
+        entry["message"] = (f"{call['check']}: your code called `{borrowed}`, the course's own answer; "
+                            "graded answers must be your own code. " + (_first_line(exc) if exc else ""))
+    elif exc is None:
+        if isinstance(outcome, core.Passed):
+            entry["status"], entry["message"] = "passed", repr(outcome)
+        else:
+            entry["status"] = "failed"
+            entry["message"] = f"{call['check']} returned {type(outcome).__name__}, not a pass"
+    else:
+        text = str(exc)
+        notes = getattr(exc, "__notes__", None) or []
+        if isinstance(exc, core.GradingError):
+            # the check's status ("failed", "timed_out", "crashed") in the gradebook's words
+            entry["status"] = {"timed_out": "timeout"}.get(outcomes.status_of(exc), outcomes.status_of(exc))
+            entry["message"] = text
+        elif isinstance(exc, NotImplementedError) or (
+            isinstance(exc, outcomes.KernelError) and "\nNotImplementedError" in text
+        ):
+            entry["status"] = "not_attempted"
+            entry["message"] = f"{call['check']}: not attempted (your function still raises NotImplementedError)"
+        elif BORROWED in text:
+            entry["status"], entry["message"] = "failed", text.replace(BORROWED + " ", "")
+        else:
+            entry["status"] = "error"
+            name = type(exc).__name__
+            if isinstance(exc, SystemExit):
+                text = f"your code called sys.exit({exc.code!r})"
+            if isinstance(exc, outcomes.KernelError):  # the learner's traceback, from the check's own process
+                lines = [ln for ln in text.splitlines() if ln.strip()]
+                entry["message"] = f"{call['check']}: {lines[-1].strip()}\n{text}"
+            else:
+                entry["message"] = f"{name}: {text}"
+            if notes:
+                entry["message"] += "\n" + "\n".join(str(n) for n in notes)
+
+
 def _first_line(text):
     for line in str(text).splitlines():
         if line.strip():
@@ -412,46 +495,7 @@ def grade(cfg):
         finally:
             trips.active = False
         entry["seconds"] = round(time.perf_counter() - start, 3)
-        borrowed = ""
-        if os.path.exists(cfg["borrow_file"]):
-            with open(cfg["borrow_file"]) as f:
-                borrowed = _first_line(f.read())
-        if borrowed:
-            entry["status"] = "failed"
-            entry["message"] = (f"{call['check']}: your code called `{borrowed}`, the course's own answer; "
-                                "graded answers must be your own code. " + (_first_line(exc) if exc else ""))
-        elif exc is None:
-            if isinstance(outcome, core.Passed):
-                entry["status"], entry["message"] = "passed", repr(outcome)
-            else:
-                entry["status"] = "failed"
-                entry["message"] = f"{call['check']} returned {type(outcome).__name__}, not a pass"
-        else:
-            text = str(exc)
-            notes = getattr(exc, "__notes__", None) or []
-            if isinstance(exc, core.GradingError):
-                # the check's status ("failed", "timed_out", "crashed") in the gradebook's words
-                entry["status"] = {"timed_out": "timeout"}.get(outcomes.status_of(exc), outcomes.status_of(exc))
-                entry["message"] = text
-            elif isinstance(exc, NotImplementedError) or (
-                isinstance(exc, outcomes.KernelError) and "\nNotImplementedError" in text
-            ):
-                entry["status"] = "not_attempted"
-                entry["message"] = f"{call['check']}: not attempted (your function still raises NotImplementedError)"
-            elif BORROWED in text:
-                entry["status"], entry["message"] = "failed", text.replace(BORROWED + " ", "")
-            else:
-                entry["status"] = "error"
-                name = type(exc).__name__
-                if isinstance(exc, SystemExit):
-                    text = f"your code called sys.exit({exc.code!r})"
-                if isinstance(exc, outcomes.KernelError):  # the learner's traceback, from the check's own process
-                    lines = [ln for ln in text.splitlines() if ln.strip()]
-                    entry["message"] = f"{call['check']}: {lines[-1].strip()}\n{text}"
-                else:
-                    entry["message"] = f"{name}: {text}"
-                if notes:
-                    entry["message"] += "\n" + "\n".join(str(n) for n in notes)
+        judge(entry, call, outcome, exc, borrowed_name(cfg), core, outcomes)
         record["running"] = None
         entry["message"] += note
         record["results"].append(entry)

@@ -386,7 +386,8 @@ def _tiny_course(tmp_path):
     return course, nbformat.read(tmp_path / "notebooks" / "01_x.ipynb", as_version=4)
 
 
-CFG = {"token_a": "a" * 16, "token_b": "b" * 32, "result_file": "/r", "borrow_file": "/b", "write_roots": ["/w"],
+CFG = {"token_a": "a" * 16, "token_b": "b" * 32, "result_file": "/r", "borrow_file": "/b", "answers_file": "/a",
+       "write_roots": ["/w"],
        "hidden_dirs": [], "allowed_programs": [], "data_limit_bytes": None}
 
 

@@ -94,7 +94,51 @@ def _rewrite(*_):
             pass
 get_ipython().events.register('post_run_cell', _rewrite)
 """
-TAMPER_NOTE = "the grader put the originals back before checking"
+TAMPER_NOTE = "the checks ran in a fresh process and did not use your notebook's copies"
+# Attacks on the verdict from inside the learner's own function, while a check calls it: they reach the process
+# that runs the function, never the one that decides the verdict (course_utils.grade_checks).
+PATCH_WHEN_CALLED = "def softmax(x, axis=-1):\n" + "".join("    " + line + "\n" for line in (
+    PATCH_NUMPY.replace("import numpy as np\n", "import numpy as np\n") + PATCH_JSON).splitlines()) + \
+    "    e = np.exp(x)\n    return e / e.sum(axis=axis, keepdims=True)"
+REACH_INTO_CHECK = """import sys
+def softmax(x, axis=-1):
+    e = np.exp(x)
+    out = e / e.sum(axis=axis, keepdims=True)
+    frame = sys._getframe(1)
+    while frame is not None:  # the check's own frame holds what it compares with: make it ours
+        for name in ("expected", "want", "reference"):
+            found = frame.f_locals.get(name)
+            if isinstance(found, np.ndarray) and found.shape == out.shape:
+                found[...] = out
+        frame = frame.f_back
+    return out"""
+THREAD_PATCHING = """import threading, time
+def _keep_patching():
+    while True:
+        np.allclose = lambda *a, **k: True
+        np.abs = lambda x, *a, **k: np.zeros_like(np.asarray(x, dtype=float))
+        time.sleep(0.001)
+threading.Thread(target=_keep_patching, daemon=True).start()
+"""
+INPUT_TRANSFORMER = """def _fake_results(lines):
+    if any('__course_grader' in line for line in lines):
+        return ['import glob, json, os\n',
+                'for p in glob.glob(os.path.join(os.path.dirname(os.getcwd()), "r-*", "*")):\n',
+                '    open(p, "w").write(json.dumps({"results": [], "token": None}))\n'] + lines
+    return lines
+get_ipython().input_transformers_post.append(_fake_results)
+"""
+READ_THE_CHECKS = """import os
+def softmax(x, axis=-1):
+    e = np.exp(x)
+    try:  # the checks process is this one's parent: its memory must be out of reach
+        with open(f"/proc/{os.getppid()}/mem", "rb"):
+            pass
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            f.read()
+        return e / e.sum(axis=axis, keepdims=True)
+    except OSError:
+        return e / e.sum(keepdims=True)"""
 
 
 def _build(base: Path) -> tuple[Path, list[Path]]:
@@ -130,6 +174,14 @@ def naive_attention(q, k, v, causal=False):
     # rewrites the results file after the last cell (whose path it reads from that cell's source).
     _write(root, "nina", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[PATCH_NUMPY, PATCH_JSON]))
     _write(root, "ivy", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[REWRITE_HOOK]))
+    # Attacks from inside the graded function (it runs while the check runs) and from what the notebook leaves
+    # running: numpy and json replaced when called, the check's own frame edited, a thread that keeps patching,
+    # an input transformer that rewrites the last cell, reading the checks process's memory.
+    _write(root, "pia", STEM, learner_notebook(STEM, {"softmax": PATCH_WHEN_CALLED}))
+    _write(root, "gus", STEM, learner_notebook(STEM, {"softmax": REACH_INTO_CHECK}))
+    _write(root, "thea", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[THREAD_PATCHING]))
+    _write(root, "tom", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[INPUT_TRANSFORMER]))
+    _write(root, "lea", STEM, learner_notebook(STEM, {"softmax": READ_THE_CHECKS}))
     # Leaves a process behind: a new session that sleeps long after the notebook ended.
     _write(root, "finn", STEM, learner_notebook(STEM, extra=[
         f"import os, time\nos.environ[{MARK!r}] = '1'\n"
@@ -177,7 +229,27 @@ def test_honest_learners_get_full_points_beside_the_hostile_ones(hostile_class):
     assert _points(rows, "amy") == 3
 
 
-def test_replaced_numpy_json_and_hooks_are_put_back_before_the_checks(hostile_class):
+def test_what_the_graded_function_does_while_called_cannot_reach_the_verdict(hostile_class):
+    rows = hostile_class["rows"]
+    # pia: numpy's comparisons and json replaced by the function itself; gus: the check's reference overwritten
+    # from its frame (both were full points while the checks ran in the learner's process); lea: the checks
+    # process's memory read (refused: it is not dumpable).
+    for learner in ("pia", "gus", "lea"):
+        row = rows[(learner, "check_softmax")]
+        assert row["points"] == 0 and row["status"] == "failed", (learner, row)
+        if learner != "lea":  # lea's fallback is a different wrong softmax
+            assert "np.exp overflowed" in row["full_message"], (learner, row["full_message"])
+
+
+def test_what_the_notebook_leaves_running_is_gone_before_the_checks(hostile_class):
+    rows = hostile_class["rows"]
+    for learner in ("thea", "tom"):  # a thread that keeps patching numpy; an input transformer on the last cell
+        row = rows[(learner, "check_softmax")]
+        assert row["points"] == 0 and row["status"] == "failed", (learner, row)
+        assert "np.exp overflowed" in row["full_message"], (learner, row["full_message"])
+
+
+def test_replaced_numpy_json_and_hooks_never_reach_the_checks(hostile_class):
     rows = hostile_class["rows"]
     for learner, named in (("nina", "numpy.allclose"), ("nina", "json.dump"), ("ivy", "an IPython post_run_cell hook")):
         row = rows[(learner, "check_softmax")]
@@ -216,7 +288,8 @@ def test_every_report_is_written_and_the_summary_says_how_hand_ins_were_isolated
     out = hostile_class["out"]
     for name in ("gradebook.csv", "gradebook.json", "summary.md", "summary.png"):
         assert (out / name).is_file(), name
-    assert sorted(p.stem for p in (out / "feedback").glob("*.md")) == ["amy", "finn", "ivy", "nina", "pat", "rex", "wes"]
+    assert sorted(p.stem for p in (out / "feedback").glob("*.md")) == sorted(
+        ["amy", "finn", "ivy", "nina", "pat", "rex", "wes", "pia", "gus", "thea", "tom", "lea"])
     summary = (out / "summary.md").read_text()
     assert "## Isolation" in summary and "own Linux namespaces" in summary
 

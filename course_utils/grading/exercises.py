@@ -28,7 +28,7 @@ from . import (part1_numpy, part2_basics, part2_debug, part2_tiles, part2_triton
 from .core import require_callable
 from .isolation import run_isolated
 
-__all__ = ["Exercise", "EXERCISES", "by_name", "make_check"]
+__all__ = ["Exercise", "EXERCISES", "VERDICT_IN_LEARNER_PROCESS", "by_name", "make_check"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,17 @@ class Exercise:
     # grader refuses every other call into course_utils.references / course_utils.kernels while the
     # check runs, these it lets through.
     allowed: tuple[str, ...] = ()
+
+    @property
+    def verdict_outside(self) -> bool:
+        """Whether the batch grader computes this check's verdict in a process the learner's code never runs in.
+
+        There (:mod:`course_utils.grade_checks`) the learner's function runs in its own process and only data
+        comes back: its results for the inputs the check chose. The exercises of :data:`VERDICT_IN_LEARNER_PROCESS`
+        prove the work by watching what the learner's code does while it runs (the Triton kernels it launches, the
+        torch operators it calls, the ring's ranks), which only the process that runs it can see.
+        """
+        return self.name not in VERDICT_IN_LEARNER_PROCESS
 
     @property
     def check(self) -> Callable:
@@ -115,6 +126,19 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("check_mods_backward", "12_packed_sequences_and_score_mods", part8_mods.grade_mods_backward,
              False, None, 1, allowed=("course_utils.references.document_mask",)),  # the lesson's scaffold uses it
 )
+
+
+#: Exercises whose proof of work watches the learner's code as it runs, so that the batch grader computes their
+#: verdict in the learner's (sandboxed) process: why, for each.
+VERDICT_IN_LEARNER_PROCESS: dict[str, str] = {
+    name: "proof of work watches the learner's Triton launches and torch operators in the process that runs them"
+    for name in ("check_triton_softmax", "check_tile_copy", "check_flash_forward", "check_flash_gqa", "check_two_per_sm",
+                 "check_flash_backward", "check_window_forward", "check_window_backward", "check_sink_split",
+                 "check_decode_split", "check_decode_combine", "check_fp8_forward", "check_mods_forward")
+}
+VERDICT_IN_LEARNER_PROCESS["check_ring_simulation"] = ("the shards the check hands over record which keys each step "
+                                                       "reads, in the process that runs the learner's function")
+VERDICT_IN_LEARNER_PROCESS["check_ring_attention"] = "the learner's code runs in the ring's own rank processes"
 
 
 def by_name(name: str) -> Exercise | None:

@@ -17,7 +17,8 @@ import dataclasses
 from ..transport import kernel_classes
 from .core import Forbidden
 
-__all__ = ["count_launches", "watching_learner_launches", "Work", "Launch", "references_forbidden", "answer_keys_forbidden", "MSG_TRITON_TOO_EARLY"]
+__all__ = ["count_launches", "watching_learner_launches", "Work", "Launch", "references_forbidden", "answer_keys_forbidden", "active_traps", "trapped",
+           "MSG_TRITON_TOO_EARLY"]
 
 
 @contextlib.contextmanager
@@ -466,16 +467,46 @@ def _swapped(functions):
     in the learner's code does not hide it.
     """
     saved = {}
+    names = []
     for fn in functions:
         if fn is None or not hasattr(fn, "__code__") or fn.__code__.co_freevars:
             continue
         saved[fn] = fn.__code__
-        fn.__code__ = _trap.__code__.replace(co_name=f"{fn.__module__}.{fn.__name__}")
+        names.append(f"{fn.__module__}.{fn.__name__}")
+        fn.__code__ = _trap.__code__.replace(co_name=names[-1])
+    _ACTIVE_TRAPS.extend(names)
     try:
         yield
     finally:
         for fn, code in saved.items():
             fn.__code__ = code
+        for name in names:
+            _ACTIVE_TRAPS.remove(name)
+
+
+#: The qualified names of the functions a check has made refuse to answer right now (:func:`_swapped`): where the
+#: learner's function runs in another process (the batch grader, :mod:`course_utils.grade_checks`), the same
+#: functions are made to refuse there while it is called.
+_ACTIVE_TRAPS: list = []
+
+
+def active_traps() -> tuple:
+    """The qualified names of the course functions that refuse to answer at this moment."""
+    return tuple(_ACTIVE_TRAPS)
+
+
+def trapped(names):
+    """A context in which each of ``names`` (qualified names of course functions) refuses to answer."""
+    import importlib
+
+    functions = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        try:
+            functions.append(getattr(importlib.import_module(module), attr, None))
+        except ImportError:
+            continue
+    return _swapped(functions)
 
 
 def references_forbidden(names=_TRAPPED_REFERENCES):
