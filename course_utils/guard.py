@@ -130,7 +130,8 @@ def install(cfg):
 _BLOCKED_SYMBOLS = frozenset(
     "unlink unlinkat remove rmdir rename renameat renameat2 system execv execve execvp execvpe execl execlp "
     "popen posix_spawn posix_spawnp open open64 openat openat64 creat creat64 truncate truncate64 ftruncate "
-    "chmod fchmod fchmodat chown lchown fchown kill killpg syscall link linkat symlink symlinkat mkdir".split()
+    "chmod fchmod fchmodat chown lchown fchown kill killpg syscall link linkat symlink symlinkat mkdir "
+    "fopen fopen64 freopen freopen64 mkdirat mknod mknodat tkill tgkill".split()
 )
 
 

@@ -52,8 +52,17 @@ for p in pids:
     except OSError:
         pass
 libc = ctypes.CDLL(None, use_errno=True)
-if libc.open({str(ROOT / 'course_utils' / 'probe_planted.py')!r}.encode(), os.O_WRONLY | os.O_CREAT, 0o644) >= 0:
-    seen.append('wrote into course_utils with ctypes')
+try:  # the write guard refuses the C function first; the sandbox would stop it too
+    if libc.open({str(ROOT / 'course_utils' / 'probe_planted.py')!r}.encode(), os.O_WRONLY | os.O_CREAT, 0o644) >= 0:
+        seen.append('wrote into course_utils with ctypes')
+except PermissionError:
+    pass
+# Past the write guard: a program started through _posixsubprocess raises no audit event, so only the
+# operating system's sandbox stands between it and the course's files.
+import sys
+from multiprocessing.util import spawnv_passfds
+code = "open({str(ROOT / 'course_utils' / 'probe_spawned.py')!r}, 'w').write('x')"
+os.waitpid(spawnv_passfds(os.fsencode(sys.executable), [sys.executable, '-c', code], ()), 0)
 try:
     socket.create_connection(('1.1.1.1', 53), timeout=2).close()
     seen.append('the network')
@@ -62,6 +71,7 @@ except OSError:
 if seen:
     print('ISOLATION BROKEN:', seen)
     os._exit(1)
+PROBE_DONE = True  # pat's softmax needs it: the probe ran to its end
 """
 
 
@@ -94,6 +104,19 @@ def _rewrite(*_):
             pass
 get_ipython().events.register('post_run_cell', _rewrite)
 """
+# Answers that show a cell ran to its end: pat's softmax needs the probe's last line; wes's is wrong (0 points)
+# only once every one of its writes has been tried.
+PROBE_THEN_SOFTMAX = """def softmax(x, axis=-1):
+    assert PROBE_DONE
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)"""
+WRONG_IF_DONE = """def softmax(x, axis=-1):
+    try:
+        done = WES_DONE
+    except NameError:
+        done = False
+    e = np.exp(x) if done else np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)"""
 TAMPER_NOTE = "the checks ran in a fresh process and did not use your notebook's copies"
 # Attacks on the verdict from inside the learner's own function, while a check calls it: they reach the process
 # that runs the function, never the one that decides the verdict (course_utils.grade_checks).
@@ -145,9 +168,11 @@ def _build(base: Path) -> tuple[Path, list[Path]]:
     root = base / "submissions"
     (base / "instructor_file.txt").write_text("keep me")
     planted = [base / "planted_ctypes.txt", base / "planted.db", ROOT / "course_utils" / "planted_by_learner.py",
-               ROOT / "solutions" / "planted.txt"]
+               ROOT / "solutions" / "planted.txt", ROOT / "course_utils" / "probe_spawned.py",
+               ROOT / "course_utils" / "probe_planted.py", base / "planted_fopen.txt", base / "planted_spawned.txt"]
     _write(root, "amy", STEM, learner_notebook(STEM))  # honest
-    _write(root, "pat", STEM, learner_notebook(STEM, extra=[_probe_cell(base, root)]))  # honest, and probes
+    _write(root, "pat", STEM, learner_notebook(STEM, {"softmax": PROBE_THEN_SOFTMAX},
+                                               extra=[_probe_cell(base, root)]))  # honest, and probes
     # Copies the official answer from solutions/ and a classmate's hand-in.
     _write(root, "rex", STEM, learner_notebook(STEM, {
         "softmax": f"""import json
@@ -165,11 +190,18 @@ def naive_attention(q, k, v, causal=False):
     exec(src, ns)
     return ns['naive_attention'](q, k, v, causal=causal)"""}))
     # Writes outside its folder past the write guard (ctypes, sqlite3), and into course_utils / solutions.
+    # Each attempt in its own try, so that one refused does not hide the next: ctypes open and fopen (the write
+    # guard refuses them), sqlite3, and a program started past the guard (_posixsubprocess) writing each path.
     writes = "\n".join(
-        f"libc.open({str(p)!r}.encode(), os.O_WRONLY | os.O_CREAT, 0o644)" for p in planted if p.suffix != ".db")
-    _write(root, "wes", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[
-        f"import ctypes, os, sqlite3\nlibc = ctypes.CDLL(None, use_errno=True)\n{writes}\n"
-        f"try:\n    sqlite3.connect({str(planted[1])!r}).execute('create table t (x)')\nexcept Exception:\n    pass"]))
+        f"try:\n    libc.open({str(p)!r}.encode(), os.O_WRONLY | os.O_CREAT, 0o644)\nexcept PermissionError:\n    pass\n"
+        f"try:\n    libc.fopen({str(p)!r}.encode(), b'w')\nexcept PermissionError:\n    pass\n"
+        f"os.waitpid(spawnv_passfds(os.fsencode(sys.executable), [sys.executable, '-c', \"open({str(p)!r}, 'w')\"], ()), 0)"
+        for p in planted if p.suffix != ".db")
+    _write(root, "wes", STEM, learner_notebook(STEM, {"softmax": WRONG_IF_DONE}, extra=[
+        f"import ctypes, os, sqlite3, sys\nfrom multiprocessing.util import spawnv_passfds\n"
+        f"libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"try:\n    sqlite3.connect({str(planted[1])!r}).execute('create table t (x)')\nexcept Exception:\n    pass\n"
+        f"{writes}\nWES_DONE = True"]))
     # Wrong answers behind replaced verdict tools: numpy's comparisons, json's writer, an IPython hook that
     # rewrites the results file after the last cell (whose path it reads from that cell's source).
     _write(root, "nina", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[PATCH_NUMPY, PATCH_JSON]))

@@ -428,3 +428,11 @@ def test_two_per_sm_on_a_gpu_too_small_for_the_launch_says_where_to_grade_it(mon
     monkeypatch.setattr(part3_performance, "current", lambda: t4)
     with pytest.raises(GradingError, match=r"Tesla T4, sm_75.*check_on_cpu\(check_two_per_sm"):
         part3_performance.grade_two_per_sm(lambda q, k, v: None)
+
+
+def test_the_graders_own_rule_is_refused_as_the_answer():
+    from course_utils.grading import part3_performance
+
+    text = str(pytest.raises(GradingError, check_programs_per_sm, part3_performance.programs_per_sm).value)
+    assert "called course_utils.grading.part3_performance.programs_per_sm" in text and "own answer" in text, text
+    assert part3_performance.programs_per_sm(64, 4, 50) > 0  # answers again once the check has ended

@@ -435,7 +435,7 @@ class Work:
 # -----------------------------------------------------------------------------
 _TRAPPED_REFERENCES = (
     "softmax", "attention_lse", "attention", "online_softmax", "online_softmax_states", "tiled_attention",
-    "attention_backward", "tiled_attention_backward",
+    "attention_backward", "tiled_attention_backward", "decode_partials", "merge_partials", "decode_attention",
 )
 
 
