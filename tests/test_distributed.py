@@ -8,6 +8,8 @@ cost, so each test runs several cases in one process group.
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -197,3 +199,34 @@ def test_ring_pictures_draw_every_chunk_pair_once():
     assert heights == list(ring.tile_work(256, 4, "contiguous", 16)) + list(ring.tile_work(256, 4, "zigzag", 16))
     plt.close(ax.figure)
     assert widgets.ring_stepper(3).children[0].max == 2  # steps 0..world-1
+
+
+def write_beside(rank, world_size, path):
+    """A rank's function that writes a file where it was told (imported by the spawned rank)."""
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+        return "written"
+    except PermissionError as exc:
+        return f"refused: {exc}"
+
+
+@pytest.mark.cpu_processes("gloo processes on the CPU")
+def test_ranks_started_under_the_batch_graders_guard_keep_it(tmp_path, monkeypatch):
+    import json
+    import tempfile
+
+    from course_utils import guard
+
+    inside, outside = tmp_path / "work", tmp_path / "outside.txt"
+    inside.mkdir()
+    monkeypatch.setenv("TMPDIR", str(inside))  # as in a graded notebook: temporary files in its own folder
+    monkeypatch.setattr(tempfile, "tempdir", str(inside))
+    monkeypatch.setenv(guard.GUARD_VAR, json.dumps({"write_roots": [str(inside), str(Path.home() / ".triton"),
+                                                                    str(Path.home() / ".cache")],
+                                                    "hidden_dirs": [], "allowed_programs": [],
+                                                    "data_limit_bytes": None}))
+    (answer,) = ring.run_distributed(write_beside, 1, args=(str(outside),), device="cpu", timeout_s=120)
+    assert answer.startswith("refused") and not outside.exists(), answer
+    (answer,) = ring.run_distributed(write_beside, 1, args=(str(inside / "mine.txt"),), device="cpu", timeout_s=120)
+    assert answer == "written"

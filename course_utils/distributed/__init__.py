@@ -525,7 +525,14 @@ def _child_environment(device: str):
 
 
 def _worker(rank, world_size, device, port, out_dir, fn, args, timeout_s=None):
-    """The entry point of every spawned process (importable, so spawn can find it)."""
+    """The entry point of every spawned process (importable, so spawn can find it).
+
+    Under the batch grader (:mod:`course_utils.guard`'s settings in the environment) each rank installs
+    the same write guard as the process that started it, before it rebuilds the learner's function.
+    """
+    from ..guard import install_from_environment
+
+    install_from_environment()
     apply_safe_env()
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
