@@ -214,11 +214,28 @@ def naive_attention(q, k, v, causal=False):
     _write(root, "thea", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[THREAD_PATCHING]))
     _write(root, "tom", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[INPUT_TRANSFORMER]))
     _write(root, "lea", STEM, learner_notebook(STEM, {"softmax": READ_THE_CHECKS}))
+    # The answer is what it was at its grader cell: otto breaks his right softmax after it (full points),
+    # olga mends her wrong one after it (0 points).
+    _write(root, "otto", STEM, _after_grader_cell(learner_notebook(STEM), "check_softmax",
+                                                 "softmax.__code__ = (lambda x, axis=-1: x).__code__\nnp.exp = None"))
+    _write(root, "olga", STEM, _after_grader_cell(learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}), "check_softmax",
+                                                 "def _right(x, axis=-1):\n    e = np.exp(x - x.max(axis=axis, keepdims=True))\n"
+                                                 "    return e / e.sum(axis=axis, keepdims=True)\n"
+                                                 "softmax.__code__ = _right.__code__"))
     # Leaves a process behind: a new session that sleeps long after the notebook ended.
     _write(root, "finn", STEM, learner_notebook(STEM, extra=[
         f"import os, time\nos.environ[{MARK!r}] = '1'\n"
         "if os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n    os._exit(0)"]))
     return root, planted
+
+
+def _after_grader_cell(nb, check: str, source: str):
+    """``nb`` with a cell of ``source`` right after the grader cell that calls ``check``."""
+    import nbformat
+
+    at = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and f"{check}(" in c.source)
+    nb.cells.insert(at + 1, nbformat.v4.new_code_cell(source))
+    return nb
 
 
 def _processes_with_mark() -> list[int]:
@@ -273,6 +290,13 @@ def test_what_the_graded_function_does_while_called_cannot_reach_the_verdict(hos
             assert "np.exp overflowed" in row["full_message"], (learner, row["full_message"])
 
 
+def test_the_graded_answer_is_the_one_at_its_grader_cell(hostile_class):
+    rows = hostile_class["rows"]
+    assert rows[("otto", "check_softmax")]["status"] == "passed", rows[("otto", "check_softmax")]
+    olga = rows[("olga", "check_softmax")]
+    assert olga["points"] == 0 and "np.exp overflowed" in olga["full_message"], olga
+
+
 def test_what_the_notebook_leaves_running_is_gone_before_the_checks(hostile_class):
     rows = hostile_class["rows"]
     for learner in ("thea", "tom"):  # a thread that keeps patching numpy; an input transformer on the last cell
@@ -321,7 +345,7 @@ def test_every_report_is_written_and_the_summary_says_how_hand_ins_were_isolated
     for name in ("gradebook.csv", "gradebook.json", "summary.md", "summary.png"):
         assert (out / name).is_file(), name
     assert sorted(p.stem for p in (out / "feedback").glob("*.md")) == sorted(
-        ["amy", "finn", "ivy", "nina", "pat", "rex", "wes", "pia", "gus", "thea", "tom", "lea"])
+        ["amy", "finn", "ivy", "nina", "pat", "rex", "wes", "pia", "gus", "thea", "tom", "lea", "otto", "olga"])
     summary = (out / "summary.md").read_text()
     assert "## Isolation" in summary and "own Linux namespaces" in summary
 
@@ -348,7 +372,15 @@ def test_the_sandbox_shows_the_system_read_only_and_hides_the_repository(tmp_pat
             + repr(str(writable / "ok")) + "):\n"
             "    try:\n        open(p, 'w').close(); print('wrote', p)\n"
             "    except OSError as e:\n        print('refused', p, e.strerror)\n"
-            "print('uid', os.getuid(), 'pid', os.getpid())")
+            "print('uid', os.getuid(), 'pid', os.getpid())\n"
+            # an existing module of the course the checks import: neither appended to nor replaced
+            "for how in ('a', 'r+'):\n"
+            "    try:\n        open(" + repr(str(ROOT / "course_utils" / "references.py")) + ", how).write('x = 1')\n"
+            "        print('changed references.py')\n"
+            "    except OSError as e:\n        print('refused references.py', e.strerror)\n"
+            "try:\n    os.replace(" + repr(str(writable / "ok")) + ", "
+            + repr(str(ROOT / "course_utils" / "references.py")) + ")\n    print('replaced references.py')\n"
+            "except OSError as e:\n    print('refused the rename', e.strerror)")
     argv = os_sandbox.command([sys.executable, "-c", code], writable=[writable], work_dir=str(tmp_path))
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -358,3 +390,5 @@ def test_the_sandbox_shows_the_system_read_only_and_hides_the_repository(tmp_pat
     assert lines[2].startswith("refused") and "Read-only file system" in lines[2]
     assert lines[3] == f"wrote {writable / 'ok'}"
     assert lines[4] == f"uid {os_sandbox.SANDBOX_UID} pid 2"
+    assert lines[5:7] == ["refused references.py Read-only file system"] * 2, lines
+    assert lines[7].startswith("refused the rename"), lines

@@ -127,6 +127,23 @@ def test_a_finding_that_names_the_whole_file_is_refused_not_credited():
                               why="", shape=(16, 32, 8, 32768, 128))])
 
 
+def test_a_list_naming_every_line_of_the_file_one_by_one_is_refused():
+    # One finding per line of the exhibit "names" every flaw's line too: the first that shows no flaw fails it.
+    from course_utils.grading.part2_debug import EXHIBIT
+
+    every = [dict(line=ln.strip(), why="maybe") for ln in EXHIBIT.read_text().splitlines() if ln.strip()]
+    with pytest.raises(GradingError, match="check_flaw_hunt failed on case finding"):
+        check_flaw_hunt(every)
+
+
+@pytest.mark.parametrize("findings", [[], [dict(line="", why="")], [dict(line="+ q_head_idx * q_stride_h", why="",
+                                                                          shape=())]],
+                         ids=["no findings", "an empty line", "an empty shape"])
+def test_empty_findings_get_a_message_not_a_crash(findings):
+    with pytest.raises(GradingError, match="check_flaw_hunt"):
+        check_flaw_hunt(findings)
+
+
 @pytest.mark.parametrize("finding", [
     dict(line=12, why="a line number instead of the code"),
     dict(line="+ q_head_idx * q_stride_h", why="", shape=(1, 32, "eight", 2**21, 128)),

@@ -475,6 +475,17 @@ def test_a_gqa_query_tile_that_grows_with_n_is_refused():
     assert "N=300" in str(info.value) and "is wrong" not in str(info.value)
 
 
+def test_a_gqa_key_tile_that_covers_every_key_is_refused():
+    # Lesson 05's kernel with one key tile over the whole sequence: no online softmax across key blocks (its
+    # causal loop needs BLOCK_M a multiple of BLOCK_N, so the query tile covers every row too).
+    tile = lambda n: max(16, triton.next_power_of_2(n))  # noqa: E731
+    fn = lambda q, k, v: forward.flash_attention_gqa_forward(  # noqa: E731
+        q, k, v, True, block_m=tile(q.shape[2]), block_n=tile(k.shape[2]))
+    with pytest.raises(GradingError, match="tile grows with the sequence: its constexpr BLOCK_[MN]") as info:
+        check_flash_gqa(fn)
+    assert "N=300" in str(info.value) and "is wrong" not in str(info.value)
+
+
 # 64, not 128: kernel A's 64 x 128 tiles at D = 128 in float32 need 288 KiB of shared memory (measured on
 # the H200, whose limit is 227 KiB), and the random cases draw D = 128 float32 at times.
 @pytest.mark.parametrize("block_n", [
