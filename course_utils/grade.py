@@ -593,6 +593,9 @@ def rows_for(learner: str, course: CourseNotebook, result: dict | None, seconds:
             "points": ex.points if status == "passed" else 0, "max_points": ex.points,
             "status": status, "message": first_line(message), "seconds": round(float(secs), 2),
             "full_message": message, "seeds": seeds, "notebook_seconds": round(seconds, 2),
+            # where each call's verdict was computed: "grader" (a process the learner's code never ran in) or
+            # "learner process" (course_utils.grade_checks); empty where no check ran
+            "verdict": sorted({e.get("verdict") for e in entries if e is not None and e.get("verdict")}),
         })
     return rows
 

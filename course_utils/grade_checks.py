@@ -116,6 +116,18 @@ class Answer:
         return f"<your function {self.__name__}>"
 
 
+def _instrumented(value, depth=0) -> bool:
+    """Whether ``value`` holds an object of the course's own (an array subclass that logs what is done with it):
+    such a check must run where the learner's code runs, or what it watches would go unseen."""
+    if depth > 8:
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_instrumented(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return any(_instrumented(v, depth + 1) for v in value.values())
+    return (type(value).__module__ or "").startswith("course_utils.")
+
+
 def _rebuilt_exception(reply, core):
     """The learner's exception, rebuilt from data: same type name, same text, same notes."""
     import builtins
@@ -200,6 +212,8 @@ class Learner:
         from course_utils.grading import core, proof
 
         self.ready()
+        if _instrumented(args) or _instrumented(kwargs):
+            raise _CannotCross("an argument that watches the learner's code")
         try:
             message = pickle.dumps(("call", index, where, args, kwargs, proof.active_traps(), self.now,
                                     self.allowed_now), protocol=pickle.HIGHEST_PROTOCOL)

@@ -240,6 +240,29 @@ def test_the_class_gets_exactly_the_expected_gradebook(graded_class):
     assert others and {r["status"] for r in others} == {"missing"}
 
 
+def test_each_verdict_is_computed_where_the_table_of_exercises_says(graded_class):
+    # 01's checks compare plain outputs: judged in the checks process, which never loads the learner's code;
+    # 02's watch how the learner's code slices its inputs: judged in the learner's (sandboxed) process.
+    from course_utils.grading import exercises
+
+    rows = json.loads((graded_class["out"] / "gradebook.json").read_text())["rows"]
+    judged = [r for r in rows if r["notebook"] in STEMS and r["verdict"]]
+    assert {r["notebook"] for r in judged} == set(STEMS)
+    for row in judged:
+        where = "grader" if exercises.by_name(row["exercise"]).verdict_outside else "learner process"
+        assert row["verdict"] == [where], row
+    assert {r["verdict"][0] for r in judged} == {"grader", "learner process"}
+
+
+def test_the_readme_counts_the_verdicts_as_the_table_declares_them():
+    from course_utils.grading import exercises
+
+    outside = sum(e.verdict_outside for e in exercises.EXERCISES)
+    text = (ROOT / "README.md").read_text()
+    assert f"For {outside} of the {len(exercises.EXERCISES)} exercises" in text
+    assert f"For the other {len(exercises.EXERCISES) - outside} " in text
+
+
 def test_nothing_outside_the_gradebook_was_touched(graded_class):
     assert graded_class["sentinel"].read_text() == "keep me"
     assert not (graded_class["base"] / "planted.txt").exists()

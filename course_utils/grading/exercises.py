@@ -136,6 +136,10 @@ VERDICT_IN_LEARNER_PROCESS: dict[str, str] = {
                  "check_flash_backward", "check_window_forward", "check_window_backward", "check_sink_split",
                  "check_decode_split", "check_decode_combine", "check_fp8_forward", "check_mods_forward")
 }
+VERDICT_IN_LEARNER_PROCESS.update({
+    name: "the arrays the check hands over record how the learner's code slices them (its tiles), in the process "
+          "that runs it"
+    for name in ("check_online_softmax", "check_tiled_attention", "check_tiled_backward")})
 VERDICT_IN_LEARNER_PROCESS["check_ring_simulation"] = ("the shards the check hands over record which keys each step "
                                                        "reads, in the process that runs the learner's function")
 VERDICT_IN_LEARNER_PROCESS["check_ring_attention"] = "the learner's code runs in the ring's own rank processes"
