@@ -425,3 +425,16 @@ def test_a_function_with_the_wrong_signature_gets_a_message_not_a_crash():
 
 def _two_args_attention(q, k):
     return q
+
+
+@pytest.mark.parametrize("check_name", ["check_flash_forward", "check_flash_gqa", "check_decode_split",
+                                        "check_window_forward", "check_fp8_forward", "check_ring_simulation"])
+def test_a_triton_or_ring_answer_with_the_wrong_signature_gets_the_same_message(check_name):
+    # The isolated checks run the learner's function in another process: the sentence must come back from there.
+    from course_utils import grading
+
+    def launcher(q):  # one argument: every one of these checks passes more
+        return q
+
+    with pytest.raises(GradingError, match=r"cannot take the arguments the check passes .*`launcher\(q\)` is called with"):
+        getattr(grading, check_name)(launcher)

@@ -289,6 +289,18 @@ def test_fp8_forward_k_major_written_differently_passes(variant):
     assert check_fp8_forward(_fwd(module, vt=lambda v8: v8.mT.clone(memory_format=torch.contiguous_format)))
 
 
+def test_fp8_forward_that_edits_its_scales_in_place_is_refused(variant):
+    right = _fwd(variant("course"))
+
+    def rescales(q8, k8, v8, q_scale, k_scale, v_scale, causal=False, block_size=128):
+        o = right(q8, k8, v8, q_scale, k_scale, v_scale, causal, block_size)
+        k_scale.mul_(2.0)  # e.g. sm_scale folded into the caller's k_scale
+        return o
+
+    with pytest.raises(GradingError, match="changed its input `k_scale` in place"):
+        check_fp8_forward(rescales)
+
+
 QS_LOAD = "mask=m_ok, other=1.0) * (sm_scale * 1.4426950408889634)"
 MISTAKES = {
     "no-q-scale": ([(QS_LOAD, "mask=m_ok, other=1.0) * 0.0 + (sm_scale * 1.4426950408889634)")], p7.MSG_NO_Q_SCALE),

@@ -235,6 +235,18 @@ def test_forward_lesson_kernel_passes_isolated(tmp_path_factory):
     assert check_mods_forward(planted_kernel(tmp_path_factory, "unchanged").flash_attention_mods)
 
 
+def test_forward_that_edits_an_input_in_place_is_refused(tmp_path_factory):
+    right = planted_kernel(tmp_path_factory, "unchanged").flash_attention_mods
+
+    def edits_v(q, k, v, *args, **kwargs):
+        o = right(q, k, v, *args, **kwargs)
+        v.mul_(0.5)
+        return o
+
+    with pytest.raises(GradingError, match="changed its input `v` in place"):
+        check_mods_forward(edits_v)
+
+
 # Correct and written differently, in one kernel (each passing run costs seconds in the interpreter):
 # the sink put in before the loop (m_i = z, l_i = 1; the loop then rescales it like any tile), tanh
 # from exp, and 32 x 32 tiles instead of the interpreter's 64 x 32.

@@ -391,6 +391,32 @@ def test_flash_gqa_refuses_the_course_kernel_and_a_kernel_passed_for_a_launcher(
         check_flash_gqa(forward._flash_attention_forward_gqa_kernel)
 
 
+def _gqa_sdpa_after_a_noop_kernel(q, k, v):
+    o = torch.empty_like(q)
+    _noop[(1,)](o)
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    s = (q.float() @ kk.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    o.copy_(torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=True))
+    return o, torch.logsumexp(s, -1) * 1.4426950408889634
+
+
+def _gqa_scales_k_in_place(q, k, v):
+    out = forward.flash_attention_gqa_forward(q, k, v, True)
+    k.mul_(0.5)  # e.g. k pre-scaled by sm_scale, and left that way
+    return out
+
+
+@pytest.mark.parametrize("fn, text", [
+    (_gqa_sdpa_after_a_noop_kernel, "torch computed"),
+    (_gqa_scales_k_in_place, "changed its input `k` in place"),
+], ids=["noop-then-sdpa", "k-in-place"])
+def test_flash_gqa_refuses_torch_behind_a_dummy_kernel_and_an_input_edited_in_place(fn, text):
+    with pytest.raises(GradingError, match=text):
+        check_flash_gqa(fn)
+
+
 def test_fixed_cases_have_large_shifted_scores_d128_several_tiles_and_a_repeated_shape():
     for gqa in (False, True):
         cases = pt._fixed_cases(gqa, "cpu")

@@ -823,6 +823,18 @@ def test_sink_split_launcher_mistakes_are_diagnosed(tmp_path_factory, mistake, m
     _fails(check_sink_split, split_backward(module, mistake), message)
 
 
+def test_sink_split_that_edits_do_in_place_is_refused(tmp_path_factory):
+    right = split_backward(planted(tmp_path_factory, bw, "bw_unchanged"))
+
+    def edits_do(q, k, v, o, lse, do, **kwargs):
+        out = right(q, k, v, o, lse, do, **kwargs)
+        do.mul_(0.5)
+        return out
+
+    with pytest.raises(GradingError, match="changed its input `do` in place"):
+        check_sink_split(edits_do)
+
+
 def test_sink_split_course_kernels_are_refused():
     with pytest.raises(GradingError, match=r"your backward ran course_utils's kernel `_attn_bwd_dkdv_window`.*the dK/dV "
                                            r"kernels are this exercise"):
