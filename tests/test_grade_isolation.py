@@ -214,6 +214,16 @@ def naive_attention(q, k, v, causal=False):
     _write(root, "thea", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[THREAD_PATCHING]))
     _write(root, "tom", STEM, learner_notebook(STEM, {"softmax": SOFTMAX_NO_MAX}, extra=[INPUT_TRANSFORMER]))
     _write(root, "lea", STEM, learner_notebook(STEM, {"softmax": READ_THE_CHECKS}))
+    # A hand-in whose metadata is of the wrong types (a dict where a cell id belongs, points that are a list):
+    # it is refused by itself; the grader goes on with the class.
+    import json as _json
+
+    nb = _json.loads(nbformat_text(learner_notebook(STEM)))
+    nb["cells"][1]["id"] = {"not": "a string"}
+    nb["cells"][1].setdefault("metadata", {})["course"] = {"points": [1, 2]}
+    nb["metadata"]["kernelspec"] = {"name": ["python3"]}
+    (root / "meta").mkdir(parents=True)
+    (root / "meta" / f"{STEM}.ipynb").write_text(_json.dumps(nb))
     # The answer is what it was at its grader cell: otto breaks his right softmax after it (full points),
     # olga mends her wrong one after it (0 points).
     _write(root, "otto", STEM, _after_grader_cell(learner_notebook(STEM), "check_softmax",
@@ -227,6 +237,12 @@ def naive_attention(q, k, v, causal=False):
         f"import os, time\nos.environ[{MARK!r}] = '1'\n"
         "if os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n    os._exit(0)"]))
     return root, planted
+
+
+def nbformat_text(nb) -> str:
+    import nbformat
+
+    return nbformat.writes(nb)
 
 
 def _after_grader_cell(nb, check: str, source: str):
@@ -290,6 +306,13 @@ def test_what_the_graded_function_does_while_called_cannot_reach_the_verdict(hos
             assert "np.exp overflowed" in row["full_message"], (learner, row["full_message"])
 
 
+def test_a_hand_in_with_metadata_of_the_wrong_types_is_refused_alone(hostile_class):
+    rows = hostile_class["rows"]
+    meta = [r for (who, _), r in rows.items() if who == "meta"]
+    assert meta and all(r["status"] == "invalid" and r["points"] == 0 for r in meta), meta
+    assert "not a readable notebook" in meta[0]["message"], meta[0]
+
+
 def test_the_graded_answer_is_the_one_at_its_grader_cell(hostile_class):
     rows = hostile_class["rows"]
     assert rows[("otto", "check_softmax")]["status"] == "passed", rows[("otto", "check_softmax")]
@@ -345,7 +368,7 @@ def test_every_report_is_written_and_the_summary_says_how_hand_ins_were_isolated
     for name in ("gradebook.csv", "gradebook.json", "summary.md", "summary.png"):
         assert (out / name).is_file(), name
     assert sorted(p.stem for p in (out / "feedback").glob("*.md")) == sorted(
-        ["amy", "finn", "ivy", "nina", "pat", "rex", "wes", "pia", "gus", "thea", "tom", "lea", "otto", "olga"])
+        ["amy", "finn", "ivy", "nina", "pat", "rex", "wes", "pia", "gus", "thea", "tom", "lea", "otto", "olga", "meta"])
     summary = (out / "summary.md").read_text()
     assert "## Isolation" in summary and "own Linux namespaces" in summary
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (proof.Work's first dispatch mode imports it)
+import triton
 
 from course_utils import build
 from course_utils import references
@@ -278,6 +279,20 @@ def test_forward_torch_is_not_a_triton_kernel():
 
     with pytest.raises(GradingError, match="no Triton kernel ran|torch computed"):
         p8.grade_mods_forward(torch_attention)
+
+    def behind_a_dummy_kernel(q, k, v, **kwargs):  # a kernel runs, torch does the work
+        o, lse = torch_attention(q, k, v, **kwargs)
+        out, out_lse = torch.empty_like(o), torch.empty_like(lse)
+        _noop_store[(1,)](out)
+        return out.copy_(o), out_lse.copy_(lse)
+
+    with pytest.raises(GradingError, match="torch computed|not written by your"):
+        p8.grade_mods_forward(behind_a_dummy_kernel)
+
+
+@triton.jit
+def _noop_store(o_ptr):
+    pass
 
 
 def test_forward_models_agree_with_the_references():
