@@ -119,6 +119,8 @@ EXERCISES: tuple[Exercise, ...] = (
              False, None, 1, answer_keys=("course_utils.kernels.fp8.lpt_schedule",)),
     Exercise("check_fp8_forward", "11_hopper_and_fp8", part7_hopper.grade_fp8_forward, True, 240.0, 2,
              "your launcher", allowed=("course_utils.kernels.fp8.fp8_config",)),  # the lesson's launcher
+    Exercise("check_tma_transpose", "11_hopper_and_fp8", part7_hopper.grade_tma_transpose, True, 120.0, 1,
+             "your launcher"),
     Exercise("check_doc_tile_bounds", "12_packed_sequences_and_score_mods", part8_mods.grade_doc_tile_bounds,
              False, None, 1, answer_keys=("course_utils.kernels.forward.mods_tile_bounds",)),
     Exercise("check_mods_forward", "12_packed_sequences_and_score_mods", part8_mods.grade_mods_forward,
@@ -134,7 +136,8 @@ VERDICT_IN_LEARNER_PROCESS: dict[str, str] = {
     name: "proof of work watches the learner's Triton launches and torch operators in the process that runs them"
     for name in ("check_triton_softmax", "check_tile_copy", "check_flash_forward", "check_flash_gqa", "check_two_per_sm",
                  "check_flash_backward", "check_window_forward", "check_window_backward", "check_sink_split",
-                 "check_decode_split", "check_decode_combine", "check_fp8_forward", "check_mods_forward")
+                 "check_decode_split", "check_decode_combine", "check_fp8_forward", "check_tma_transpose",
+                 "check_mods_forward")
 }
 VERDICT_IN_LEARNER_PROCESS.update({
     name: "the arrays the check hands over record how the learner's code slices them (its tiles), in the process "

@@ -198,4 +198,9 @@ def check_on_cpu(check: Callable, fn: Callable, **kwargs):
     name = getattr(check, "__name__", "check").lstrip("_")
     timeout_s = kwargs.pop("timeout_s", 600.0)
     kwargs["isolate"] = False  # in-process there: that process is the sandbox
+    return in_cpu_interpreter(name, check, fn, kwargs, timeout_s)
+
+
+def in_cpu_interpreter(name: str, check: Callable, fn, kwargs: dict, timeout_s: float = 600.0):
+    """``check(fn, **kwargs)`` in the CPU worker (Triton's interpreter, the GPU hidden): its result or its error."""
     return _run_in_worker("cpu", name, check, fn, kwargs, timeout_s)

@@ -11,6 +11,8 @@
   v_scale, causal=False, block_size=128) -> o``: the FP8 attention forward by
   the learner's Triton kernel (scales folded into the score scale, P
   quantised, V handed to the kernel K-major).
+- :func:`check_tma_transpose` grades ``fn(v) -> vt``: V made K-major by the
+  learner's kernel, its tiles moved through tensor descriptors (TMA).
 
 The FP8 forward is compared with exact float64 attention on the *dequantised*
 inputs (``x8 * scale``): what the kernel can at best compute. Quantising P to
@@ -33,7 +35,7 @@ from . import inputs, proof
 from .core import Diagnosis, Run, require_callable
 from .mistakes import MSG_NO_KERNEL_ATTENTION
 
-__all__ = ["grade_quantize_fp8", "grade_persistent_schedule", "grade_fp8_forward",
+__all__ = ["grade_quantize_fp8", "grade_persistent_schedule", "grade_fp8_forward", "grade_tma_transpose",
            "MAKESPAN_FACTOR", "REL_RMS_LIMIT"]
 
 E4M3_MAX = 448.0
@@ -619,3 +621,126 @@ def grade_fp8_forward(fn, *, seed=None):
         _run_fp8_case(run, fn, c)
     return run.passed()
 
+
+
+# =============================================================================
+# check_tma_transpose
+# =============================================================================
+MSG_NO_DESCRIPTOR = (
+    "your kernel moved the tile with pointer loads and stores: this exercise is the tensor-descriptor version. "
+    "Describe v and vt with `tl.make_tensor_descriptor(base, shape=[...], strides=[...], block_shape=[...])` "
+    "inside the kernel (or pass `TensorDescriptor.from_tensor(...)` from the launcher) and use `desc.load` / "
+    "`desc.store`: the copy engine then moves the whole box, and the edges need no mask."
+)
+MSG_TMA_NOT_TRANSPOSED = (
+    "vt holds v's rows, not its columns: the tile was stored as it was loaded. Transpose it (`tl.trans(tile)`) "
+    "and store it into a descriptor of vt, shape [D, R], block [D, BLOCK_R], at [0, row]."
+)
+MSG_TMA_TILE_COORDS = (
+    "the descriptor's coordinates were given in tiles (`[pid, 0]`), not in elements: `desc.load([row, 0])` "
+    "takes the first row of the box, so program pid starts at row = pid * BLOCK_R (and stores at [0, row] of "
+    "vt). A box must also start on a 16-byte boundary, which a tile index rarely is."
+)
+MSG_TMA_ALLOCATOR = (
+    "a device descriptor (`tl.make_tensor_descriptor`) needs scratch memory for the descriptor itself: call "
+    "`triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=...))` "
+    "in your launcher before the launch (Triton's interpreter needs none, a GPU does)."
+)
+
+
+def _uses_descriptors(launches) -> bool:
+    """Whether one of the learner's launched kernels builds a device descriptor or got a host one."""
+    import inspect
+
+    for kernel, args, kwargs in launches:
+        for value in list(args) + list(kwargs.values()):
+            if type(value).__name__ in ("TensorDescriptor", "TensorDescriptorLike"):
+                return True
+        fn = getattr(kernel, "fn", kernel)
+        try:
+            source = getattr(kernel, "src", None) or inspect.getsource(fn)
+        except (OSError, TypeError):
+            source = ""
+        if "make_tensor_descriptor" in source:
+            return True
+    return False
+
+
+MSG_NO_KERNEL_TMA = (
+    "no Triton kernel ran: your function must transpose v by launching your @triton.jit kernel "
+    "(`kernel[grid](...)`), not with torch (`v.T.contiguous()`)."
+)
+
+
+def _written_by_tile_indices(r, block_r) -> int:
+    """How many leading columns of vt a kernel that loads at [pid, 0] and stores at [0, pid] writes.
+
+    Program pid moves rows pid .. pid + block_r - 1 into columns pid .. pid + block_r - 1: each column it
+    writes is right, but the last program ends at column n_programs - 1 + block_r, short of R."""
+    return min(r, -(-r // block_r) - 1 + block_r)
+
+
+def grade_tma_transpose(fn, *, seed=None):
+    """Grade ``fn(v) -> vt``: ``v`` ``[R, D]`` transposed into a new contiguous ``[D, R]`` by a Triton kernel
+    whose tiles travel through tensor descriptors (TMA on Hopper).
+
+    ``R`` a multiple of 16 (a descriptor's strides must be 16-byte multiples), not always of the tile's rows;
+    ``D`` in 16-128; float32 on the CPU, the lesson's 16-bit type on a GPU. The transpose must be exact,
+    written by your own kernel during the call, through a descriptor (built in the kernel with
+    ``tl.make_tensor_descriptor``, or a host ``TensorDescriptor``), and ``v`` left as it was. On a GPU older
+    than Hopper (no TMA) the check runs in Triton's interpreter on the CPU.
+    """
+    import torch
+
+    __tracebackhide__ = True
+    require_callable(fn, "check_tma_transpose", "your launcher")
+    env = current()
+    if env.device == "cuda" and env.capability is not None and env.capability < (9, 0):
+        from .isolation import in_cpu_interpreter
+
+        return in_cpu_interpreter("check_tma_transpose", grade_tma_transpose, fn, {"seed": seed}, 240.0)
+    run = Run("check_tma_transpose", seed, time_limit_s=30.0)
+    dtype = torch.float32 if env.device == "cpu" else env.dtype
+    shapes = [(64, 16), (80, 32), (144, 64), (16, 128), (208, 64)]
+    shapes.append((16 * int(run.rng.integers(1, 20)), int(run.rng.choice([16, 32, 64, 128]))))
+    for r, d in shapes:
+        values = torch.from_numpy(run.rng.standard_normal((r, d))).to(dtype)
+        v = values.to(env.device)
+        case = f"v [{r}, {d}], {str(dtype).replace('torch.', '')}"
+        before = inputs.snapshot(v=v)
+        launches = []
+        try:
+            with proof.Work(inputs=(v,)) as work, proof.watching_learner_launches(
+                    lambda name, kernel, args, kwargs, tensors: launches.append((kernel, args, kwargs))):
+                out = run.call(fn, v, case=case)
+        except Exception as exc:  # noqa: BLE001 - two mistakes have a sentence of their own
+            if "allocator" in str(exc).lower():
+                raise run.fail(MSG_TMA_ALLOCATOR, case) from None
+            if "16-byte aligned" in str(exc):
+                raise run.fail(MSG_TMA_TILE_COORDS, case) from None
+            raise
+        if not work.launches:
+            raise run.fail(MSG_NO_KERNEL_TMA, case)
+        changed = inputs.changed_input(before, v=v)
+        if changed:
+            raise run.fail(changed, case)
+        if not isinstance(out, torch.Tensor):
+            raise run.fail(f"your function returned a {type(out).__name__}; return vt, a torch tensor.", case)
+        if tuple(out.shape) != (d, r):
+            raise run.fail(f"vt has shape {tuple(out.shape)}, expected {(d, r)} (v is [{r}, {d}]).", case)
+        got = out.detach().cpu().double().numpy()
+        want = values.double().numpy().T
+        plain = values.double().numpy()
+        block_r = next((int(kw.get("BLOCK_R", 0) or 0) for _, _, kw in launches if kw.get("BLOCK_R")), 0)
+        diagnoses = [Diagnosis(MSG_TMA_NOT_TRANSPOSED, expected=lambda p=plain: p.reshape(d, r))]
+        written = _written_by_tile_indices(r, block_r) if block_r else r
+        if written < r:
+            diagnoses.append(Diagnosis(MSG_TMA_TILE_COORDS, when=lambda a, w=written, t=want: bool(
+                np.array_equal(a[:, :w], t[:, :w]) and not np.array_equal(a[:, w:], t[:, w:]))))
+        run.compare(got, want, case=case, what="vt", atol=0, rtol=0, diagnoses=diagnoses, axes=("d", "r"))
+        problem = work.problem(no_kernel=MSG_NO_DESCRIPTOR, vt=out)
+        if problem:
+            raise run.fail(problem, case)
+        if not _uses_descriptors(launches):
+            raise run.fail(MSG_NO_DESCRIPTOR, case)
+    return run.passed()
