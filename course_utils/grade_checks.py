@@ -556,7 +556,7 @@ def _learner_main(cfg_path, fd):
     with open(cfg_path) as f:
         cfg = json.load(f)
     sys.path.insert(0, cfg["root"])
-    ns = {"__name__": "__course_grader__"}
+    ns = {"__name__": "__course_grader__", "__file__": _GUARD}
     for path, name in ((_GUARD, "<course-guard>"), (_HARNESS, "<course-grader>")):
         with open(path) as f:
             exec(compile(f.read(), name, "exec"), ns)

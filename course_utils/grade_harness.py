@@ -23,7 +23,9 @@ that must watch the learner's code as it runs
 whatever the learner's code replaced in the trusted modules (and removes the IPython
 hooks and trace functions it added), drops every ``course_utils`` module from
 ``sys.modules``, imports a pristine copy from the course's own files, and calls the
-official checks on the collected objects. While a check runs, a call from the
+official checks on the collected objects; around each call of the learner's function it puts back what
+that call replaced in the trusted modules and refuses a thread it left running
+(:func:`course_utils.guard.learner_call_guard`, through ``core.LEARNER_CALL_GUARDS``). While a check runs, a call from the
 learner's code into the course's references or kernels (the copies the learner's
 answers refer to) raises instead of answering (:class:`_Trips`); :func:`judge` turns
 how each check ended into the gradebook's status and message (the checks process
@@ -42,7 +44,8 @@ import sys
 
 BORROWED = "[course-grader: borrowed answer]"
 if "install" not in globals():  # imported as a module; injected, course_utils.guard's text runs first
-    from .guard import install  # noqa: F401
+    from .guard import (TORCH_MODULES, TRUSTED_MODULES, install, learner_call_guard,  # noqa: F401
+                        restore_trusted, snapshot_trusted)
 
 
 def _box(token):
@@ -57,102 +60,8 @@ def _box(token):
     return box
 
 
-# -- the modules the checks trust ------------------------------------------------
-#: What the official checks compute their verdicts and write their results with. The prologue keeps a
-#: reference to every function of these modules (and its code) before the learner's first cell; the last
-#: cell puts back whatever the notebook replaced (``numpy.allclose = lambda *a: True``, a new
-#: ``json.dump``, a function's ``__code__``) before any check runs, and every result says what it put back.
-TRUSTED_MODULES = ("builtins", "json", "json.encoder", "math", "os", "numpy", "numpy.testing", "numpy.linalg",
-                   "numpy.random")
-TORCH_MODULES = ("torch", "torch.testing", "torch.nn.functional")  # added when the lesson imports torch
-# Names the kernel itself rebinds while it runs cells (ipykernel's input() for each request): not the learner's.
-_KERNEL_OWNED = {("builtins", "input"), ("builtins", "raw_input"), ("builtins", "getpass")}
-_MISSING = object()
-
-
-def _function_of(obj):
-    """The Python function behind ``obj`` (itself, a method's, numpy's dispatcher's), or None."""
-    import types
-
-    for fn in (obj, getattr(obj, "__func__", None), getattr(obj, "_implementation", None)):
-        if isinstance(fn, types.FunctionType):
-            return fn
-    return None
-
-
-def _snapshot(names):
-    """References to the callables of ``names`` (modules) and their functions' code, as they are now."""
-    import importlib
-    import types
-
-    modules, attrs, codes = {}, [], []
-    for name in names:
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - not installed here
-            continue
-        modules[name] = module
-        for attr, obj in list(vars(module).items()):
-            if attr.startswith("__") or (name, attr) in _KERNEL_OWNED or not (
-                    callable(obj) or isinstance(obj, types.ModuleType)):
-                continue
-            attrs.append((module, attr, obj))
-            fn = _function_of(obj)
-            if fn is not None:
-                codes.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__))
-    shell = _shell()
-    events = {e: list(cbs) for e, cbs in shell.events.callbacks.items()} if shell is not None else {}
-    return {"modules": modules, "attrs": attrs, "codes": codes, "events": events,
-            "trace": (sys.gettrace(), sys.getprofile())}
-
-
-def _shell():
-    try:
-        return get_ipython()  # noqa: F821 - defined in an IPython kernel
-    except NameError:
-        return None
-
-
-def _library_function(cb) -> bool:
-    """Whether ``cb`` is a function or method of an installed library (matplotlib's figure flush)."""
-    fn = getattr(cb, "__func__", cb)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return False
-    path = os.path.realpath(code.co_filename)
-    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    return any(path.startswith(r + os.sep) for r in roots) and "site-packages" in path.split(os.sep) or any(
-        path.startswith(os.path.realpath(p) + os.sep) for p in sys.path if p.endswith("site-packages"))
-
-
-def _restore(snap):
-    """Put back what the notebook replaced since :func:`_snapshot`; return the names put back."""
-    changed = []
-    for name, module in snap["modules"].items():
-        if sys.modules.get(name) is not module:
-            sys.modules[name] = module
-            changed.append(f"sys.modules[{name!r}]")
-    for module, attr, obj in snap["attrs"]:
-        if vars(module).get(attr, _MISSING) is not obj:
-            setattr(module, attr, obj)
-            changed.append(f"{module.__name__}.{attr}")
-    for fn, code, defaults, kwdefaults in snap["codes"]:
-        if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__kwdefaults__ is not kwdefaults:
-            fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, defaults, kwdefaults
-            changed.append(f"{fn.__module__}.{fn.__qualname__} (its code)")
-    shell = _shell()
-    if shell is not None:
-        for event, cbs in shell.events.callbacks.items():
-            keep = snap["events"].get(event, [])
-            extra = [cb for cb in cbs if cb not in keep and not _library_function(cb)]
-            if extra:
-                cbs[:] = [cb for cb in cbs if cb not in extra]
-                changed.append(f"an IPython {event} hook")
-    if (sys.gettrace(), sys.getprofile()) != snap["trace"]:
-        sys.settrace(snap["trace"][0])
-        sys.setprofile(snap["trace"][1])
-        changed.append("sys.settrace / sys.setprofile")
-    return sorted(set(changed))
+# -- the modules the checks trust: course_utils.guard keeps them (snapshot_trusted / restore_trusted) --------
+_snapshot, _restore = snapshot_trusted, restore_trusted
 
 
 # -- the first cell -----------------------------------------------------------
@@ -438,6 +347,9 @@ def grade(cfg):
 
         grading = importlib.import_module("course_utils.grading")
         core = importlib.import_module("course_utils.grading.core")
+        # Each call of the learner's function gets the trusted modules as the check set them up, back.
+        guarded = TRUSTED_MODULES + (TORCH_MODULES if cfg.get("uses_torch") else ())
+        core.LEARNER_CALL_GUARDS.append(lambda: learner_call_guard(guarded))
         outcomes = importlib.import_module("course_utils.grading.outcome")
         trips = _Trips(old, set(cfg.get("allowed", ())), cfg["borrow_file"],
                        {key for call in cfg["calls"] for key in call.get("answer_keys", ())})

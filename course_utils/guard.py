@@ -127,6 +127,146 @@ def install(cfg):
     sys.addaudithook(hook)
 
 
+# -- the modules the checks trust ------------------------------------------------
+#: What the official checks compute their verdicts and write their results with. The prologue keeps a
+#: reference to every function of these modules (and its code) before the learner's first cell; the last
+#: cell puts back whatever the notebook replaced (``numpy.allclose = lambda *a: True``, a new
+#: ``json.dump``, a function's ``__code__``) before any check runs, and every result says what it put back.
+TRUSTED_MODULES = ("builtins", "json", "json.encoder", "math", "os", "numpy", "numpy.testing", "numpy.linalg",
+                   "numpy.random")
+TORCH_MODULES = ("torch", "torch.testing", "torch.nn.functional")  # added when the lesson imports torch
+# Names the kernel itself rebinds while it runs cells (ipykernel's input() for each request): not the learner's.
+_KERNEL_OWNED = {("builtins", "input"), ("builtins", "raw_input"), ("builtins", "getpass")}
+_MISSING = object()
+
+
+def _function_of(obj):
+    """The Python function behind ``obj`` (itself, a method's, numpy's dispatcher's), or None."""
+    import types
+
+    for fn in (obj, getattr(obj, "__func__", None), getattr(obj, "_implementation", None)):
+        if isinstance(fn, types.FunctionType):
+            return fn
+    return None
+
+
+def snapshot_trusted(names):
+    """References to the callables of ``names`` (modules) and their functions' code, as they are now."""
+    import importlib
+    import types
+
+    modules, attrs, codes = {}, [], []
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not installed here
+            continue
+        modules[name] = module
+        for attr, obj in list(vars(module).items()):
+            if attr.startswith("__") or (name, attr) in _KERNEL_OWNED or not (
+                    callable(obj) or isinstance(obj, types.ModuleType)):
+                continue
+            attrs.append((module, attr, obj))
+            fn = _function_of(obj)
+            if fn is not None:
+                codes.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__))
+    shell = _shell()
+    events = {e: list(cbs) for e, cbs in shell.events.callbacks.items()} if shell is not None else {}
+    return {"modules": modules, "attrs": attrs, "codes": codes, "events": events,
+            "trace": (sys.gettrace(), sys.getprofile())}
+
+
+def _shell():
+    try:
+        return get_ipython()  # noqa: F821 - defined in an IPython kernel
+    except NameError:
+        return None
+
+
+def _library_function(cb) -> bool:
+    """Whether ``cb`` is a function or method of an installed library (matplotlib's figure flush)."""
+    fn = getattr(cb, "__func__", cb)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    path = os.path.realpath(code.co_filename)
+    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    return any(path.startswith(r + os.sep) for r in roots) and "site-packages" in path.split(os.sep) or any(
+        path.startswith(os.path.realpath(p) + os.sep) for p in sys.path if p.endswith("site-packages"))
+
+
+def restore_trusted(snap):
+    """Put back what was replaced since :func:`snapshot_trusted`; return the names put back."""
+    changed = []
+    for name, module in snap["modules"].items():
+        if sys.modules.get(name) is not module:
+            sys.modules[name] = module
+            changed.append(f"sys.modules[{name!r}]")
+    for module, attr, obj in snap["attrs"]:
+        if vars(module).get(attr, _MISSING) is not obj:
+            setattr(module, attr, obj)
+            changed.append(f"{module.__name__}.{attr}")
+    for fn, code, defaults, kwdefaults in snap["codes"]:
+        if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__kwdefaults__ is not kwdefaults:
+            fn.__code__, fn.__defaults__, fn.__kwdefaults__ = code, defaults, kwdefaults
+            changed.append(f"{fn.__module__}.{fn.__qualname__} (its code)")
+    shell = _shell()
+    if shell is not None:
+        for event, cbs in shell.events.callbacks.items():
+            keep = snap["events"].get(event, [])
+            extra = [cb for cb in cbs if cb not in keep and not _library_function(cb)]
+            if extra:
+                cbs[:] = [cb for cb in cbs if cb not in extra]
+                changed.append(f"an IPython {event} hook")
+    if (sys.gettrace(), sys.getprofile()) != snap["trace"]:
+        sys.settrace(snap["trace"][0])
+        sys.setprofile(snap["trace"][1])
+        changed.append("sys.settrace / sys.setprofile")
+    return sorted(set(changed))
+
+
+
+def _learner_thread(thread) -> bool:
+    """A thread running code that is neither Python's, an installed library's nor the course's: the learner's.
+
+    A builtin as the target (``exec``, ``eval``) counts as the learner's too: it runs what it is given.
+    """
+    target = getattr(thread, "_target", None)
+    if target is None:
+        target = getattr(type(thread), "run", None)
+    fn = getattr(target, "__func__", target)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return True
+    path = os.path.realpath(code.co_filename)
+    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    roots.add(os.path.dirname(os.path.realpath(__file__)) if "__file__" in globals() else "")
+    return not any(r and path.startswith(r + os.sep) for r in roots)
+
+
+def learner_call_guard(names):
+    """Before one call of the learner's function: keep the trusted modules ``names`` as the check set them up.
+
+    Returns ``finish()``, to call when the learner's function has returned (or raised): it puts back whatever
+    the call replaced in those modules (the check goes on with what it had) and returns a sentence when the
+    call left a thread of its own running (which could change them again while the check decides), else None.
+    """
+    import threading
+
+    snap = snapshot_trusted(names)
+    threads = set(threading.enumerate())
+
+    def finish():
+        restore_trusted(snap)
+        left = [t for t in threading.enumerate() if t not in threads and t.is_alive() and _learner_thread(t)]
+        if left:
+            return (f"your function left a thread running ({left[0].name}): a graded function must finish its "
+                    "work before it returns.")
+        return None
+
+    return finish
+
+
 _BLOCKED_SYMBOLS = frozenset(
     "unlink unlinkat remove rmdir rename renameat renameat2 system execv execve execvp execvpe execl execlp "
     "popen posix_spawn posix_spawnp open open64 openat openat64 creat creat64 truncate truncate64 ftruncate "

@@ -30,6 +30,25 @@ def softmax(x, axis=-1):
     e = np.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
 """
+TILE_COPY = """import course_utils, torch, triton
+import triton.language as tl
+
+@triton.jit
+def copy_tile_kernel(x_ptr, y_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_yr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tile = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask)
+    tl.store(y_ptr + rows[:, None] * stride_yr + cols[None, :], tile, mask=mask)
+
+def copy(x, block_r=16, block_c=32):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(x.shape[0], block_r), triton.cdiv(x.shape[1], block_c))
+    copy_tile_kernel[grid](x, y, x.shape[0], x.shape[1], x.stride(0), x.stride(1), y.stride(0),
+                           BLOCK_R=block_r, BLOCK_C=block_c)
+    return y
+"""
 ANSWERS = {  # index: (check, source defining `answer`)
     0: ("check_softmax", SOFTMAX + "answer = softmax"),
     1: ("check_softmax", "def answer(x):\n    return x"),  # the wrong signature
@@ -48,24 +67,22 @@ ANSWERS = {  # index: (check, source defining `answer`)
                           "    numpy.allclose = lambda *a, **k: True\n    numpy.abs = lambda x, *a, **k: 0 * x\n"
                           "    return x"),  # replaces numpy where it runs: not where the verdict is
     # Judged in the learner's process: its proof of work watches the kernel launch there.
-    12: ("check_tile_copy", """import course_utils, torch, triton
-import triton.language as tl
-
-@triton.jit
-def copy_tile_kernel(x_ptr, y_ptr, n_rows, n_cols, stride_xr, stride_xc, stride_yr,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    tile = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask)
-    tl.store(y_ptr + rows[:, None] * stride_yr + cols[None, :], tile, mask=mask)
-
+    12: ("check_tile_copy", TILE_COPY + "answer = copy"),
+    # Judged in the learner's process, and attacked there: numpy replaced inside the launcher (its copy is
+    # wrong), and a thread of its own left running (its copy is right).
+    13: ("check_tile_copy", TILE_COPY + """
+import numpy
 def answer(x, block_r=16, block_c=32):
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(x.shape[0], block_r), triton.cdiv(x.shape[1], block_c))
-    copy_tile_kernel[grid](x, y, x.shape[0], x.shape[1], x.stride(0), x.stride(1), y.stride(0),
-                           BLOCK_R=block_r, BLOCK_C=block_c)
+    y = copy(torch.zeros_like(x), block_r, block_c)  # a wrong copy, written by the learner's own kernel
+    numpy.abs = lambda a, *args, **kwargs: numpy.zeros_like(numpy.asarray(a, dtype=float))
+    numpy.isfinite = lambda a, *args, **kwargs: numpy.ones(numpy.shape(a), dtype=bool)
     return y
+"""),
+    14: ("check_tile_copy", TILE_COPY + """
+import threading, time
+def answer(x, block_r=16, block_c=32):
+    threading.Thread(target=lambda: time.sleep(3), daemon=True).start()
+    return copy(x, block_r, block_c)
 """),
 }
 
@@ -119,6 +136,12 @@ def test_a_correct_answer_passes_and_is_judged_where_the_learner_code_never_ran(
 
 def test_a_kernel_exercise_is_judged_in_the_learners_process(record):
     assert record[12]["status"] == "passed" and record[12]["verdict"] == "learner process", record[12]
+
+
+def test_what_a_launcher_replaces_or_leaves_running_in_the_learners_process_is_undone_or_refused(record):
+    # numpy put back after each call: the zero copy gets its real verdict (it passed before the call guard)
+    assert record[13]["status"] == "failed" and "the copy is wrong" in record[13]["message"], record[13]
+    assert record[14]["status"] == "failed" and "left a thread running" in record[14]["message"], record[14]
 
 
 def test_the_learners_own_errors_keep_their_type_text_and_notes(record):

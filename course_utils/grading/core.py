@@ -289,6 +289,13 @@ def _fmt_index(idx: tuple[int, ...], axes: tuple[str, ...] | None) -> str:
     return "[" + ", ".join(str(i) for i in idx) + "]"
 
 
+#: What runs around each call of the learner's function (:meth:`Run.call`): each entry, called before it,
+#: returns ``finish()``, called after it, which returns a sentence that fails the call, or None. Empty in a
+#: notebook; the batch grader adds :func:`course_utils.guard.learner_call_guard` where a verdict is computed in
+#: the learner's process, so that what the function replaces in the modules the checks trust is put back.
+LEARNER_CALL_GUARDS: list = []
+
+
 class Run:
     """One call of a check: its seed, its cases and the largest error seen."""
 
@@ -320,6 +327,7 @@ class Run:
             raise self.fail(mismatch, case)
         try:
             with time_limit(self.time_limit_s, self.where(case)):
+                finish = [guard() for guard in LEARNER_CALL_GUARDS]
                 try:
                     return fn(*args, **kwargs)
                 except GradingError:
@@ -330,6 +338,10 @@ class Run:
                         raise timeout from None
                     exc.add_note(f"[{self.exercise}] raised by your function on {self.where(case)}")
                     raise
+                finally:
+                    problems = [p for p in (done() for done in finish) if p]
+                    if problems:
+                        raise Forbidden(problems[0])
         except TimeLimitExceeded as exc:
             raise TimedOut(f"{self.exercise} failed on {self.where(case)}:\n{exc}") from None
         except Forbidden as exc:
