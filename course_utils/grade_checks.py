@@ -37,6 +37,7 @@ starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -45,6 +46,8 @@ import socket
 import subprocess
 import sys
 import time
+
+import numpy as np
 
 __all__ = ["main", "Answer", "RECORD_MARK"]
 
@@ -114,6 +117,30 @@ class Answer:
 
     def __repr__(self):
         return f"<your function {self.__name__}>"
+
+
+def _tile_watch(args, kwargs):
+    """Arguments that are the check's watched arrays of a tile log (:func:`.inputs.tile_log`) as plain copies,
+    and what the learner's process needs to watch them the same way: ``(args, kwargs, watch, log)``.
+
+    ``watch`` is ``(spec, {position or name: tags})`` (None when no argument is watched); the learner's process
+    keeps the same log around the call and returns what it found (``log["untiled"]``), which goes into ``log``.
+    """
+    from course_utils.grading import inputs
+
+    found, logs = {}, []
+    for key, value in list(enumerate(args)) + list(kwargs.items()):
+        if isinstance(value, inputs.Watched) and value._log is not None:
+            found[key] = sorted(value._tags)
+            if all(value._log is not other for other in logs):
+                logs.append(value._log)
+    if not found:
+        return args, kwargs, None, None
+    if len(logs) != 1 or not logs[0].get("spec"):
+        return args, kwargs, None, None  # another kind of watching: _instrumented() sends it to the learner's process
+    args = tuple(np.array(inputs.plain(a), copy=True) if i in found else a for i, a in enumerate(args))
+    kwargs = {k: np.array(inputs.plain(v), copy=True) if k in found else v for k, v in kwargs.items()}
+    return args, kwargs, (logs[0]["spec"], found), logs[0]
 
 
 def _instrumented(value, depth=0) -> bool:
@@ -212,11 +239,12 @@ class Learner:
         from course_utils.grading import core, proof
 
         self.ready()
+        args, kwargs, watch, log = _tile_watch(args, kwargs)
         if _instrumented(args) or _instrumented(kwargs):
             raise _CannotCross("an argument that watches the learner's code")
         try:
             message = pickle.dumps(("call", index, where, args, kwargs, proof.active_traps(), self.now,
-                                    self.allowed_now), protocol=pickle.HIGHEST_PROTOCOL)
+                                    self.allowed_now, watch), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001
             raise _CannotCross(f"{type(exc).__name__}: {exc}") from None
         try:
@@ -237,7 +265,9 @@ class Learner:
             raise core.GradingError(f"{self.check}: what came back from your function could not be read as data "
                                     f"({type(exc).__name__}).") from None
         if reply[0] == "returned":
-            _, value, states = reply
+            _, value, states, untiled = reply
+            if log is not None and untiled and log.get("untiled") is None:
+                log["untiled"] = str(untiled)  # what the same log saw in the learner's process
             for key, state in states:
                 given = args[key] if isinstance(key, int) and key < len(args) else kwargs.get(key)
                 if given is not None:
@@ -510,8 +540,6 @@ def _states(args, kwargs, before):
         if old is None:
             continue
         try:
-            import numpy as np
-
             if hasattr(value, "detach"):
                 same = value.shape == old.shape and bool((value.detach() == old).all()) if value.numel() else True
             else:
@@ -528,9 +556,21 @@ def _copies(args, kwargs):
     for key, value in list(enumerate(args)) + list(kwargs.items()):
         if hasattr(value, "detach") and hasattr(value, "clone"):
             out[key] = value.detach().clone()
-        elif type(value).__module__ == "numpy" and hasattr(value, "copy") and hasattr(value, "shape"):
-            out[key] = value.copy()
+        elif isinstance(value, np.ndarray):
+            out[key] = np.array(value, copy=True)
     return out
+
+
+def _watched(args, kwargs, found, log, inputs):
+    """The arguments named in ``found`` as watched arrays of ``log``, tagged as the check tagged them."""
+    def one(key, value):
+        if key not in found:
+            return value
+        w = np.array(value, copy=True).view(inputs.Watched)
+        w._log, w._tags = log, frozenset(found[key])
+        return w
+
+    return (tuple(one(i, a) for i, a in enumerate(args)), {k: one(k, v) for k, v in kwargs.items()})
 
 
 def _reply_raised(exc, core):
@@ -567,7 +607,7 @@ def _learner_main(cfg_path, fd):
 
     import course_utils  # noqa: F401 - the copy the learner's answers refer to, as the notebook imported it
     from course_utils import wire
-    from course_utils.grading import core, proof
+    from course_utils.grading import core, inputs, proof
 
     with open(cfg["answers_file"], "rb") as f:
         envelope = wire._BuiltinsOnly(io.BytesIO(f.read())).load()
@@ -605,14 +645,20 @@ def _learner_main(cfg_path, fd):
         if message[0] == "hello":
             send(described)
         elif message[0] == "call":
-            _, index, where, args, kwargs, traps, now, allowed_now = message
+            _, index, where, args, kwargs, traps, now, allowed_now, watch = message
             fn = box.calls[index][1][where] if isinstance(where, int) else box.calls[index][2][where]
+            log, watching = None, contextlib.nullcontext()
+            if watch is not None:  # the check's tile log, kept here around the call
+                (_, batch_count, block_m, block_n, text), found = watch
+                log = inputs.tile_log(batch_count, block_m, block_n, text)
+                args, kwargs = _watched(args, kwargs, found, log, inputs)
+                watching = inputs.watching(log)
             before = _copies(args, kwargs)
             trips.now, trips.allowed_now, trips.active = set(now), set(allowed_now), True
             try:
-                with proof.trapped([t for t in traps if not t.startswith(guarded)]):
+                with proof.trapped([t for t in traps if not t.startswith(guarded)]), watching:
                     value = fn(*args, **kwargs)
-                reply = ("returned", value, _states(args, kwargs, before))
+                reply = ("returned", value, _states(args, kwargs, before), None if log is None else log["untiled"])
             except BaseException as exc:  # noqa: BLE001 - everything the learner's code raises goes back as data
                 reply = _reply_raised(exc, core)
             finally:

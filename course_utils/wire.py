@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import sys
 
 __all__ = ["encode", "decode", "dumps", "loads", "Opaque", "MAX_DEPTH"]
 
@@ -56,10 +57,13 @@ def encode(value, _depth: int = 0):
     if isinstance(value, range):
         return ("range", value.start, value.stop, value.step)
     module = type(value).__module__ or ""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray) and value.dtype.kind in "biufc":  # a subclass as its data
+        return ("ndarray", value.dtype.str, list(value.shape), np.ascontiguousarray(value).tobytes())
     if module == "numpy" or module.startswith("numpy."):
         import numpy as np
 
-        if isinstance(value, np.ndarray) and type(value) is np.ndarray and value.dtype.kind in "biufc":
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
             return ("ndarray", value.dtype.str, list(value.shape), np.ascontiguousarray(value).tobytes())
         if isinstance(value, np.generic) and value.dtype.kind in "biufc":
             return ("npscalar", value.dtype.str, value.tobytes())

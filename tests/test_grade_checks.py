@@ -49,6 +49,33 @@ def copy(x, block_r=16, block_c=32):
                            BLOCK_R=block_r, BLOCK_C=block_c)
     return y
 """
+TILED = """import math
+def answer(q, k, v, block_m, block_n, causal=False):
+    n_q, d = q.shape[-2:]
+    n_k = k.shape[-2]
+    o = np.zeros(q.shape[:-1] + (v.shape[-1],))
+    lse = np.zeros(q.shape[:-1])
+    for qs in range(0, n_q, block_m):
+        qe = min(qs + block_m, n_q)
+        q_blk = q[..., qs:qe, :]
+        m_i, l_i = np.full(q_blk.shape[:-1], -np.inf), np.zeros(q_blk.shape[:-1])
+        acc = np.zeros(q_blk.shape[:-1] + (v.shape[-1],))
+        for ks in range(0, n_k, block_n):
+            if causal and ks >= qe:
+                break
+            ke = min(ks + block_n, n_k)
+            s = q_blk @ np.swapaxes(k[..., ks:ke, :], -1, -2) / math.sqrt(d)
+            if causal:
+                s = np.where(np.arange(ks, ke)[None, :] <= np.arange(qs, qe)[:, None], s, -np.inf)
+            m_new = np.maximum(m_i, np.max(s, axis=-1))
+            alpha, p = np.exp(m_i - m_new), np.exp(s - m_new[..., None])
+            l_i = alpha * l_i + np.sum(p, axis=-1)
+            acc = alpha[..., None] * acc + p @ v[..., ks:ke, :]
+            m_i = m_new
+        o[..., qs:qe, :] = acc / l_i[..., None]
+        lse[..., qs:qe] = m_i + np.log(l_i)
+    return o, lse
+"""
 ANSWERS = {  # index: (check, source defining `answer`)
     0: ("check_softmax", SOFTMAX + "answer = softmax"),
     1: ("check_softmax", "def answer(x):\n    return x"),  # the wrong signature
@@ -83,6 +110,18 @@ import threading, time
 def answer(x, block_r=16, block_c=32):
     threading.Thread(target=lambda: time.sleep(3), daemon=True).start()
     return copy(x, block_r, block_c)
+"""),
+    # Lesson 02's tiled loop: its check watches the tiles the learner's code takes; the learner's process keeps
+    # the same tile log around each call and sends back what it saw (judged outside).
+    15: ("check_tiled_attention", TILED),
+    16: ("check_tiled_attention", """import math
+def answer(q, k, v, block_m, block_n, causal=False):
+    s = q @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])  # the whole score matrix at once: not tiled
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], dtype=bool), s.shape[-1] - s.shape[-2]), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    p = np.exp(s - m)
+    return p @ v / p.sum(-1, keepdims=True), (m[..., 0] + np.log(p.sum(-1)))
 """),
 }
 
@@ -142,6 +181,12 @@ def test_what_a_launcher_replaces_or_leaves_running_in_the_learners_process_is_u
     # numpy put back after each call: the zero copy gets its real verdict (it passed before the call guard)
     assert record[13]["status"] == "failed" and "the copy is wrong" in record[13]["message"], record[13]
     assert record[14]["status"] == "failed" and "left a thread running" in record[14]["message"], record[14]
+
+
+def test_a_tiled_loop_is_judged_outside_and_an_untiled_one_still_refused(record):
+    assert record[15]["status"] == "passed" and record[15]["verdict"] == "grader", record[15]
+    assert record[16]["status"] == "failed" and "did not tile" in record[16]["message"], record[16]
+    assert record[16]["verdict"] == "grader"
 
 
 def test_the_learners_own_errors_keep_their_type_text_and_notes(record):

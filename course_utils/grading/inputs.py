@@ -326,7 +326,8 @@ def tile_log(batch_count: int, block_m: int, block_n: int, message: str) -> dict
     ``log["untiled"]`` is then ``message`` (:data:`.mistakes.MSG_NOT_TILED`)
     with the product, its shape and the tile filled in.
     """
-    log = {"active": False, "untiled": None}
+    # "spec": what another process needs to keep the same log (the batch grader's learner process).
+    log = {"active": False, "untiled": None, "spec": ("tile", int(batch_count), int(block_m), int(block_n), message)}
     pairs = {("q", "k"): "the scores q @ k^T", ("do", "v"): "dP = do @ v^T"}
 
     def tiles(ta, tb, shape, size):
