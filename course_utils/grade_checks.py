@@ -120,11 +120,13 @@ class Answer:
 
 
 def _tile_watch(args, kwargs):
-    """Arguments that are the check's watched arrays of a tile log (:func:`.inputs.tile_log`) as plain copies,
-    and what the learner's process needs to watch them the same way: ``(args, kwargs, watch, log)``.
+    """Arguments that are the check's watched arrays (a tile log, :func:`.inputs.tile_log`, or lesson 02's
+    whole-row log) as plain copies, and what the learner's process needs to watch them the same way:
+    ``(args, kwargs, watch, log)``.
 
     ``watch`` is ``(spec, {position or name: tags})`` (None when no argument is watched); the learner's process
-    keeps the same log around the call and returns what it found (``log["untiled"]``), which goes into ``log``.
+    keeps the same log around the call and returns what it found (``log["untiled"]``, or the arrays reduced
+    along whole rows), which goes into ``log``.
     """
     from course_utils.grading import inputs
 
@@ -265,9 +267,12 @@ class Learner:
             raise core.GradingError(f"{self.check}: what came back from your function could not be read as data "
                                     f"({type(exc).__name__}).") from None
         if reply[0] == "returned":
-            _, value, states, untiled = reply
-            if log is not None and untiled and log.get("untiled") is None:
-                log["untiled"] = str(untiled)  # what the same log saw in the learner's process
+            _, value, states, seen = reply
+            if log is not None and seen is not None:  # what the same log saw in the learner's process
+                if log["spec"][0] == "tile" and seen and log.get("untiled") is None:
+                    log["untiled"] = str(seen)
+                elif log["spec"][0] == "rows":
+                    log["reduced"].extend(a for a in seen if isinstance(a, np.ndarray))
             for key, state in states:
                 given = args[key] if isinstance(key, int) and key < len(args) else kwargs.get(key)
                 if given is not None:
@@ -648,9 +653,13 @@ def _learner_main(cfg_path, fd):
             _, index, where, args, kwargs, traps, now, allowed_now, watch = message
             fn = box.calls[index][1][where] if isinstance(where, int) else box.calls[index][2][where]
             log, watching = None, contextlib.nullcontext()
-            if watch is not None:  # the check's tile log, kept here around the call
-                (_, batch_count, block_m, block_n, text), found = watch
-                log = inputs.tile_log(batch_count, block_m, block_n, text)
+            if watch is not None:  # the check's log, kept here around the call
+                spec, found = watch
+                if spec[0] == "tile":
+                    log = inputs.tile_log(*spec[1:])
+                else:  # "rows": lesson 02's whole-row reductions
+                    log = {"n": spec[1], "active": False, "whole_row": False, "reduced": []}
+                    log["row"] = log["reduced"].append
                 args, kwargs = _watched(args, kwargs, found, log, inputs)
                 watching = inputs.watching(log)
             before = _copies(args, kwargs)
@@ -658,7 +667,8 @@ def _learner_main(cfg_path, fd):
             try:
                 with proof.trapped([t for t in traps if not t.startswith(guarded)]), watching:
                     value = fn(*args, **kwargs)
-                reply = ("returned", value, _states(args, kwargs, before), None if log is None else log["untiled"])
+                seen = None if log is None else log["untiled"] if watch[0][0] == "tile" else list(log["reduced"])
+                reply = ("returned", value, _states(args, kwargs, before), seen)
             except BaseException as exc:  # noqa: BLE001 - everything the learner's code raises goes back as data
                 reply = _reply_raised(exc, core)
             finally:

@@ -241,8 +241,9 @@ def test_the_class_gets_exactly_the_expected_gradebook(graded_class):
 
 
 def test_each_verdict_is_computed_where_the_table_of_exercises_says(graded_class):
-    # 01's checks compare plain outputs: judged in the checks process, which never loads the learner's code;
-    # 02's watch how the learner's code slices its inputs: judged in the learner's (sandboxed) process.
+    # 01's and 02's checks are judged in the checks process, which never loads the learner's code (02's watch
+    # how the learner's code reads its inputs: that log is kept in the learner's process and sent back). A kernel
+    # exercise judged in the learner's process: tests/test_grade_checks.py.
     from course_utils.grading import exercises
 
     rows = json.loads((graded_class["out"] / "gradebook.json").read_text())["rows"]
@@ -251,7 +252,7 @@ def test_each_verdict_is_computed_where_the_table_of_exercises_says(graded_class
     for row in judged:
         where = "grader" if exercises.by_name(row["exercise"]).verdict_outside else "learner process"
         assert row["verdict"] == [where], row
-    assert {r["verdict"][0] for r in judged} == {"grader", "learner process"}
+    assert {r["verdict"][0] for r in judged} == {"grader"}
 
 
 def test_the_readme_counts_the_verdicts_as_the_table_declares_them():

@@ -123,6 +123,21 @@ def answer(q, k, v, block_m, block_n, causal=False):
     p = np.exp(s - m)
     return p @ v / p.sum(-1, keepdims=True), (m[..., 0] + np.log(p.sum(-1)))
 """),
+    # Lesson 02's online softmax: its check watches for reductions over whole rows, here too.
+    17: ("check_online_softmax", """def answer(x, block_size):
+    m = np.full(x.shape[:-1], -np.inf)
+    l = np.zeros(x.shape[:-1])
+    for s in range(0, x.shape[-1], block_size):
+        blk = x[..., s:s + block_size]
+        m_new = np.maximum(m, blk.max(axis=-1))
+        l = l * np.exp(m - m_new) + np.exp(blk - m_new[..., None]).sum(axis=-1)
+        m = m_new
+    return np.exp(x - m[..., None]) / l[..., None]
+"""),
+    18: ("check_online_softmax", """def answer(x, block_size):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))  # one max over the whole row: right values, no streaming
+    return e / e.sum(axis=-1, keepdims=True)
+"""),
 }
 
 
@@ -187,6 +202,12 @@ def test_a_tiled_loop_is_judged_outside_and_an_untiled_one_still_refused(record)
     assert record[15]["status"] == "passed" and record[15]["verdict"] == "grader", record[15]
     assert record[16]["status"] == "failed" and "did not tile" in record[16]["message"], record[16]
     assert record[16]["verdict"] == "grader"
+
+
+def test_the_online_softmax_is_judged_outside_and_a_whole_row_max_still_refused(record):
+    assert record[17]["status"] == "passed" and record[17]["verdict"] == "grader", record[17]
+    assert record[18]["status"] == "failed" and record[18]["verdict"] == "grader", record[18]
+    assert "whole row" in record[18]["message"] or "streaming" in record[18]["message"], record[18]
 
 
 def test_the_learners_own_errors_keep_their_type_text_and_notes(record):

@@ -139,9 +139,8 @@ VERDICT_IN_LEARNER_PROCESS: dict[str, str] = {
                  "check_decode_split", "check_decode_combine", "check_fp8_forward", "check_tma_transpose",
                  "check_mods_forward")
 }
-VERDICT_IN_LEARNER_PROCESS["check_online_softmax"] = (
-    "the array the check hands over records what the learner's code reduces along whole rows, in the process that "
-    "runs it")  # (lesson 02's and 07's tile logs are kept in the learner's process and sent back: judged outside)
+# (Lessons 02 and 07 hand over arrays that log how the learner's code reads them: the learner's process keeps
+# the same log around each call and sends what it saw back, so those are judged outside.)
 VERDICT_IN_LEARNER_PROCESS["check_ring_simulation"] = ("the shards the check hands over record which keys each step "
                                                        "reads, in the process that runs the learner's function")
 VERDICT_IN_LEARNER_PROCESS["check_ring_attention"] = "the learner's code runs in the ring's own rank processes"
