@@ -51,12 +51,11 @@ import numpy as np
 
 __all__ = ["main", "Answer", "RECORD_MARK"]
 
-RECORD_MARK = "COURSE-GRADE-RECORD "  # the checks process's record, one JSON line per update on its stdout
+RECORD_MARK = "COURSE-GRADE-RECORD "
+STATUSES = frozenset({"passed", "failed", "error", "timeout", "crashed", "not_attempted"})  # a gradebook status  # the checks process's record, one JSON line per update on its stdout
 _HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grade_harness.py")
 _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
 MSG_DIED = "{check}: the kernel died while this check ran your code (a segfault, a GPU fault or os._exit)"
-MSG_UNSHIPPABLE = ("{check}: the grader runs the checks in a fresh process and could not copy your answer there "
-                   "({why}). A graded answer must not hold open files, locks, threads or generators.")
 
 
 def _not_dumpable() -> None:
@@ -109,7 +108,6 @@ class Answer:
         self._learner, self._index, self._where = learner, index, where
         self.__name__ = self.__qualname__ = str(name)
         self.__signature__ = _signature(signature)
-        self.__doc__ = None
 
     def __call__(self, *args, **kwargs):
         __tracebackhide__ = True
@@ -119,7 +117,7 @@ class Answer:
         return f"<your function {self.__name__}>"
 
 
-def _tile_watch(args, kwargs):
+def _remote_watch(args, kwargs):
     """Arguments that are the check's watched arrays (a tile log, :func:`.inputs.tile_log`, or lesson 02's
     whole-row log) as plain copies, and what the learner's process needs to watch them the same way:
     ``(args, kwargs, watch, log)``.
@@ -241,7 +239,7 @@ class Learner:
         from course_utils.grading import core, proof
 
         self.ready()
-        args, kwargs, watch, log = _tile_watch(args, kwargs)
+        args, kwargs, watch, log = _remote_watch(args, kwargs)
         if _instrumented(args) or _instrumented(kwargs):
             raise _CannotCross("an argument that watches the learner's code")
         try:
@@ -268,11 +266,10 @@ class Learner:
                                     f"({type(exc).__name__}).") from None
         if reply[0] == "returned":
             _, value, states, seen = reply
-            if log is not None and seen is not None:  # what the same log saw in the learner's process
-                if log["spec"][0] == "tile" and seen and log.get("untiled") is None:
-                    log["untiled"] = str(seen)
-                elif log["spec"][0] == "rows":
-                    log["reduced"].extend(a for a in seen if isinstance(a, np.ndarray))
+            if log is not None:  # what the same log saw in the learner's process
+                from course_utils.grading import inputs
+
+                inputs.add_seen(log, seen)
             for key, state in states:
                 given = args[key] if isinstance(key, int) and key < len(args) else kwargs.get(key)
                 if given is not None:
@@ -387,9 +384,6 @@ def _checks_main(cfg_path):
 
 def _run_outside(learner, call, record, grading, core, outcomes, harness, cfg):
     """Run one check here, the learner's function in its own process; None: it must run there instead."""
-    import inspect
-    import secrets
-
     index = call["index"]
     entry = {"index": index, "check": call["check"], "status": None, "message": "", "seed": None, "seconds": 0.0}
     try:
@@ -400,29 +394,16 @@ def _run_outside(learner, call, record, grading, core, outcomes, harness, cfg):
         return entry
     desc = answers.get(index)
     if desc is None or desc[0] != "ok":
-        why = desc[1] if desc else "its cell did not run"
-        if desc and desc[0] == "unshippable":
-            entry["status"], entry["message"] = "error", MSG_UNSHIPPABLE.format(check=call["check"], why=why)
-        else:
-            entry["status"] = "error"
-            entry["message"] = (f"{call['check']}: the grader cell could not find your answer "
-                                f"(`{', '.join(call['args'])}`): {why}")
+        entry["status"] = "error"
+        entry["message"] = harness.missing_answer(call, desc[1] if desc else "its cell did not run")
         return entry
     got = _arguments(learner, index, desc)
     if got is None:
         return None
     args, kwargs = got
     check = getattr(grading, call["check"])
-    try:
-        accepts_seed = "seed" in inspect.signature(check).parameters
-    except (TypeError, ValueError):
-        accepts_seed = False
-    if accepts_seed:
-        entry["seed"] = kwargs["seed"] = secrets.randbelow(2**31)
-    try:
-        os.remove(cfg["borrow_file"])
-    except FileNotFoundError:
-        pass
+    kwargs = harness.seeded(check, kwargs, entry)
+    harness.forget_borrowed(cfg)
     learner.check = call["check"]
     learner.now, learner.allowed_now = tuple(call.get("answer_keys", ())), tuple(call.get("allowed", ()))
     record["running"] = index
@@ -475,7 +456,7 @@ def _run_in_learner(learner, calls, cfg, record, done):
         for entry in theirs.get("results", []) if isinstance(theirs, dict) else []:
             try:
                 index = int(entry["index"])
-                if index in known and index in pending and entry.get("status") in outcomes_statuses():
+                if index in known and index in pending and entry.get("status") in STATUSES:
                     got[index] = {"index": index, "check": known[index]["check"], "status": entry["status"],
                                   "message": str(entry.get("message", "")), "seed": entry.get("seed"),
                                   "seconds": float(entry.get("seconds") or 0.0)}
@@ -505,10 +486,6 @@ def _run_in_learner(learner, calls, cfg, record, done):
                        "seconds": 0.0, "message": MSG_DIED.format(check=known[index]["check"])}
             return
         # else: a CUDA fault lost the context after one check; a fresh process for the others
-
-
-def outcomes_statuses():
-    return {"passed", "failed", "error", "timeout", "crashed", "not_attempted"}
 
 
 # -- the learner's process ------------------------------------------------------------------------------------------
@@ -625,11 +602,12 @@ def _learner_main(cfg_path, fd):
                 box.calls[index] = ("ok", tuple(args), dict(kwargs))
                 described[index] = ("ok", [_describe(a) for a in args], {k: _describe(v) for k, v in kwargs.items()})
             except BaseException as exc:  # noqa: BLE001 - a learner's object may fail to rebuild
-                box.calls[index] = ("missing", f"{type(exc).__name__}: {exc}", None)
-                described[index] = ("unshippable", f"{type(exc).__name__}: {exc}")
+                why = f"it could not be rebuilt in the grader's process ({type(exc).__name__}: {exc})"
+                box.calls[index] = ("missing", why, None)
+                described[index] = ("missing", why)
         else:
             box.calls[index] = ("missing", str(shipped[1]), None)
-            described[index] = (str(shipped[0]), str(shipped[1]))
+            described[index] = ("missing", str(shipped[1]))
     old = {n: m for n, m in list(sys.modules.items()) if n == "course_utils" or n.startswith("course_utils.")}
     trips = ns["_Trips"](old, set(cfg.get("allowed", ())), cfg["borrow_file"],
                          {key for call in cfg["calls"] for key in call.get("answer_keys", ())})
@@ -655,11 +633,7 @@ def _learner_main(cfg_path, fd):
             log, watching = None, contextlib.nullcontext()
             if watch is not None:  # the check's log, kept here around the call
                 spec, found = watch
-                if spec[0] == "tile":
-                    log = inputs.tile_log(*spec[1:])
-                else:  # "rows": lesson 02's whole-row reductions
-                    log = {"n": spec[1], "active": False, "whole_row": False, "reduced": []}
-                    log["row"] = log["reduced"].append
+                log = inputs.log_from_spec(spec)
                 args, kwargs = _watched(args, kwargs, found, log, inputs)
                 watching = inputs.watching(log)
             before = _copies(args, kwargs)
@@ -667,22 +641,14 @@ def _learner_main(cfg_path, fd):
             try:
                 with proof.trapped([t for t in traps if not t.startswith(guarded)]), watching:
                     value = fn(*args, **kwargs)
-                seen = None if log is None else log["untiled"] if watch[0][0] == "tile" else list(log["reduced"])
-                reply = ("returned", value, _states(args, kwargs, before), seen)
+                reply = ("returned", value, _states(args, kwargs, before), None if log is None else inputs.seen_in(log))
             except BaseException as exc:  # noqa: BLE001 - everything the learner's code raises goes back as data
                 reply = _reply_raised(exc, core)
             finally:
                 trips.active = False
             send(reply)
         elif message[0] == "rest":
-            for obj, attr, value in reversed(trips.restore):
-                if value is None:
-                    try:
-                        delattr(obj, attr)
-                    except AttributeError:
-                        pass
-                else:
-                    setattr(obj, attr, value)
+            trips.undo()
             rest = set(message[1])
             ns["grade"](dict(cfg, result_file=cfg["learner_result"],
                              skip=sorted({c["index"] for c in cfg["calls"]} - rest)))

@@ -94,7 +94,10 @@ def collect(user_ns, cfg):
 
             box.shipped[call["index"]] = ("ok", transport.dumps((args, kwargs)))
         except BaseException as exc:  # noqa: BLE001 - an open file, a lock, a generator...
-            box.shipped[call["index"]] = ("unshippable", f"{type(exc).__name__}: {exc}"[:500])
+            why = f"{type(exc).__name__}: {exc}"[:400]
+            box.shipped[call["index"]] = ("missing", (
+                f"the grader runs the checks in a fresh process and could not copy your answer there ({why}); "
+                "a graded answer must not hold open files, locks, threads or generators"))
     if cfg.get("hidden"):
         try:
             exec(compile(cfg["hidden"], f"<hidden tests of {cfg['cell']}>", "exec"), user_ns)
@@ -242,6 +245,18 @@ class _Trips:
         kernel.run = run
         self.restore.append((kernel, "run", None))
 
+    def undo(self):
+        """Give the guarded functions and kernels back their own code."""
+        for obj, attr, value in reversed(self.restore):
+            if value is None:
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    pass
+            else:
+                setattr(obj, attr, value)
+        self.restore = []
+
     def guard(self, copy, qualname, args, kwargs):
         if (qualname in self.conditional and qualname not in self.now) or qualname in self.allowed_now:
             return copy(*args, **kwargs)
@@ -259,6 +274,34 @@ class _Trips:
             f"{BORROWED} your code called `{qualname}`, the course's own answer. "
             "Graded answers must be your own code: write it in the notebook."
         )
+
+
+def missing_answer(call, why):
+    """The message of a call whose answer the grader could not take from the notebook."""
+    return f"{call['check']}: the grader cell could not find your answer (`{', '.join(call['args'])}`): {why}"
+
+
+def seeded(check, kwargs, entry):
+    """``kwargs`` with a fresh ``seed`` (also written into ``entry``) if ``check`` takes one."""
+    import inspect
+    import secrets
+
+    kwargs = dict(kwargs)
+    try:
+        accepts_seed = "seed" in inspect.signature(check).parameters
+    except (TypeError, ValueError):
+        accepts_seed = False
+    if accepts_seed:
+        entry["seed"] = kwargs["seed"] = secrets.randbelow(2**31)
+    return kwargs
+
+
+def forget_borrowed(cfg):
+    """Empty the record of refused course calls before a check runs."""
+    try:
+        os.remove(cfg["borrow_file"])
+    except FileNotFoundError:
+        pass
 
 
 def borrowed_name(cfg):
@@ -318,8 +361,6 @@ def _first_line(text):
 
 def grade(cfg):
     """Run the official checks from a pristine course_utils; write the results file."""
-    import inspect
-    import secrets
     import time
 
     box = _box(cfg["token_a"])
@@ -366,10 +407,7 @@ def grade(cfg):
         got = box.calls.get(index)
         if got is None or got[0] != "ok":
             entry["status"] = "error"
-            entry["message"] = (
-                f"{call['check']}: the grader cell could not find your answer "
-                f"(`{', '.join(call['args'])}`): {got[1] if got else 'its cell did not run'}"
-            )
+            entry["message"] = missing_answer(call, got[1] if got else "its cell did not run")
             record["results"].append(entry)
             save()
             continue
@@ -380,19 +418,10 @@ def grade(cfg):
             record["results"].append(entry)
             save()
             continue
-        kwargs = dict(kwargs)
-        try:
-            accepts_seed = "seed" in inspect.signature(check).parameters
-        except (TypeError, ValueError):
-            accepts_seed = False
-        if accepts_seed:
-            entry["seed"] = kwargs["seed"] = secrets.randbelow(2**31)
+        kwargs = seeded(check, kwargs, entry)
         record["running"] = index
         save()
-        try:
-            os.remove(cfg["borrow_file"])
-        except FileNotFoundError:
-            pass
+        forget_borrowed(cfg)
         start = time.perf_counter()
         trips.now = set(call.get("answer_keys", ()))
         trips.allowed_now = set(call.get("allowed", ()))
@@ -418,11 +447,4 @@ def grade(cfg):
             save()
             break
         save()
-    for obj, attr, value in reversed(trips.restore):
-        if value is None:
-            try:
-                delattr(obj, attr)
-            except AttributeError:
-                pass
-        else:
-            setattr(obj, attr, value)
+    trips.undo()

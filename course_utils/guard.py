@@ -183,14 +183,22 @@ def _shell():
         return None
 
 
+def _code_path(fn):
+    """The real path of the file ``fn``'s code (a function, or a method's) comes from; None for a builtin."""
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    return None if code is None else os.path.realpath(code.co_filename)
+
+
+def _python_roots():
+    return {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+
+
 def _library_function(cb) -> bool:
     """Whether ``cb`` is a function or method of an installed library (matplotlib's figure flush)."""
-    fn = getattr(cb, "__func__", cb)
-    code = getattr(fn, "__code__", None)
-    if code is None:
+    path = _code_path(cb)
+    if path is None:
         return False
-    path = os.path.realpath(code.co_filename)
-    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    roots = _python_roots()
     return any(path.startswith(r + os.sep) for r in roots) and "site-packages" in path.split(os.sep) or any(
         path.startswith(os.path.realpath(p) + os.sep) for p in sys.path if p.endswith("site-packages"))
 
@@ -232,14 +240,10 @@ def _learner_thread(thread) -> bool:
     A builtin as the target (``exec``, ``eval``) counts as the learner's too: it runs what it is given.
     """
     target = getattr(thread, "_target", None)
-    if target is None:
-        target = getattr(type(thread), "run", None)
-    fn = getattr(target, "__func__", target)
-    code = getattr(fn, "__code__", None)
-    if code is None:
+    path = _code_path(target if target is not None else getattr(type(thread), "run", None))
+    if path is None:
         return True
-    path = os.path.realpath(code.co_filename)
-    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    roots = _python_roots()
     roots.add(os.path.dirname(os.path.realpath(__file__)) if "__file__" in globals() else "")
     return not any(r and path.startswith(r + os.sep) for r in roots)
 

@@ -63,8 +63,6 @@ def encode(value, _depth: int = 0):
     if module == "numpy" or module.startswith("numpy."):
         import numpy as np
 
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biufc":
-            return ("ndarray", value.dtype.str, list(value.shape), np.ascontiguousarray(value).tobytes())
         if isinstance(value, np.generic) and value.dtype.kind in "biufc":
             return ("npscalar", value.dtype.str, value.tobytes())
         if isinstance(value, np.dtype):

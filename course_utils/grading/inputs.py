@@ -352,6 +352,34 @@ def tile_log(batch_count: int, block_m: int, block_n: int, message: str) -> dict
     return log
 
 
+def row_log(n: int) -> dict:
+    """A log for :data:`Watched` inputs that records every reduction along a whole row of length ``n``
+    (``log["reduced"]``: copies of what was reduced; lesson 02's online softmax)."""
+    log = {"n": int(n), "active": False, "whole_row": False, "reduced": [], "spec": ("rows", int(n))}
+    log["row"] = log["reduced"].append
+    return log
+
+
+def log_from_spec(spec) -> dict:
+    """A fresh log of the same kind as the one ``spec`` (its ``log["spec"]``) came from: another process keeps
+    the same watch around the learner's call (:mod:`course_utils.grade_checks`)."""
+    return tile_log(*spec[1:]) if spec[0] == "tile" else row_log(spec[1])
+
+
+def seen_in(log):
+    """What ``log`` recorded, as data: the first untiled product's sentence, or the arrays reduced whole."""
+    return log["untiled"] if log["spec"][0] == "tile" else [np.asarray(a) for a in log["reduced"]]
+
+
+def add_seen(log, seen) -> None:
+    """Add to ``log`` what a log of the same spec recorded elsewhere (:func:`seen_in`)."""
+    if log["spec"][0] == "tile":
+        if seen and log["untiled"] is None:
+            log["untiled"] = str(seen)
+    else:
+        log["reduced"].extend(a for a in seen or () if isinstance(a, np.ndarray))
+
+
 @contextlib.contextmanager
 def watching(log):
     """Turn ``log`` on for the learner's call.

@@ -524,8 +524,7 @@ def _online_cases(rng):
 
 def _watched(x: np.ndarray) -> tuple[np.ndarray, dict]:
     """``x`` watched for whole-row reductions, and the log (off until the call)."""
-    log = {"n": x.shape[-1], "active": False, "whole_row": False, "reduced": [], "spec": ("rows", int(x.shape[-1]))}
-    log["row"] = log["reduced"].append
+    log = inputs.row_log(x.shape[-1])
     w = inputs.watch({"x": x}, log)["x"]
     return w, log
 
