@@ -105,7 +105,11 @@ def install(cfg):
                     real = os.path.realpath(os.fsdecode(os.fspath(args[0])))
                     if real in hidden:
                         refuse("list the grader's folder")
-            elif event in ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.forkpty"):
+            elif event == "os.posix_spawn":  # subprocess.Popen spawns this way where it can (Triton's ptxas does)
+                exe = os.path.basename(os.fsdecode(args[0]))
+                if exe not in allowed_programs:
+                    refuse(f"run the program {exe!r}")
+            elif event in ("os.system", "os.exec", "os.spawn", "os.forkpty"):
                 refuse("run other programs")
             elif event == "subprocess.Popen" and _is_guarded_worker(args, guard):
                 pass  # the course's grading worker, which installs this guard first (see WORKER_ENTRY)

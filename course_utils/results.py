@@ -52,6 +52,12 @@ COLUMNS = {
         ("ring_toks", "ring tok/s", ",.0f", ""), ("ring_over_one_gpu", "ring / 1 GPU", ".2f", "×"),
         ("torch_cp_toks", "torch CP (all-gather) tok/s", ",.0f", ""), ("ring_over_torch_cp", "ring / torch CP", ".2f", "×"),
     ],
+    "ring_blocks": [
+        ("N", "N", "d", ""), ("provider", "provider", "", ""), ("kernels_ms", "kernels ms", ".2f", ""),
+        ("forward_ms", "forward ms", ".2f", ""), ("merge_share", "merges, of the forward", ".0f", "%"),
+        ("backward_ms", "backward ms", ".2f", ""), ("course_over_fwd", "course / this, forward speed", ".2f", "×"),
+        ("course_over_bwd", "course / this, backward speed", ".2f", "×"),
+    ],
     "training_bench": [
         ("N", "N", "d", ""), ("B", "B", "d", ""), ("course_ms", "course ms", ".2f", ""),
         ("course_tflops", "course TFLOP/s", ".0f", ""), ("flash_ms", "SDPA flash ms", ".2f", ""),
@@ -132,6 +138,18 @@ def _ring(d):
     return out
 
 
+def _ring_blocks(d):
+    by = {(r["n"], r["provider"]): r for r in d["rows"] if "error" not in r}
+    out = []
+    for (n, provider), r in by.items():
+        course = by.get((n, "course"), {})
+        out.append(dict(N=n, provider=provider, kernels_ms=r["kernels_ms"], forward_ms=r["forward_ms"],
+                        merge_share=100 * (r["forward_ms"] - r["kernels_ms"]) / r["forward_ms"],
+                        backward_ms=r["backward_ms"], course_over_fwd=_ratio(r["forward_ms"], course.get("forward_ms")),
+                        course_over_bwd=_ratio(r["backward_ms"], course.get("backward_ms"))))
+    return out
+
+
 def _training(d):
     by = {(r["n"], r["provider"]): r for r in d["rows"] if r["status"] == "ok"}
     out = []
@@ -144,7 +162,7 @@ def _training(d):
 
 
 _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, "decode_splits": _decode_splits,
-         "ring_bench": _ring, "training_bench": _training}
+         "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training}
 
 
 def rows(name: str, **where) -> list[dict]:

@@ -162,6 +162,37 @@ def test_bench_tables_say_what_was_measured_and_what_was_left_out(tmp_path):
         assert f"{name}={value}" in text
 
 
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_block_bench_times_exactly_the_pairs_each_rank_computes(layout, world, causal):
+    from course_utils.distributed import blocks
+
+    n = 8 * ring.n_chunks(world, layout)
+    for rank in range(world):
+        calls = blocks.rank_blocks(n, world, rank, layout, causal)
+        assert sum(blocks.visible_pairs(c) for c in calls) == ring.tile_work(n, world, layout, 1, causal)[rank]
+        assert [c["merged"] for c in calls].count(False) == 1 and not calls[0]["merged"]  # the first block is copied
+        for c in calls:
+            assert 0 <= c["q_start"] and c["q_start"] + c["q_len"] <= n // world
+            assert 0 <= c["k_start"] and c["k_start"] + c["k_len"] <= n // world
+
+
+def test_block_bench_table_reads_its_rows(tmp_path):
+    from course_utils.distributed import blocks
+
+    rows = [dict(n=65536, provider="course", calls=3, merges=2, tflop_fwd=1.0, kernels_ms=4.0, forward_ms=5.0,
+                 backward_ms=12.0),
+            dict(n=65536, provider="cudnn", calls=3, merges=2, tflop_fwd=1.0, kernels_ms=3.0, forward_ms=4.0,
+                 backward_ms=8.0, rel_err_vs_course=2e-3),
+            dict(n=65536, provider="flash", error="RuntimeError: no kernel")]
+    text = blocks.write_results(rows, str(tmp_path), dict(gpu="H200", torch="2.11", triton="3.6", date="d", world_size=2))
+    assert "| 65536 | course | 3 | 4.00 | 5.00 | 1.00 | 200 | 12.00 | 1.00× | 1.00× |" in text
+    assert "| 65536 | cudnn | 3 | 3.00 | 4.00 | 1.00 | 250 | 8.00 | 1.25× | 1.50× |" in text
+    assert "RuntimeError: no kernel" in text and "2.0e-03" in text
+    assert (tmp_path / "ring_blocks.md").read_text() == text
+
+
 @pytest.mark.cpu_processes("gloo processes: the K/V exchange's CPU path")
 def test_the_kv_exchange_alone_is_measured_on_two_processes_and_recorded(tmp_path):
     import json

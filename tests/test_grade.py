@@ -504,6 +504,38 @@ w.kill()
     assert not outside.exists()
 
 
+def test_an_allowed_compiler_may_start_the_way_triton_starts_ptxas(tmp_path):
+    # Triton runs ptxas with subprocess.run(..., close_fds=False), which Python starts with posix_spawn:
+    # an allowed program must start that way too (on a GPU no kernel compiles otherwise), and a program
+    # not allowed is refused however it is started.
+    import shutil
+
+    true, false = shutil.which("true"), shutil.which("false")
+    cfg = {"token_a": "t", "write_roots": [str(tmp_path)], "hidden_dirs": [], "allowed_programs": ["true"],
+           "data_limit_bytes": None}
+    script = f"""
+import os, subprocess, sys
+ns = {{"__name__": "harness"}}
+exec(open({str(ROOT / "course_utils" / "guard.py")!r}).read(), ns)
+ns["install"]({cfg!r})
+spawned = []
+sys.addaudithook(lambda event, args: spawned.append(event) if event == "os.posix_spawn" else None)
+print("allowed:", subprocess.run([{true!r}], close_fds=False, stderr=open(os.devnull, "w")).returncode,
+      "via posix_spawn" if spawned else "via fork")
+for start in (lambda: subprocess.run([{false!r}], close_fds=False),
+              lambda: os.posix_spawn({false!r}, [{false!r}], dict(os.environ))):
+    try:
+        start()
+        print("OTHER PROGRAM RAN")
+    except PermissionError as exc:
+        print("refused:", exc)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert "allowed: 0 via posix_spawn" in done.stdout, done.stdout + done.stderr
+    assert done.stdout.count("refused: the grader does not let a notebook run the program 'false'") == 2, done.stdout
+    assert "OTHER PROGRAM RAN" not in done.stdout
+
+
 # -- the instructor's loop: regrading when the grader changes, LMS export, similar hand-ins ------------
 def test_a_changed_grader_grades_the_class_again_and_the_summary_names_its_version(tmp_path):
     root, out = tmp_path / "class", tmp_path / "gb"

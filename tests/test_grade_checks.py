@@ -10,6 +10,7 @@ the notebook's own check gives.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from course_utils import grade_checks, transport, wire
+from course_utils import grade, grade_checks, transport, wire
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the checks process is a Linux process")
@@ -168,15 +169,17 @@ def record(tmp_path_factory):
     (base / "answers.pkl").write_bytes(pickle.dumps(envelope))
     calls = [{"index": i, "check": check, "args": ["answer"], "kwargs": {}, "answer_keys": [], "allowed": []}
              for i, (check, _) in ANSWERS.items()]
+    # As course_utils.grade sets them up: on a GPU, Triton writes its cache and starts ptxas to compile the kernels.
     cfg = {"token_a": "a" * 16, "token_b": "b" * 32, "write_roots": [str(base)], "hidden_dirs": [],
-           "allowed_programs": [], "data_limit_bytes": None, "uses_torch": True,
+           "allowed_programs": list(grade.ALLOWED_PROGRAMS), "data_limit_bytes": None, "uses_torch": True,
            "answers_file": str(base / "answers.pkl"), "borrow_file": str(base / "borrowed.txt"), "root": str(ROOT),
            "calls": calls, "allowed": [], "skip": [], "result_file": str(base / "result.json"),
            "learner_result": str(base / "learner.json"), "learner_log": str(base / "learner.log"),
            "cwd": str(base / "work"), "deadline": None}
     (base / "checks.json").write_text(json.dumps(cfg))
+    env = dict(os.environ, TRITON_CACHE_DIR=str(base / "triton-cache"))
     proc = subprocess.run([sys.executable, "-m", "course_utils.grade_checks", "checks", str(base / "checks.json")],
-                          capture_output=True, timeout=600, cwd=base / "work")
+                          capture_output=True, timeout=600, cwd=base / "work", env=env)
     lines = [ln for ln in proc.stdout.decode().splitlines() if ln.startswith(grade_checks.RECORD_MARK)]
     assert proc.returncode == 0 and lines, proc.stderr.decode()[-3000:]
     rec = json.loads(lines[-1][len(grade_checks.RECORD_MARK):])
@@ -189,12 +192,12 @@ def test_a_correct_answer_passes_and_is_judged_where_the_learner_code_never_ran(
 
 
 def test_a_kernel_exercise_is_judged_in_the_learners_process(record):
-    assert record[12]["status"] == "passed" and record[12]["verdict"] == "learner process", record[12]
+    assert record[12]["status"] == "passed" and record[12]["verdict"] == "learner process", record[12]["message"]
 
 
 def test_what_a_launcher_replaces_or_leaves_running_in_the_learners_process_is_undone_or_refused(record):
     # numpy put back after each call: the zero copy gets its real verdict (it passed before the call guard)
-    assert record[13]["status"] == "failed" and "the copy is wrong" in record[13]["message"], record[13]
+    assert record[13]["status"] == "failed" and "the copy is wrong" in record[13]["message"], record[13]["message"]
     assert record[14]["status"] == "failed" and "left a thread running" in record[14]["message"], record[14]
 
 

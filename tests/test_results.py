@@ -17,7 +17,7 @@ import pytest
 from course_utils import results
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
-TABLES = ["window_bench", "decode_bench", "ring_bench", "training_bench"]
+TABLES = ["window_bench", "decode_bench", "ring_bench", "ring_blocks", "training_bench"]
 NUMBER = r"([0-9][0-9,]*(?:\.[0-9]+)?(?:–[0-9][0-9,]*(?:\.[0-9]+)?)?)([×%]?)"
 
 # (lesson, the quoting text with {} for the figure, benchmark, column, stat, which rows)
@@ -50,6 +50,10 @@ QUOTES = [
     (W09, "1.94 waves) read {} of the ceiling", "decode_bench", "course_over_ceiling", "range", dict(B=64)),
     (W10, "the ring ran at {} one GPU", "ring_bench", "ring_over_one_gpu", "range", {}),
     (W10, "and at {} PyTorch's context parallel", "ring_bench", "ring_over_torch_cp", "range", {}),
+    (W10, "with their merges run at {} cuDNN's speed", "ring_blocks", "course_over_fwd", "range", dict(provider="cudnn")),
+    (W10, "cuDNN's speed and {} SDPA flash's", "ring_blocks", "course_over_fwd", "range", dict(provider="flash")),
+    (W10, "backward blocks run at {} cuDNN's", "ring_blocks", "course_over_bwd", "range", dict(provider="cudnn")),
+    (W10, "The merges are {} of the course's forward", "ring_blocks", "merge_share", "range", dict(provider="course")),
     (W07, "The course takes {} ms", "training_bench", "course_ms", "range", {}),
     (W07, "ms: {} faster than SDPA's flash", "training_bench", "course_over_flash", "range", {}),
     (W07, "flash backend and {} of cuDNN's", "training_bench", "course_over_cudnn", "range", {}),

@@ -7,6 +7,9 @@ and print the largest error of ``o, dq, dk, dv`` against single-process
 float64 attention, for both layouts, causal and not.
 With ``--bench`` (GPUs): time it at long sequences and write
 ``results/ring_bench.{md,json}`` (:mod:`course_utils.distributed.bench`).
+With ``--blocks`` (one GPU): time one rank's block work alone against SDPA's
+kernels and write ``results/ring_blocks.{md,json}``
+(:mod:`course_utils.distributed.blocks`).
 Started by ``torchrun --nproc-per-node 2 -m course_utils.distributed``, each
 process is one rank (NCCL if there is a GPU, else gloo) and rank 0 prints.
 """
@@ -30,12 +33,19 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, default=128, help="sequence length of the demo (default 128)")
     parser.add_argument("--bench", action="store_true", help="time ring attention on GPUs and write results/ring_bench.*")
     parser.add_argument("--quick", action="store_true", help="with --bench: only the shortest sequence lengths")
-    parser.add_argument("--out", default="results", help="with --bench: folder for ring_bench.md/json")
+    parser.add_argument("--blocks", action="store_true",
+                        help="time one rank's block work (kernels and merges, no exchange) on one GPU against SDPA's "
+                             "flash and cuDNN kernels, and write results/ring_blocks.* (course_utils.distributed.blocks)")
+    parser.add_argument("--out", default="results", help="with --bench or --blocks: folder for the results")
     args = parser.parse_args(argv)
 
     import course_utils  # before triton
     from . import demo_cases, demo_errors, run_distributed
 
+    if args.blocks:
+        from .blocks import main as blocks_main
+
+        return blocks_main(out=args.out, world_size=args.nproc)
     if args.bench:
         from .bench import main as bench_main
 
