@@ -174,14 +174,15 @@ def test_split_model_by_hand():
 
 
 def test_drain_is_what_the_recorded_b64_run_says():
-    """DRAIN_WAVES solves the model for results/decode_bench.json's B = 64, one-split rows (16k context and up)."""
+    """DRAIN_WAVES solves the model for results/decode_splits.json's B = 64, one-split rows (every context swept)."""
     from course_utils import results
 
-    for row in results.rows("decode_bench", B=64, context=lambda n: n >= 16384):
-        assert row["splits"] == 1
+    rows = results.rows("decode_splits", B=64, splits=1)
+    assert len(rows) >= 2
+    for row in rows:
         n = row["context"] // 64
         useful = 512 * n / 264
-        measured = row["course_over_ceiling"] / 100
+        measured = row["of_ceiling"] / 100
         drain = useful / (measured * (n + 1)) - 2  # busy = useful / ((2 + drain) * (n + 1))
         assert abs(drain - decode.DRAIN_WAVES) < 0.06, (row, drain)
 

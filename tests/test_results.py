@@ -39,15 +39,15 @@ QUOTES = [
     (W08, "and {} at `W = 4096`; at", "window_bench", "course_over_flex", "range",
      dict(TRN, W=4096, S=4, N=lambda n: n >= 8192)),
     (W08, "at `N = 4k`, {}.", "window_bench", "course_over_flex", "range", dict(TRN, S=4, N=4096)),
-    (W09, "reads only {} of the read ceiling", "decode_bench", "course_over_ceiling", "range", dict(B=64)),
-    (W09, "ceiling there, {} cuDNN", "decode_bench", "course_over_sdpa", "range", dict(B=64)),
+    (W09, "read only {} of the read ceiling", "decode_splits", "of_ceiling", "range", dict(B=64, splits=1)),
+    (W09, "and reads {} of the ceiling there", "decode_bench", "course_over_ceiling", "range", dict(B=64)),
     (W09, "course reads at {} the best SDPA backend", "decode_bench", "course_over_sdpa", "range", dict(B=1)),
     (W09, "at `B = 1`, {} over the whole sweep", "decode_bench", "course_over_sdpa", "range", {}),
     (W09, "costs something: {} the contiguous", "decode_bench", "paged_over_contiguous", "range",
      dict(B=lambda b: b <= 16)),
-    (W09, "paged is faster, {})", "decode_bench", "paged_over_contiguous", "range", dict(B=64)),
+    (W09, "the two are about level, {})", "decode_bench", "paged_over_contiguous", "range", dict(B=64)),
     (W09, "splits that cache in {})", "decode_bench", "splits", "value", dict(B=1, context=16384)),
-    (W09, "1.94 waves) read {} of the ceiling", "decode_bench", "course_over_ceiling", "range", dict(B=64)),
+    (W09, "1.94 waves) read {} of the ceiling", "decode_splits", "of_ceiling", "range", dict(B=64, splits=1)),
     (W10, "the ring ran at {} one GPU", "ring_bench", "ring_over_one_gpu", "range", {}),
     (W10, "and at {} PyTorch's context parallel", "ring_bench", "ring_over_torch_cp", "range", {}),
     (W10, "with their merges run at {} cuDNN's speed", "ring_blocks", "course_over_fwd", "range", dict(provider="cudnn")),
@@ -124,7 +124,7 @@ def test_missing_results_raise_one_sentence():
 def test_figure_formats_as_the_lessons_write():
     assert results.figure("window_bench", "course_over_flex", mode="forward") == "0.85–1.05×"
     assert results.figure("window_bench", "course_over_flex", "median", mode="forward") == "0.99×"
-    assert results.figure("decode_bench", "course_over_ceiling", B=64) == "86–88%"
+    assert results.figure("decode_bench", "course_over_ceiling", B=64) == "88–98%"
 
 
 @pytest.mark.parametrize("quote", QUOTES, ids=[f"{q[0][:2]}:{q[1][:30]}" for q in QUOTES])
