@@ -86,6 +86,27 @@ def by_reference(obj):
         return None
 
 
+def _course_function_of_a_replaced_copy(fn):
+    """``(module, qualname)`` of a ``course_utils`` function whose module has since been imported afresh.
+
+    After the batch grader imports a pristine ``course_utils`` (:mod:`course_utils.grade_harness`), the
+    notebook's functions still hold the functions of the copy the notebook imported, under the same names.
+    Sent by value, such a function would take that copy's globals along (with the grader's trampolines in
+    them); sent by name, it is the pristine module's function in the other process, as in this one.
+    """
+    module = getattr(fn, "__module__", None) or ""
+    name = getattr(fn, "__qualname__", None)
+    if not (module == "course_utils" or module.startswith("course_utils.")) or not name or "<locals>" in name:
+        return None
+    if not _found_on_path(module):
+        return None
+    try:
+        current = _import_attr(module, name)
+    except Exception:
+        return None
+    return (module, name) if isinstance(current, types.FunctionType) and current is not fn else None
+
+
 def _import_wrapped(module: str, qualname: str):
     return _import_attr(module, qualname).__wrapped__
 
@@ -222,6 +243,9 @@ def dumps(obj) -> bytes:
                 ref = _wrapped_reference(obj)
                 if ref is not None:  # a check under its decorator: import it there
                     return _import_wrapped, ref
+                ref = _course_function_of_a_replaced_copy(obj)
+                if ref is not None:  # the course's function, from the copy the notebook imported
+                    return _import_attr, ref
             return super().reducer_override(obj)
 
     local = _modules_only_here()

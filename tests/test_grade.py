@@ -536,6 +536,32 @@ for start in (lambda: subprocess.run([{false!r}], close_fds=False),
     assert "OTHER PROGRAM RAN" not in done.stdout
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the ring's rank processes and the sandbox are Linux's")
+def test_a_ring_hand_in_is_graded_end_to_end_with_its_ranks(tmp_path):
+    # Lesson 10 end to end under the batch grader: the ring's learner code runs in rank processes that the
+    # learner's process starts. ann hands in the lesson's own answer, whose ring_forward calls the course's
+    # flash_attention_with_lse as the lesson says (it used to be refused there as borrowed: the notebook's copy
+    # of course_utils travelled to the ranks by value); bob's ring_forward is the course's ring forward.
+    root = tmp_path / "class"
+    nb = nbformat.read(ROOT / "solutions" / "10_ring_attention.ipynb", as_version=4)
+    for who in ("ann", "bob"):
+        (root / who).mkdir(parents=True)
+        if who == "bob":
+            cell = next(c for c in nb.cells if c.cell_type == "code" and "def ring_forward" in c.source)
+            cell.source = cell.source[:cell.source.index("def ring_forward")] + (
+                "def ring_forward(q, k, v, causal=False, *, layout='zigzag', group=None):\n"
+                "    return ring.ring_attention_forward(q, k, v, causal, layout=layout, group=group)\n")
+        nbformat.write(nb, root / who / "10_ring_attention.ipynb")
+    rows = grade.grade([root], tmp_path / "gradebook", jobs=1, progress=False)
+    got = {(r["learner"], r["exercise"]): r for r in rows if r["notebook"] == "10_ring_attention"}
+    for exercise in ("check_ring_simulation", "check_ring_attention", "check_overlap_shard_length"):
+        assert got["ann", exercise]["status"] == "passed", got["ann", exercise]
+    bob = got["bob", "check_ring_attention"]
+    assert bob["status"] == "failed" and bob["points"] == 0, bob
+    assert "ring_attention_forward: it is the course's own answer" in bob.get("full_message", bob["message"]), bob
+    assert got["bob", "check_ring_simulation"]["status"] == "passed"
+
+
 # -- the instructor's loop: regrading when the grader changes, LMS export, similar hand-ins ------------
 def test_a_changed_grader_grades_the_class_again_and_the_summary_names_its_version(tmp_path):
     root, out = tmp_path / "class", tmp_path / "gb"
