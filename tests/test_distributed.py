@@ -94,6 +94,37 @@ def test_merge_of_two_key_blocks_equals_attention_over_both():
     np.testing.assert_allclose(lse.numpy(), lse_right, atol=1e-5)
 
 
+def test_the_one_kernel_merge_is_the_torch_merge_on_views_of_rows():
+    # The fused merge of the block benchmark (course_utils.kernels.merge) against merge_partials_: rows of a
+    # strided view, lse far from 0, a block that saw no key (lse_b = -inf), and rows that saw none on either side.
+    from course_utils.kernels import merge
+
+    device = course_utils.DEVICE
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 3, 40, 24, generator=g).to(device)
+    rows = slice(5, 38)
+    o_b = (torch.randn(2, 3, 33, 24, generator=g) * 3).to(device)
+    lse_all = (torch.randn(2, 3, 40, generator=g) * 50 + 900).to(device)
+    lse_b = (torch.randn(2, 3, 33, generator=g) * 50 + 900).to(device)
+    lse_b[:, :, :4] = -float("inf")  # a block whose keys are all masked for these rows
+    exact_acc, exact_lse = full.double(), lse_all.double()  # the same merge in float64: the truth
+    ring.merge_partials_(exact_acc[:, :, rows], exact_lse[:, :, rows], o_b.double(), lse_b.double())
+    torch_acc, torch_lse = full.clone(), lse_all.clone()
+    ring.merge_partials_(torch_acc[:, :, rows], torch_lse[:, :, rows], o_b, lse_b)
+    acc, lse = full.clone(), lse_all.clone()
+    merge.merge_partials(acc[:, :, rows], lse[:, :, rows], o_b, lse_b)
+    # At lse ~ 900 float32 resolves 6e-5: both merges round there; the kernel's must be no worse than torch's.
+    for got, alt, exact in ((acc, torch_acc, exact_acc), (lse, torch_lse, exact_lse)):
+        err, torch_err = ((x.double() - exact).abs().max().item() for x in (got, alt))
+        assert err <= 1.01 * torch_err + 1e-6 and err < 2e-4 * exact.abs().max().item(), (err, torch_err)
+    empty_acc, empty_lse = torch.zeros(1, 1, 5, 24, device=device), torch.full((1, 1, 5), -float("inf"), device=device)
+    merge.merge_partials(empty_acc, empty_lse, torch.ones(1, 1, 5, 24, device=device),
+                         torch.full((1, 1, 5), -float("inf"), device=device))
+    assert torch.equal(empty_acc, torch.zeros_like(empty_acc)) and bool(torch.isneginf(empty_lse).all())
+    with pytest.raises(ValueError, match="float32"):
+        merge.merge_partials(acc.double(), lse.double(), full, lse_all)
+
+
 def test_every_process_gets_the_no_multicast_environment():
     import os
 

@@ -23,7 +23,7 @@ from . import DIAGONAL, n_chunks, step_plan
 
 NS = (65536, 131072)
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
-PROVIDERS = ("course", "flash", "cudnn")
+PROVIDERS = ("course", "course_fused_merge", "flash", "cudnn")
 
 
 def rank_blocks(n: int, world_size: int, rank: int = 0, layout: str = "zigzag", causal: bool = True):
@@ -60,7 +60,7 @@ def _block_fns(provider):
     from ..kernels import flash_attention_with_lse
     from ..kernels.backward import attention_backward
 
-    if provider == "course":
+    if provider in ("course", "course_fused_merge"):
         return (lambda q, k, v, c: flash_attention_with_lse(q, k, v, causal=c),
                 lambda do, q, k, v, o, lse, c, saved: attention_backward(q, k, v, o, lse, do, causal=c))
     aten = torch.ops.aten
@@ -94,7 +94,9 @@ def time_rank(n, world_size=2, provider="course", rank=0, seed=0):
 
     ``kernels_ms``: the forward's block calls alone; ``forward_ms``: the same
     with every merge (the rank's whole forward but the exchange);
-    ``backward_ms``: the backward's block calls. K/V of the held blocks are
+    ``backward_ms``: the backward's block calls. ``course_fused_merge`` is the
+    course's blocks with :func:`course_utils.kernels.merge.merge_partials`, one
+    kernel per merge, instead of the torch merge. K/V of the held blocks are
     slices of one tensor (the bytes are the same). SDPA's kernels get K/V
     repeated to every query head once, outside the timing (its flash kernel
     takes no GQA): ``repeated`` says so.
@@ -110,7 +112,9 @@ def time_rank(n, world_size=2, provider="course", rank=0, seed=0):
     k, v = (torch.randn(1, N_KV_HEADS, shard, HEAD_DIM, generator=g, device="cuda", dtype=torch.bfloat16)
             for _ in range(2))
     do = torch.randn_like(q)
-    repeated = provider != "course"
+    repeated = provider not in ("course", "course_fused_merge")
+    if provider == "course_fused_merge":  # the same blocks, merged by one Triton kernel each
+        from ..kernels.merge import merge_partials as merge_partials_
     if repeated:
         k, v = (t.repeat_interleave(N_Q_HEADS // N_KV_HEADS, 1) for t in (k, v))
     fwd, bwd = _block_fns(provider)
@@ -168,7 +172,8 @@ def write_results(rows, out, meta):
              f"{N_Q_HEADS} query heads / {N_KV_HEADS} kv heads, D = {HEAD_DIM}, batch 1; "
              "`python -m course_utils.distributed --blocks`. Milliseconds (`triton.testing.do_bench`, median) of "
              "rank 0's block calls over the whole ring, without the exchange: kernels = the forward's attention "
-             "calls alone; forward = the same with every merge (`merge_partials_`, the same for every provider); "
+             "calls alone; forward = the same with every merge (`merge_partials_` for every provider but "
+             "course_fused_merge, which merges with one Triton kernel, `course_utils.kernels.merge`); "
              "backward = the backward's block calls. TFLOP/s count visible pairs only. flash and cuDNN = SDPA's "
              "kernels (`torch.ops.aten._scaled_dot_product_{flash,cudnn}_attention` and their backwards), with K/V "
              "repeated to every query head once, outside the timing.", "",
