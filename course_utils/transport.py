@@ -218,9 +218,13 @@ def kernel_classes() -> tuple:
     return tuple(classes)
 
 
-def dumps(obj) -> bytes:
+def dumps(obj, *, course_by_name: bool = False) -> bytes:
     """Pickle ``obj`` for the worker: notebook functions by value, kernels by source.
 
+    ``course_by_name``: a ``course_utils`` function of a copy of the package that
+    has since been imported afresh travels by name (the pristine module's function
+    in the other process) instead of by value with that copy's globals; the ring's
+    rank processes use it (:func:`course_utils.distributed.portable`).
     Raises when something in it cannot travel (an open file, a generator, a
     lock...): the caller then runs the check in its own process instead.
     """
@@ -243,7 +247,7 @@ def dumps(obj) -> bytes:
                 ref = _wrapped_reference(obj)
                 if ref is not None:  # a check under its decorator: import it there
                     return _import_wrapped, ref
-                ref = _course_function_of_a_replaced_copy(obj)
+                ref = _course_function_of_a_replaced_copy(obj) if course_by_name else None
                 if ref is not None:  # the course's function, from the copy the notebook imported
                     return _import_attr, ref
             return super().reducer_override(obj)

@@ -476,7 +476,10 @@ class _Shipped:
         from ..transport import dumps
 
         self.name = getattr(fn, "__name__", "your function")
-        self.payload = dumps(fn)
+        # The course's functions it calls arrive as the ranks' own (pristine) ones, not as the copies the
+        # notebook imported: under the batch grader those carry its trampolines, which refuse course code
+        # calling course code once their globals are copied (a correct ring was refused).
+        self.payload = dumps(fn, course_by_name=True)
 
     def build(self):
         import cloudpickle
