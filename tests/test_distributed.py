@@ -8,6 +8,7 @@ cost, so each test runs several cases in one process group.
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -162,7 +163,13 @@ def four_ranks_then_two_rings(rank, world):
     whole = ring.demo_case(rank, world, **FOUR_RANKS)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     half = ring.demo_case(rank % 2, 2, **TWO_RINGS, group=groups[rank // 2])
-    return whole, half
+    # The per-step timeline the benchmark records, here on the whole ring of 4
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, 2, 16, 16, generator=g) for _ in range(3))
+    forward, backward = [], []
+    o, lse = ring.ring_attention_forward(q, k, v, True, timeline=forward)
+    ring.ring_attention_backward(torch.ones_like(q), q, k, v, o, lse, True, timeline=backward)
+    return whole, half, (ring.timeline_ms(forward), ring.timeline_ms(backward))
 
 
 @pytest.mark.cpu_processes("gloo processes on the CPU run the kernels in Triton's interpreter")
@@ -173,6 +180,12 @@ def test_four_processes_forward_and_backward_and_subgroups():
     for members in ((0, 1), (2, 3)):
         errors = ring.demo_errors([results[m][1] for m in members], 2, **TWO_RINGS)
         assert max(errors.values()) < 2e-5, (members, errors)
+    for forward, backward in (r[2] for r in results):
+        assert [s["step"] for s in forward] == [0, 1, 2, 3] and [s["step"] for s in backward] == [0, 1, 2, 3, 4]
+        for s in forward + backward:
+            assert s["exposed_wait_ms"] >= 0 and s["start_ms"] >= 0
+        assert all(s["compute_ms"] > 0 for s in forward + backward[:4]) and backward[4]["compute_ms"] == 0
+        assert [s["start_ms"] for s in forward] == sorted(s["start_ms"] for s in forward)
 
 
 def test_bench_tables_say_what_was_measured_and_what_was_left_out(tmp_path):
@@ -222,6 +235,28 @@ def test_block_bench_table_reads_its_rows(tmp_path):
     assert "| 65536 | cudnn | 3 | 3.00 | 4.00 | 1.00 | 250 | 8.00 | 1.25× | 1.50× |" in text
     assert "RuntimeError: no kernel" in text and "2.0e-03" in text
     assert (tmp_path / "ring_blocks.md").read_text() == text
+
+
+def test_bench_tables_give_both_rotate_methods_and_the_ring_s_steps(tmp_path):
+    from course_utils.distributed import bench
+
+    row = dict(n=65536, reps=3, ring_fwd_ms=50.0, ring_fwd_bwd_ms=200.0, one_gpu_fwd_ms=95.0, one_gpu_fwd_bwd_ms=380.0,
+               torch_cp_allgather_fwd_ms=64.0, torch_cp_allgather_fwd_bwd_ms=160.0,
+               torch_cp_alltoall_fwd_ms=40.0, torch_cp_alltoall_fwd_bwd_ms=250.0,
+               torch_cp_allgather_note="rotate method _RotateMethod.ALL_GATHER",
+               torch_cp_alltoall_note="rotate method _RotateMethod.ALL_TO_ALL")
+    row["torch_cp_fwd_ms"], row["torch_cp_fwd_bwd_ms"] = 40.0, 160.0  # as the worker sets them: the faster
+    step = lambda i, c, w: dict(step=i, start_ms=3.0 * i, compute_ms=c, exposed_wait_ms=w)
+    timelines = [dict(n=65536, forward=[step(0, 20.0, 0.0), step(1, 21.5, 0.25)],
+                      backward=[step(0, 60.0, 0.0), step(1, 61.0, 0.0), step(2, 0.0, 1.5)])] * 2
+    text = bench.write_results([row], 2, str(tmp_path), dict(gpu="H200", torch="2.11", triton="3.6", date="d"),
+                               timelines=timelines)
+    # 65536 tokens in 64 ms (all-gather) and 40 ms (all-to-all); the ring (50 ms) against the faster, 40 ms
+    assert "| 65536 | fwd | 689,853 | 1,310,720 | 1.90× | 1,024,000 | 1,638,400 | 0.80× |" in text
+    assert "| 65536 | fwd+bwd | 172,463 | 327,680 | 1.90× | 409,600 | 262,144 | 0.80× |" in text
+    assert "torch CP alltoall: rotate method _RotateMethod.ALL_TO_ALL" in text
+    assert "| forward | 1 | 1 | 21.50 | 0.25 |" in text and "| backward | 0 | 2 | 0.00 | 1.50 |" in text
+    assert json.loads((tmp_path / "ring_bench.json").read_text())["timelines"] == timelines
 
 
 @pytest.mark.cpu_processes("gloo processes: the K/V exchange's CPU path")

@@ -60,6 +60,7 @@ __all__ = [
     "ring_attention",
     "ring_attention_forward",
     "ring_attention_backward",
+    "timeline_ms",
     "RingAttentionFunction",
     "merge_partials_",
     "run_distributed",
@@ -327,7 +328,36 @@ def _validate_shards(q, k, v, world, layout):
                          f"(the {layout} layout's chunks per rank); got {q.shape[2]} and {k.shape[2]}.")
 
 
-def ring_attention_forward(q, k, v, causal=False, *, layout="zigzag", group=None):
+def _mark(device):
+    """A point in time on ``device``'s stream: a recorded CUDA event on a GPU, ``perf_counter()`` on the CPU."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def _elapsed_ms(a, b) -> float:
+    return a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1e3
+
+
+def timeline_ms(timeline) -> list[dict]:
+    """A ring pass's ``timeline`` (as :func:`ring_attention_forward` fills it) in milliseconds.
+
+    One dict per step: ``start_ms`` (from the pass's first step), ``compute_ms``
+    (the step's kernels and merges) and ``exposed_wait_ms`` (how long the rank
+    then still waited for the step's transfers: 0 when the exchange hid behind
+    the compute). Synchronises the GPU first.
+    """
+    if timeline and isinstance(timeline[0]["start"], torch.cuda.Event):
+        torch.cuda.synchronize()
+    first = timeline[0]["start"] if timeline else None
+    return [dict(step=s["step"], start_ms=_elapsed_ms(first, s["start"]),
+                 compute_ms=_elapsed_ms(s["start"], s["computed"]), exposed_wait_ms=_elapsed_ms(s["computed"], s["arrived"]))
+            for s in timeline]
+
+
+def ring_attention_forward(q, k, v, causal=False, *, layout="zigzag", group=None, timeline=None):
     """One rank's part of ring attention's forward: ``(o, lse)`` for its query shard.
 
     ``q [B, Hq, n, D]``, ``k``/``v [B, Hkv, n, D]``: this rank's shards
@@ -336,6 +366,8 @@ def ring_attention_forward(q, k, v, causal=False, *, layout="zigzag", group=None
     before the kernels run on the current one. Each block goes through
     :func:`course_utils.kernels.flash_attention_with_lse` and is merged by
     :func:`merge_partials_`. ``o`` has q's dtype; ``lse`` is float32 ``[B, Hq, n]``.
+    ``timeline``: a list to append each step's marks to (its start, the end of
+    its compute, the arrival of its transfers), read by :func:`timeline_ms`.
     """
     import torch
 
@@ -354,6 +386,7 @@ def ring_attention_forward(q, k, v, causal=False, *, layout="zigzag", group=None
             kv_next = torch.empty_like(kv)
             requests = _exchange(kv, kv_next, nxt, prv, group, _TAG_KV)
         src = (rank - step) % world
+        mark = timeline is not None and dict(step=step, start=_mark(q.device))
         for i, j, kind in step_plan(rank, src, world, layout, causal):
             qs, ks = _chunk_slice(i, chunk_len), _chunk_slice(j, chunk_len)
             o_b, lse_b = flash_attention_with_lse(_sel(q, qs), _sel(kv[0], ks), _sel(kv[1], ks),
@@ -363,14 +396,19 @@ def ring_attention_forward(q, k, v, causal=False, *, layout="zigzag", group=None
                 lse.copy_(lse_b)
             else:
                 merge_partials_(_sel(acc, qs), _sel(lse, qs), o_b, lse_b)
+        if mark:
+            mark["computed"] = _mark(q.device)
         for request in requests:
             request.wait()
+        if mark:
+            mark["arrived"] = _mark(q.device)
+            timeline.append(mark)
         if requests:
             kv = kv_next
     return acc.to(q.dtype), lse
 
 
-def ring_attention_backward(do, q, k, v, o, lse, causal=False, *, layout="zigzag", group=None):
+def ring_attention_backward(do, q, k, v, o, lse, causal=False, *, layout="zigzag", group=None, timeline=None):
     """One rank's part of ring attention's backward: ``(dq, dk, dv)`` for its shards.
 
     K/V circulate as in the forward; alongside, a float32 ``[2, B, Hkv, n, D]``
@@ -379,7 +417,10 @@ def ring_attention_backward(do, q, k, v, o, lse, causal=False, *, layout="zigzag
     ``world_size`` passes every block's gradient is home. Each block pair goes
     through :func:`course_utils.kernels.backward.attention_backward` with the
     rank's final ``o`` and ``lse`` (the softmax over ALL keys), which is what
-    makes the per-block gradients add up to the exact ones.
+    makes the per-block gradients add up to the exact ones. ``timeline`` as in
+    :func:`ring_attention_forward` (a step's transfers: the earlier ranks' dK/dV
+    sum and the next K/V block; one more entry, step ``world_size``, for the
+    last hop that brings each block's gradient home).
     """
     import torch
 
@@ -396,6 +437,7 @@ def ring_attention_backward(do, q, k, v, o, lse, causal=False, *, layout="zigzag
             kv_next = torch.empty_like(kv)
             kv_requests = _exchange(kv, kv_next, nxt, prv, group, _TAG_KV)
         src = (rank - step) % world
+        mark = timeline is not None and dict(step=step, start=_mark(q.device))
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for i, j, kind in _coalesce(step_plan(rank, src, world, layout, causal)):
             qs, ks = _chunk_slice(i, chunk_len), _chunk_slice(j, chunk_len)
@@ -404,6 +446,8 @@ def ring_attention_backward(do, q, k, v, o, lse, causal=False, *, layout="zigzag
             _sel(dq, qs).add_(dq_b)
             _sel(dkv[0], ks).add_(dk_b)
             _sel(dkv[1], ks).add_(dv_b)
+        if mark:
+            mark["computed"] = _mark(q.device)
         for request in dkv_requests:  # the earlier ranks' sum for this block
             request.wait()
         if dkv_in is not None:
@@ -415,10 +459,19 @@ def ring_attention_backward(do, q, k, v, o, lse, causal=False, *, layout="zigzag
             dkv_requests = _exchange(dkv, dkv_in, nxt, prv, group, _TAG_DKV)
         for request in kv_requests:
             request.wait()
+        if mark:
+            mark["arrived"] = _mark(q.device)
+            timeline.append(mark)
         if kv_requests:
             kv = kv_next
+    mark = timeline is not None and dict(step=world, start=_mark(q.device))
+    if mark:
+        mark["computed"] = mark["start"]  # nothing left to compute: the last hop is all exposed
     for request in dkv_requests:  # our own block's gradient, summed over every rank
         request.wait()
+    if mark:
+        mark["arrived"] = _mark(q.device)
+        timeline.append(mark)
     return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
 
 

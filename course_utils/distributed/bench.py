@@ -9,8 +9,14 @@ N = 32k..256k. For each N, in tokens per second (N / time):
 - ``ring``: :func:`course_utils.distributed.ring_attention`, zigzag layout,
   every rank on its shard (the time is the slowest rank's);
 - ``torch CP``: PyTorch's ``context_parallel`` around
-  ``scaled_dot_product_attention`` on the same GPUs (optional: if it is
-  missing or fails, the row says why).
+  ``scaled_dot_product_attention`` on the same GPUs, once with each rotate
+  method (``set_rotate_method``: ``"allgather"``, ``"alltoall"``); the ring
+  is compared with the faster (optional: if it is missing or fails, the row
+  says why).
+
+At N = 65536 each rank also records one forward's and one backward's steps
+(:func:`course_utils.distributed.timeline_ms`): compute time and the wait
+for the transfers that the compute did not hide.
 
 Forward alone, and forward + backward. First, the K/V exchange alone
 (:func:`p2p_bandwidth`): GB/s of one ring step's ``batch_isend_irecv`` of a
@@ -34,6 +40,7 @@ import os
 import statistics
 import time
 
+from ..results import CP_ROTATE_METHODS, torch_cp_times
 from . import SAFE_ENV, apply_safe_env, run_distributed, shard_sequence, unshard_sequence
 
 apply_safe_env()
@@ -44,6 +51,7 @@ N_Q_HEADS, N_KV_HEADS, HEAD_DIM, BATCH = 32, 8, 128, 1
 TIME_BUDGET_S = 190.0  # seconds of measuring, after the processes started (spawn + NCCL set-up: ~20 s more)
 CHECK_UP_TO = 131072  # outputs compared with one GPU up to this N
 P2P_TOKENS = 16384  # the K/V shard of the exchange measured alone: N = 32k on 2 ranks
+TIMELINE_N = 65536  # the ring's per-step timeline is recorded at this N
 
 
 def _reps(n):
@@ -135,8 +143,12 @@ def _rel_err(got, want):
     return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
 
 
-def _torch_cp(q, k, v, do, world, reps):
-    """PyTorch's context parallel on the same GPUs: (fwd ms, fwd+bwd ms, note) or (None, None, why)."""
+def _torch_cp(q, k, v, do, world, reps, rotate_method="allgather"):
+    """PyTorch's context parallel on the same GPUs: (fwd ms, fwd+bwd ms, note) or (None, None, why).
+
+    ``rotate_method``: ``"allgather"`` (torch's default: all K/V gathered after the first block) or
+    ``"alltoall"`` (the shards passed on), set with its ``set_rotate_method`` for this measurement.
+    """
     import torch
     import torch.nn.functional as F
 
@@ -149,11 +161,12 @@ def _torch_cp(q, k, v, do, world, reps):
 
     note = "SDPA with enable_gqa=True"
     try:
-        from torch.distributed.tensor.experimental._attention import _cp_options
+        from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
+        set_rotate_method(rotate_method)
         note += f", rotate method {getattr(_cp_options, 'rotate_method', '?')}"
-    except Exception:  # noqa: BLE001  (a private detail: only for the record)
-        pass
+    except Exception as exc:  # noqa: BLE001
+        return None, None, f"set_rotate_method({rotate_method!r}) failed: {type(exc).__name__}: {exc}"
     # No math backend: its ring would not be a fused attention (and may gather the whole sequence).
     fused = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     try:
@@ -238,6 +251,7 @@ def bench_worker(rank, world, ns):
         print(f"K/V exchange alone: {json.dumps(p2p)}", flush=True)
     budget = _Budget()
     rows = []
+    timeline = None
     for n in ns:
         reps = _reps(n)
         row = dict(n=n, reps=reps)
@@ -313,20 +327,45 @@ def bench_worker(rank, world, ns):
                 del full_leaves
                 torch.cuda.empty_cache()
 
-        # -- PyTorch's context parallel ----------------------------------------------------
-        ok, predicted = budget.allows("cp", n)
-        if not ok:
-            row["torch_cp_note"] = f"not timed: predicted {predicted:.0f} s would pass the time budget"
-        else:
-            with budget.section("cp", n):
-                t_fwd, t_fb, note = _torch_cp(q, k, v, do, world, reps)
-            row["torch_cp_fwd_ms"], row["torch_cp_fwd_bwd_ms"], row["torch_cp_note"] = t_fwd, t_fb, note
+        # -- the ring's steps at one N: how much of each transfer the compute hides ---------
+        if n == TIMELINE_N:
+            timeline = _ring_timeline(ql, kl, vl, dol)
+
+        # -- PyTorch's context parallel, both ways of moving K/V ----------------------------
+        for method in CP_ROTATE_METHODS:
+            ok, predicted = budget.allows(f"cp_{method}", n)
+            if not ok:
+                row[f"torch_cp_{method}_note"] = f"not timed: predicted {predicted:.0f} s would pass the time budget"
+                continue
+            with budget.section(f"cp_{method}", n):
+                t_fwd, t_fb, note = _torch_cp(q, k, v, do, world, reps, method)
+            row[f"torch_cp_{method}_fwd_ms"], row[f"torch_cp_{method}_fwd_bwd_ms"] = t_fwd, t_fb
+            row[f"torch_cp_{method}_note"] = note
+        for key in ("fwd_ms", "fwd_bwd_ms"):  # the faster of the two: the baseline the ring must beat
+            times = [row[f"torch_cp_{m}_{key}"] for m in CP_ROTATE_METHODS if row.get(f"torch_cp_{m}_{key}")]
+            row[f"torch_cp_{key}"] = min(times) if times else None
         row["elapsed_s"] = round(time.perf_counter() - budget.began, 1)
         del q, k, v, do, ql, kl, vl, dol
         torch.cuda.empty_cache()
         if rank == 0:
             print(f"N={n}: {json.dumps({k: v for k, v in row.items() if k != 'n'})}", flush=True)
-    return dict(rows=rows, p2p=p2p)
+    return dict(rows=rows, p2p=p2p, timeline=timeline)
+
+
+def _ring_timeline(q, k, v, do):
+    """This rank's per-step timeline of one ring forward and one backward (after a warm-up), in ms."""
+    import torch
+
+    from . import ring_attention_backward, ring_attention_forward, timeline_ms
+
+    with torch.no_grad():
+        o, lse = ring_attention_forward(q, k, v, True)  # warm-up
+        ring_attention_backward(do, q, k, v, o, lse, True)
+        forward, backward = [], []
+        o, lse = ring_attention_forward(q, k, v, True, timeline=forward)
+        ring_attention_backward(do, q, k, v, o, lse, True, timeline=backward)
+    return dict(n=q.shape[2] * torch.distributed.get_world_size(), forward=timeline_ms(forward),
+                backward=timeline_ms(backward))
 
 
 def gpu_check_worker(rank, world, ns, layout="zigzag"):
@@ -380,11 +419,30 @@ def _ratio(a, b):
     return "—" if not a or not b else f"{a / b:.2f}×"
 
 
-def write_results(rows, nproc, out, meta, p2p=None):
-    """``ring_bench.json`` (meta, rows, and ``p2p``: :func:`p2p_bandwidth`'s record, if measured) and its markdown."""
+def _timeline_lines(timelines):
+    """Markdown: each rank's per-step compute and exposed wait, forward and backward."""
+    if not timelines:
+        return []
+    n = timelines[0]["n"]
+    lines = ["", f"Per ring step at N = {n} (CUDA events on each rank's stream): compute = the step's kernels and "
+             "merges; exposed wait = how long the rank then still waited for the step's transfers (0: the "
+             "exchange hid behind the compute). The backward's last row is the hop that brings each block's "
+             "dK/dV home, with nothing left to compute.", "",
+             "| pass | rank | step | compute ms | exposed wait ms |", "|---|---:|---:|---:|---:|"]
+    for label in ("forward", "backward"):
+        for rank, tl in enumerate(timelines):
+            for s in tl[label]:
+                lines.append(f"| {label} | {rank} | {s['step']} | {s['compute_ms']:.2f} | {s['exposed_wait_ms']:.2f} |")
+    return lines
+
+
+def write_results(rows, nproc, out, meta, p2p=None, timelines=None):
+    """``ring_bench.json`` (meta, rows, ``p2p``: :func:`p2p_bandwidth`'s record, and ``timelines``: each rank's
+    per-step timeline, if measured) and its markdown."""
     os.makedirs(out, exist_ok=True)
+    extra = {**({"p2p": p2p} if p2p else {}), **({"timelines": timelines} if timelines else {})}
     with open(os.path.join(out, "ring_bench.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, **({"p2p": p2p} if p2p else {})), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, **extra), f, indent=1)
     lines = [
         f"# Ring attention on {nproc} GPUs",
         "",
@@ -393,32 +451,41 @@ def write_results(rows, nproc, out, meta, p2p=None):
         "`python -m course_utils.distributed --nproc 2 --bench`. Tokens per second (N / time; the "
         "slowest rank's time); ring = `course_utils.distributed.ring_attention`, zigzag layout; "
         "1 GPU = `course_utils.kernels.flash_attention` on the whole sequence; torch CP = "
-        "`torch.distributed.tensor.experimental.context_parallel` around SDPA on the same GPUs.",
+        "`torch.distributed.tensor.experimental.context_parallel` around SDPA on the same GPUs, with each of "
+        "its rotate methods (`set_rotate_method`: all-gather, all-to-all); ring / torch CP is against the "
+        "faster of the two.",
         "",
-        "| N | pass | 1 GPU tok/s | ring tok/s | ring / 1 GPU | torch CP tok/s | ring / torch CP |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| N | pass | 1 GPU tok/s | ring tok/s | ring / 1 GPU | torch CP all-gather tok/s | "
+        "torch CP all-to-all tok/s | ring / torch CP |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     notes = []
     for row in rows:
         n = row["n"]
         if "skipped" in row:
-            lines.append(f"| {n} | — | {row['skipped']} | | | | |")
+            lines.append(f"| {n} | — | {row['skipped']} | | | | | |")
             continue
         for label, key in (("fwd", "fwd_ms"), ("fwd+bwd", "fwd_bwd_ms")):
-            one, ring, cp = (_tok(n, row.get(f"{who}_{key}")) for who in ("one_gpu", "ring", "torch_cp"))
-            lines.append(f"| {n} | {label} | {_fmt(one)} | {_fmt(ring)} | {_ratio(ring, one)} | {_fmt(cp)} | "
-                         f"{_ratio(ring, cp)} |")
+            one, ring = (_tok(n, row.get(f"{who}_{key}")) for who in ("one_gpu", "ring"))
+            cp = {m: _tok(n, ms) for m, ms in torch_cp_times(row, key).items()}
+            best = max((x for x in cp.values() if x), default=None)
+            lines.append(f"| {n} | {label} | {_fmt(one)} | {_fmt(ring)} | {_ratio(ring, one)} | "
+                         f"{_fmt(cp.get('allgather'))} | {_fmt(cp.get('alltoall'))} | {_ratio(ring, best)} |")
         errs = ", ".join(f"{k.split('_rel')[0]} {v:.1e}" for k, v in row.items() if k.endswith("_rel_err_vs_1gpu"))
         if errs:
             notes.append(f"- N = {n}: largest error of the ring vs one GPU, relative to the largest value: {errs}.")
         if row.get("torch_cp_note"):
             notes.append(f"- N = {n}, torch CP: {row['torch_cp_note']}.")
+        for method in CP_ROTATE_METHODS:
+            if row.get(f"torch_cp_{method}_note"):
+                notes.append(f"- N = {n}, torch CP {method}: {row[f'torch_cp_{method}_note']}.")
         if row.get("one_gpu"):
             notes.append(f"- N = {n}, 1 GPU: {row['one_gpu']}.")
     if p2p:
         notes.append(f"- K/V exchange alone ({p2p['tokens']} tokens, {p2p['bytes'] / 1e6:.1f} MB of {p2p['dtype']} "
                      f"K/V per rank): {p2p['ms']:.3f} ms, {p2p['gbps']:.0f} GB/s per GPU each way ({p2p['how']}).")
-    lines += ["", *notes, "", f"Environment of every process: {', '.join(f'{k}={v}' for k, v in SAFE_ENV.items())}."]
+    lines += ["", *notes, *_timeline_lines(timelines), "",
+              f"Environment of every process: {', '.join(f'{k}={v}' for k, v in SAFE_ENV.items())}."]
     with open(os.path.join(out, "ring_bench.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return "\n".join(lines)
@@ -435,9 +502,10 @@ def main(nproc=2, out="results", quick=False) -> int:
     began = time.perf_counter()
     per_rank = run_distributed(bench_worker, nproc, args=(ns,), device="cuda")
     rows, p2p = per_rank[0]["rows"], per_rank[0]["p2p"]
+    timelines = [r["timeline"] for r in per_rank] if all(r.get("timeline") for r in per_rank) else None
     meta = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
                 date=datetime.date.today().isoformat(), nproc=nproc, wall_s=round(time.perf_counter() - began, 1),
                 env=SAFE_ENV)
-    print(write_results(rows, nproc, out, meta, p2p))
+    print(write_results(rows, nproc, out, meta, p2p, timelines))
     print(f"wrote {out}/ring_bench.md and {out}/ring_bench.json in {meta['wall_s']} s")
     return 0
