@@ -55,8 +55,9 @@ COLUMNS = {
         ("ring_over_torch_cp", "ring / faster torch CP", ".2f", "×"),
     ],
     "ring_blocks": [
-        ("N", "N", "d", ""), ("provider", "provider", "", ""), ("kernels_ms", "kernels ms", ".2f", ""),
-        ("forward_ms", "forward ms", ".2f", ""), ("merge_share", "merges, of the forward", ".0f", "%"),
+        ("N", "N", "d", ""), ("provider", "provider", "", ""), ("calls", "calls", "d", ""),
+        ("kernels_ms", "kernels ms", ".2f", ""), ("forward_ms", "forward ms", ".2f", ""),
+        ("merge_share", "merges, of the forward", ".0f", "%"), ("forward_tflops", "forward TFLOP/s", ".0f", ""),
         ("backward_ms", "backward ms", ".2f", ""), ("course_over_fwd", "course / this, forward speed", ".2f", "×"),
         ("course_over_bwd", "course / this, backward speed", ".2f", "×"),
     ],
@@ -161,8 +162,9 @@ def _ring_blocks(d):
     out = []
     for (n, provider), r in by.items():
         course = by.get((n, "course"), {})
-        out.append(dict(N=n, provider=provider, kernels_ms=r["kernels_ms"], forward_ms=r["forward_ms"],
+        out.append(dict(N=n, provider=provider, calls=r["calls"], kernels_ms=r["kernels_ms"], forward_ms=r["forward_ms"],
                         merge_share=100 * (r["forward_ms"] - r["kernels_ms"]) / r["forward_ms"],
+                        forward_tflops=r["tflop_fwd"] / r["forward_ms"] * 1e3,
                         backward_ms=r["backward_ms"], course_over_fwd=_ratio(r["forward_ms"], course.get("forward_ms")),
                         course_over_bwd=_ratio(r["backward_ms"], course.get("backward_ms"))))
     return out
@@ -183,11 +185,12 @@ _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, 
          "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training}
 
 
-def rows(name: str, **where) -> list[dict]:
+def rows(name: str, *, doc: dict | None = None, **where) -> list[dict]:
     """The table's rows (dicts keyed as in ``COLUMNS[name]``), those matching ``where``.
 
     ``where`` maps a key to a value, a tuple of values, or a predicate: ``rows("decode_bench",
-    B=lambda b: b <= 16)``.
+    B=lambda b: b <= 16)``. ``doc``: a bench's JSON document not yet written to ``results/``
+    (default: the recorded one).
     """
     if name not in _ROWS:
         raise KeyError(f"no table for {name!r}: the known ones are {', '.join(_ROWS)}")
@@ -201,7 +204,7 @@ def rows(name: str, **where) -> list[dict]:
                 return False
         return True
 
-    return [r for r in _ROWS[name](load(name)) if keep(r)]
+    return [r for r in _ROWS[name](load(name) if doc is None else doc) if keep(r)]
 
 
 def _fmt(value, fmt: str, unit: str = "") -> str:
@@ -236,15 +239,16 @@ def figure(name: str, key: str, stat: str = "range", **where) -> str:
     return _fmt(pick(values), fmt, unit)
 
 
-def markdown(name: str, columns: list[str] | None = None, **where) -> str:
-    """The recorded table as markdown: the chosen ``columns`` (default all) of the rows matching ``where``."""
+def markdown(name: str, columns: list[str] | None = None, *, doc: dict | None = None, **where) -> str:
+    """The recorded table as markdown: the chosen ``columns`` (default all) of the rows matching ``where``
+    (of ``doc``, a bench's document, if given: see :func:`rows`)."""
     cols = [_column(name, k) for k in (columns or [c[0] for c in COLUMNS[name]])]
-    info = load(name)
+    info = load(name) if doc is None else doc
     info = info.get("info") or info.get("meta") or {}
     lines = [f"Recorded on {info.get('gpu', '?')}, {info.get('date', '?')} (`results/{name}.json`).", "",
              "| " + " | ".join(c[1] for c in cols) + " |",
              "|" + "|".join("---" if c[2] == "" else "---:" for c in cols) + "|"]
-    for r in rows(name, **where):
+    for r in rows(name, doc=doc, **where):
         lines.append("| " + " | ".join(_fmt(r[c[0]], c[2], c[3]) for c in cols) + " |")
     return "\n".join(lines)
 

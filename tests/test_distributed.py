@@ -231,9 +231,10 @@ def test_block_bench_table_reads_its_rows(tmp_path):
                  backward_ms=8.0, rel_err_vs_course=2e-3),
             dict(n=65536, provider="flash", error="RuntimeError: no kernel")]
     text = blocks.write_results(rows, str(tmp_path), dict(gpu="H200", torch="2.11", triton="3.6", date="d", world_size=2))
-    assert "| 65536 | course | 3 | 4.00 | 5.00 | 1.00 | 200 | 12.00 | 1.00× | 1.00× |" in text
-    assert "| 65536 | cudnn | 3 | 3.00 | 4.00 | 1.00 | 250 | 8.00 | 1.25× | 1.50× |" in text
-    assert "RuntimeError: no kernel" in text and "2.0e-03" in text
+    # merges 1 ms of 5 (20%), 1 TFLOP in 5 ms (200 TFLOP/s); cuDNN's times over the course's: 0.80, 0.67
+    assert "| 65536 | course | 3 | 4.00 | 5.00 | 20% | 200 | 12.00 | 1.00× | 1.00× |" in text
+    assert "| 65536 | cudnn | 3 | 3.00 | 4.00 | 25% | 250 | 8.00 | 0.80× | 0.67× |" in text
+    assert "flash: not timed (RuntimeError: no kernel)" in text and "2.0e-03" in text
     assert (tmp_path / "ring_blocks.md").read_text() == text
 
 

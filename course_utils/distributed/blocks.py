@@ -54,21 +54,21 @@ def visible_pairs(call) -> int:
 
 
 def _block_fns(provider):
-    """``(forward(q, k, v, causal) -> (o, lse [B, H, n] float32), backward(do, q, k, v, o, lse, causal) -> grads)``."""
+    """``(forward, backward)`` of one block: ``forward(q, k, v, causal) -> (o, lse [B, H, n] float32, saved)``
+    and ``backward(do, q, k, v, o, lse, causal, saved) -> grads``, ``saved`` what the backward needs besides."""
     import torch
 
     from ..kernels import flash_attention_with_lse
     from ..kernels.backward import attention_backward
 
     if provider in ("course", "course_fused_merge"):
-        return (lambda q, k, v, c: flash_attention_with_lse(q, k, v, causal=c),
+        return (lambda q, k, v, c: (*flash_attention_with_lse(q, k, v, causal=c), None),
                 lambda do, q, k, v, o, lse, c, saved: attention_backward(q, k, v, o, lse, do, causal=c))
     aten = torch.ops.aten
     if provider == "flash":
         def fwd(q, k, v, c):
             out = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, c)
-            fwd.saved = out
-            return out[0], out[1]
+            return out[0], out[1], out
 
         def bwd(do, q, k, v, o, lse, c, saved):
             _, _, cq, ck, mq, mk, seed, offset, _ = saved
@@ -78,8 +78,7 @@ def _block_fns(provider):
     if provider == "cudnn":
         def fwd(q, k, v, c):
             out = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, c)
-            fwd.saved = out
-            return out[0], out[1].reshape(q.shape[:3])
+            return out[0], out[1].reshape(q.shape[:3]), out
 
         def bwd(do, q, k, v, o, lse, c, saved):
             _, lse_raw, cq, ck, mq, mk, seed, offset, _ = saved
@@ -130,7 +129,7 @@ def time_rank(n, world_size=2, provider="course", rank=0, seed=0):
 
     def forward():
         for c, (qb, kb, vb, _) in zip(calls, views):
-            o_b, lse_b = fwd(qb, kb, vb, c["causal"])
+            o_b, lse_b, _ = fwd(qb, kb, vb, c["causal"])
             rows = slice(c["q_start"], c["q_start"] + c["q_len"])
             if c["merged"]:
                 merge_partials_(acc[:, :, rows], lse[:, :, rows], o_b, lse_b)
@@ -138,10 +137,8 @@ def time_rank(n, world_size=2, provider="course", rank=0, seed=0):
                 acc[:, :, rows].copy_(o_b)
                 lse[:, :, rows].copy_(lse_b)
 
-    saved = []
-    for c, (qb, kb, vb, _) in zip(calls, views):  # each block's own (o, lse) for its backward call
-        o_b, lse_b = fwd(qb, kb, vb, c["causal"])
-        saved.append((o_b, lse_b, getattr(fwd, "saved", None)))
+    # each block's own (o, lse) for its backward call (the flash backward takes its lse as the forward returned it)
+    saved = [fwd(qb, kb, vb, c["causal"]) for c, (qb, kb, vb, _) in zip(calls, views)]
 
     def backward():
         for c, (qb, kb, vb, dob), (o_b, lse_b, s) in zip(calls, views, saved):
@@ -158,15 +155,17 @@ def time_rank(n, world_size=2, provider="course", rank=0, seed=0):
     return row, out
 
 
-def _fmt(row, key):
-    return "—" if row.get(key) is None else f"{row[key]:.2f}"
-
-
 def write_results(rows, out, meta):
-    """``ring_blocks.json`` and ``ring_blocks.md`` in ``out``; returns the markdown."""
+    """``ring_blocks.json`` and ``ring_blocks.md`` in ``out``; returns the markdown.
+
+    The table is :func:`course_utils.results.markdown`'s, the one lesson 10 shows.
+    """
+    from .. import results
+
     os.makedirs(out, exist_ok=True)
+    doc = dict(meta=meta, rows=rows)
     with open(os.path.join(out, "ring_blocks.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(doc, f, indent=1)
     lines = [f"# The ring's block work on one GPU (one rank of {meta['world_size']})", "",
              f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}. bf16, causal, zigzag, "
              f"{N_Q_HEADS} query heads / {N_KV_HEADS} kv heads, D = {HEAD_DIM}, batch 1; "
@@ -176,23 +175,12 @@ def write_results(rows, out, meta):
              "course_fused_merge, which merges with one Triton kernel, `course_utils.kernels.merge`); "
              "backward = the backward's block calls. TFLOP/s count visible pairs only. flash and cuDNN = SDPA's "
              "kernels (`torch.ops.aten._scaled_dot_product_{flash,cudnn}_attention` and their backwards), with K/V "
-             "repeated to every query head once, outside the timing.", "",
-             "| N | provider | calls | kernels ms | forward ms | merges ms | forward TFLOP/s | backward ms | "
-             "course's time / this one's, forward | the same, backward |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    by = {(r["n"], r["provider"]): r for r in rows}
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['n']} | {r['provider']} | — | {r['error']} | | | | | | |")
-            continue
-        course = by.get((r["n"], "course"), {})
-        ratio = (lambda key: f"{course[key] / r[key]:.2f}×" if course.get(key) and r.get(key) else "—")
-        lines.append(f"| {r['n']} | {r['provider']} | {r['calls']} | {_fmt(r, 'kernels_ms')} | {_fmt(r, 'forward_ms')} | "
-                     f"{r['forward_ms'] - r['kernels_ms']:.2f} | {r['tflop_fwd'] / r['forward_ms'] * 1e3:.0f} | "
-                     f"{_fmt(r, 'backward_ms')} | {ratio('forward_ms')} | {ratio('backward_ms')} |")
-    notes = [f"- N = {r['n']}, {r['provider']}: rank output vs the course's, largest error relative to the largest "
-             f"value: {r['rel_err_vs_course']:.1e}." for r in rows if r.get("rel_err_vs_course") is not None]
-    lines += ["", "A time ratio above 1 means this provider's blocks take less time than the course's.", "", *notes]
+             "repeated to every query head once, outside the timing. course / this = this provider's time over "
+             "the course's: above 1, the course's blocks are faster.", "",
+             *results.markdown("ring_blocks", doc=doc).splitlines()[2:], ""]
+    lines += [f"- N = {r['n']}, {r['provider']}: not timed ({r['error']})." for r in rows if "error" in r]
+    lines += [f"- N = {r['n']}, {r['provider']}: rank output vs the course's, largest error relative to the "
+              f"largest value: {r['rel_err_vs_course']:.1e}." for r in rows if r.get("rel_err_vs_course") is not None]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "ring_blocks.md"), "w") as f:
         f.write(text)
