@@ -3,7 +3,9 @@
 While K/V travel, a rank of the ring computes: one attention call per block
 pair that :func:`~course_utils.distributed.step_plan` keeps, each returning
 ``(o, lse)``, and a merge of each into the running output
-(:func:`~course_utils.distributed.merge_partials_`); the backward, one
+(on a GPU the ring merges with one Triton kernel, :mod:`course_utils.kernels.merge`:
+the ``course_fused_merge`` provider; ``course`` is the same blocks with the torch merge
+:func:`~course_utils.distributed.merge_partials_`); the backward, one
 backward call per pair. Those calls are all the ring's work apart from the
 exchange it overlaps, so their time on one GPU, at the shapes a rank of a
 ``world_size`` ring sees, says how much of the gap to PyTorch's context

@@ -1,0 +1,179 @@
+"""Time the fast backward's launch configurations against lesson 07's kernels and SDPA's backwards.
+
+Every configuration of ``course_utils.kernels.fast_backward`` (``CONFIGS`` and
+the extra candidates below) is run on the benchmark's heads (bf16, GQA 32/8,
+D = 128, 16k tokens per batch), its gradients compared with SDPA cuDNN's,
+and then timed, backward alone, side by side in one run with:
+
+- lesson 07's two kernels (``BackwardConfig``, the default before the fast path);
+- SDPA flash's and cuDNN's backwards (``torch.autograd.grad`` of their forward's output);
+- each provider's forward, so that forward + backward can be compared too.
+
+It also prints registers per thread, spills and shared memory of each
+configuration (how many programs fit on one SM), and whether two runs of the
+same launch give the same bits (the atomic mode does not).
+
+    python benchmarks/tune_backward.py [--ns 4096 16384] [--out results/tune_backward.json]
+
+Needs a CUDA GPU (Hopper: ``fast_backward`` is tuned for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import course_utils  # noqa: F401  (first, as in every notebook)
+from course_utils import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (mode, block_m1, block_n1, block_m2, block_n2, num_warps, num_stages[, use_tma]), beyond fast_backward.CONFIGS
+EXTRA = [
+    # measured slower on the H200 (results/tune_backward.json): kept so that a change is checked against them
+    ("fused", 64, 128, 128, 64, 8, 2),
+    ("fused", 64, 128, 128, 32, 8, 2),
+    ("fused", 64, 128, 128, 32, 8, 3),
+    ("fused", 32, 128, 128, 32, 4, 2),
+    ("fused", 32, 128, 128, 32, 4, 3),
+    ("fused", 32, 128, 128, 32, 8, 2),
+    ("fused", 32, 64, 64, 32, 4, 3),
+    ("fused", 16, 128, 128, 16, 4, 3),
+    ("fused", 64, 128, 128, 64, 8, 2, True),
+    ("atomic", 32, 128, 128, 32, 4, 2),
+    ("atomic", 32, 128, 128, 32, 8, 2),
+    ("atomic", 64, 64, 64, 64, 4, 2),
+    ("atomic", 64, 64, 64, 64, 4, 3),
+    ("atomic", 32, 64, 64, 32, 4, 3),
+    ("atomic", 128, 128, 128, 128, 8, 2),  # needs 257 KiB of shared memory: refused by the compiler
+    # TMA loads of q and dO and TMA's reduce-add of dQ
+    ("atomic", 64, 128, 128, 64, 8, 2, True),
+    ("atomic", 32, 128, 128, 32, 8, 2, True),
+    ("atomic", 32, 128, 128, 32, 8, 3, True),
+    ("atomic", 64, 64, 64, 64, 4, 2, True),
+    ("atomic", 64, 64, 64, 64, 4, 3, True),
+    ("atomic", 32, 64, 64, 32, 4, 3, True),
+    ("atomic", 32, 64, 64, 32, 4, 2, True),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ns", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--causal", choices=["causal", "both"], default="both",
+                        help="both: every configuration causal, and the three fastest also non-causal")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if not bench.gpu_available():
+        print(bench.NO_GPU_MESSAGE)
+        return 0
+
+    import torch
+    import torch.nn.functional as F
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from course_utils.kernels import fast_backward as fb
+    from course_utils.kernels import flash_attention_with_lse
+    from course_utils.kernels.backward import attention_backward, default_config
+
+    candidates = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in EXTRA]))
+    hq, hkv, d, tokens = 32, 8, 128, 16384
+    rows = []
+
+    def run_case(n, causal, configs):
+        b = max(1, tokens // n)
+        g = torch.Generator(device="cuda").manual_seed(n)
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+        do = torch.randn(q.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+        o, lse = flash_attention_with_lse(q, k, v, causal=causal)
+        sdpa = {}
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            if name == "sdpa_flash":  # its kernel takes no GQA: K/V repeated outside the timing
+                kk, vv = (t.detach().repeat_interleave(hq // hkv, dim=1).requires_grad_() for t in (k, v))
+
+            def fwd(qq=qq, kk=kk, vv=vv, backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal, enable_gqa=kk.shape[1] != hq)
+
+            out = fwd()
+            grads = torch.autograd.grad(out, (qq, kk, vv), do, retain_graph=True)
+            if name == "sdpa_flash":
+                grads = (grads[0],) + tuple(t.unflatten(1, (hkv, hq // hkv)).sum(2) for t in grads[1:])
+            sdpa[name] = [t.float() for t in grads]
+            fwd_ms = triton.testing.do_bench(fwd, warmup=10, rep=100, return_mode="median")
+            bwd_ms = triton.testing.do_bench(lambda out=out, qq=qq, kk=kk, vv=vv: torch.autograd.grad(
+                out, (qq, kk, vv), do, retain_graph=True), warmup=10, rep=100, return_mode="median")
+            rows.append(dict(n=n, batch=b, causal=causal, name=name, fwd_ms=fwd_ms, bwd_ms=bwd_ms))
+        ref = sdpa["sdpa_cudnn"]
+        course_fwd = triton.testing.do_bench(lambda: flash_attention_with_lse(q, k, v, causal=causal), warmup=10,
+                                             rep=100, return_mode="median")
+
+        def timed(name, fn, info=None):
+            try:
+                got = fn()
+                err = max((torch.linalg.vector_norm(a.float() - r) / torch.linalg.vector_norm(r)).item()
+                          for a, r in zip(got, ref))
+                if not err <= bench.TOLERANCE:
+                    raise RuntimeError(f"wrong: relative error {err:.2e} against cuDNN")
+                again = fn()
+                same = all(torch.equal(a, c) for a, c in zip(got, again))
+                ms = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+                rows.append(dict(n=n, batch=b, causal=causal, name=name, fwd_ms=course_fwd, bwd_ms=ms, err=err,
+                                 same_bits=same, **(info or {})))
+            except Exception as exc:  # one configuration failing must not stop the sweep
+                msg = str(exc).strip().splitlines()[0][:150] if str(exc).strip() else ""
+                rows.append(dict(n=n, batch=b, causal=causal, name=name, bwd_ms=None, note=f"{type(exc).__name__}: {msg}"))
+
+        lesson = default_config(d, "cuda", torch.cuda.get_device_capability(), q.dtype)
+        timed("lesson 07 " + repr(lesson), lambda: attention_backward(q, k, v, o, lse, do, causal, config=lesson))
+        for cfg in configs:
+            stats = {}
+            try:
+                fb.attention_backward_fast(q, k, v, o, lse, do, causal, config=cfg, stats=stats)
+            except Exception:
+                pass
+            timed(cfg.short(), lambda cfg=cfg: fb.attention_backward_fast(q, k, v, o, lse, do, causal, config=cfg),
+                  stats)
+        mine = [r for r in rows if r["n"] == n and r["causal"] == causal]
+        cudnn = next(r for r in mine if r["name"] == "sdpa_cudnn")
+        print(f"\n== N={n} B={b} causal={causal}: cuDNN fwd {cudnn['fwd_ms']:.2f} bwd {cudnn['bwd_ms']:.2f} ms; "
+              f"course fwd {course_fwd:.2f} ms")
+        for r in sorted(mine, key=lambda r: r.get("bwd_ms") or 1e9):
+            if r.get("bwd_ms") is None:
+                print(f"  {r['name']:<44} {r.get('note')}")
+                continue
+            total = r["fwd_ms"] + r["bwd_ms"]
+            ratio_b = cudnn["bwd_ms"] / r["bwd_ms"]
+            ratio_t = (cudnn["fwd_ms"] + cudnn["bwd_ms"]) / total
+            extra = ""
+            if "registers" in r:
+                extra = f" regs {r['registers']} spills {r['spills']} smem {(r['shared'] or 0) // 1024} KiB"
+            if "same_bits" in r:
+                extra += " same bits" if r["same_bits"] else " bits differ between runs"
+            print(f"  {r['name']:<44} bwd {r['bwd_ms']:7.2f} ms ({ratio_b:.2f}x cuDNN)  fwd+bwd {total:7.2f} ms "
+                  f"({ratio_t:.2f}x cuDNN){extra}")
+        del q, k, v, do, o, lse, sdpa, ref
+        torch.cuda.empty_cache()
+        return sorted((r for r in mine if r.get("bwd_ms") and "registers" in r), key=lambda r: r["bwd_ms"])
+
+    best = []
+    for n in args.ns:
+        ranked = run_case(n, True, candidates)
+        best += [r["name"] for r in ranked[:3]]
+    if args.causal == "both":
+        top = [c for c in candidates if c.short() in set(best)]
+        for n in args.ns:
+            run_case(n, False, top)
+    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    if args.out:
+        args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,348 @@
+"""Two other layouts of the backward, measured against lesson 07's: neither is faster.
+
+Lesson 07's backward (:mod:`.backward`) launches two kernels after the
+``delta`` preprocess: one program per key block for ``dK, dV`` and one per
+query block for ``dQ``. Both recompute ``P``, so the pair does 7 matrix
+products per tile where a one-pass backward does 5. This module keeps the
+same tile arithmetic and lays the work out differently, in one kernel,
+:func:`_attn_bwd_fast`, with two modes:
+
+- ``"fused"`` (deterministic). Program ``i`` computes ``dK, dV`` for key
+  block ``i`` (every query head of its GQA group, in a fixed order) and then
+  ``dQ`` for query block ``i`` of the same heads. Under a causal mask key
+  block ``i`` is seen by the query blocks after it and query block ``i`` sees
+  the key blocks before it, so every program does the same work: one launch
+  with no long tail. No two programs write the same rows, so the gradients
+  are the same bit for bit on every run.
+- ``"atomic"`` (one pass). The ``dK, dV`` loop also computes each tile's
+  ``dS K`` and adds it into an fp32 ``dQ`` buffer (5 products per tile,
+  FlashAttention-2's scheme), with ``tl.atomic_add`` or, ``use_tma``, TMA's
+  bulk reduce-add. The order in which programs add into a row changes from
+  run to run and fp32 addition is not associative, so ``dQ`` differs in its
+  last bits between runs.
+
+Measured on the H200 (``benchmarks/tune_backward.py``, ``results/tune_backward.json``:
+bf16, causal, GQA 32/8, D = 128, triton 3.6), every configuration of both
+modes was slower than lesson 07's pair (13.5-13.7 ms at N = 16k against
+14.2 ms for the best fused one and 14.6 ms for the best atomic one; cuDNN
+10.5 ms): at 255 registers per thread the compiler spills 50-150 values per
+thread in both, where lesson 07's two smaller kernels each fit. So
+:func:`course_utils.kernels.backward.attention_backward` runs lesson 07's
+kernels by default on every machine, and this kernel only when a
+:class:`FastBackwardConfig` is passed as its ``config``.
+
+It covers self-attention (``N_q == N_k``), ``N`` a multiple of the largest
+block, ``D`` of 64 or 128, 16-bit inputs, causal or not, MHA/GQA/MQA;
+:func:`unsupported_reason` says what it does not take. It runs in the
+interpreter too (all but TMA's reduce-add), which is how
+``tests/test_kernels_fast_backward.py`` checks it on the CPU; every
+configuration in :data:`CONFIGS` is checked on a Hopper GPU by
+``tests/test_gpu_fast_backward.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (Triton >= 3.3); without them use_tma is refused
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+__all__ = ["FastBackwardConfig", "CONFIGS", "default_config", "supports", "unsupported_reason",
+           "attention_backward_fast", "MODES"]
+
+MODES = ("fused", "atomic")
+
+
+@dataclass(frozen=True)
+class FastBackwardConfig:
+    """One launch of :func:`_attn_bwd_fast`.
+
+    ``block_m1 x block_n1``: the dK/dV loop's query and key tiles (the key
+    block stays in registers, the query blocks stream past it);
+    ``block_m2 x block_n2``: the dQ loop's (the mirror image; ``"fused"`` only,
+    and ``block_m2 == block_n1`` so that program ``i`` owns key block ``i`` and
+    query block ``i``). ``mode``: ``"fused"`` (deterministic) or ``"atomic"``.
+    ``use_tma``: the dK/dV loop loads its ``q`` and ``dO`` tiles through TMA
+    descriptors, and the atomic mode adds its ``dQ`` tiles with TMA's
+    reduce-add (one bulk ``cp.reduce.async.bulk`` per tile instead of one
+    atomic per element).
+    """
+
+    mode: str = "fused"
+    block_m1: int = 64
+    block_n1: int = 128
+    block_m2: int = 128
+    block_n2: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    use_tma: bool = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for value in (self.block_m1, self.block_n1, self.block_m2, self.block_n2):
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"block sizes must be powers of two >= 16 (tl.dot needs 16), got {value}")
+        if self.block_n1 % self.block_m1 or self.block_m2 % self.block_n2:
+            raise ValueError("block_n1 must be a multiple of block_m1, and block_m2 of block_n2 "
+                             "(the causal loops split at block boundaries)")
+        if self.mode == "fused" and self.block_m2 != self.block_n1:
+            raise ValueError("the fused mode needs block_m2 == block_n1: program i owns key block i and query block i")
+
+    @property
+    def largest_block(self) -> int:
+        return max(self.block_m1, self.block_n1, self.block_m2, self.block_n2)
+
+    def short(self) -> str:
+        tail = f" dq {self.block_m2}x{self.block_n2}" if self.mode == "fused" else ""
+        return (f"{self.mode} dkdv {self.block_m1}x{self.block_n1}{tail} "
+                f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.use_tma else ""))
+
+
+# The fastest configurations of each mode on the H200 (benchmarks/tune_backward.py,
+# results/tune_backward.json); tests/test_gpu_fast_backward.py checks every one of them.
+CONFIGS = (
+    FastBackwardConfig("fused", 64, 128, 128, 64, 8, 3),  # the fused default: 14.28 ms at N = 16k
+    FastBackwardConfig("fused", 64, 128, 128, 64, 8, 3, True),
+    FastBackwardConfig("fused", 64, 64, 64, 64, 4, 2),
+    FastBackwardConfig("atomic", 64, 128, 128, 64, 8, 3),  # the atomic default: 14.58 ms at N = 16k
+    FastBackwardConfig("atomic", 64, 128, 128, 64, 8, 2),
+    FastBackwardConfig("atomic", 64, 128, 128, 64, 8, 3, True),
+)
+
+_DEFAULT = {"fused": CONFIGS[0], "atomic": CONFIGS[3]}
+
+
+def default_config(mode: str = "fused", head_dim: int = 128) -> FastBackwardConfig:
+    """The configuration :func:`attention_backward_fast` uses for ``mode`` (and ``head_dim``)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return _DEFAULT[mode]
+
+
+def unsupported_reason(q, k, v, config: FastBackwardConfig | None = None) -> str | None:
+    """Why the fast backward cannot take this call (``None``: it can)."""
+    cfg = config or default_config()
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype}: the fast backward takes float16 or bfloat16"
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "q, k and v must share one dtype"
+    if q.shape[-1] not in (64, 128):
+        return f"head dim {q.shape[-1]}: the fast backward takes 64 or 128"
+    if q.shape[2] != k.shape[2]:
+        return "the fast backward takes self-attention only (as many keys as queries)"
+    if cfg.use_tma and TensorDescriptor is None:
+        return "use_tma needs triton.tools.tensor_descriptor (Triton >= 3.3)"
+    if q.shape[2] % cfg.largest_block:
+        return f"N = {q.shape[2]} is not a multiple of {cfg.largest_block} (the largest block)"
+    return None
+
+
+def supports(q, k, v, config: FastBackwardConfig | None = None) -> bool:
+    """``True`` when :func:`attention_backward_fast` takes these inputs."""
+    return unsupported_reason(q, k, v, config) is None
+
+
+# -----------------------------------------------------------------------------
+# The kernel, in three stages: the dK/dV tile step (and, atomic, its dQ share),
+# the dQ tile step, and the program that runs the loops.
+# -----------------------------------------------------------------------------
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                stride_qn, stride_qd, stride_don, stride_dod, stride_dqn, stride_dqd,
+                offs_n, offs_d, lo, hi, qk_scale, sm_scale, desc_q, desc_do, desc_dq, row0,
+                BLOCK_M: tl.constexpr, MASK: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr):
+    """dK, dV (keys on the rows) from query blocks [lo, hi); with ATOMIC_DQ also dQ's share.
+
+    With USE_TMA the q and dO tiles come through descriptors over the 2-D
+    ``[B*H_q*N, D]`` views (``row0``: this head's first row there).
+    """
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        if USE_TMA:
+            q = desc_q.load([row0 + start_m, 0])
+            do = desc_do.load([row0 + start_m, 0])
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd)
+            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod)
+        lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634  # natural log -> base 2
+        delta = tl.load(delta_base + offs_m)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        if MASK:  # the diagonal tiles: key j is invisible to query i < j
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        ds_t = (p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
+        dk += tl.dot(ds_t, q)
+        if ATOMIC_DQ:  # this tile's share of dQ = sm_scale * dS K, added into the fp32 buffer
+            dq = tl.dot(tl.trans(ds_t), k) * sm_scale
+            if USE_TMA:
+                desc_dq.atomic_add([row0 + start_m, 0], dq)
+            else:
+                tl.atomic_add(dq_base + offs_m[:, None] * stride_dqn + offs_d[None, :] * stride_dqd, dq,
+                              sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+              offs_m, offs_d, lo, hi, qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+    """dQ of one query block from key blocks [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if MASK:
+            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_fast(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, desc_q, desc_do, desc_dq,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_lseb, stride_lseh, stride_deltab, stride_deltah,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    n_kv_heads, group_size, N, sm_scale,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    offs_d = tl.arange(0, HEAD_DIM)
+    qk_scale = sm_scale * 1.4426950408889634
+    k_base = K + b * stride_kb + kv_head * stride_kh
+    v_base = V + b * stride_vb + kv_head * stride_vh
+
+    # Stage 1: dK, dV of key block `pid`, summed over the group's query heads in a fixed order.
+    start_n = pid * BLOCK_N1
+    offs_n = start_n + tl.arange(0, BLOCK_N1)
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+    dk = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N1, HEAD_DIM], dtype=tl.float32)
+    for g in range(0, group_size):
+        q_head = kv_head * group_size + g
+        q_base = Q + b * stride_qb + q_head * stride_qh
+        do_base = DO + b * stride_dob + q_head * stride_doh
+        lse_base = LSE + b * stride_lseb + q_head * stride_lseh
+        delta_base = DELTA + b * stride_deltab + q_head * stride_deltah
+        dq_base = DQ + b * stride_dqb + q_head * stride_dqh
+        row0 = (b * n_kv_heads * group_size + q_head) * N  # this head's first row in the 2-D views
+        if CAUSAL:  # queries before start_n see none of these keys; the next BLOCK_N1 rows cross the diagonal
+            dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                                 stride_qn, stride_qd, stride_don, stride_dod, stride_dqn, stride_dqd,
+                                 offs_n, offs_d, start_n, start_n + BLOCK_N1, qk_scale, sm_scale,
+                                 desc_q, desc_do, desc_dq, row0, BLOCK_M1, True, ATOMIC_DQ, USE_TMA)
+            lo = start_n + BLOCK_N1
+        else:
+            lo = 0
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
+                             stride_qn, stride_qd, stride_don, stride_dod, stride_dqn, stride_dqd,
+                             offs_n, offs_d, lo, N, qk_scale, sm_scale,
+                             desc_q, desc_do, desc_dq, row0, BLOCK_M1, False, ATOMIC_DQ, USE_TMA)
+    dk *= sm_scale
+    tl.store(DK + b * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
+             dk.to(DK.dtype.element_ty))
+    tl.store(DV + b * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty))
+
+    # Stage 2 (fused mode): dQ of query block `pid` of each of the group's heads. Causal,
+    # it sees key blocks [0, start_m) whole and [start_m, start_m + BLOCK_M2) across the diagonal.
+    if not ATOMIC_DQ:
+        start_m = pid * BLOCK_M2
+        offs_m = start_m + tl.arange(0, BLOCK_M2)
+        for g in range(0, group_size):
+            q_head = kv_head * group_size + g
+            q = tl.load(Q + b * stride_qb + q_head * stride_qh + offs_m[:, None] * stride_qn
+                        + offs_d[None, :] * stride_qd)
+            do = tl.load(DO + b * stride_dob + q_head * stride_doh + offs_m[:, None] * stride_don
+                         + offs_d[None, :] * stride_dod)
+            lse2 = tl.load(LSE + b * stride_lseb + q_head * stride_lseh + offs_m) * 1.4426950408889634
+            delta = tl.load(DELTA + b * stride_deltab + q_head * stride_deltah + offs_m)
+            dq = tl.zeros([BLOCK_M2, HEAD_DIM], dtype=tl.float32)
+            if CAUSAL:
+                dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_d, 0, start_m, qk_scale, BLOCK_N2, False)
+                dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_d, start_m, start_m + BLOCK_M2, qk_scale, BLOCK_N2, True)
+            else:
+                dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_d, 0, N, qk_scale, BLOCK_N2, False)
+            dq *= sm_scale
+            tl.store(DQ + b * stride_dqb + q_head * stride_dqh + offs_m[:, None] * stride_dqn
+                     + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty))
+
+
+def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *, delta=None,
+                            config: FastBackwardConfig | None = None, mode: str | None = None, stats=None):
+    """``(dq, dk, dv)`` by the fast backward; the arguments are :func:`.backward.attention_backward`'s.
+
+    ``delta = rowsum(do * o)`` ([B, H_q, N] fp32) may be passed in (the
+    launcher of :mod:`.backward` computes it with lesson 07's preprocess
+    kernel); otherwise it is computed here in fp32. ``config`` (or ``mode``,
+    which picks that mode's :func:`default_config`) chooses the launch.
+    Raises ``ValueError`` with :func:`unsupported_reason`'s sentence for
+    inputs it does not cover. ``stats``, a dict, receives what the compiler
+    made of the launch (registers per thread, spills, shared memory in bytes).
+    """
+    if config is None:
+        config = default_config(mode or "fused", q.shape[-1])
+    elif mode is not None and mode != config.mode:
+        raise ValueError(f"mode={mode!r} contradicts config.mode={config.mode!r}")
+    reason = unsupported_reason(q, k, v, config)
+    if reason:
+        raise ValueError(reason)
+    B, n_q_heads, N, D = q.shape
+    n_kv_heads = k.shape[1]
+    if n_kv_heads == 0 or n_q_heads % n_kv_heads:
+        raise ValueError(f"{n_q_heads} query heads cannot be shared evenly among {n_kv_heads} kv heads")
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    lse = lse.float().contiguous()  # the kernel reads each row's lse at stride 1
+    if delta is None:
+        delta = (o.float() * do.float()).sum(-1)
+    delta = delta.float().contiguous()
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    atomic = config.mode == "atomic"
+    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else torch.empty_like(q)
+    if q.numel() == 0:
+        return dq.to(q.dtype), dk.zero_(), dv.zero_()
+    descs = (None, None, None)
+    if config.use_tma:  # descriptors over the 2-D [B*H_q*N, D] views of contiguous tensors
+        q, do = q.contiguous(), do.contiguous()
+
+        def desc(t):
+            return TensorDescriptor(t, shape=[t.numel() // D, D], strides=[D, 1], block_shape=[config.block_m1, D])
+
+        descs = (desc(q), desc(do), desc(dq) if atomic else None)
+    compiled = _attn_bwd_fast[(N // config.block_n1, B * n_kv_heads)](
+        q, k, v, do, lse, delta, dk, dv, dq, *descs,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1),
+        *dk.stride(), *dv.stride(), *dq.stride(),
+        n_kv_heads, n_q_heads // n_kv_heads, N, sm_scale,
+        BLOCK_M1=config.block_m1, BLOCK_N1=config.block_n1, BLOCK_M2=config.block_m2, BLOCK_N2=config.block_n2,
+        HEAD_DIM=D, CAUSAL=bool(causal), ATOMIC_DQ=atomic, USE_TMA=config.use_tma,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if stats is not None:
+        stats.update(registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
+                     shared=getattr(getattr(compiled, "metadata", None), "shared", None))
+    return (dq.to(q.dtype) if atomic else dq), dk, dv

@@ -1,0 +1,138 @@
+"""The fast backward (course_utils.kernels.fast_backward) on the CPU, and on a GPU the same way.
+
+In Triton's interpreter the kernel runs with small tiles, both modes, TMA
+loads included (TMA's reduce-add, the atomic mode's ``use_tma``, is not in
+the interpreter: ``test_gpu_fast_backward.py`` checks it on a Hopper GPU).
+Gradients are compared with float64 autograd of plain attention; the
+routing of :func:`course_utils.kernels.backward.attention_backward` is
+checked by pretending to be each kind of GPU.
+"""
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+import pytest
+import torch
+
+from course_utils.kernels import backward, fast_backward as fb
+
+from conftest import DEVICE, ON_GPU
+
+FP16 = torch.float16
+
+
+def _inputs(b, hq, hkv, n, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(DEVICE, FP16) for h in (hq, hkv, hkv))
+    return q, k, v, torch.randn(q.shape, generator=g).to(DEVICE, FP16)
+
+
+def _float64(q, k, v, do, causal):
+    """(o, lse, dq, dk, dv) of softmax(q k^T / sqrt(D)) v in float64 (GQA: k, v repeated)."""
+    q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(group, dim=1) for t in (k64, v64))
+    s = q64 @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.softmax(s, -1) @ vv
+    o.backward(do.double().cpu())
+    return o.detach(), torch.logsumexp(s, -1).detach(), q64.grad, k64.grad, v64.grad
+
+
+def _saved(q, k, v, do, causal):
+    """What the forward saves, from float64 math: ``o`` in the inputs' dtype, ``lse`` in fp32."""
+    o, lse, *grads = _float64(q, k, v, do, causal)
+    return o.to(DEVICE, q.dtype), lse.to(DEVICE, torch.float32), grads
+
+
+def _assert_close(got, ref, tol=5e-3):
+    for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+        assert a.shape == r.shape and a.dtype == FP16, name
+        rel = (torch.linalg.vector_norm(a.double().cpu() - r) / torch.linalg.vector_norm(r)).item()
+        assert rel < tol, f"{name}: relative error {rel:.2e}"
+
+
+SMALL = [
+    fb.FastBackwardConfig("fused", 32, 64, 64, 32, 4, 1),
+    fb.FastBackwardConfig("fused", 16, 64, 64, 16, 4, 1, True),
+    fb.FastBackwardConfig("atomic", 32, 64, 64, 32, 4, 1),
+    fb.FastBackwardConfig("atomic", 16, 32, 32, 16, 4, 1, True),
+]
+
+
+@pytest.mark.parametrize("config", SMALL, ids=lambda c: c.short().replace(" ", "_"))
+@pytest.mark.parametrize("b, hq, hkv, n, d, causal", [
+    (1, 4, 2, 128, 64, True),  # GQA, two query heads per kv head
+    (2, 2, 2, 64, 64, False),  # MHA
+    (1, 3, 1, 192, 128, True),  # MQA, D = 128, three diagonal blocks
+])
+def test_both_modes_match_float64(config, b, hq, hkv, n, d, causal):
+    if config.mode == "atomic" and config.use_tma and not ON_GPU:
+        pytest.skip("TMA's reduce-add is not in the interpreter: test_gpu_fast_backward.py checks it")
+    q, k, v, do = _inputs(b, hq, hkv, n, d, seed=n + hq)
+    o, lse, ref = _saved(q, k, v, do, causal)
+    _assert_close(fb.attention_backward_fast(q, k, v, o, lse, do, causal, config=config), ref)
+
+
+def test_delta_passed_in_or_computed_give_the_same_gradients():
+    q, k, v, do = _inputs(1, 2, 1, 64, 64, seed=4)
+    o, lse, _ = _saved(q, k, v, do, True)
+    cfg = SMALL[0]
+    delta = (o.float() * do.float()).sum(-1)
+    a = fb.attention_backward_fast(q, k, v, o, lse, do, True, config=cfg)
+    c = fb.attention_backward_fast(q, k, v, o, lse, do, True, config=cfg, delta=delta)
+    assert all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(dtype=torch.float32), "float16 or bfloat16"),
+    (dict(d=96), "head dim 96"),
+    (dict(n_k=64), "self-attention"),
+    (dict(n=96), "not a multiple of 128"),
+])
+def test_what_it_does_not_take_is_said_in_one_sentence(change, words):
+    n, d = change.get("n", 128), change.get("d", 64)
+    dtype = change.get("dtype", FP16)
+    q = torch.zeros(1, 2, n, d, dtype=dtype)
+    k = torch.zeros(1, 1, change.get("n_k", n), d, dtype=dtype)
+    assert words in fb.unsupported_reason(q, k, k)
+    assert not fb.supports(q, k, k)
+    with pytest.raises(ValueError, match=words):
+        fb.attention_backward_fast(q, k, k, q, torch.zeros(1, 2, n), q)
+
+
+def test_a_configuration_that_cannot_work_is_refused():
+    with pytest.raises(ValueError, match="block_m2 == block_n1"):
+        fb.FastBackwardConfig("fused", 32, 64, 128, 32)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        fb.FastBackwardConfig("sometimes")
+    with pytest.raises(ValueError, match="powers of two"):
+        fb.FastBackwardConfig("atomic", 48, 96, 96, 48)
+    assert fb.default_config().mode == "fused" and fb.default_config("atomic").mode == "atomic"
+    assert fb.default_config() in fb.CONFIGS and fb.default_config("atomic") in fb.CONFIGS
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = fb.attention_backward_fast
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("config"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fb, "attention_backward_fast", spy)
+    return calls
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), None])
+def test_lesson_07_kernels_run_unless_a_fast_config_is_given(monkeypatch, capability):
+    """The default is lesson 07's pair on every machine, Hopper included (it measured faster there)."""
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(backward, "_capability", lambda device: capability)
+    q, k, v, do = _inputs(1, 2, 1, 64, 64, seed=8)
+    o, lse, ref = _saved(q, k, v, do, False)
+    _assert_close(backward.attention_backward(q, k, v, o, lse, do), ref)
+    assert calls == []
+    _assert_close(backward.attention_backward(q, k, v, o, lse, do, config=SMALL[2]), ref)
+    assert calls == [SMALL[2]]
+    with pytest.raises(ValueError, match="plain attention"):
+        backward.attention_backward(q, k, v, o, lse, do, causal=True, window_size=16, config=SMALL[0])
