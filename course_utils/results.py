@@ -67,6 +67,13 @@ COLUMNS = {
         ("cudnn_ms", "SDPA cuDNN ms", ".2f", ""), ("course_over_flash", "course / flash", ".2f", "×"),
         ("course_over_cudnn", "course / cuDNN", ".2f", "×"),
     ],
+    "tune_backward": [
+        ("run", "run", "d", ""), ("N", "N", "d", ""), ("causal", "causal", "", ""), ("layout", "layout", "", ""),
+        ("config", "its fastest configuration", "", ""), ("bwd_ms", "backward ms", ".2f", ""),
+        ("cudnn_over_bwd", "cuDNN / this, backward speed", ".2f", "×"),
+        ("cudnn_over_total", "cuDNN / this, forward + backward speed", ".2f", "×"),
+        ("spills", "spilled registers per thread", "", ""), ("same_bits", "same bits twice", "", ""),
+    ],
 }
 
 
@@ -181,8 +188,41 @@ def _training(d):
     return out
 
 
+def _tune_layout(name: str) -> str:
+    if name.startswith("lesson 07"):
+        return "lesson 07 (two kernels)"
+    mode = name.split()[0]
+    return mode + (" + TMA" if name.endswith(" tma") else "")
+
+
+def _tune_backward(d):
+    """Per run, N and causal: lesson 07's kernels and the fastest configuration of each other layout."""
+    out = []
+    for run, doc in enumerate(d["runs"], 1):
+        cases = sorted({(r["n"], r["causal"]) for r in doc["rows"]}, key=lambda c: (not c[1], c[0]))
+        for n, causal in cases:
+            here = [r for r in doc["rows"] if r["n"] == n and r["causal"] == causal]
+            cudnn = next(r for r in here if r["name"] == "sdpa_cudnn")
+            best = {}
+            for r in here:
+                if r.get("bwd_ms") is None or r["name"].startswith("sdpa"):
+                    continue
+                layout = _tune_layout(r["name"])
+                if layout not in best or r["bwd_ms"] < best[layout]["bwd_ms"]:
+                    best[layout] = r
+            for layout, r in sorted(best.items(), key=lambda kv: kv[1]["bwd_ms"]):
+                out.append(dict(run=run, N=n, causal="yes" if causal else "no", layout=layout,
+                                config="as lesson 07" if layout.startswith("lesson") else r["name"],
+                                bwd_ms=r["bwd_ms"], cudnn_over_bwd=_ratio(cudnn["bwd_ms"], r["bwd_ms"]),
+                                cudnn_over_total=_ratio(cudnn["fwd_ms"] + cudnn["bwd_ms"], r["fwd_ms"] + r["bwd_ms"]),
+                                spills="—" if r.get("spills") is None else str(r["spills"]),
+                                same_bits="yes" if r.get("same_bits") else "no"))
+    return out
+
+
 _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, "decode_splits": _decode_splits,
-         "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training}
+         "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training,
+         "tune_backward": _tune_backward}
 
 
 def rows(name: str, *, doc: dict | None = None, **where) -> list[dict]:
