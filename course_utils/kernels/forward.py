@@ -1082,13 +1082,17 @@ def validate_window(causal, window_size, sink_size) -> None:
 
 
 def flash_attention_window_forward(q, k, v, *, window_size, sink_size=0,
-                                   block_m: int | None = None, block_n: int | None = None, _validated: bool = False):
+                                   block_m: int | None = None, block_n: int | None = None,
+                                   num_warps: int | None = None, num_stages: int | None = None,
+                                   _validated: bool = False):
     """Causal GQA attention with a sliding window and sinks, by :func:`_flash_attention_forward_window_kernel`.
 
     Tensors as in :func:`flash_attention_gqa_forward`; returns ``(o, lse)``.
     Key ``j`` is visible from query ``i`` iff ``j <= i and (i - j <
-    window_size or j < sink_size)``. ``_validated=True``: the caller has run
-    :func:`validate` and :func:`validate_window` (with ``causal=True``) already.
+    window_size or j < sink_size)``. ``block_m``, ``block_n``, ``num_warps`` and
+    ``num_stages`` override :func:`block_config` (``benchmarks/tune_window.py``
+    times them). ``_validated=True``: the caller has run :func:`validate` and
+    :func:`validate_window` (with ``causal=True``) already.
     """
     if not _validated:
         validate(q, k, v)
@@ -1101,6 +1105,9 @@ def flash_attention_window_forward(q, k, v, *, window_size, sink_size=0,
     cfg = _config(q, block_m, block_n)
     if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
         raise ValueError(f"block_m ({cfg['BLOCK_M']}) must be a multiple of block_n ({cfg['BLOCK_N']}).")
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None:
+            cfg[name] = int(value)
     grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * Hq)
     _flash_attention_forward_window_kernel[grid](
         q, k, v, o, lse,

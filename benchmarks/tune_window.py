@@ -1,0 +1,166 @@
+"""Time lesson 08's window/sink forward kernel at fixed launch configurations, beside FlexAttention.
+
+The window kernel launches with :func:`course_utils.kernels.forward.block_config`'s
+choice (lesson 05's 128 x 64 tiles, 8 warps, 3 stages). This script times it
+at other tile sizes, warp counts and pipeline depths, on the benchmark's heads
+(bf16, causal, GQA 32/8, D = 128, batch 1), against compiled FlexAttention
+with the same block mask in the same run, each output checked against a
+float32 reference first. TFLOP/s count visible (query, key) pairs only.
+
+    python benchmarks/tune_window.py [--n 16384] [--out results/tune_window.json]
+
+With ``--backward`` it times the window backward instead: lesson 08's kernels
+at other ``BackwardConfig`` launches (tiles, warps, stages), forward +
+backward, against FlexAttention's forward + backward, the gradients of the
+first GQA group checked against float32 autograd first.
+
+Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import course_utils  # noqa: F401  (first, as in every notebook)
+from course_utils import bench
+
+# (block_m, block_n, num_warps, num_stages); None = block_config's choice
+CANDIDATES = [
+    None,
+    (128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2),
+    (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3),
+]
+
+# BackwardConfig(dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages)
+BACKWARD_CANDIDATES = [
+    None,
+    (64, 128, 128, 64, 8, 3, 8, 3), (32, 128, 128, 32, 8, 3, 8, 3), (64, 128, 128, 32, 8, 2, 8, 2),
+    (64, 64, 64, 64, 4, 3, 4, 3), (32, 64, 64, 32, 4, 3, 4, 3),
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, nargs="+", default=[16384])
+    parser.add_argument("--windows", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--sinks", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--backward", action="store_true", help="time forward + backward configurations")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not bench.gpu_available():
+        print(bench.NO_GPU_MESSAGE)
+        return 0
+
+    import torch
+    import triton
+
+    from course_utils.bench import window as wb
+    from course_utils.kernels import forward
+
+    rows = []
+    if args.backward:
+        rows = _backward(args)
+        if args.out:
+            info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+            args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+        return 0
+    for n in args.n:
+        q, k, v = wb.make_inputs(n)
+        for w in args.windows:
+            for s in args.sinks:
+                case = wb.WindowCase(w, s, n)
+                flops = wb.window_flops(n, w, s)
+                ref = wb.reference_forward(q, k, v, w, s)
+                results = []
+                fns = [("flex", wb.make_forward("flex", q, k, v, case))]
+                for c in CANDIDATES:
+                    opts = {} if c is None else dict(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3])
+                    label = "course, block_config" if c is None else f"course {c[0]}x{c[1]} w{c[2]} s{c[3]}"
+                    fns.append((label, lambda opts=opts: forward.flash_attention_window_forward(
+                        q, k, v, window_size=w, sink_size=s, **opts)))
+                for label, fn in fns:
+                    try:
+                        rel, _ = wb.forward_error(fn(), ref)
+                        if not rel <= 2e-2:
+                            raise RuntimeError(f"wrong: relative error {rel:.2e}")
+                        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+                        results.append(dict(n=n, W=w, S=s, name=label, ms=ms, tflops=flops / ms * 1e-9))
+                    except Exception as exc:  # one configuration failing must not stop the sweep
+                        msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+                        results.append(dict(n=n, W=w, S=s, name=label, ms=None, note=f"{type(exc).__name__}: {msg}"))
+                rows += results
+                flex = next(r for r in results if r["name"] == "flex")
+                print(f"\n== W={w} S={s} N={n}: Flex {flex['ms'] and round(flex['tflops'])} TFLOP/s")
+                for r in sorted(results, key=lambda r: r["ms"] or 1e9):
+                    if r["ms"] is None:
+                        print(f"  {r['name']:<28} {r['note']}")
+                    else:
+                        vs = f" {flex['ms'] / r['ms']:.2f}x Flex" if flex["ms"] else ""
+                        print(f"  {r['name']:<28} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s{vs}")
+        del q, k, v
+        torch.cuda.empty_cache()
+    if args.out:
+        info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+        args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+    return 0
+
+
+def _backward(args) -> list[dict]:
+    import torch
+    import triton
+
+    from course_utils.bench import window as wb
+    from course_utils.kernels import flash_attention_with_lse
+    from course_utils.kernels.backward import BackwardConfig, attention_backward
+
+    rows = []
+    for n in args.n:
+        q, k, v = wb.make_inputs(n, requires_grad=True)
+        do = torch.randn_like(q)
+        for w in args.windows:
+            for s in args.sinks:
+                case = wb.WindowCase(w, s, n)
+                flops = wb.window_flops(n, w, s, training=True)
+                want = wb.reference_group_grads(q, k, v, do, w, s)
+                steps = [("flex", wb.make_training_step("flex", q, k, v, do, case))]
+                for c in BACKWARD_CANDIDATES:
+                    cfg = None if c is None else BackwardConfig(*c)
+                    label = "course, default_config" if c is None else "course " + repr(cfg)[15:-1]
+
+                    def step(cfg=cfg, qd=q.detach(), kd=k.detach(), vd=v.detach()):
+                        o, lse = flash_attention_with_lse(qd, kd, vd, True, window_size=w, sink_size=s)
+                        dq, dk, dv = attention_backward(qd, kd, vd, o, lse, do, True,
+                                                        config=cfg, window_size=w, sink_size=s)
+                        return o, dq, dk, dv
+
+                    steps.append((label, step))
+                results = []
+                for label, step in steps:
+                    try:
+                        err = wb.grads_error(step(), want)
+                        if not err <= 2e-2:
+                            raise RuntimeError(f"wrong: relative error {err:.2e}")
+                        ms = triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median")
+                        results.append(dict(n=n, W=w, S=s, name=label, ms=ms, tflops=flops / ms * 1e-9))
+                    except Exception as exc:  # one configuration failing must not stop the sweep
+                        msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+                        results.append(dict(n=n, W=w, S=s, name=label, ms=None, note=f"{type(exc).__name__}: {msg}"))
+                rows += results
+                flex = next(r for r in results if r["name"] == "flex")
+                print(f"\n== forward + backward, W={w} S={s} N={n}")
+                for r in sorted(results, key=lambda r: r["ms"] or 1e9):
+                    if r["ms"] is None:
+                        print(f"  {r['name']:<60} {r['note']}")
+                    else:
+                        vs = f" {flex['ms'] / r['ms']:.2f}x Flex" if flex["ms"] else ""
+                        print(f"  {r['name']:<60} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s{vs}")
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
