@@ -42,6 +42,84 @@ BACKWARD_CANDIDATES = [
 ]
 
 
+def _time_all(fns, error_of, flops, title, **key) -> list[dict]:
+    """Check each ``(label, fn)`` (``error_of(fn())`` at most 2e-2), time it, print them fastest first.
+
+    ``fns[0]`` is FlexAttention, the one the others are compared with.
+    """
+    import triton
+
+    results = []
+    for label, fn in fns:
+        try:
+            err = error_of(fn())
+            if not err <= 2e-2:
+                raise RuntimeError(f"wrong: relative error {err:.2e}")
+            ms = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+            results.append(dict(key, name=label, ms=ms, tflops=flops / ms * 1e-9))
+        except Exception as exc:  # one configuration failing must not stop the sweep
+            msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+            results.append(dict(key, name=label, ms=None, note=f"{type(exc).__name__}: {msg}"))
+    flex = results[0]
+    print(f"\n== {title}")
+    for r in sorted(results, key=lambda r: r["ms"] or 1e9):
+        if r["ms"] is None:
+            print(f"  {r['name']:<60} {r['note']}")
+        else:
+            vs = f" {flex['ms'] / r['ms']:.2f}x Flex" if flex["ms"] else ""
+            print(f"  {r['name']:<60} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s{vs}")
+    return results
+
+
+def _forward_rows(n, windows, sinks) -> list[dict]:
+    from course_utils.bench import window as wb
+    from course_utils.kernels import forward
+
+    q, k, v = wb.make_inputs(n)
+    rows = []
+    for w in windows:
+        for s in sinks:
+            ref = wb.reference_forward(q, k, v, w, s)
+            fns = [("flex", wb.make_forward("flex", q, k, v, wb.WindowCase(w, s, n)))]
+            for c in CANDIDATES:
+                opts = {} if c is None else dict(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3])
+                label = "course, block_config" if c is None else f"course {c[0]}x{c[1]} w{c[2]} s{c[3]}"
+                fns.append((label, lambda opts=opts: forward.flash_attention_window_forward(
+                    q, k, v, window_size=w, sink_size=s, **opts)))
+            rows += _time_all(fns, lambda got: wb.forward_error(got, ref)[0], wb.window_flops(n, w, s),
+                              f"forward, W={w} S={s} N={n}", mode="forward", n=n, W=w, S=s)
+    return rows
+
+
+def _backward_rows(n, windows, sinks) -> list[dict]:
+    import torch
+
+    from course_utils.bench import window as wb
+    from course_utils.kernels import flash_attention_with_lse
+    from course_utils.kernels.backward import BackwardConfig, attention_backward
+
+    q, k, v = wb.make_inputs(n, requires_grad=True)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    do = torch.randn_like(q)
+    rows = []
+    for w in windows:
+        for s in sinks:
+            want = wb.reference_group_grads(q, k, v, do, w, s)
+            fns = [("flex", wb.make_training_step("flex", q, k, v, do, wb.WindowCase(w, s, n)))]
+            for c in BACKWARD_CANDIDATES:
+                cfg = None if c is None else BackwardConfig(*c)
+
+                def step(cfg=cfg, w=w, s=s):
+                    o, lse = flash_attention_with_lse(qd, kd, vd, True, window_size=w, sink_size=s)
+                    return (o, *attention_backward(qd, kd, vd, o, lse, do, True, config=cfg, window_size=w,
+                                                   sink_size=s))
+
+                fns.append(("course, default_config" if cfg is None else f"course {cfg!r}", step))
+            rows += _time_all(fns, lambda got: wb.grads_error(got, want), wb.window_flops(n, w, s, training=True),
+                              f"forward + backward, W={w} S={s} N={n}", mode="forward + backward", n=n, W=w, S=s)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, nargs="+", default=[16384])
@@ -57,109 +135,15 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from course_utils.bench import window as wb
-    from course_utils.kernels import forward
-
     rows = []
-    if args.backward:
-        rows = _backward(args)
-        if args.out:
-            info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-            args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
-        return 0
     for n in args.n:
-        q, k, v = wb.make_inputs(n)
-        for w in args.windows:
-            for s in args.sinks:
-                case = wb.WindowCase(w, s, n)
-                flops = wb.window_flops(n, w, s)
-                ref = wb.reference_forward(q, k, v, w, s)
-                results = []
-                fns = [("flex", wb.make_forward("flex", q, k, v, case))]
-                for c in CANDIDATES:
-                    opts = {} if c is None else dict(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3])
-                    label = "course, block_config" if c is None else f"course {c[0]}x{c[1]} w{c[2]} s{c[3]}"
-                    fns.append((label, lambda opts=opts: forward.flash_attention_window_forward(
-                        q, k, v, window_size=w, sink_size=s, **opts)))
-                for label, fn in fns:
-                    try:
-                        rel, _ = wb.forward_error(fn(), ref)
-                        if not rel <= 2e-2:
-                            raise RuntimeError(f"wrong: relative error {rel:.2e}")
-                        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-                        results.append(dict(n=n, W=w, S=s, name=label, ms=ms, tflops=flops / ms * 1e-9))
-                    except Exception as exc:  # one configuration failing must not stop the sweep
-                        msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
-                        results.append(dict(n=n, W=w, S=s, name=label, ms=None, note=f"{type(exc).__name__}: {msg}"))
-                rows += results
-                flex = next(r for r in results if r["name"] == "flex")
-                print(f"\n== W={w} S={s} N={n}: Flex {flex['ms'] and round(flex['tflops'])} TFLOP/s")
-                for r in sorted(results, key=lambda r: r["ms"] or 1e9):
-                    if r["ms"] is None:
-                        print(f"  {r['name']:<28} {r['note']}")
-                    else:
-                        vs = f" {flex['ms'] / r['ms']:.2f}x Flex" if flex["ms"] else ""
-                        print(f"  {r['name']:<28} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s{vs}")
-        del q, k, v
+        rows += (_backward_rows if args.backward else _forward_rows)(n, args.windows, args.sinks)
         torch.cuda.empty_cache()
     if args.out:
         info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
         args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+        print(f"wrote {args.out}")
     return 0
-
-
-def _backward(args) -> list[dict]:
-    import torch
-    import triton
-
-    from course_utils.bench import window as wb
-    from course_utils.kernels import flash_attention_with_lse
-    from course_utils.kernels.backward import BackwardConfig, attention_backward
-
-    rows = []
-    for n in args.n:
-        q, k, v = wb.make_inputs(n, requires_grad=True)
-        do = torch.randn_like(q)
-        for w in args.windows:
-            for s in args.sinks:
-                case = wb.WindowCase(w, s, n)
-                flops = wb.window_flops(n, w, s, training=True)
-                want = wb.reference_group_grads(q, k, v, do, w, s)
-                steps = [("flex", wb.make_training_step("flex", q, k, v, do, case))]
-                for c in BACKWARD_CANDIDATES:
-                    cfg = None if c is None else BackwardConfig(*c)
-                    label = "course, default_config" if c is None else "course " + repr(cfg)[15:-1]
-
-                    def step(cfg=cfg, qd=q.detach(), kd=k.detach(), vd=v.detach()):
-                        o, lse = flash_attention_with_lse(qd, kd, vd, True, window_size=w, sink_size=s)
-                        dq, dk, dv = attention_backward(qd, kd, vd, o, lse, do, True,
-                                                        config=cfg, window_size=w, sink_size=s)
-                        return o, dq, dk, dv
-
-                    steps.append((label, step))
-                results = []
-                for label, step in steps:
-                    try:
-                        err = wb.grads_error(step(), want)
-                        if not err <= 2e-2:
-                            raise RuntimeError(f"wrong: relative error {err:.2e}")
-                        ms = triton.testing.do_bench(step, warmup=10, rep=100, return_mode="median")
-                        results.append(dict(n=n, W=w, S=s, name=label, ms=ms, tflops=flops / ms * 1e-9))
-                    except Exception as exc:  # one configuration failing must not stop the sweep
-                        msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
-                        results.append(dict(n=n, W=w, S=s, name=label, ms=None, note=f"{type(exc).__name__}: {msg}"))
-                rows += results
-                flex = next(r for r in results if r["name"] == "flex")
-                print(f"\n== forward + backward, W={w} S={s} N={n}")
-                for r in sorted(results, key=lambda r: r["ms"] or 1e9):
-                    if r["ms"] is None:
-                        print(f"  {r['name']:<60} {r['note']}")
-                    else:
-                        vs = f" {flex['ms'] / r['ms']:.2f}x Flex" if flex["ms"] else ""
-                        print(f"  {r['name']:<60} {r['ms']:.3f} ms {r['tflops']:5.0f} TFLOP/s{vs}")
-        del q, k, v, do
-        torch.cuda.empty_cache()
-    return rows
 
 
 if __name__ == "__main__":

@@ -1,0 +1,94 @@
+"""benchmarks/tune_backward.py and benchmarks/tune_window.py on the CPU.
+
+Every configuration they time is a valid launch that computes the right
+thing (checked here in Triton's interpreter, on a GPU compiled), so that a
+GPU run is never spent on a configuration that cannot work; without a GPU
+each script explains itself and exits cleanly.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import course_utils  # noqa: F401  (before triton: switches the interpreter on)
+import pytest
+import torch
+
+from course_utils import bench, references
+from course_utils.kernels import fast_backward as fb
+from course_utils.kernels import flash_attention_with_lse
+from course_utils.kernels.backward import BackwardConfig, attention_backward
+from course_utils.kernels.forward import flash_attention_window_forward
+
+from conftest import DEVICE, ON_GPU
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tune_backward = _load("tune_backward")
+tune_window = _load("tune_window")
+FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in tune_backward.EXTRA]))
+
+
+def _inputs(hq, hkv, n, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, d, generator=g).to(DEVICE, dtype) for h in (hq, hkv, hkv))
+    return q, k, v, torch.randn(q.shape, generator=g).to(DEVICE, dtype)
+
+
+def _rel(a, b):
+    return (torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double())).item()
+
+
+def test_the_backward_sweep_times_each_configuration_once_and_every_shipped_one():
+    labels = [c.short() for c in FAST]
+    assert len(labels) == len(set(labels))
+    assert set(fb.CONFIGS) <= set(FAST)
+
+
+@pytest.mark.parametrize("config", FAST, ids=lambda c: c.short().replace(" ", "_"))
+def test_every_backward_candidate_is_a_correct_launch(config):
+    if config.mode == "atomic" and config.use_tma and not ON_GPU:
+        pytest.skip("TMA's reduce-add is not in the interpreter: test_gpu_fast_backward.py checks such launches")
+    q, k, v, do = _inputs(2, 1, 128, 64, torch.float16, seed=1)
+    o, lse = flash_attention_with_lse(q.float(), k.float(), v.float(), causal=True)
+    want = attention_backward(q.float(), k.float(), v.float(), o, lse, do.float(), causal=True)
+    got = fb.attention_backward_fast(q, k, v, o.to(q.dtype), lse, do, True, config=config)
+    assert max(_rel(a, b) for a, b in zip(got, want)) < 1e-2
+
+
+@pytest.mark.parametrize("candidate", tune_window.CANDIDATES, ids=str)
+def test_every_window_forward_candidate_is_a_correct_launch(candidate):
+    q, k, v, _ = _inputs(2, 1, 256, 32, torch.float32, seed=2)
+    opts = {} if candidate is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), candidate))
+    o, lse = flash_attention_window_forward(q, k, v, window_size=48, sink_size=4, **opts)
+    ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True, window_size=48,
+                                      sink_size=4)
+    tol = 1e-2 if ON_GPU else 1e-5  # fp32 dots are tf32 on a GPU
+    assert abs(o.double().cpu().numpy() - ro).max() < tol
+    assert abs(lse.double().cpu().numpy() - rl).max() < max(tol, 1e-4)
+
+
+@pytest.mark.parametrize("candidate", tune_window.BACKWARD_CANDIDATES, ids=str)
+def test_every_window_backward_candidate_is_a_correct_launch(candidate):
+    q, k, v, do = _inputs(2, 1, 256, 32, torch.float32, seed=3)
+    cfg = None if candidate is None else BackwardConfig(*candidate)
+    o, lse = flash_attention_with_lse(q, k, v, True, window_size=48, sink_size=4)
+    got = attention_backward(q, k, v, o, lse, do, True, config=cfg, window_size=48, sink_size=4)
+    want = attention_backward(q, k, v, o, lse, do, True, config=BackwardConfig(16, 32, 32, 16), window_size=48,
+                              sink_size=4)
+    assert max(_rel(a, b) for a, b in zip(got, want)) < (1e-2 if ON_GPU else 1e-5)
+
+
+@pytest.mark.interpreter("checks what the scripts do on a machine without a GPU")
+@pytest.mark.parametrize("script, argv", [(tune_backward, ["--ns", "256"]), (tune_window, ["--backward"])])
+def test_without_a_gpu_each_script_explains_and_exits_cleanly(script, argv, capsys):
+    assert not bench.gpu_available()
+    assert script.main(argv) == 0
+    assert "No CUDA GPU" in capsys.readouterr().out
