@@ -3,16 +3,15 @@
 In Triton's interpreter the kernel runs with small tiles, both modes, TMA
 loads included (TMA's reduce-add, the atomic mode's ``use_tma``, is not in
 the interpreter: ``test_gpu_fast_backward.py`` checks it on a Hopper GPU).
-Gradients are compared with float64 autograd of plain attention; the
-routing of :func:`course_utils.kernels.backward.attention_backward` is
-checked by pretending to be each kind of GPU.
+Gradients are compared with the course's float64 references.
 """
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 import pytest
 import torch
 
-from course_utils.kernels import backward, fast_backward as fb
+from course_utils import references
+from course_utils.kernels import fast_backward as fb
 
 from conftest import DEVICE, ON_GPU
 
@@ -25,23 +24,14 @@ def _inputs(b, hq, hkv, n, d, seed=0):
     return q, k, v, torch.randn(q.shape, generator=g).to(DEVICE, FP16)
 
 
-def _float64(q, k, v, do, causal):
-    """(o, lse, dq, dk, dv) of softmax(q k^T / sqrt(D)) v in float64 (GQA: k, v repeated)."""
-    q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    kk, vv = (t.repeat_interleave(group, dim=1) for t in (k64, v64))
-    s = q64 @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    o = torch.softmax(s, -1) @ vv
-    o.backward(do.double().cpu())
-    return o.detach(), torch.logsumexp(s, -1).detach(), q64.grad, k64.grad, v64.grad
-
-
 def _saved(q, k, v, do, causal):
-    """What the forward saves, from float64 math: ``o`` in the inputs' dtype, ``lse`` in fp32."""
-    o, lse, *grads = _float64(q, k, v, do, causal)
-    return o.to(DEVICE, q.dtype), lse.to(DEVICE, torch.float32), grads
+    """What the forward saves (``o`` in the inputs' dtype, ``lse`` in fp32) and the float64 gradients,
+    from the course's references."""
+    arrays = [t.detach().double().cpu().numpy() for t in (q, k, v)]
+    o, lse = references.attention_lse(*arrays, causal=causal)
+    grads = references.attention_backward(*arrays, do.detach().double().cpu().numpy(), causal=causal)
+    return (torch.from_numpy(o).to(DEVICE, q.dtype), torch.from_numpy(lse).to(DEVICE, torch.float32),
+            [torch.from_numpy(g) for g in grads])
 
 
 def _assert_close(got, ref, tol=5e-3):
@@ -109,33 +99,6 @@ def test_a_configuration_that_cannot_work_is_refused():
         fb.FastBackwardConfig("atomic", 48, 96, 96, 48)
     assert fb.default_config().mode == "fused" and fb.default_config("atomic").mode == "atomic"
     assert fb.default_config() in fb.CONFIGS and fb.default_config("atomic") in fb.CONFIGS
-
-
-def _spy(monkeypatch):
-    calls = []
-    real = fb.attention_backward_fast
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("config"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fb, "attention_backward_fast", spy)
-    return calls
-
-
-@pytest.mark.parametrize("capability", [(9, 0), (8, 0), None])
-def test_lesson_07_kernels_run_unless_a_fast_config_is_given(monkeypatch, capability):
-    """The default is lesson 07's pair on every machine, Hopper included (it measured faster there)."""
-    calls = _spy(monkeypatch)
-    monkeypatch.setattr(backward, "_capability", lambda device: capability)
-    q, k, v, do = _inputs(1, 2, 1, 64, 64, seed=8)
-    o, lse, ref = _saved(q, k, v, do, False)
-    _assert_close(backward.attention_backward(q, k, v, o, lse, do), ref)
-    assert calls == []
-    _assert_close(backward.attention_backward(q, k, v, o, lse, do, config=SMALL[2]), ref)
-    assert calls == [SMALL[2]]
-    with pytest.raises(ValueError, match="plain attention"):
-        backward.attention_backward(q, k, v, o, lse, do, causal=True, window_size=16, config=SMALL[0])
 
 
 @pytest.mark.parametrize("config", [SMALL[0], SMALL[1], SMALL[2]], ids=lambda c: c.short().replace(" ", "_"))

@@ -57,10 +57,11 @@ def test_every_backward_candidate_is_a_correct_launch(config):
     if config.mode == "atomic" and config.use_tma and not ON_GPU:
         pytest.skip("TMA's reduce-add is not in the interpreter: test_gpu_fast_backward.py checks such launches")
     q, k, v, do = _inputs(2, 1, 128, 64, torch.float16, seed=1)
-    o, lse = flash_attention_with_lse(q.float(), k.float(), v.float(), causal=True)
-    want = attention_backward(q.float(), k.float(), v.float(), o, lse, do.float(), causal=True)
-    got = fb.attention_backward_fast(q, k, v, o.to(q.dtype), lse, do, True, config=config)
-    assert max(_rel(a, b) for a, b in zip(got, want)) < 1e-2
+    arrays = [t.double().cpu().numpy() for t in (q, k, v, do)]
+    o, lse = (torch.from_numpy(a).to(DEVICE) for a in references.attention_lse(*arrays[:3], causal=True))
+    want = [torch.from_numpy(g) for g in references.attention_backward(*arrays, causal=True)]
+    got = fb.attention_backward_fast(q, k, v, o.to(q.dtype), lse.float(), do, True, config=config)
+    assert max(_rel(a.cpu(), b) for a, b in zip(got, want)) < 1e-2
 
 
 @pytest.mark.parametrize("candidate", tune_window.CANDIDATES, ids=str)

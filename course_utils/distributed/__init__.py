@@ -299,8 +299,9 @@ def _merge(acc, lse, o_b, lse_b) -> None:
     """The ring's merge: on a GPU one Triton kernel (:func:`course_utils.kernels.merge.merge_partials`),
     elsewhere :func:`merge_partials_`.
 
-    Measured on the H200 (``--blocks``, results/ring_blocks.md: the ``course_fused_merge`` row), the
-    one-kernel merge made a rank's forward 2-5% faster than the torch merge's chain of kernels.
+    Measured on the H200 (``--blocks``' ``course_fused_merge`` provider; results/GPU_VALIDATION.md, the
+    eleventh session), the one-kernel merge made a rank's forward 2-5% faster than the torch merge's chain
+    of kernels.
     """
     if acc.is_cuda:
         from ..kernels.merge import merge_partials
@@ -380,7 +381,7 @@ def ring_attention_forward(q, k, v, causal=False, *, layout="zigzag", group=None
     ``[2, B, Hkv, n, D]`` buffer; the transfer of the next block is posted
     before the kernels run on the current one. Each block goes through
     :func:`course_utils.kernels.flash_attention_with_lse` and is merged by
-    :func:`merge_partials_`. ``o`` has q's dtype; ``lse`` is float32 ``[B, Hq, n]``.
+    :func:`_merge` (:func:`merge_partials_`'s rule; one Triton kernel on a GPU). ``o`` has q's dtype; ``lse`` is float32 ``[B, Hq, n]``.
     ``timeline``: a list to append each step's marks to (its start, the end of
     its compute, the arrival of its transfers), read by :func:`timeline_ms`.
     """

@@ -49,7 +49,6 @@ import torch
 import triton
 import triton.language as tl
 
-import course_utils.kernels.fast_backward as fast_backward  # the module: tests replace its functions
 from course_utils.kernels.dispatch import check_call, launch_forward  # absolute: tests load copies of this file
 from course_utils.kernels.forward import (
     _capability, _mods_bounds, _mods_keep, _score_mod, _split_range, _window_bounds, _window_keep, bf16_problem,
@@ -1028,11 +1027,7 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     ``torch.autograd.gradcheck`` in the interpreter) are accumulated in
     float64, but the scale and ``log2(e)`` reach the kernels as fp32
     scalars, so they agree with exact gradients to about 1e-7, not 1e-15.
-    ``config`` overrides :func:`default_config`: a :class:`BackwardConfig`
-    runs lesson 07's kernels, a :class:`.fast_backward.FastBackwardConfig` the
-    fast backward's kernel (plain attention only; measured slower than lesson
-    07's pair on the H200, so never chosen by default: see
-    :mod:`.fast_backward`). ``window_size`` and
+    ``config`` overrides :func:`default_config`. ``window_size`` and
     ``sink_size`` (with ``causal=True``, lesson 08) run the window kernels:
     key ``j`` is visible from query ``i`` iff ``j <= i and (i - j <
     window_size or j < sink_size)``.
@@ -1056,11 +1051,7 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     group_size = n_q_heads // n_kv_heads
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     capability = _capability(q.device)
-    fast = isinstance(config, fast_backward.FastBackwardConfig)
-    if fast and (mods or window_size is not None):
-        raise ValueError("the fast backward takes plain attention (no window, sinks or lesson 12's keywords)")
-    cfg = config if config is not None and not fast else default_config(
-        D, "cuda" if capability else q.device.type, capability, q.dtype)
+    cfg = config or default_config(D, "cuda" if capability else q.device.type, capability, q.dtype)
     BLOCK_D = max(16, triton.next_power_of_2(D))
     PAD_D = BLOCK_D != D
     # fp32 statistics and accumulators, except for float64 inputs (gradcheck),
@@ -1083,9 +1074,6 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
         n_q_heads, N_Q, D,
         BLOCK_M=pre_m, BLOCK_D=BLOCK_D, EVEN_M=N_Q % pre_m == 0, PAD_D=PAD_D, ACC=ACC,
     )
-    if fast:
-        return fast_backward.attention_backward_fast(q, k, v, o, lse, do, causal, sm_scale, delta=delta,
-                                                     config=config)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
               lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
     if mods:

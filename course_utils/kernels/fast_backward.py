@@ -27,9 +27,9 @@ modes was slower than lesson 07's pair (13.5-13.7 ms at N = 16k against
 14.2 ms for the best fused one and 14.6 ms for the best atomic one; cuDNN
 10.5 ms): at 255 registers per thread the compiler spills 50-150 values per
 thread in both, where lesson 07's two smaller kernels each fit. So
-:func:`course_utils.kernels.backward.attention_backward` runs lesson 07's
-kernels by default on every machine, and this kernel only when a
-:class:`FastBackwardConfig` is passed as its ``config``.
+:func:`course_utils.kernels.backward.attention_backward` (and autograd through
+it) stays on lesson 07's kernels, and this kernel runs only when
+:func:`attention_backward_fast` is called.
 
 It covers self-attention (``N_q == N_k``), ``N`` a multiple of the largest
 block, ``D`` of 64 or 128, 16-bit inputs, causal or not, MHA/GQA/MQA;
@@ -120,8 +120,8 @@ CONFIGS = (
 _DEFAULT = {"fused": CONFIGS[0], "atomic": CONFIGS[3]}
 
 
-def default_config(mode: str = "fused", head_dim: int = 128) -> FastBackwardConfig:
-    """The configuration :func:`attention_backward_fast` uses for ``mode`` (and ``head_dim``)."""
+def default_config(mode: str = "fused") -> FastBackwardConfig:
+    """The configuration :func:`attention_backward_fast` uses for ``mode`` (the fastest measured, D = 128)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     return _DEFAULT[mode]
@@ -294,16 +294,15 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
                             config: FastBackwardConfig | None = None, mode: str | None = None, stats=None):
     """``(dq, dk, dv)`` by the fast backward; the arguments are :func:`.backward.attention_backward`'s.
 
-    ``delta = rowsum(do * o)`` ([B, H_q, N] fp32) may be passed in (the
-    launcher of :mod:`.backward` computes it with lesson 07's preprocess
-    kernel); otherwise it is computed here in fp32. ``config`` (or ``mode``,
+    ``delta = rowsum(do * o)`` ([B, H_q, N] fp32) may be passed in;
+    otherwise it is computed here, in fp32 by torch. ``config`` (or ``mode``,
     which picks that mode's :func:`default_config`) chooses the launch.
     Raises ``ValueError`` with :func:`unsupported_reason`'s sentence for
     inputs it does not cover. ``stats``, a dict, receives what the compiler
     made of the launch (registers per thread, spills, shared memory in bytes).
     """
     if config is None:
-        config = default_config(mode or "fused", q.shape[-1])
+        config = default_config(mode or "fused")
     elif mode is not None and mode != config.mode:
         raise ValueError(f"mode={mode!r} contradicts config.mode={config.mode!r}")
     reason = unsupported_reason(q, k, v, config)

@@ -982,12 +982,12 @@ def block_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
 
 
-def _config(q, block_m, block_n):
+def _config(q, block_m, block_n, num_warps=None, num_stages=None):
     cfg = block_config(q.shape[-1], q.dtype, q.device)
-    if block_m is not None:
-        cfg["BLOCK_M"] = block_m
-    if block_n is not None:
-        cfg["BLOCK_N"] = block_n
+    for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
+                        ("num_stages", num_stages)):
+        if value is not None:
+            cfg[name] = value
     for name in ("BLOCK_M", "BLOCK_N"):
         size = cfg[name]
         if size < 16 or size & (size - 1):
@@ -1102,12 +1102,9 @@ def flash_attention_window_forward(q, k, v, *, window_size, sink_size=0,
     lse = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
-    cfg = _config(q, block_m, block_n)
+    cfg = _config(q, block_m, block_n, num_warps, num_stages)
     if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
         raise ValueError(f"block_m ({cfg['BLOCK_M']}) must be a multiple of block_n ({cfg['BLOCK_N']}).")
-    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
-        if value is not None:
-            cfg[name] = int(value)
     grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * Hq)
     _flash_attention_forward_window_kernel[grid](
         q, k, v, o, lse,
