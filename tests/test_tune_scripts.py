@@ -1,4 +1,4 @@
-"""benchmarks/tune_backward.py and benchmarks/tune_window.py on the CPU.
+"""benchmarks/tune_backward.py, tune_window.py and tune_decode.py on the CPU.
 
 Every configuration they time is a valid launch that computes the right
 thing (checked here in Triton's interpreter, on a GPU compiled), so that a
@@ -33,6 +33,7 @@ def _load(name):
 
 tune_backward = _load("tune_backward")
 tune_window = _load("tune_window")
+tune_decode = _load("tune_decode")
 FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in tune_backward.EXTRA]))
 
 
@@ -87,8 +88,36 @@ def test_every_window_backward_candidate_is_a_correct_launch(candidate):
     assert max(_rel(a, b) for a, b in zip(got, want)) < (1e-2 if ON_GPU else 1e-5)
 
 
+@pytest.mark.parametrize("candidate", tune_decode.CANDIDATES, ids=str)
+def test_every_decode_candidate_is_a_correct_launch_at_every_split_count_it_times(candidate):
+    from course_utils.bench import decode as db
+
+    block_n = candidate[0]
+    context = 10 * block_n + 3  # a ragged last block; the sweep's counts stop at 2 splits here
+    g = torch.Generator().manual_seed(block_n)
+    q = torch.randn(2, 4, 1, 64, generator=g).to(DEVICE, torch.float16)
+    k, v = (torch.randn(2, 1, context, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    seqlens = torch.tensor([context, context - 5], dtype=torch.int32, device=DEVICE)
+    counts = tune_decode.allowed_counts(context, block_n)
+    assert counts == [1, 2]
+    for splits in counts:
+        o = tune_decode.launch(q, k, v, seqlens, splits, *candidate)
+        for b in range(2):
+            want = db.reference(q[b:b + 1], k[b:b + 1, :, :seqlens[b]], v[b:b + 1, :, :seqlens[b]], 0)
+            assert _rel(o[b].float().cpu(), want.cpu()) < 1e-2, (splits, b)
+
+
+def test_the_decode_sweep_times_the_shipped_configuration_first():
+    from course_utils.kernels import decode
+
+    cfg = decode._gpu_config(128, 2, (9, 0))
+    assert tune_decode.CANDIDATES[0] == (dict(cfg)["BLOCK_N"], dict(cfg)["num_warps"], dict(cfg)["num_stages"])
+    assert len(set(tune_decode.CANDIDATES)) == len(tune_decode.CANDIDATES)
+
+
 @pytest.mark.interpreter("checks what the scripts do on a machine without a GPU")
-@pytest.mark.parametrize("script, argv", [(tune_backward, ["--ns", "256"]), (tune_window, ["--backward"])])
+@pytest.mark.parametrize("script, argv", [(tune_backward, ["--ns", "256"]), (tune_window, ["--backward"]),
+                                          (tune_decode, [])])
 def test_without_a_gpu_each_script_explains_and_exits_cleanly(script, argv, capsys):
     assert not bench.gpu_available()
     assert script.main(argv) == 0

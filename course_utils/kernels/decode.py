@@ -383,20 +383,22 @@ def _rows_per_block(group_size: int, t: int) -> int:
 
 
 def decode_split(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_table=None, *, BLOCK_N=None,
-                 out=None, kernel=None):
+                 out=None, kernel=None, num_warps=None, num_stages=None):
     """Launch the split kernel: ``(o_parts, lse_parts)``, float32 ``[B, Hq, T, S, D]`` and ``[B, Hq, T, S]``.
 
     With ``out`` given and one split, the result goes to ``out`` instead and
     ``(out, None)`` is returned. ``kernel`` replaces the module's kernel (the
-    lesson passes its own).
+    lesson passes its own). ``BLOCK_N``, ``num_warps`` and ``num_stages``
+    replace :func:`decode_config`'s choice (``benchmarks/tune_decode.py``).
     """
     kernel = _decode_split_kernel if kernel is None else kernel
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     paged = block_table is not None
     cfg = decode_config(D, q.dtype, q.device)
-    if BLOCK_N is not None:
-        cfg["BLOCK_N"] = BLOCK_N
+    for key, value in (("BLOCK_N", BLOCK_N), ("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None:
+            cfg[key] = value
     block_m = _rows_per_block(Hq // Hkv, T)
     m_blocks = triton.cdiv((Hq // Hkv) * T, block_m)
     direct = out is not None and num_splits == 1

@@ -1,0 +1,147 @@
+"""Time lesson 09's decode kernels at other launch configurations and split counts, beside SDPA's cuDNN.
+
+``decode_config`` launches the split kernel with 64-key blocks, 4 warps and 3
+stages on an H200, and ``pick_num_splits`` chooses the split count. This
+script times every (``BLOCK_N``, ``num_warps``, ``num_stages``) of
+:data:`CANDIDATES` at every split count the launcher allows, at the points
+where ``results/decode_bench.md`` falls short of SDPA's best backend (small
+contexts; B = 64), against SDPA's cuDNN and flash backends and the read
+ceiling in the same run. Each launch's output is checked against a float32
+reference first; every provider is replayed from a CUDA graph, as the decode
+benchmark does. It also records what each configuration compiled to and how
+many of its programs fit on one SM.
+
+    python benchmarks/tune_decode.py [--out results/tune_decode.json]
+
+Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import course_utils  # noqa: F401  (first, as in every notebook)
+from course_utils import bench
+from course_utils.bench import decode as db
+
+POINTS = ((1, 1024), (4, 1024), (16, 1024), (16, 4096), (64, 1024), (64, 4096))  # (batch, context)
+# (BLOCK_N, num_warps, num_stages); the first is decode_config's choice on an H200
+CANDIDATES = [
+    (64, 4, 3), (64, 4, 2), (64, 4, 4), (64, 2, 3), (64, 8, 3),
+    (32, 4, 3), (32, 4, 4), (32, 2, 4), (128, 4, 2), (128, 8, 2),
+]
+COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def launch(q, k, v, seqlens, num_splits, block_n, num_warps, num_stages, kernel=None):
+    """One decode call at a fixed configuration: the split kernel, then the combine (more than one split)."""
+    import torch
+
+    from course_utils.kernels import decode
+
+    out = torch.empty_like(q)
+    opts = dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, kernel=kernel)
+    if num_splits == 1:
+        return decode.decode_split(q, k, v, seqlens, 1, out=out, **opts)[0]
+    o_parts, lse_parts = decode.decode_split(q, k, v, seqlens, num_splits, **opts)
+    return decode.decode_combine(o_parts, lse_parts, out)
+
+
+def allowed_counts(context: int, block_n: int) -> list[int]:
+    """The split counts the launcher allows at ``context`` with ``block_n``-key blocks (at least 4 blocks each)."""
+    from course_utils.kernels import decode
+
+    most = max(1, min(decode.MAX_SPLITS, -(-context // block_n) // decode.MIN_SPLIT_BLOCKS))
+    return [s for s in COUNTS if s <= most]
+
+
+def compiled(q, k, v, seqlens, block_n, num_warps, num_stages) -> dict:
+    """Registers, shared memory and programs per SM of the split kernel at one configuration."""
+    from course_utils.kernels import decode
+
+    rec = db._Recorder(decode._decode_split_kernel)
+    launch(q, k, v, seqlens, 2, block_n, num_warps, num_stages, kernel=rec)
+    c = rec.compiled
+    n_regs, shared = int(c.n_regs), int(c.metadata.shared)
+    return dict(n_regs=n_regs, shared_bytes=shared, programs_per_sm=db.programs_per_sm(n_regs, num_warps, shared))
+
+
+def measure(batch: int, context: int, rep_ms: int = 30) -> list[dict]:
+    import torch
+    import triton
+
+    from course_utils.kernels import decode
+
+    g = torch.Generator(device="cuda").manual_seed(batch * 1_000_003 + context)
+    q = torch.randn(batch, db.N_Q_HEADS, 1, db.HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(batch, db.N_KV_HEADS, context, db.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
+                        generator=g) for _ in range(2))
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    refs = {b: db.reference(q, k, v, b) for b in sorted({0, batch - 1})}
+    nbytes = db.cache_bytes(batch, context)
+    key = dict(batch=batch, context=context)
+    rows = []
+
+    def timed(name, fn, **extra):
+        row = dict(key, name=name, gbps=None, **extra)
+        try:
+            err = db.rel_error(fn(), refs)
+            if not err <= db.TOLERANCE:
+                raise RuntimeError(f"wrong: relative error {err:.2e}")
+            ms = triton.testing.do_bench(db.cuda_graphed(fn), warmup=10, rep=rep_ms, return_mode="median")
+            row.update(ms=ms, gbps=db.gb_per_s(nbytes, ms))
+        except Exception as exc:  # one configuration failing must not stop the sweep
+            row["note"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ''}"
+        rows.append(row)
+        return row
+
+    ceiling_fn, _ = db.make_provider("ceiling", q, k, v, seqlens)
+    ceiling = db.gb_per_s(nbytes, triton.testing.do_bench(ceiling_fn, warmup=10, rep=rep_ms, return_mode="median"))
+    for name in ("sdpa_cudnn", "sdpa_flash"):
+        fn, _ = db.make_provider(name, q, k, v, seqlens)
+        timed(name, fn)
+    pick = decode.pick_num_splits(batch, db.N_KV_HEADS, 1, context, q.device, 64)
+    for block_n, warps, stages in CANDIDATES:
+        info = compiled(q, k, v, seqlens, block_n, warps, stages)
+        for s in allowed_counts(context, block_n):
+            timed(f"course {block_n} w{warps} s{stages} splits {s}",
+                  lambda s=s, c=(block_n, warps, stages): launch(q, k, v, seqlens, s, *c),
+                  block_n=block_n, num_warps=warps, num_stages=stages, num_splits=s,
+                  shipped=(block_n, warps, stages) == CANDIDATES[0] and s == pick, **info)
+    best_sdpa = max((r["gbps"] or 0) for r in rows if r["name"].startswith("sdpa"))
+    print(f"\n== B={batch} context={context}: ceiling {ceiling:.0f} GB/s, SDPA best {best_sdpa:.0f} GB/s")
+    for r in sorted(rows, key=lambda r: -(r["gbps"] or 0))[:12] + [r for r in rows if r.get("shipped")]:
+        what = f"{r['gbps']:6.0f} GB/s {r['gbps'] / best_sdpa:.2f}x SDPA best {r['gbps'] / ceiling:.0%} ceiling" \
+            if r["gbps"] else r.get("note", "")
+        regs = f" ({r['n_regs']} regs, {r['shared_bytes'] // 1024} KiB, {r['programs_per_sm']}/SM)" if "n_regs" in r else ""
+        print(f"  {r['name']:<34} {what}{regs}{'  <- shipped' if r.get('shipped') else ''}")
+    for r in rows:
+        r.update(ceiling_gbps=ceiling, sdpa_best_gbps=best_sdpa)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if not bench.gpu_available():
+        print(bench.NO_GPU_MESSAGE)
+        return 0
+    import torch
+    import triton
+
+    rows = [r for b, n in POINTS for r in measure(b, n)]
+    if args.out:
+        info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+        args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
