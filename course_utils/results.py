@@ -74,6 +74,12 @@ COLUMNS = {
         ("cudnn_over_total", "cuDNN / this, forward + backward speed", ".2f", "×"),
         ("spills", "spilled registers per thread", "", ""), ("same_bits", "same bits twice", "", ""),
     ],
+    "tune_window": [
+        ("mode", "pass", "", ""), ("W", "W", "d", ""), ("S", "S", "d", ""),
+        ("before_ms", "shipped launch then, ms", ".3f", ""), ("config", "fastest launch", "", ""),
+        ("best_ms", "fastest, ms", ".3f", ""), ("flex_ms", "Flex ms", ".3f", ""),
+        ("before_over_flex", "shipped then / Flex, speed", ".2f", "×"), ("best_over_flex", "fastest / Flex, speed", ".2f", "×"),
+    ],
 }
 
 
@@ -220,9 +226,26 @@ def _tune_backward(d):
     return out
 
 
+def _tune_window(d):
+    """Per pass, W and S: the launch the window kernels had before, the fastest measured, and Flex's time."""
+    out = []
+    for mode in ("forward", "forward + backward"):
+        cases = sorted({(r["W"], r["S"]) for r in d["rows"] if r["mode"] == mode})
+        for w, s in cases:
+            here = [r for r in d["rows"] if (r["mode"], r["W"], r["S"]) == (mode, w, s) and r.get("ms")]
+            flex = next(r for r in here if r["name"] == "flex")
+            before = next(r for r in here if r["name"] in ("course, block_config", "course, default_config", "course, shipped launch"))
+            best = min((r for r in here if r["name"] != "flex"), key=lambda r: r["ms"])
+            name = best["name"].removeprefix("course ").removeprefix("BackwardConfig")
+            out.append(dict(mode=mode, W=w, S=s, before_ms=before["ms"], config=name.strip("()"),
+                            best_ms=best["ms"], flex_ms=flex["ms"], before_over_flex=_ratio(flex["ms"], before["ms"]),
+                            best_over_flex=_ratio(flex["ms"], best["ms"])))
+    return out
+
+
 _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, "decode_splits": _decode_splits,
          "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training,
-         "tune_backward": _tune_backward}
+         "tune_backward": _tune_backward, "tune_window": _tune_window}
 
 
 def rows(name: str, *, doc: dict | None = None, **where) -> list[dict]:

@@ -292,3 +292,32 @@ def test_programs_per_sm_is_what_the_split_kernel_compiles_to():
     assert got["per_sm"] == decode.PROGRAMS_PER_SM, (
         f"the split kernel compiles to {got['registers']} registers and {got['shared_bytes']} bytes of shared "
         f"memory: {got['per_sm']} programs per SM, but the split model assumes {decode.PROGRAMS_PER_SM}")
+
+
+def test_a_full_grid_at_one_split_launches_with_two_stages_on_hopper():
+    """decode_config(programs=): 2 stages only where results/tune_decode.json measured them faster (one split,
+    at least FULL_GRID_PROGRAMS_PER_SM programs per SM, Hopper); 3 elsewhere, as before."""
+    cpu = torch.device("cpu")
+    h200 = dict(capability=(9, 0), sm_count=132)
+    base = decode.decode_config(128, torch.bfloat16, cpu, **h200)
+    assert (base["BLOCK_N"], base["num_warps"], base["num_stages"]) == (64, 4, 3)
+    assert decode.decode_config(128, torch.bfloat16, cpu, 512, **h200)["num_stages"] == 2  # B = 64, 8 kv heads
+    assert decode.decode_config(128, torch.bfloat16, cpu, 264, **h200)["num_stages"] == 2
+    assert decode.decode_config(128, torch.bfloat16, cpu, 263, **h200)["num_stages"] == 3
+    assert decode.decode_config(128, torch.bfloat16, cpu, 128, **h200)["num_stages"] == 3  # B = 16
+    assert decode.decode_config(128, torch.bfloat16, cpu, 512, capability=(8, 0), sm_count=108) == \
+        decode.decode_config(128, torch.bfloat16, cpu, capability=(8, 0))
+    assert decode.decode_config(256, torch.bfloat16, cpu, 4096, **h200)["num_stages"] == 3  # 32-key tiles: not measured
+    assert decode.decode_config(128, torch.bfloat16, cpu, 512) == dict(BLOCK_N=32)  # the interpreter
+
+
+def test_the_split_kernel_gets_the_launch_s_programs_at_one_split_only(monkeypatch):
+    seen = []
+    real = decode.decode_config
+    monkeypatch.setattr(decode, "decode_config", lambda *a, **k: seen.append(a[3:]) or real(*a, **k))
+    q = torch.randn(3, 8, 1, 32).to(DEVICE)
+    k = torch.randn(3, 2, 64, 32).to(DEVICE)
+    lens = torch.full((3,), 64, dtype=torch.int32, device=DEVICE)
+    decode.decode_split(q, k, k, lens, 1, out=torch.empty_like(q))
+    decode.decode_split(q, k, k, lens, 2)
+    assert seen == [(6,), (None,)]  # 3 sequences x 2 kv heads x 1 block of packed rows

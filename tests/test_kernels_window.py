@@ -393,3 +393,66 @@ def test_tile_picture_and_widget_build_headless():
     matplotlib.pyplot.close(ax.figure)
     widget = widgets.window_explorer(n=64, block_m=32, block_n=16, window_size=8, sink_size=2)
     assert [c.description for c in widget.children[:2]] == ["window W", "sinks S"]
+
+
+# -- the window kernels' Hopper launches (benchmarks/tune_window.py) fit an H200 -----------------------
+HOPPER_WINDOW_SCRIPT = r"""
+import json
+import torch
+from course_utils.kernels import targets, forward, backward
+
+out = []
+for w in (256, 1024, 4096):
+    q = torch.zeros(1, 4, 8192, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 8192, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 4, 8192)
+    with targets._as_if_on_a_gpu(90), targets._captured_launches() as launches:
+        forward.flash_attention_window_forward(q, k, k, window_size=w, sink_size=4)
+        backward.attention_backward(q, k, k, q, lse, q, True, window_size=w, sink_size=4)
+    for kernel, args, kwargs in launches:
+        c = targets.compile_launch(kernel, args, kwargs, 90, f"W={w}", registers=True)
+        tiles = {name: kwargs[name] for name in ("BLOCK_M", "BLOCK_N") if name in kwargs}
+        out.append(dict(w=w, kernel=c.kernel, fits=c.fits, spill=c.spill_bytes, warps=c.num_warps,
+                        stages=c.num_stages, **tiles))
+print(json.dumps(out))
+"""
+
+
+def test_the_window_kernels_hopper_launches_are_the_measured_ones_and_fit_an_h200():
+    """Compiled for sm_90 here (ptxas, no GPU): the launch window_block_config and default_config(window_size=)
+    choose for bf16, D = 128 (results/tune_window.json's winners) fits in shared memory without spilling."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", HOPPER_WINDOW_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    launches = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(c["fits"] and c["spill"] == 0 for c in launches), launches
+    fwd = {c["w"]: c for c in launches if c["kernel"] == "_flash_attention_forward_window_kernel"}
+    assert {w: (c["BLOCK_M"], c["BLOCK_N"], c["warps"], c["stages"]) for w, c in fwd.items()} == {
+        256: (64, 32, 4, 3), 1024: (64, 64, 4, 3), 4096: (64, 64, 4, 3)}
+    dkdv = {c["w"]: (c["BLOCK_M"], c["BLOCK_N"], c["warps"]) for c in launches if c["kernel"] == "_attn_bwd_dkdv_window"}
+    assert dkdv == {256: (32, 64, 4), 1024: (32, 64, 4), 4096: (64, 128, 8)}
+    dq = {c["w"]: (c["BLOCK_M"], c["BLOCK_N"], c["warps"]) for c in launches if c["kernel"] == "attn_bwd_dq_window"}
+    assert dq == {256: (64, 32, 4), 1024: (64, 32, 4), 4096: (128, 64, 8)}
+
+
+def test_window_launches_elsewhere_are_block_config_and_the_causal_backward_tiles():
+    """Only what was measured changes: other GPUs, dtypes and head dims keep the plain kernels' launches."""
+    cuda = torch.device("cuda")
+    for cap in ((8, 0), (7, 5)):
+        assert forward.window_block_config(128, torch.bfloat16, cuda, 256, capability=cap) == \
+            forward.block_config(128, torch.bfloat16, cuda, capability=cap)
+    for d, dtype in ((64, torch.bfloat16), (256, torch.float16), (128, torch.float32)):
+        assert forward.window_block_config(d, dtype, cuda, 256, capability=(9, 0)) == \
+            forward.block_config(d, dtype, cuda, capability=(9, 0))
+        assert repr(bw.default_config(d, "cuda", (9, 0), dtype, window_size=256)) == \
+            repr(bw.default_config(d, "cuda", (9, 0), dtype))
+    assert forward.window_block_config(128, torch.bfloat16, torch.device("cpu"), 256) == \
+        forward.block_config(128, torch.bfloat16, torch.device("cpu"))
+    assert repr(bw.default_config(128, "cuda", (8, 0), torch.bfloat16, window_size=256)) == \
+        repr(bw.default_config(128, "cuda", (8, 0), torch.bfloat16))

@@ -17,7 +17,7 @@ import pytest
 from course_utils import results
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
-TABLES = ["window_bench", "decode_bench", "ring_bench", "ring_blocks", "training_bench", "tune_backward"]
+TABLES = ["window_bench", "decode_bench", "ring_bench", "ring_blocks", "training_bench", "tune_backward", "tune_window"]
 NUMBER = r"([0-9][0-9,]*(?:\.[0-9]+)?(?:–[0-9][0-9,]*(?:\.[0-9]+)?)?)([×%]?)"
 
 # (lesson, the quoting text with {} for the figure, benchmark, column, stat, which rows)
@@ -27,10 +27,10 @@ QUOTES = [
     (W08, "the forward runs at **{} FlexAttention", "window_bench", "course_over_flex", "range", FWD),
     (W08, "FlexAttention** (median {})", "window_bench", "course_over_flex", "median", FWD),
     (W08, "at `W = 4096` ({})", "window_bench", "course_over_flex", "range", dict(FWD, W=4096)),
-    (W08, "the course reaches only {} TFLOP/s", "window_bench", "course_tflops", "range", dict(FWD, W=256)),
-    (W08, "4 sinks against {} ms without", "window_bench", "course_ms", "value", dict(TRN, W=1024, S=0, N=32768)),
-    (W08, "after the split: **{} ms**", "window_bench", "course_ms", "value", dict(TRN, W=1024, S=4, N=32768)),
-    (W08, "ms**, {} FlexAttention at `N = 32k`", "window_bench", "course_over_flex", "value",
+    (W08, "where the course reaches {} TFLOP/s", "window_bench", "course_tflops", "range", dict(FWD, W=256)),
+    (W08, "ms with 4 sinks against {} ms without**", "window_bench", "course_ms", "value", dict(TRN, W=1024, S=0, N=32768)),
+    (W08, "the tuned launch: **{} ms with 4 sinks", "window_bench", "course_ms", "value", dict(TRN, W=1024, S=4, N=32768)),
+    (W08, "without**, {} FlexAttention at `N = 32k`", "window_bench", "course_over_flex", "value",
      dict(TRN, W=1024, S=4, N=32768)),
     (W08, "`N` ≥ 8k: {} at `W = 1024`", "window_bench", "course_over_flex", "range",
      dict(TRN, W=1024, S=4, N=lambda n: n >= 8192)),
@@ -39,6 +39,12 @@ QUOTES = [
     (W08, "and {} at `W = 4096`; at", "window_bench", "course_over_flex", "range",
      dict(TRN, W=4096, S=4, N=lambda n: n >= 8192)),
     (W08, "at `N = 4k`, {}.", "window_bench", "course_over_flex", "range", dict(TRN, S=4, N=4096)),
+    (W08, "stays near FlexAttention's speed: {} at `W = 4096`", "window_bench", "course_over_flex", "range",
+     dict(TRN, W=4096, S=0)),
+    (W08, "and at `W = 256` {} at the two shortest", "window_bench", "course_over_flex", "range",
+     dict(TRN, W=256, S=0, N=lambda n: n <= 8192)),
+    (W08, "The old launch ran at {} FlexAttention's forward speed", "tune_window", "before_over_flex", "range", FWD),
+    (W08, "FlexAttention's forward speed, the fastest at {}.", "tune_window", "best_over_flex", "range", FWD),
     (W09, "read only {} of the read ceiling", "decode_splits", "of_ceiling", "range", dict(B=64, splits=1)),
     (W09, "and reads {} of the ceiling there", "decode_bench", "course_over_ceiling", "range", dict(B=64)),
     (W09, "course reads at {} the best SDPA backend", "decode_bench", "course_over_sdpa", "range", dict(B=1)),
@@ -46,6 +52,8 @@ QUOTES = [
     (W09, "costs something: {} the contiguous", "decode_bench", "paged_over_contiguous", "range",
      dict(B=lambda b: b <= 16)),
     (W09, "the two are about level, {})", "decode_bench", "paged_over_contiguous", "range", dict(B=64)),
+    (W09, "It reads {} cuDNN there in the table below", "decode_bench", "course_over_sdpa", "value",
+     dict(B=64, context=1024)),
     (W09, "splits that cache in {})", "decode_bench", "splits", "value", dict(B=1, context=16384)),
     (W09, "1.94 waves) read {} of the ceiling", "decode_splits", "of_ceiling", "range", dict(B=64, splits=1)),
     (W10, "the ring ran at {} one GPU", "ring_bench", "ring_over_one_gpu", "range", {}),
@@ -122,9 +130,9 @@ def test_missing_results_raise_one_sentence():
 
 
 def test_figure_formats_as_the_lessons_write():
-    assert results.figure("window_bench", "course_over_flex", mode="forward") == "0.85–1.05×"
-    assert results.figure("window_bench", "course_over_flex", "median", mode="forward") == "0.99×"
-    assert results.figure("decode_bench", "course_over_ceiling", B=64) == "88–98%"
+    assert results.figure("window_bench", "course_over_flex", mode="forward") == "1.03–1.51×"
+    assert results.figure("window_bench", "course_over_flex", "median", mode="forward") == "1.17×"
+    assert results.figure("decode_bench", "course_over_ceiling", B=64) == "94–98%"
 
 
 @pytest.mark.parametrize("quote", QUOTES, ids=[f"{q[0][:2]}:{q[1][:30]}" for q in QUOTES])
@@ -138,8 +146,8 @@ def test_a_changed_figure_fails():
     text = markdown_text(quote[0])
     right = results.figure(*quote[2:4], quote[4], **quote[5])
     assert right in text
-    wrong = text.replace(right, right.replace("0.85", "0.86"), 1)
-    assert problems(wrong, quote) and "window_bench.json gives 0.85–1.05×" in problems(wrong, quote)[0]
+    wrong = text.replace(right, right.replace("1.03", "1.04"), 1)
+    assert problems(wrong, quote) and "window_bench.json gives 1.03–1.51×" in problems(wrong, quote)[0]
     assert problems(text.replace(right, "0.9–1.1×", 1), quote)  # a coarser but wrong rounding too
 
 

@@ -948,15 +948,26 @@ class BackwardConfig:
 
 
 def default_config(head_dim: int, device_type: str, capability: tuple[int, int] | None = None,
-                   dtype: torch.dtype | None = None) -> BackwardConfig:
+                   dtype: torch.dtype | None = None, window_size: int | None = None) -> BackwardConfig:
     """Small blocks in the CPU interpreter; blocks tuned for Hopper on a GPU.
 
     The GPU choice follows the usual FlashAttention-2 split: the dK/dV kernel
     holds two [BLOCK_N, D] fp32 accumulators, so it streams narrow query
     blocks past wide key blocks; the dQ kernel is the mirror image.
+    ``window_size`` (lesson 08's kernels; the window's keys, at most the
+    sequence's) picks the window backward's measured launch on Hopper.
     """
     if device_type != "cuda":
         return BackwardConfig(32, 64, 64, 32, 4, 1, 4, 1)
+    if (window_size is not None and dtype in (torch.float16, torch.bfloat16) and 64 < head_dim <= 128
+            and capability is not None and capability >= (9, 0)):
+        # Measured on an H200 (benchmarks/tune_window.py --backward, results/tune_window.json: bf16, GQA 32/8,
+        # D = 128, N = 16k, with and without 4 sinks): windows up to 1024 keys run fastest with 4-warp
+        # tiles half the size of the causal ones (each query block sees few key blocks, and lesson 06's
+        # two programs per SM hide the latency); 4096-key windows with the causal tiles and 64-key dQ tiles.
+        if window_size <= 1024:
+            return BackwardConfig(32, 64, 64, 32, 4, 3, 4, 3)
+        return BackwardConfig(64, 128, 128, 64, 8, 3, 8, 3)
     if dtype in (torch.float32, torch.float64):
         # 4- and 8-byte tiles: the 16-bit configurations below would need up to 257 KiB of
         # shared memory at D = 128 in fp32 (measured by compiling for sm_90; H100/H200 allow
@@ -1051,7 +1062,8 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     group_size = n_q_heads // n_kv_heads
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     capability = _capability(q.device)
-    cfg = config or default_config(D, "cuda" if capability else q.device.type, capability, q.dtype)
+    cfg = config or default_config(D, "cuda" if capability else q.device.type, capability, q.dtype,
+                                   None if window_size is None else min(int(window_size), N_K))
     BLOCK_D = max(16, triton.next_power_of_2(D))
     PAD_D = BLOCK_D != D
     # fp32 statistics and accumulators, except for float64 inputs (gradcheck),

@@ -48,6 +48,7 @@ __all__ = [
     "split_busy_fraction",
     "validate_decode",
     "decode_config",
+    "FULL_GRID_PROGRAMS_PER_SM",
     "_decode_split_kernel",
     "_decode_combine_kernel",
 ]
@@ -210,7 +211,8 @@ def _sm_count_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict:
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, programs: int | None = None, *,
+                  capability: tuple[int, int] | None = None, sm_count: int | None = None) -> dict:
     """``BLOCK_N`` and launch options of the split kernel for a head dim and dtype.
 
     In the interpreter each K/V step costs about the same whatever its size,
@@ -218,11 +220,26 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> di
     course's short caches still span several blocks and splits. On a GPU the
     K and V tiles of ``num_stages`` steps in flight must fit in shared memory
     (smaller on sm_75); sensible defaults, not tuned optima.
+
+    ``programs``: the launch's programs when it runs one split. When they give
+    every SM at least :data:`FULL_GRID_PROGRAMS_PER_SM` (B = 64 with 8 kv heads
+    on an H200's 132 SMs), Hopper's launch keeps 2 stages instead of 3: 38
+    instead of 70 KiB of shared memory, so 5 programs fit on an SM instead of
+    3, and more programs in flight hide the memory's latency better than a
+    deeper pipeline in each (``benchmarks/tune_decode.py``,
+    ``results/tune_decode.json``: B = 64, one split, 1k context 3258 -> 3563
+    GB/s, 4k 4306 GB/s, against cuDNN's 3479 and 4292). ``capability`` and
+    ``sm_count`` answer for that GPU, whatever ``device`` is.
     """
-    if _interpreted(device):
+    if _interpreted(device) and capability is None:
         return dict(BLOCK_N=32)
-    return dict(_gpu_config(triton.next_power_of_2(max(head_dim, 16)), dtype.itemsize,
-                            torch.cuda.get_device_capability(device)))
+    capability = capability or tuple(torch.cuda.get_device_capability(device))
+    cfg = dict(_gpu_config(triton.next_power_of_2(max(head_dim, 16)), dtype.itemsize, capability))
+    if programs is not None and capability >= (9, 0) and cfg["num_stages"] == 3 and cfg["BLOCK_N"] == 64:
+        sms = _sm_count(device) if sm_count is None else sm_count
+        if programs >= FULL_GRID_PROGRAMS_PER_SM * sms:
+            cfg["num_stages"] = 2
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,6 +250,8 @@ def _gpu_config(d_pad: int, itemsize: int, capability: tuple) -> tuple:
         return (("BLOCK_N", 32), ("num_warps", 4), ("num_stages", 3))
     return (("BLOCK_N", 64), ("num_warps", 4), ("num_stages", 3))
 
+
+FULL_GRID_PROGRAMS_PER_SM = 2  # one split with at least this many programs per SM: 2 stages (decode_config)
 
 # The split-count model (see pick_num_splits). Each constant says where it comes from.
 PROGRAMS_PER_SM = 2  # split programs resident per SM on an H200: 255 registers x 128 threads each (compiled for
@@ -395,12 +414,12 @@ def decode_split(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_tabl
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     paged = block_table is not None
-    cfg = decode_config(D, q.dtype, q.device)
+    block_m = _rows_per_block(Hq // Hkv, T)
+    m_blocks = triton.cdiv((Hq // Hkv) * T, block_m)
+    cfg = decode_config(D, q.dtype, q.device, B * Hkv * m_blocks if num_splits == 1 else None)
     for key, value in (("BLOCK_N", BLOCK_N), ("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None:
             cfg[key] = value
-    block_m = _rows_per_block(Hq // Hkv, T)
-    m_blocks = triton.cdiv((Hq // Hkv) * T, block_m)
     direct = out is not None and num_splits == 1
     if direct:
         o_parts = lse_parts = out  # unused by the kernel

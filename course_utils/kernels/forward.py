@@ -65,6 +65,7 @@ __all__ = [
     "_flash_attention_forward_window_kernel",
     "flash_attention_window_forward",
     "block_config",
+    "window_block_config",
     "LOG2E",
     "mods_tile_bounds",
     "validate_mods",
@@ -982,8 +983,30 @@ def block_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
 
 
-def _config(q, block_m, block_n, num_warps=None, num_stages=None):
-    cfg = block_config(q.shape[-1], q.dtype, q.device)
+def window_block_config(head_dim: int, dtype: torch.dtype, device: torch.device, window_size: int,
+                        capability: tuple[int, int] | None = None) -> dict:
+    """:func:`block_config`'s choice for the window/sink forward, with Hopper's measured launch where it won.
+
+    On sm_90, 16-bit inputs and head dims 65-128, 64-query tiles with 4 warps
+    and 3 stages (lesson 06's launch: two programs share an SM), and 32-key
+    tiles for windows of at most 256 keys (fewer masked keys at each window's
+    far edge): ``benchmarks/tune_window.py``, ``results/tune_window.json``
+    (H200, bf16, GQA 32/8, D = 128, N = 16k, W in {256, 1024, 4096}, with and
+    without 4 sinks), where lesson 05's 128 x 64 tiles with 8 warps were
+    1.06-1.48x slower. Elsewhere (not measured) :func:`block_config`'s choice.
+    """
+    cfg = block_config(head_dim, dtype, device, capability)
+    if _interpreted(device):
+        return cfg
+    capability = capability or _capability(device)
+    if (capability is not None and capability >= (9, 0) and dtype in (torch.float16, torch.bfloat16)
+            and triton.next_power_of_2(head_dim) == 128):
+        cfg = dict(BLOCK_M=64, BLOCK_N=32 if window_size <= 256 else 64, num_warps=4, num_stages=3)
+    return cfg
+
+
+def _config(q, block_m, block_n, num_warps=None, num_stages=None, base=None):
+    cfg = dict(base) if base is not None else block_config(q.shape[-1], q.dtype, q.device)
     for name, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
                         ("num_stages", num_stages)):
         if value is not None:
@@ -1090,7 +1113,7 @@ def flash_attention_window_forward(q, k, v, *, window_size, sink_size=0,
     Tensors as in :func:`flash_attention_gqa_forward`; returns ``(o, lse)``.
     Key ``j`` is visible from query ``i`` iff ``j <= i and (i - j <
     window_size or j < sink_size)``. ``block_m``, ``block_n``, ``num_warps`` and
-    ``num_stages`` override :func:`block_config` (``benchmarks/tune_window.py``
+    ``num_stages`` override :func:`window_block_config` (``benchmarks/tune_window.py``
     times them). ``_validated=True``: the caller has run :func:`validate` and
     :func:`validate_window` (with ``causal=True``) already.
     """
@@ -1102,7 +1125,8 @@ def flash_attention_window_forward(q, k, v, *, window_size, sink_size=0,
     lse = torch.empty((B, Hq, N), dtype=torch.float32, device=q.device)
     if o.numel() == 0:
         return o, lse
-    cfg = _config(q, block_m, block_n, num_warps, num_stages)
+    cfg = _config(q, block_m, block_n, num_warps, num_stages,
+                  base=window_block_config(D, q.dtype, q.device, min(int(window_size), N)))
     if cfg["BLOCK_M"] % cfg["BLOCK_N"]:
         raise ValueError(f"block_m ({cfg['BLOCK_M']}) must be a multiple of block_n ({cfg['BLOCK_N']}).")
     grid = (triton.cdiv(N, cfg["BLOCK_M"]), B * Hq)
