@@ -456,3 +456,17 @@ def test_window_launches_elsewhere_are_block_config_and_the_causal_backward_tile
         forward.block_config(128, torch.bfloat16, torch.device("cpu"))
     assert repr(bw.default_config(128, "cuda", (8, 0), torch.bfloat16, window_size=256)) == \
         repr(bw.default_config(128, "cuda", (8, 0), torch.bfloat16))
+
+
+def test_lesson_12s_kernels_keep_the_causal_tiles_with_a_window(monkeypatch):
+    """default_config(window_size=) is lesson 08's measured launch; with mods (cu_seqlens, softcap, ...) the
+    backward asks for the causal tiles, as before the window launch was tuned."""
+    asked = []
+    real = bw.default_config
+    monkeypatch.setattr(bw, "default_config", lambda *a, **k: asked.append(a[4:] + tuple(k.values())) or real(*a, **k))
+    q, k, v, do = _inputs(1, 2, 1, 96, 16, torch.float32)
+    cu = torch.tensor([0, 40, 96], dtype=torch.int32, device=q.device)
+    for mods in ({}, dict(cu_seqlens=cu)):
+        o, lse = flash_attention_with_lse(q, k, v, causal=True, window_size=20, sink_size=2, **mods)
+        bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=20, sink_size=2, **mods)
+    assert asked == [(20,), (None,)]
