@@ -19,7 +19,6 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -132,14 +131,9 @@ def main(argv=None) -> int:
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
         return 0
-    import torch
-    import triton
-
     rows = [r for b, n in POINTS for r in measure(b, n)]
     if args.out:
-        info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-        args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
-        print(f"wrote {args.out}")
+        bench.write_sweep(args.out, rows)
     return 0
 
 

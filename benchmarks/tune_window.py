@@ -20,7 +20,6 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -133,16 +132,13 @@ def main(argv=None) -> int:
         return 0
 
     import torch
-    import triton
 
     rows = []
     for n in args.n:
         rows += (_backward_rows if args.backward else _forward_rows)(n, args.windows, args.sinks)
         torch.cuda.empty_cache()
     if args.out:
-        info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
-        args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
-        print(f"wrote {args.out}")
+        bench.write_sweep(args.out, rows)
     return 0
 
 

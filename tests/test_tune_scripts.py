@@ -122,3 +122,14 @@ def test_without_a_gpu_each_script_explains_and_exits_cleanly(script, argv, caps
     assert not bench.gpu_available()
     assert script.main(argv) == 0
     assert "No CUDA GPU" in capsys.readouterr().out
+
+
+def test_a_sweep_is_written_with_the_machine_beside_its_rows(tmp_path, capsys):
+    import json
+
+    rows = [dict(name="course 64 w4 s3 splits 1", gbps=3258.0), dict(name="sdpa_cudnn", gbps=None)]
+    bench.write_sweep(tmp_path / "sweep.json", rows)
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc["rows"] == rows
+    assert doc["info"]["torch"] == torch.__version__ and doc["info"]["date"].endswith("UTC")
+    assert f"wrote {tmp_path / 'sweep.json'}" in capsys.readouterr().out

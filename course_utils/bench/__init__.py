@@ -62,7 +62,7 @@ from .ladder import (  # noqa: F401
     COURSE_LAUNCH_GRID, LADDER_NS, _course_with, course_with_options, _ladder_steps, _tuned_or_fixed, tuning_ladder,
 )
 from .report import (  # noqa: F401
-    _cell, environment_info, ladder_markdown, load_results, markdown_tables, ratio_table, read_csv,
+    _cell, environment_info, write_sweep, ladder_markdown, load_results, markdown_tables, ratio_table, read_csv,
     recorded_results_path, write_csv, write_results,
 )
 from .plots import plot_results  # noqa: F401

@@ -12,6 +12,15 @@ from pathlib import Path
 from .cases import CSV_FIELDS, LABELS, PROVIDERS, RATIOS, RESULTS_DIR, STEM, Case
 
 
+def write_sweep(path, rows: list[dict]) -> None:
+    """A tuning script's measured ``rows`` as JSON at ``path``, with :func:`environment_info` beside them."""
+    import json
+    from pathlib import Path
+
+    Path(path).write_text(json.dumps(dict(info=environment_info(), rows=rows), indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def environment_info() -> dict:
     """GPU name, versions and date, recorded next to every result."""
     info = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
