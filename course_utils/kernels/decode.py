@@ -234,21 +234,19 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, progr
     if _interpreted(device) and capability is None:
         return dict(BLOCK_N=32)
     capability = capability or tuple(torch.cuda.get_device_capability(device))
-    cfg = dict(_gpu_config(triton.next_power_of_2(max(head_dim, 16)), dtype.itemsize, capability))
-    if programs is not None and capability >= (9, 0) and cfg["num_stages"] == 3 and cfg["BLOCK_N"] == 64:
-        sms = _sm_count(device) if sm_count is None else sm_count
-        if programs >= FULL_GRID_PROGRAMS_PER_SM * sms:
-            cfg["num_stages"] = 2
-    return cfg
+    sms = _sm_count(device) if sm_count is None else sm_count  # 0: not known (no GPU asked)
+    full_grid = programs is not None and sms > 0 and programs >= FULL_GRID_PROGRAMS_PER_SM * sms
+    return dict(_gpu_config(triton.next_power_of_2(max(head_dim, 16)), dtype.itemsize, capability, full_grid))
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_config(d_pad: int, itemsize: int, capability: tuple) -> tuple:
+def _gpu_config(d_pad: int, itemsize: int, capability: tuple, full_grid: bool = False) -> tuple:
     if capability < (8, 0):  # sm_75 (a T4): 64 KiB of shared memory per program
         return (("BLOCK_N", 32 if d_pad > 64 or itemsize > 2 else 64), ("num_warps", 4), ("num_stages", 2))
     if itemsize > 2 or d_pad > 128:
         return (("BLOCK_N", 32), ("num_warps", 4), ("num_stages", 3))
-    return (("BLOCK_N", 64), ("num_warps", 4), ("num_stages", 3))
+    stages = 2 if full_grid and capability >= (9, 0) else 3  # measured on Hopper only (decode_config)
+    return (("BLOCK_N", 64), ("num_warps", 4), ("num_stages", stages))
 
 
 FULL_GRID_PROGRAMS_PER_SM = 2  # one split with at least this many programs per SM: 2 stages (decode_config)
