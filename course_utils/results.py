@@ -44,7 +44,7 @@ COLUMNS = {
     ],
     "decode_splits": [
         ("B", "B", "d", ""), ("context", "context", "d", ""), ("splits", "num_splits", "d", ""),
-        ("gbps", "GB/s", ".0f", ""), ("of_ceiling", "of the read ceiling", ".0f", "%"),
+        ("stages", "stages", "d", ""), ("gbps", "GB/s", ".0f", ""), ("of_ceiling", "of the read ceiling", ".0f", "%"),
         ("predicted", "model's busy fraction", ".0f", "%"), ("pick", "model's pick", "", ""),
     ],
     "ring_bench": [
@@ -136,7 +136,8 @@ def _decode(d):
 
 def _decode_splits(d):
     ceiling = {(p["batch"], p["context"]): p["ceiling_gbps"] for p in d["points"]}
-    return [dict(B=r["batch"], context=r["context"], splits=r["num_splits"], gbps=r["gbps"],
+    return [dict(B=r["batch"], context=r["context"], splits=r["num_splits"], stages=r.get("num_stages", 3),
+                 gbps=r["gbps"],
                  of_ceiling=100 * r["gbps"] / ceiling[(r["batch"], r["context"])] if r["gbps"] else None,
                  predicted=100 * r["predicted_busy"], pick="yes" if r["model_pick"] else "")
             for r in d["rows"]]

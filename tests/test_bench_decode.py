@@ -104,8 +104,12 @@ def test_split_counts_follow_the_launchers_limits():
     assert bd.split_counts(256, 1) == [1]
     from course_utils.kernels import decode
 
-    # B = 16, 4k: 2 splits make 256 programs in 264 slots, 32 + 1 block reads and the combine's 2.
-    assert bd.model_of(16, 4096, 2, 132) == decode.split_busy_fraction(16, 8, 1, 64, 2, 264) == (128 * 64 / 264) / 35
+    # B = 16, 4k: 2 splits make 256 programs, 2 on the busiest SM, 32 + 1 block reads each and the combine's 2.
+    assert bd.model_of(16, 4096, 2, 132) == decode.split_busy_fraction(16, 8, 1, 64, 2, 132, 3) == \
+        (128 * 64 / 132) / (2 * 33 + 2)
+    # B = 64, 4k, one split: the 2-stage launch holds all 512 programs (5 per SM), 4 on the busiest SM.
+    assert bd.model_of(64, 4096, 1, 132) == decode.split_busy_fraction(64, 8, 1, 64, 1, 132, 5) == \
+        (512 * 64 / 132) / (4 * 65)
 
 
 def test_programs_per_sm_is_lesson_06s_rule():

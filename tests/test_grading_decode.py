@@ -366,6 +366,7 @@ def _learner(mistake=None, pick="smallest", cap=True, min_blocks=4, keys=False):
     def choose(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm):
         n = context if keys else math.ceil(context / 64)
         slots = n_sms * (1 if mistake == "no_resident" else programs_per_sm)
+        lanes = slots if mistake == "slot_waves" else n_sms
         heads = n_q_heads if mistake == "q_heads" else (1 if mistake == "no_kv_heads" else n_kv_heads)
         most = max(1, n // min_blocks)
         if cap:
@@ -373,12 +374,12 @@ def _learner(mistake=None, pick="smallest", cap=True, min_blocks=4, keys=False):
         busy = []
         for s in range(1, most + 1):
             programs = batch * heads * s
-            waves = programs / slots if mistake == "no_tail" else math.ceil(programs / slots)
+            per_sm = programs / lanes if mistake == "no_tail" else math.ceil(programs / lanes)
             if (programs > slots and mistake != "no_drain") or mistake == "no_drain_one_wave":
-                waves += 0.25
+                per_sm += 0.45
             keys_per_program = 64 * (math.ceil(n / s) + (0 if mistake == "no_overhead" else 1))
             combine = 0 if s == 1 or mistake == "no_combine" else 2 * 64
-            busy.append(batch * heads * n * 64 / slots / (waves * keys_per_program + combine))
+            busy.append(batch * heads * n * 64 / lanes / (per_sm * keys_per_program + combine))
         best = max(busy)
         if pick == "argmax":
             return busy.index(best) + 1
@@ -390,9 +391,10 @@ def _learner(mistake=None, pick="smallest", cap=True, min_blocks=4, keys=False):
 def _choose_numpy(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm):
     n_blocks = -(-context // 64)
     s = np.arange(1, max(1, min(128, n_blocks // 4)) + 1)
-    waves = batch * n_kv_heads * s / (n_sms * programs_per_sm)
-    time = (np.ceil(waves) + np.where(waves > 1, 0.25, 0.0)) * (np.ceil(n_blocks / s) + 1) + np.where(s > 1, 2, 0)
-    busy = batch * n_kv_heads * n_blocks / (n_sms * programs_per_sm) / time
+    programs = batch * n_kv_heads * s
+    per_sm = np.ceil(programs / n_sms) + np.where(programs > n_sms * programs_per_sm, 0.45, 0.0)
+    time = per_sm * (np.ceil(n_blocks / s) + 1) + np.where(s > 1, 2, 0)
+    busy = batch * n_kv_heads * n_blocks / n_sms / time
     return s[np.argmax(busy >= 0.98 * busy.max())]  # a NumPy int
 
 
@@ -410,13 +412,15 @@ def test_choose_splits_correct_variants_pass(fn):
 
 
 def test_choose_splits_agrees_with_the_launcher():
-    """The exercise's model is pick_num_splits's: the same choices on the benchmark's grid (an H200)."""
+    """The exercise's model is pick_num_splits's: the same choices on the benchmark's grid (an H200), with the
+    residency of the launch at one split (5 per SM for B = 64's 2-stage launch, 3 otherwise)."""
     for b in (1, 4, 16, 64):
+        per_sm = 5 if b * 8 >= 2 * 132 else 3
         for n in (1024, 4096, 16384, 65536):
-            assert _learner()(b, 32, 8, n, 132, 2) == decode.pick_num_splits(b, 8, 1, n, torch.device("cpu"), 64,
-                                                                            sm_count=132)
+            assert _learner()(b, 32, 8, n, 132, per_sm) == decode.pick_num_splits(b, 8, 1, n, torch.device("cpu"),
+                                                                                 64, sm_count=132)
             for s in (1, 2, 7):
-                assert p5.splits_busy(b, 32, 8, n, s, 132, 2) == decode.split_busy_fraction(b, 8, 1, n // 64, s, 264)
+                assert p5.splits_busy(b, 32, 8, n, s, 132, 3) == decode.split_busy_fraction(b, 8, 1, n // 64, s, 132, 3)
 
 
 CHOOSE_MISTAKES = {m: dict(p5.SPLIT_MISTAKES)[m] for m, _ in p5.SPLIT_MISTAKES}
@@ -455,13 +459,12 @@ def test_choose_splits_calling_the_course_fails(answer_key):
 
     def borrow(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm):
         if answer_key == "pick_num_splits":
-            return decode.pick_num_splits(batch, n_kv_heads, 1, context, torch.device("cpu"), 64,
-                                          sm_count=n_sms * programs_per_sm // 2)
+            return decode.pick_num_splits(batch, n_kv_heads, 1, context, torch.device("cpu"), 64, sm_count=n_sms)
         n = -(-context // 64)
-        busy = [decode.split_busy_fraction(batch, n_kv_heads, 1, n, s, n_sms * programs_per_sm)
+        busy = [decode.split_busy_fraction(batch, n_kv_heads, 1, n, s, n_sms, programs_per_sm)
                 for s in range(1, max(1, min(128, n // 4)) + 1)]
         return busy.index(max(busy)) + 1
 
     with pytest.raises(GradingError, match=answer_key):
         check_choose_num_splits(borrow, seed=0)
-    assert decode.pick_num_splits(64, 8, 1, 16384, torch.device("cpu"), 64, sm_count=132) == 3  # restored after
+    assert decode.pick_num_splits(1, 8, 1, 16384, torch.device("cpu"), 64, sm_count=132) == 16  # restored after

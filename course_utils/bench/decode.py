@@ -34,14 +34,15 @@ count for every provider. The run takes about two minutes on an H200.
 Without a GPU the command says so in one sentence and exits 0.
 
 ``python -m course_utils.bench decode --splits`` measures instead the course's
-GB/s against ``num_splits`` at a few points (B = 1, 16 and 64; see
-:data:`SPLIT_POINTS`), each count checked against the reference first and
+GB/s against ``num_splits`` at a few points (B = 1, 4, 16 and 64; see
+:data:`SPLIT_POINTS`; at B = 64 also the 3-stage launch of one split, which the model's
+drain is fitted to), each count checked against the reference first and
 timed the same way, beside the read ceiling and the busy fraction that the
 model of :func:`course_utils.kernels.decode.split_busy_fraction` predicts, and
 writes ``results/decode_splits.md`` and ``.json``: the check of the model
 behind ``pick_num_splits``. It also records what the split kernel compiled to
-(registers, shared memory) and how many programs of it fit on one SM, the
-model's ``PROGRAMS_PER_SM``.
+at two splits (registers, shared memory: the 3-stage launch) and how many
+programs of it fit on one SM, the model's ``PROGRAMS_PER_SM``.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ NO_GPU_MESSAGE = (
     "on a GPU machine (the recorded results are in results/decode_bench.md)."
 )
 SPLITS_STEM = "decode_splits"
-SPLIT_POINTS = ((1, 16384), (16, 4096), (64, 4096), (64, 16384), (64, 65536))  # (batch, context)
+SPLIT_POINTS = ((1, 16384), (16, 4096), (64, 4096), (64, 16384), (64, 65536), (16, 1024), (4, 16384))  # (B, context)
 SPLIT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+NOT_SHIPPED = "3 stages, not shipped"  # the note of the extra one-split row where the launch ships 2 stages
 NO_GPU_SPLITS_MESSAGE = (
     "No CUDA GPU here, so there is nothing to time: run `python -m course_utils.bench decode --splits` "
     "on a GPU machine (it writes results/decode_splits.md)."
@@ -487,8 +489,8 @@ def model_of(batch: int, context: int, num_splits: int, sm_count: int, block_n: 
     """The busy fraction :func:`~course_utils.kernels.decode.split_busy_fraction` predicts (the bench's shape)."""
     from ..kernels import decode
 
-    return decode.split_busy_fraction(batch, N_KV_HEADS, 1, -(-context // block_n), num_splits,
-                                      decode.PROGRAMS_PER_SM * sm_count)
+    per_sm = decode.programs_per_sm_of_launch(batch * N_KV_HEADS, num_splits, sm_count)
+    return decode.split_busy_fraction(batch, N_KV_HEADS, 1, -(-context // block_n), num_splits, sm_count, per_sm)
 
 
 def programs_per_sm(n_regs: int, num_warps: int, shared_bytes: int) -> int:
@@ -549,12 +551,25 @@ def measure_splits(batch: int, context: int, counts=SPLIT_COUNTS, log=print, rep
     ceiling_fn, ceiling_note = make_provider("ceiling", q, k, v, seqlens)
     ceiling_ms = triton.testing.do_bench(ceiling_fn, warmup=10, rep=rep_ms, return_mode="median")
     rows = []
-    for s in split_counts(context, pick, counts, block_n):
-        row = dict(batch=batch, context=context, num_splits=s, ms=None, gbps=None, status="ok", rel_err=None,
-                   predicted_busy=model_of(batch, context, s, sms, block_n), model_pick=s == pick, note="")
+    one_split = batch * N_KV_HEADS  # programs at one split (one block of packed rows)
+    launches = [(s, None) for s in split_counts(context, pick, counts, block_n)]
+    if decode.programs_per_sm_of_launch(one_split, 1, sms) != decode.PROGRAMS_PER_SM:
+        launches.append((1, 3))  # the 3-stage launch of one split too: the run the model's drain is fitted to
+    for s, stages in launches:
+        shipped = decode.launch_config(q, k, s)
+        per_sm = (decode.PROGRAMS_PER_SM if stages is not None
+                  else decode.programs_per_sm_of_launch(one_split, s, sms))
+        row = dict(batch=batch, context=context, num_splits=s, num_stages=stages or shipped.get("num_stages"),
+                   ms=None, gbps=None, status="ok", rel_err=None,
+                   predicted_busy=decode.split_busy_fraction(batch, N_KV_HEADS, 1, -(-context // block_n), s, sms,
+                                                             per_sm),
+                   model_pick=s == pick and stages is None, note="" if stages is None else NOT_SHIPPED)
         try:
-            decode.decode_attention(q, k, v, seqlens, num_splits=s)  # the checked call
-            fn = (lambda s=s: decode.launch_decode(q, k, v, seqlens, num_splits=s))
+            if stages is None:
+                decode.decode_attention(q, k, v, seqlens, num_splits=s)  # the checked call
+                fn = (lambda s=s: decode.launch_decode(q, k, v, seqlens, num_splits=s))
+            else:
+                fn = (lambda: decode.decode_split(q, k, v, seqlens, 1, out=torch.empty_like(q), num_stages=3)[0])
             row["rel_err"] = rel_error(fn(), refs)
             if not row["rel_err"] <= TOLERANCE:
                 row["status"] = "wrong"
@@ -566,14 +581,15 @@ def measure_splits(batch: int, context: int, counts=SPLIT_COUNTS, log=print, rep
         except Exception as exc:  # noqa: BLE001  (reported, not timed)
             row["status"], row["note"] = "skip", f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
         rows.append(row)
-        log(f"B={batch:>3} L={context:>6} num_splits={s:>3}: " + (f"{row['gbps']:7.0f} GB/s" if row["gbps"] else row["status"])
-            + f", model {row['predicted_busy']:.0%} busy" + (" (model's pick)" if s == pick else ""))
+        log(f"B={batch:>3} L={context:>6} num_splits={s:>3} ({row['num_stages']} stages): "
+            + (f"{row['gbps']:7.0f} GB/s" if row["gbps"] else row["status"])
+            + f", model {row['predicted_busy']:.0%} busy" + (" (model's pick)" if row["model_pick"] else ""))
     point = dict(batch=batch, context=context, sm_count=sms, block_n=block_n, ceiling_gbps=gb_per_s(nbytes, ceiling_ms),
                  ceiling_note=ceiling_note, model_pick=pick, **compiled_split_kernel(q, k, v, seqlens))
-    timed = [r for r in rows if r["gbps"]]
+    timed = [r for r in rows if r["gbps"] and r["note"] != NOT_SHIPPED]
     if timed:
         best = max(timed, key=lambda r: r["gbps"])
-        at_pick = next((r["gbps"] for r in timed if r["num_splits"] == pick), None)
+        at_pick = next((r["gbps"] for r in timed if r["model_pick"]), None)
         point.update(best_splits=best["num_splits"], best_gbps=best["gbps"],
                      pick_over_best=at_pick / best["gbps"] if at_pick else None)
     del q, k, v
@@ -594,7 +610,8 @@ def splits_markdown(rows: list[dict], points: list[dict], info: dict) -> str:
         "(`triton.testing.do_bench`, L2 flushed, " + ("a CUDA graph of one call replayed" if info.get("cuda_graphs")
                                                        else "launched from Python")
         + "); each split count checked against a float32 reference first. Model: "
-        f"`decode.split_busy_fraction` with {decode.PROGRAMS_PER_SM} programs per SM, drain "
+        f"`decode.split_busy_fraction` with {decode.PROGRAMS_PER_SM} programs per SM "
+        f"({decode.ONE_SPLIT_PROGRAMS_PER_SM} for one split over a full grid, the 2-stage launch), drain "
         f"{decode.DRAIN_WAVES}, overhead {decode.PROGRAM_OVERHEAD_BLOCKS} and combine {decode.COMBINE_BLOCKS} "
         "blocks. `python -m course_utils.bench decode --splits`.",
         "",
@@ -608,13 +625,14 @@ def splits_markdown(rows: list[dict], points: list[dict], info: dict) -> str:
                 f"Read ceiling {pt['ceiling_gbps']:.0f} GB/s; {compiled}; the model picks {pt['model_pick']} splits"
                 + (f", {pt['pick_over_best']:.0%} of the best measured ({pt['best_splits']} splits, "
                    f"{pt['best_gbps']:.0f} GB/s)." if pt.get("pick_over_best") else "."),
-                "", "| num_splits | GB/s | of the ceiling | model's busy fraction | |", "|---:|---:|---:|---:|---|"]
+                "", "| num_splits | stages | GB/s | of the ceiling | model's busy fraction | |",
+                "|---:|---:|---:|---:|---:|---|"]
         for r in rows:
             if (r["batch"], r["context"]) != (b, n):
                 continue
             got = f"{r['gbps']:.0f} | {r['gbps'] / pt['ceiling_gbps']:.0%}" if r["gbps"] else f"{r['status']} | —"
-            out.append(f"| {r['num_splits']} | {got} | {r['predicted_busy']:.0%} | "
-                       + ("model's pick" if r["model_pick"] else "") + " |")
+            out.append(f"| {r['num_splits']} | {r.get('num_stages') or '?'} | {got} | {r['predicted_busy']:.0%} | "
+                       + ("model's pick" if r["model_pick"] else r.get("note", "")) + " |")
         out.append("")
     out += ["## The model against the measurement", ""] + [f"- {c}" for c in splits_checks(rows, points)] + [""]
     return "\n".join(out)

@@ -8,7 +8,7 @@
 - :func:`check_decode_combine` grades ``fn(o_parts, lse_parts) -> o``: the
   combine kernel.
 - :func:`check_choose_num_splits` grades ``fn(batch, n_q_heads, n_kv_heads,
-  context, n_sms, programs_per_sm) -> num_splits``: the split count the wave
+  context, n_sms, programs_per_sm) -> num_splits``: the split count the
   model of :func:`course_utils.kernels.decode.split_busy_fraction` keeps
   busiest (any count within its tolerance of the best passes).
 
@@ -523,7 +523,7 @@ def grade_decode_combine(fn, *, seed=None):
 
 
 # =============================================================================
-# check_choose_num_splits (the wave model; no kernel)
+# check_choose_num_splits (the split model; no kernel)
 # =============================================================================
 MSG_SPLITS_NOT_INT = "your function returned {out!r}; return the number of splits, a positive int."
 MSG_SPLITS_TOO_SHORT = (
@@ -537,19 +537,24 @@ SPLIT_MISTAKES = (  # (switch of splits_busy, the message); the first whose choi
                 "head in one program, so programs = batch * n_kv_heads * num_splits."),
     ("no_kv_heads", "the kv heads are missing from the count: each (sequence, kv head) pair has its own "
                     "programs, so programs = batch * n_kv_heads * num_splits."),
-    ("no_resident", "the slots are the SMs alone: each SM holds programs_per_sm programs at once, so one wave "
-                    "is n_sms * programs_per_sm programs."),
-    ("no_tail", "the tail wave was not rounded up: a wave that holds a few programs still lasts a whole "
-                "program's time, so time counts ceil(programs / slots) waves."),
-    ("no_drain", "the ragged end is missing: past one wave, add decode.DRAIN_WAVES of a program's time (the "
-                 "recorded run of one split at B = 64, 1.94 waves, read well below the ceiling: "
-                 "results/decode_bench.md)."),
+    ("slot_waves", "the programs an SM holds were counted as if each read at the SM's full speed (waves of "
+                   "n_sms * programs_per_sm slots): decoding is bound by the memory, and the programs of one SM "
+                   "share its bandwidth, so an SM that runs k programs takes k programs' time; count "
+                   "ceil(programs / n_sms) programs on the busiest SM."),
+    ("no_resident", "the ragged end was added as soon as an SM runs a second program: each SM holds "
+                    "programs_per_sm programs at once, and only programs past n_sms * programs_per_sm start "
+                    "late."),
+    ("no_tail", "the busiest SM was not rounded up: when programs / n_sms is not whole, some SMs run one "
+                "program more than the others and set the time, so count ceil(programs / n_sms)."),
+    ("no_drain", "the ragged end is missing: past n_sms * programs_per_sm programs, add decode.DRAIN_WAVES of "
+                 "a program's time (the recorded run of one split at B = 64, 512 programs of a launch that "
+                 "holds 396 at once, read well below the ceiling: results/decode_splits.md)."),
     ("no_overhead", "each program's fixed cost is missing: a program costs ceil(n_blocks / num_splits) + "
                     "decode.PROGRAM_OVERHEAD_BLOCKS block reads, which is what makes very short splits poor."),
     ("no_combine", "the combine's cost is missing: more than one split adds decode.COMBINE_BLOCKS block reads "
                    "(the second kernel)."),
-    ("no_drain_one_wave", "the ragged end was added to a launch of one wave too: it is only past one wave "
-                          "(programs > slots) that the last programs start late."),
+    ("no_drain_one_wave", "the ragged end was added to a launch whose programs all fit at once: it is only "
+                          "past n_sms * programs_per_sm programs that the last ones start late."),
 )
 
 
@@ -559,14 +564,13 @@ def splits_busy(batch, n_q_heads, n_kv_heads, context, num_splits, n_sms, progra
     heads = {"q_heads": n_q_heads, "no_kv_heads": 1}.get(mistake, n_kv_heads)
     slots = n_sms * (1 if mistake == "no_resident" else programs_per_sm)
     programs = batch * heads * num_splits
-    waves = programs / slots
+    lanes = slots if mistake == "slot_waves" else n_sms  # what the busiest SM's count divides by
+    per_sm = programs / lanes if mistake == "no_tail" else math.ceil(programs / lanes)
     per_program = -(-n_blocks // num_splits) + (0.0 if mistake == "no_overhead" else _decode.PROGRAM_OVERHEAD_BLOCKS)
-    ragged = 0.0 if mistake == "no_drain" else _decode.DRAIN_WAVES
-    waves_paid = waves if mistake == "no_tail" else math.ceil(waves)
-    if waves > 1 or mistake == "no_drain_one_wave":
-        waves_paid += ragged
+    if (programs > slots and mistake != "no_drain") or mistake == "no_drain_one_wave":
+        per_sm += _decode.DRAIN_WAVES
     combine = 0.0 if mistake == "no_combine" or num_splits == 1 else _decode.COMBINE_BLOCKS
-    return batch * heads * n_blocks / slots / (waves_paid * per_program + combine)
+    return batch * heads * n_blocks / lanes / (per_sm * per_program + combine)
 
 
 def _allowed_splits(context):
@@ -584,13 +588,16 @@ def _good_splits(case, mistake=None):
 
 def _choose_cases(rng):
     """(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm, what)."""
-    cases = [(b, 32, 8, n, 132, 2, "an H200, 32/8 heads (the benchmark's grid)")
+    cases = [(1, 32, 1, 512, 132, 3, "MQA at B = 1, a short cache: one program per split"),
+             (1, 32, 1, 67584, 132, 3, "MQA at B = 1, a long cache: one program per split")]
+    cases += [(b, 32, 8, n, 132, 3, "an H200, 32/8 heads (the benchmark's grid)")
              for b in (1, 4, 16, 64) for n in (1024, 4096, 16384, 65536)]
     cases += [
-        (64, 8, 8, 16384, 132, 2, "MHA"), (8, 32, 1, 32768, 132, 2, "MQA: 32 query heads, one kv head"),
-        (2, 16, 4, 200, 132, 2, "a short cache: 4 blocks"), (3, 64, 8, 8192, 108, 3, "an A100-sized GPU, 3 per SM"),
+        (64, 32, 8, 16384, 132, 5, "an H200 with the 2-stage launch (5 per SM)"),
+        (64, 8, 8, 16384, 132, 3, "MHA"), (8, 32, 1, 32768, 132, 3, "MQA: 32 query heads, one kv head"),
+        (2, 16, 4, 200, 132, 3, "a short cache: 4 blocks"), (3, 64, 8, 8192, 108, 3, "an A100-sized GPU, 3 per SM"),
         (32, 32, 8, 4096, 40, 1, "a small GPU, one program per SM"), (128, 32, 8, 2048, 132, 2, "B = 128"),
-        (3, 32, 8, 1024, 40, 1, "a small GPU: the combine's cost decides"),
+        (3, 32, 8, 768, 40, 1, "a small GPU: the combine's cost decides"),
     ]
     for _ in range(6):
         hkv = int(rng.choice([1, 2, 4, 8]))
@@ -604,16 +611,17 @@ def grade_choose_num_splits(fn, *, seed=None):
 
     One new token per sequence; the cache is ``n_blocks = cdiv(context, 64)``
     blocks; the query heads of a kv head share one program (GQA packing).
-    ``programs = batch * n_kv_heads * num_splits`` run ``slots = n_sms *
-    programs_per_sm`` at a time, ``waves = programs / slots``, and a launch
-    takes ``(ceil(waves) + DRAIN_WAVES if waves > 1) * (ceil(n_blocks /
-    num_splits) + PROGRAM_OVERHEAD_BLOCKS) + COMBINE_BLOCKS if num_splits > 1``
-    block reads (the constants are ``course_utils.kernels.decode``'s). The
-    busy fraction is ``batch * n_kv_heads * n_blocks / slots`` over that.
-    Return a count from 1 to ``min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS)``
-    (1 always allowed) whose busy fraction is within ``SPLIT_TOLERANCE`` of
-    the best: any such count passes. The course's ``pick_num_splits`` and
-    ``split_busy_fraction`` are refused while it runs.
+    ``programs = batch * n_kv_heads * num_splits``; the busiest SM runs
+    ``ceil(programs / n_sms)`` of them, and a launch takes ``(ceil(programs /
+    n_sms) + DRAIN_WAVES if programs > n_sms * programs_per_sm) *
+    (ceil(n_blocks / num_splits) + PROGRAM_OVERHEAD_BLOCKS) + COMBINE_BLOCKS
+    if num_splits > 1`` block reads (the constants are
+    ``course_utils.kernels.decode``'s). The busy fraction is ``batch *
+    n_kv_heads * n_blocks / n_sms`` over that. Return a count from 1 to
+    ``min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS)`` (1 always allowed) whose
+    busy fraction is within ``SPLIT_TOLERANCE`` of the best: any such count
+    passes. The course's ``pick_num_splits`` and ``split_busy_fraction`` are
+    refused while it runs.
     """
     __tracebackhide__ = True
     run = Run("check_choose_num_splits", seed, time_limit_s=10.0)

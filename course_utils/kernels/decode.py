@@ -48,7 +48,10 @@ __all__ = [
     "split_busy_fraction",
     "validate_decode",
     "decode_config",
+    "launch_config",
     "FULL_GRID_PROGRAMS_PER_SM",
+    "LONE_MIN_BLOCKS",
+    "programs_per_sm_of_launch",
     "_decode_split_kernel",
     "_decode_combine_kernel",
 ]
@@ -212,7 +215,8 @@ def _sm_count_of(index: int) -> int:
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, programs: int | None = None, *,
-                  capability: tuple[int, int] | None = None, sm_count: int | None = None) -> dict:
+                  num_splits: int = 1, split_blocks: int | None = None, capability: tuple[int, int] | None = None,
+                  sm_count: int | None = None) -> dict:
     """``BLOCK_N`` and launch options of the split kernel for a head dim and dtype.
 
     In the interpreter each K/V step costs about the same whatever its size,
@@ -221,105 +225,168 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, progr
     K and V tiles of ``num_stages`` steps in flight must fit in shared memory
     (smaller on sm_75); sensible defaults, not tuned optima.
 
-    ``programs``: the launch's programs when it runs one split. When they give
-    every SM at least :data:`FULL_GRID_PROGRAMS_PER_SM` (B = 64 with 8 kv heads
-    on an H200's 132 SMs), Hopper's launch keeps 2 stages instead of 3: 38
-    instead of 70 KiB of shared memory, so 5 programs fit on an SM instead of
-    3, and more programs in flight hide the memory's latency better than a
-    deeper pipeline in each (``benchmarks/tune_decode.py``,
-    ``results/tune_decode.json``: B = 64, one split, 1k context 3258 -> 3563
-    GB/s, 4k 4306 GB/s, against cuDNN's 3479 and 4292). ``capability`` and
-    ``sm_count`` answer for that GPU, whatever ``device`` is.
+    ``programs``: the launch's programs (all ``num_splits`` of them);
+    ``split_blocks``: the K/V blocks each program reads at most. Hopper's launch
+    (16-bit, 64-key tiles) then takes its pipeline depth from how the programs
+    fill the SMs (``benchmarks/tune_decode.py``, ``results/tune_decode.json``):
+
+    - one split giving every SM at least :data:`FULL_GRID_PROGRAMS_PER_SM`
+      programs (B = 64 with 8 kv heads on an H200's 132 SMs): 2 stages, 38
+      instead of 70 KiB of shared memory, so 5 programs fit on an SM instead
+      of 3, and more programs in flight hide the memory's latency better than
+      a deeper pipeline in each (B = 64, one split, 1k context 3258 -> 3563
+      GB/s, 4k 4306 GB/s, against cuDNN's 3479 and 4292);
+    - at most one program per SM, each reading at least
+      :data:`LONE_MIN_BLOCKS` blocks: 4 stages, so a program alone on its SM
+      keeps three tiles in flight instead of two (B = 16, one split, 4k context
+      3459 -> 3511 GB/s; 1k 2270 -> 2275). Short programs do not repay the
+      deeper prologue (B = 4, 4 splits of 4 blocks: 1072 -> 1038);
+    - otherwise 3 stages.
+
+    ``capability`` and ``sm_count`` answer for that GPU, whatever ``device`` is.
     """
     if _interpreted(device) and capability is None:
         return dict(BLOCK_N=32)
     capability = capability or tuple(torch.cuda.get_device_capability(device))
     sms = _sm_count(device) if sm_count is None else sm_count  # 0: not known (no GPU asked)
-    full_grid = programs is not None and sms > 0 and programs >= FULL_GRID_PROGRAMS_PER_SM * sms
-    return dict(_gpu_config(triton.next_power_of_2(max(head_dim, 16)), dtype.itemsize, capability, full_grid))
+    grid = None
+    if programs is not None and sms > 0:
+        if num_splits == 1 and programs >= FULL_GRID_PROGRAMS_PER_SM * sms:
+            grid = "full"
+        elif programs <= sms and split_blocks is not None and split_blocks >= LONE_MIN_BLOCKS:
+            grid = "lone"
+    return dict(_gpu_config(triton.next_power_of_2(max(head_dim, 16)), dtype.itemsize, capability, grid))
+
+
+def launch_config(q, k_cache, num_splits: int, block_table=None) -> dict:
+    """:func:`decode_config` for this launch: its programs and the blocks each split reads."""
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    m_blocks = triton.cdiv((Hq // Hkv) * T, _rows_per_block(Hq // Hkv, T))
+    capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
+    block_n = decode_config(D, q.dtype, q.device)["BLOCK_N"]
+    return decode_config(D, q.dtype, q.device, B * Hkv * m_blocks * num_splits, num_splits=num_splits,
+                         split_blocks=triton.cdiv(triton.cdiv(capacity, num_splits), block_n))
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_config(d_pad: int, itemsize: int, capability: tuple, full_grid: bool = False) -> tuple:
+def _gpu_config(d_pad: int, itemsize: int, capability: tuple, grid: str | None = None) -> tuple:
+    """The launch for a padded head dim, an element size and a GPU; ``grid``: one split's programs fill every
+    SM at least twice (``"full"``), the programs are at most one per SM and long enough (``"lone"``), or
+    neither (``None``)."""
     if capability < (8, 0):  # sm_75 (a T4): 64 KiB of shared memory per program
         return (("BLOCK_N", 32 if d_pad > 64 or itemsize > 2 else 64), ("num_warps", 4), ("num_stages", 2))
     if itemsize > 2 or d_pad > 128:
         return (("BLOCK_N", 32), ("num_warps", 4), ("num_stages", 3))
-    stages = 2 if full_grid and capability >= (9, 0) else 3  # measured on Hopper only (decode_config)
+    stages = {"full": 2, "lone": 4}.get(grid, 3) if capability >= (9, 0) else 3  # measured on Hopper only
     return (("BLOCK_N", 64), ("num_warps", 4), ("num_stages", stages))
 
 
 FULL_GRID_PROGRAMS_PER_SM = 2  # one split with at least this many programs per SM: 2 stages (decode_config)
+LONE_MIN_BLOCKS = 16  # at most one program per SM, each reading at least this many blocks: 4 stages (decode_config)
 
 # The split-count model (see pick_num_splits). Each constant says where it comes from.
-PROGRAMS_PER_SM = 2  # split programs resident per SM on an H200: 255 registers x 128 threads each (compiled for
-#                      sm_90: 2 x 32,768 of the 65,536 registers; lesson 06's occupancy rule)
+PROGRAMS_PER_SM = 3  # split programs an H200 SM holds at once with the 3-stage launch: 96 registers x 128
+#                      threads and 70 KiB of shared memory each (triton 3.6 on the H200, results/tune_decode.json)
+ONE_SPLIT_PROGRAMS_PER_SM = 5  # ... and with the 2-stage launch of one split over a full grid: 94 registers,
+#                                38 KiB (the same run); decode_config's FULL_GRID_PROGRAMS_PER_SM rule
 MIN_SPLIT_BLOCKS = 4  # never a split shorter than 4 K/V blocks
 PROGRAM_OVERHEAD_BLOCKS = 1.0  # a program's fixed cost (q tile, first loads' latency, its output), in block reads
 COMBINE_BLOCKS = 2.0  # the combine kernel's launch and work, once per call with more than one split
-DRAIN_WAVES = 0.25  # a launch of more than one wave ends raggedly: about a quarter of one program's time idle
-#                     (fitted to results/decode_bench.json: B = 64, one split, 1.94 waves ran at 86-88% of the
-#                     read ceiling at 16k-64k contexts, where the waves alone predict 97%)
+DRAIN_WAVES = 0.45  # past what the SMs hold at once, the launch ends raggedly: about 0.45 of one program's time
+#                     (fitted to results/decode_splits.json: B = 64, one split, 512 programs of the 3-stage launch
+#                     on 396 slots, read 86-87% of the ceiling at 4k-64k contexts; the fit per context is 0.39-0.53)
 SPLIT_TOLERANCE = 0.02  # pick the fewest splits within 2% of the best prediction (the model is no finer)
 
 
-def split_busy_fraction(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, num_splits: int, slots: int, *,
-                        drain: float = DRAIN_WAVES, overhead: float = PROGRAM_OVERHEAD_BLOCKS,
+def split_busy_fraction(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, num_splits: int, n_sms: int,
+                        programs_per_sm: float, *, drain: float = DRAIN_WAVES, overhead: float = PROGRAM_OVERHEAD_BLOCKS,
                         combine: float = COMBINE_BLOCKS) -> float:
-    """The model's busy fraction of a decode launch with ``num_splits`` splits (1.0: every slot reading, always).
+    """The model's busy fraction of a decode launch with ``num_splits`` splits (1.0: every SM reading, always).
 
     ``programs = batch * n_kv_heads * m_blocks * num_splits`` (the query heads of
     a kv head share one program: GQA packing), each reading ``ceil(n_blocks /
-    num_splits)`` K/V blocks; ``slots`` programs run at once (SMs x resident
-    programs per SM), so the launch takes ``waves = programs / slots``. Time is
-    counted in block reads of one program while every slot is busy::
+    num_splits)`` K/V blocks. Decoding is bound by the memory's bandwidth, and
+    the programs that one SM holds share that SM's part of it: an SM that runs
+    ``k`` programs takes ``k`` programs' time, side by side or one after
+    another. So the busiest SM's ``ceil(programs / n_sms)`` programs set the
+    time, counted in block reads of one program at an SM's share::
 
-        time = (ceil(waves) + drain * [waves > 1]) * (ceil(n_blocks / num_splits) + overhead)
-               + combine * [num_splits > 1]
-        busy = (batch * n_kv_heads * m_blocks * n_blocks / slots) / time
+        time = (ceil(programs / n_sms) + drain * [programs > n_sms * programs_per_sm])
+               * (ceil(n_blocks / num_splits) + overhead) + combine * [num_splits > 1]
+        busy = (batch * n_kv_heads * m_blocks * n_blocks / n_sms) / time
 
-    ``ceil(waves)``: the tail wave lasts a whole program however few programs
-    it holds (its idle fraction is ``ceil(waves) - waves`` of a wave);
-    ``drain``: past one wave, the last programs start as earlier ones finish,
-    at staggered times, and the SMs empty out over a fraction of a program's
-    time; ``overhead``: each program's fixed cost (short splits pay it more
-    often); ``combine``: the second kernel, once.
+    ``drain``: an SM holds ``programs_per_sm`` programs at once; the programs
+    past ``n_sms * programs_per_sm`` start as earlier ones finish, at staggered
+    times and on whichever SMs free up first, and the launch ends raggedly;
+    ``overhead``: each program's fixed cost (short splits pay it more often);
+    ``combine``: the second kernel, once.
     """
     programs = batch * n_kv_heads * m_blocks * num_splits
-    waves = programs / slots
+    per_sm = math.ceil(programs / n_sms)
     per_program = math.ceil(n_blocks / num_splits) + overhead
-    time = (math.ceil(waves) + (drain if waves > 1 else 0.0)) * per_program + (combine if num_splits > 1 else 0.0)
-    return batch * n_kv_heads * m_blocks * n_blocks / slots / time
+    ragged = drain if programs > n_sms * programs_per_sm else 0.0
+    time = (per_sm + ragged) * per_program + (combine if num_splits > 1 else 0.0)
+    return batch * n_kv_heads * m_blocks * n_blocks / n_sms / time
+
+
+def programs_per_sm_of_launch(one_split_programs: int, num_splits: int, n_sms: int) -> int:
+    """What an SM holds at once of the launch :func:`decode_config` makes (an H200's compile).
+
+    One split over a full grid (at least :data:`FULL_GRID_PROGRAMS_PER_SM` programs
+    per SM) launches with 2 stages: :data:`ONE_SPLIT_PROGRAMS_PER_SM`; other
+    launches with 3: :data:`PROGRAMS_PER_SM` (a launch of at most one program
+    per SM may take 4 stages, 2 per SM, but then no program waits for a slot
+    and the model does not use the count). Other GPUs get the same counts (not
+    measured).
+    """
+    full_grid = num_splits == 1 and one_split_programs >= FULL_GRID_PROGRAMS_PER_SM * n_sms
+    return ONE_SPLIT_PROGRAMS_PER_SM if full_grid else PROGRAMS_PER_SM
 
 
 @functools.lru_cache(maxsize=4096)
-def _best_splits(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, slots: int) -> int:
+def _best_splits(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, n_sms: int, lanes: int = 1) -> int:
     max_splits = max(1, min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS))
-    busy = [split_busy_fraction(batch, n_kv_heads, m_blocks, n_blocks, s, slots) for s in range(1, max_splits + 1)]
+    one = batch * n_kv_heads * m_blocks
+    busy = [split_busy_fraction(batch, n_kv_heads, m_blocks, n_blocks, s, n_sms * lanes,
+                                programs_per_sm_of_launch(one, s, n_sms) / lanes) for s in range(1, max_splits + 1)]
     best = max(busy)
     return next(s for s, b in enumerate(busy, start=1) if b >= (1 - SPLIT_TOLERANCE) * best)
 
 
+PAGED_LANES_PER_SM = 2  # a paged cache: the model counts each SM as 2 (pick_num_splits)
+
+
 def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, device: torch.device,
-                    block_n: int = 64, sm_count: int | None = None) -> int:
-    """How many splits of the keys: the count the wave model predicts keeps the SMs busiest.
+                    block_n: int = 64, sm_count: int | None = None, *, paged: bool = False) -> int:
+    """How many splits of the keys: the count the model predicts keeps the SMs busiest.
 
     The model (:func:`split_busy_fraction`): ``batch * n_kv_heads * m_blocks``
-    programs run without splitting, and ``num_splits`` multiplies them;
-    :data:`PROGRAMS_PER_SM` of them fit on each of the ``sm_count`` SMs at once,
-    so a launch takes ``programs / slots`` waves. The tail wave costs a whole
-    program's time however empty it is; past one wave the launch also ends
-    raggedly (:data:`DRAIN_WAVES` of a program's time); every program pays a
-    fixed :data:`PROGRAM_OVERHEAD_BLOCKS` (short splits pay it more often) and
-    more than one split pays the combine (:data:`COMBINE_BLOCKS`). Splits are at
+    programs run without splitting, and ``num_splits`` multiplies them. They
+    share the memory's bandwidth SM by SM, so the SM that gets the most of them
+    (``ceil(programs / sm_count)``) sets the time; past what the SMs hold at once
+    (:func:`programs_per_sm_of_launch`) the launch also ends raggedly
+    (:data:`DRAIN_WAVES` of a program's time); every program pays a fixed
+    :data:`PROGRAM_OVERHEAD_BLOCKS` (short splits pay it more often) and more
+    than one split pays the combine (:data:`COMBINE_BLOCKS`). Splits are at
     least :data:`MIN_SPLIT_BLOCKS` blocks of ``block_n`` keys (at most
     :data:`MAX_SPLITS`); of the counts allowed, the fewest whose predicted busy
     fraction is within :data:`SPLIT_TOLERANCE` of the best. On an H200 (132
-    SMs, 32/8 heads, one new token) this gives 32 splits at ``B = 1`` and a 16k
-    context, 8 at ``B = 4``, 2 at ``B = 16``, and at ``B = 64``, where 512
-    programs make 1.94 waves, 1 split at 1k, 2 at 4k, 3 at 16k and 17 at 64k.
+    SMs, 32/8 heads, one new token) this gives 16 splits at ``B = 1`` and a
+    16k context (128 programs, one per SM), 4 at ``B = 4``, and one split at
+    ``B = 16`` and ``B = 64`` at every context: 128 programs, one per SM, and
+    512, which the 2-stage launch holds at once (5 per SM).
     ``python -m course_utils.bench decode --splits`` measures GB/s against
     ``num_splits`` to check the model (``results/decode_splits.md``).
+
+    ``paged``: the caches are pages behind a block table. Each key's address
+    is then a load from the table, a gather that one program cannot run far
+    ahead of, so one program per SM does not keep the SM's share of the
+    bandwidth in flight: the model counts each SM as
+    :data:`PAGED_LANES_PER_SM` (``results/decode_bench.json``, 2026-12-02: at
+    one program per SM the paged cache read 0.44-0.76x the contiguous one at
+    ``B <= 16``; the run before, at about two per SM, 0.66-0.83x). That gives
+    2 splits at ``B = 16``, 8 at ``B = 4`` and 32 at ``B = 1`` (16k context).
 
     ``max_len`` is the caches' capacity, not ``cache_seqlens``: reading the
     lengths would stall the GPU to copy them to the host every step. On the
@@ -330,8 +397,8 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     n_blocks = max(1, triton.cdiv(max_len, block_n))
     if sm_count is None and device.type != "cuda":
         return max(1, min(2, n_blocks // 2))
-    slots = PROGRAMS_PER_SM * (_sm_count(device) if sm_count is None else sm_count)
-    return _best_splits(batch, n_kv_heads, m_blocks, n_blocks, slots)
+    sms = _sm_count(device) if sm_count is None else sm_count
+    return _best_splits(batch, n_kv_heads, m_blocks, n_blocks, sms, PAGED_LANES_PER_SM if paged else 1)
 
 
 def validate_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None,
@@ -414,7 +481,7 @@ def decode_split(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_tabl
     paged = block_table is not None
     block_m = _rows_per_block(Hq // Hkv, T)
     m_blocks = triton.cdiv((Hq // Hkv) * T, block_m)
-    cfg = decode_config(D, q.dtype, q.device, B * Hkv * m_blocks if num_splits == 1 else None)
+    cfg = launch_config(q, k_cache, num_splits, block_table)
     for key, value in (("BLOCK_N", BLOCK_N), ("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None:
             cfg[key] = value
@@ -467,7 +534,7 @@ def launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_tab
         capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
         m_blocks = triton.cdiv((Hq // Hkv) * T, _rows_per_block(Hq // Hkv, T))
         num_splits = pick_num_splits(B, Hkv, m_blocks, capacity, q.device,
-                                     decode_config(D, q.dtype, q.device)["BLOCK_N"])
+                                     decode_config(D, q.dtype, q.device)["BLOCK_N"], paged=block_table is not None)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out
