@@ -9,9 +9,15 @@ contexts; B = 64), against SDPA's cuDNN and flash backends and the read
 ceiling in the same run. Each launch's output is checked against a float32
 reference first; every provider is replayed from a CUDA graph, as the decode
 benchmark does. It also records what each configuration compiled to and how
-many of its programs fit on one SM.
+many of its programs fit on one SM, and marks the launch the course ships
+(``decode.launch_config`` at ``pick_num_splits``'s count).
 
-    python benchmarks/tune_decode.py [--out results/tune_decode.json]
+``--paged`` copies the caches into shuffled pages of ``PAGE_SIZE`` tokens, as
+the decode benchmark's paged column does, and times the paged launches
+(``pick_num_splits(..., paged=True)`` picks the shipped count); ``--points
+B:L ...`` replaces :data:`POINTS`.
+
+    python benchmarks/tune_decode.py [--out results/tune_decode.json] [--paged] [--points 4:65536 16:16384]
 
 Needs a CUDA GPU.
 """
@@ -35,8 +41,9 @@ CANDIDATES = [
 COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
-def launch(q, k, v, seqlens, num_splits, block_n, num_warps, num_stages, kernel=None):
-    """One decode call at a fixed configuration: the split kernel, then the combine (more than one split)."""
+def launch(q, k, v, seqlens, num_splits, block_n, num_warps, num_stages, kernel=None, block_table=None):
+    """One decode call at a fixed configuration: the split kernel, then the combine (more than one split).
+    With ``block_table``, ``k`` and ``v`` are pages."""
     import torch
 
     from course_utils.kernels import decode
@@ -44,9 +51,23 @@ def launch(q, k, v, seqlens, num_splits, block_n, num_warps, num_stages, kernel=
     out = torch.empty_like(q)
     opts = dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages, kernel=kernel)
     if num_splits == 1:
-        return decode.decode_split(q, k, v, seqlens, 1, out=out, **opts)[0]
-    o_parts, lse_parts = decode.decode_split(q, k, v, seqlens, num_splits, **opts)
+        return decode.decode_split(q, k, v, seqlens, 1, block_table, out=out, **opts)[0]
+    o_parts, lse_parts = decode.decode_split(q, k, v, seqlens, num_splits, block_table, **opts)
     return decode.decode_combine(o_parts, lse_parts, out)
+
+
+def shipped_launch(q, k, num_splits, block_table=None) -> tuple:
+    """``(BLOCK_N, num_warps, num_stages)`` that the course launches at ``num_splits`` for these inputs."""
+    from course_utils.kernels import decode
+
+    cfg = decode.launch_config(q, k, num_splits, block_table)
+    return cfg["BLOCK_N"], cfg.get("num_warps"), cfg.get("num_stages")  # the interpreter sets BLOCK_N only
+
+
+def parse_point(text: str) -> tuple[int, int]:
+    """``"4:65536"`` -> ``(4, 65536)``: a batch size and a context."""
+    batch, _, context = text.partition(":")
+    return int(batch), int(context)
 
 
 def allowed_counts(context: int, block_n: int) -> list[int]:
@@ -57,18 +78,18 @@ def allowed_counts(context: int, block_n: int) -> list[int]:
     return [s for s in COUNTS if s <= most]
 
 
-def compiled(q, k, v, seqlens, block_n, num_warps, num_stages) -> dict:
+def compiled(q, k, v, seqlens, block_n, num_warps, num_stages, block_table=None) -> dict:
     """Registers, shared memory and programs per SM of the split kernel at one configuration."""
     from course_utils.kernels import decode
 
     rec = db._Recorder(decode._decode_split_kernel)
-    launch(q, k, v, seqlens, 2, block_n, num_warps, num_stages, kernel=rec)
+    launch(q, k, v, seqlens, 2, block_n, num_warps, num_stages, kernel=rec, block_table=block_table)
     c = rec.compiled
     n_regs, shared = int(c.n_regs), int(c.metadata.shared)
     return dict(n_regs=n_regs, shared_bytes=shared, programs_per_sm=db.programs_per_sm(n_regs, num_warps, shared))
 
 
-def measure(batch: int, context: int, rep_ms: int = 30) -> list[dict]:
+def measure(batch: int, context: int, rep_ms: int = 30, paged: bool = False) -> list[dict]:
     import torch
     import triton
 
@@ -81,7 +102,7 @@ def measure(batch: int, context: int, rep_ms: int = 30) -> list[dict]:
     seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     refs = {b: db.reference(q, k, v, b) for b in sorted({0, batch - 1})}
     nbytes = db.cache_bytes(batch, context)
-    key = dict(batch=batch, context=context)
+    key = dict(batch=batch, context=context, paged=paged)
     rows = []
 
     def timed(name, fn, **extra):
@@ -102,14 +123,18 @@ def measure(batch: int, context: int, rep_ms: int = 30) -> list[dict]:
     for name in ("sdpa_cudnn", "sdpa_flash"):
         fn, _ = db.make_provider(name, q, k, v, seqlens)
         timed(name, fn)
-    pick = decode.pick_num_splits(batch, db.N_KV_HEADS, 1, context, q.device, 64)
+    table = None
+    if paged:  # the SDPA rows above read the contiguous caches, as in the decode benchmark
+        k, v, table = db.paged_copy(k, v, db.PAGE_SIZE)
+    pick = decode.pick_num_splits(batch, db.N_KV_HEADS, 1, context, q.device, 64, paged=paged)
+    ships = shipped_launch(q, k, pick, table)
     for block_n, warps, stages in CANDIDATES:
-        info = compiled(q, k, v, seqlens, block_n, warps, stages)
+        info = compiled(q, k, v, seqlens, block_n, warps, stages, table)
         for s in allowed_counts(context, block_n):
-            timed(f"course {block_n} w{warps} s{stages} splits {s}",
-                  lambda s=s, c=(block_n, warps, stages): launch(q, k, v, seqlens, s, *c),
+            timed(f"course {block_n} w{warps} s{stages} splits {s}" + (" paged" if paged else ""),
+                  lambda s=s, c=(block_n, warps, stages): launch(q, k, v, seqlens, s, *c, block_table=table),
                   block_n=block_n, num_warps=warps, num_stages=stages, num_splits=s,
-                  shipped=(block_n, warps, stages) == CANDIDATES[0] and s == pick, **info)
+                  shipped=(block_n, warps, stages) == ships and s == pick, **info)
     best_sdpa = max((r["gbps"] or 0) for r in rows if r["name"].startswith("sdpa"))
     print(f"\n== B={batch} context={context}: ceiling {ceiling:.0f} GB/s, SDPA best {best_sdpa:.0f} GB/s")
     for r in sorted(rows, key=lambda r: -(r["gbps"] or 0))[:12] + [r for r in rows if r.get("shipped")]:
@@ -127,11 +152,14 @@ def measure(batch: int, context: int, rep_ms: int = 30) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--paged", action="store_true", help="time paged caches (shuffled pages)")
+    parser.add_argument("--points", type=parse_point, nargs="+", default=None, metavar="B:L",
+                        help="batch:context points instead of POINTS")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
         return 0
-    rows = [r for b, n in POINTS for r in measure(b, n)]
+    rows = [r for b, n in (args.points or POINTS) for r in measure(b, n, paged=args.paged)]
     if args.out:
         bench.write_sweep(args.out, rows)
     return 0

@@ -107,6 +107,29 @@ def test_every_decode_candidate_is_a_correct_launch_at_every_split_count_it_time
             assert _rel(o[b].float().cpu(), want.cpu()) < 1e-2, (splits, b)
 
 
+def test_the_decode_sweep_s_paged_launches_are_correct():
+    from course_utils.bench import decode as db
+
+    context = 7 * 32 + 5
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 1, 64, generator=g).to(DEVICE, torch.float16)
+    k, v = (torch.randn(2, 1, context, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    seqlens = torch.tensor([context, context - 40], dtype=torch.int32, device=DEVICE)
+    k_pages, v_pages, table = db.paged_copy(k, v, 16)
+    for splits in (1, 2):
+        for candidate in ((32, 4, 3), (64, 4, 2)):
+            o = tune_decode.launch(q, k_pages, v_pages, seqlens, splits, *candidate, block_table=table)
+            for b in range(2):
+                want = db.reference(q[b:b + 1], k[b:b + 1, :, :seqlens[b]], v[b:b + 1, :, :seqlens[b]], 0)
+                assert _rel(o[b].float().cpu(), want.cpu()) < 1e-2, (splits, candidate, b)
+    from course_utils.kernels import decode
+
+    cfg = decode.launch_config(q, k_pages, 2, table)
+    assert tune_decode.shipped_launch(q, k_pages, 2, table) == (cfg["BLOCK_N"], cfg.get("num_warps"),
+                                                               cfg.get("num_stages"))
+    assert tune_decode.parse_point("4:65536") == (4, 65536)
+
+
 def test_the_decode_sweep_times_the_shipped_configuration_first():
     from course_utils.kernels import decode
 

@@ -598,6 +598,10 @@ def measure_splits(batch: int, context: int, counts=SPLIT_COUNTS, log=print, rep
     return rows, point
 
 
+def _splits(n: int) -> str:
+    return f"{n} split" + ("" if n == 1 else "s")
+
+
 def splits_markdown(rows: list[dict], points: list[dict], info: dict) -> str:
     from ..kernels import decode
 
@@ -618,12 +622,12 @@ def splits_markdown(rows: list[dict], points: list[dict], info: dict) -> str:
     ]
     for pt in points:
         b, n = pt["batch"], pt["context"]
-        compiled = (f"the split kernel compiled to {pt['n_regs']} registers, {pt['shared_bytes'] / 1024:.0f} KiB of "
+        compiled = (f"the split kernel (at 2 splits) compiled to {pt['n_regs']} registers, {pt['shared_bytes'] / 1024:.0f} KiB of "
                     f"shared memory, {pt['num_warps']} warps: {pt['programs_per_sm']} programs per SM"
                     if pt.get("n_regs") else "the split kernel's registers not read")
         out += [f"## B = {b}, context {n}", "",
-                f"Read ceiling {pt['ceiling_gbps']:.0f} GB/s; {compiled}; the model picks {pt['model_pick']} splits"
-                + (f", {pt['pick_over_best']:.0%} of the best measured ({pt['best_splits']} splits, "
+                f"Read ceiling {pt['ceiling_gbps']:.0f} GB/s; {compiled}; the model picks {_splits(pt['model_pick'])}"
+                + (f", {pt['pick_over_best']:.0%} of the best measured ({_splits(pt['best_splits'])}, "
                    f"{pt['best_gbps']:.0f} GB/s)." if pt.get("pick_over_best") else "."),
                 "", "| num_splits | stages | GB/s | of the ceiling | model's busy fraction | |",
                 "|---:|---:|---:|---:|---:|---|"]
@@ -651,7 +655,7 @@ def splits_checks(rows: list[dict], points: list[dict]) -> list[str]:
             continue
         gap = sum(abs(r["gbps"] / pt["ceiling_gbps"] - r["predicted_busy"]) for r in mine) / len(mine)
         verdict = "met" if pt["pick_over_best"] >= PICK_WITHIN else "NOT met"
-        out.append(f"B = {pt['batch']}, context {pt['context']}: the pick ({pt['model_pick']} splits) reads "
+        out.append(f"B = {pt['batch']}, context {pt['context']}: the pick ({_splits(pt['model_pick'])}) reads "
                    f"{pt['pick_over_best']:.0%} of the best count's GB/s (num_splits = {pt['best_splits']}; {verdict}: "
                    f"{PICK_WITHIN:.0%}); measured share of the ceiling minus the model's busy fraction: "
                    f"{100 * gap:.0f} points on average")
