@@ -380,9 +380,9 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     ``num_splits`` to check the model (``results/decode_splits.md``).
 
     ``paged``: the caches are pages behind a block table. Each key's address
-    is then a load from the table, a gather that one program cannot run far
-    ahead of, so one program per SM does not keep the SM's share of the
-    bandwidth in flight: the model counts each SM as
+    is then a load from the table, a gather that one program likely cannot
+    run far ahead of, so one program per SM does not keep the SM's share of
+    the bandwidth in flight: the model counts each SM as
     :data:`PAGED_LANES_PER_SM` (``results/decode_bench.json``, 2026-12-02: at
     one program per SM the paged cache read 0.44-0.76x the contiguous one at
     ``B <= 16``; the run before, at about two per SM, 0.66-0.83x). That gives
