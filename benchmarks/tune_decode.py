@@ -126,7 +126,7 @@ def measure(batch: int, context: int, rep_ms: int = 30, paged: bool = False) -> 
     table = None
     if paged:  # the SDPA rows above read the contiguous caches, as in the decode benchmark
         k, v, table = db.paged_copy(k, v, db.PAGE_SIZE)
-    pick = decode.pick_num_splits(batch, db.N_KV_HEADS, 1, context, q.device, 64, paged=paged)
+    pick = decode.launch_splits(q, k, table)  # the count the course launches (paged: pick_num_splits(paged=True))
     ships = shipped_launch(q, k, pick, table)
     for block_n, warps, stages in CANDIDATES:
         info = compiled(q, k, v, seqlens, block_n, warps, stages, table)

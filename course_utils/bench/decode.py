@@ -202,11 +202,7 @@ def make_provider(name: str, q, k, v, seqlens):
         from ..kernels import decode
 
         out = decode.decode_attention(q, k, v, seqlens)  # the checked call (raises on bad input)
-        B, Hq, T, D = q.shape
-        capacity = k.shape[2]
-        m_blocks = 1
-        splits = decode.pick_num_splits(B, k.shape[1], m_blocks, capacity, q.device,
-                                        decode.decode_config(D, q.dtype, q.device)["BLOCK_N"])
+        splits = decode.launch_splits(q, k)
         del out
         return (lambda: decode.launch_decode(q, k, v, seqlens)), f"num_splits={splits}"
     if name == "course_paged":
@@ -485,12 +481,16 @@ def split_counts(context: int, pick: int, counts=SPLIT_COUNTS, block_n: int = 64
     return sorted({s for s in counts if s <= most} | {pick})
 
 
-def model_of(batch: int, context: int, num_splits: int, sm_count: int, block_n: int = 64) -> float:
-    """The busy fraction :func:`~course_utils.kernels.decode.split_busy_fraction` predicts (the bench's shape)."""
+def model_of(batch: int, context: int, num_splits: int, sm_count: int, block_n: int = 64,
+             programs_per_sm: int | None = None) -> float:
+    """The busy fraction :func:`~course_utils.kernels.decode.split_busy_fraction` predicts (the bench's shape), for
+    the launch the course ships (``programs_per_sm`` None) or one holding ``programs_per_sm`` per SM."""
     from ..kernels import decode
 
-    per_sm = decode.programs_per_sm_of_launch(batch * N_KV_HEADS, num_splits, sm_count)
-    return decode.split_busy_fraction(batch, N_KV_HEADS, 1, -(-context // block_n), num_splits, sm_count, per_sm)
+    if programs_per_sm is None:
+        programs_per_sm = decode.programs_per_sm_of_launch(batch * N_KV_HEADS, num_splits, sm_count)
+    return decode.split_busy_fraction(batch, N_KV_HEADS, 1, -(-context // block_n), num_splits, sm_count,
+                                      programs_per_sm)
 
 
 def programs_per_sm(n_regs: int, num_warps: int, shared_bytes: int) -> int:
@@ -551,18 +551,15 @@ def measure_splits(batch: int, context: int, counts=SPLIT_COUNTS, log=print, rep
     ceiling_fn, ceiling_note = make_provider("ceiling", q, k, v, seqlens)
     ceiling_ms = triton.testing.do_bench(ceiling_fn, warmup=10, rep=rep_ms, return_mode="median")
     rows = []
-    one_split = batch * N_KV_HEADS  # programs at one split (one block of packed rows)
     launches = [(s, None) for s in split_counts(context, pick, counts, block_n)]
-    if decode.programs_per_sm_of_launch(one_split, 1, sms) != decode.PROGRAMS_PER_SM:
+    if decode.launch_config(q, k, 1).get("num_stages") == 2:
         launches.append((1, 3))  # the 3-stage launch of one split too: the run the model's drain is fitted to
     for s, stages in launches:
-        shipped = decode.launch_config(q, k, s)
-        per_sm = (decode.PROGRAMS_PER_SM if stages is not None
-                  else decode.programs_per_sm_of_launch(one_split, s, sms))
-        row = dict(batch=batch, context=context, num_splits=s, num_stages=stages or shipped.get("num_stages"),
+        row = dict(batch=batch, context=context, num_splits=s,
+                   num_stages=stages or decode.launch_config(q, k, s).get("num_stages"),
                    ms=None, gbps=None, status="ok", rel_err=None,
-                   predicted_busy=decode.split_busy_fraction(batch, N_KV_HEADS, 1, -(-context // block_n), s, sms,
-                                                             per_sm),
+                   predicted_busy=model_of(batch, context, s, sms, block_n,
+                                           decode.PROGRAMS_PER_SM if stages is not None else None),
                    model_pick=s == pick and stages is None, note="" if stages is None else NOT_SHIPPED)
         try:
             if stages is None:

@@ -49,6 +49,7 @@ __all__ = [
     "validate_decode",
     "decode_config",
     "launch_config",
+    "launch_splits",
     "FULL_GRID_PROGRAMS_PER_SM",
     "LONE_MIN_BLOCKS",
     "programs_per_sm_of_launch",
@@ -249,21 +250,44 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, progr
         return dict(BLOCK_N=32)
     capability = capability or tuple(torch.cuda.get_device_capability(device))
     sms = _sm_count(device) if sm_count is None else sm_count  # 0: not known (no GPU asked)
-    grid = None
-    if programs is not None and sms > 0:
-        if num_splits == 1 and programs >= FULL_GRID_PROGRAMS_PER_SM * sms:
-            grid = "full"
-        elif programs <= sms and split_blocks is not None and split_blocks >= LONE_MIN_BLOCKS:
-            grid = "lone"
+    grid = None if programs is None else _grid(programs, num_splits, split_blocks, sms)
     return dict(_gpu_config(triton.next_power_of_2(max(head_dim, 16)), dtype.itemsize, capability, grid))
+
+
+def _grid(programs: int, num_splits: int, split_blocks: int | None, n_sms: int) -> str | None:
+    """How a launch's programs fill the SMs, for its pipeline depth (:func:`decode_config`): ``"full"``, one
+    split with at least :data:`FULL_GRID_PROGRAMS_PER_SM` per SM; ``"lone"``, at most one per SM, each reading at
+    least :data:`LONE_MIN_BLOCKS` blocks; else ``None`` (also when the SM count is not known, ``n_sms = 0``)."""
+    if n_sms <= 0:
+        return None
+    if num_splits == 1 and programs >= FULL_GRID_PROGRAMS_PER_SM * n_sms:
+        return "full"
+    if programs <= n_sms and split_blocks is not None and split_blocks >= LONE_MIN_BLOCKS:
+        return "lone"
+    return None
+
+
+def _launch_shape(q, k_cache, block_table=None) -> tuple[int, int, int]:
+    """``(block_m, m_blocks, capacity)``: the packed query rows per program, the blocks of them, and the keys
+    the caches can hold per sequence."""
+    _, Hq, T, _ = q.shape
+    Hkv = k_cache.shape[1]
+    block_m = _rows_per_block(Hq // Hkv, T)
+    capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
+    return block_m, triton.cdiv((Hq // Hkv) * T, block_m), capacity
+
+
+def launch_splits(q, k_cache, block_table=None) -> int:
+    """The split count :func:`launch_decode` picks for these inputs (:func:`pick_num_splits`)."""
+    _, m_blocks, capacity = _launch_shape(q, k_cache, block_table)
+    return pick_num_splits(q.shape[0], k_cache.shape[1], m_blocks, capacity, q.device,
+                           decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"], paged=block_table is not None)
 
 
 def launch_config(q, k_cache, num_splits: int, block_table=None) -> dict:
     """:func:`decode_config` for this launch: its programs and the blocks each split reads."""
-    B, Hq, T, D = q.shape
-    Hkv = k_cache.shape[1]
-    m_blocks = triton.cdiv((Hq // Hkv) * T, _rows_per_block(Hq // Hkv, T))
-    capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
+    B, D, Hkv = q.shape[0], q.shape[3], k_cache.shape[1]
+    _, m_blocks, capacity = _launch_shape(q, k_cache, block_table)
     block_n = decode_config(D, q.dtype, q.device)["BLOCK_N"]
     return decode_config(D, q.dtype, q.device, B * Hkv * m_blocks * num_splits, num_splits=num_splits,
                          split_blocks=triton.cdiv(triton.cdiv(capacity, num_splits), block_n))
@@ -340,8 +364,8 @@ def programs_per_sm_of_launch(one_split_programs: int, num_splits: int, n_sms: i
     and the model does not use the count). Other GPUs get the same counts (not
     measured).
     """
-    full_grid = num_splits == 1 and one_split_programs >= FULL_GRID_PROGRAMS_PER_SM * n_sms
-    return ONE_SPLIT_PROGRAMS_PER_SM if full_grid else PROGRAMS_PER_SM
+    full = _grid(one_split_programs * num_splits, num_splits, None, n_sms) == "full"
+    return ONE_SPLIT_PROGRAMS_PER_SM if full else PROGRAMS_PER_SM
 
 
 @functools.lru_cache(maxsize=4096)
@@ -479,8 +503,7 @@ def decode_split(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_tabl
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     paged = block_table is not None
-    block_m = _rows_per_block(Hq // Hkv, T)
-    m_blocks = triton.cdiv((Hq // Hkv) * T, block_m)
+    block_m, m_blocks, capacity = _launch_shape(q, k_cache, block_table)
     cfg = launch_config(q, k_cache, num_splits, block_table)
     for key, value in (("BLOCK_N", BLOCK_N), ("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None:
@@ -494,10 +517,9 @@ def decode_split(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_tabl
     o = out if direct else o_parts
     if paged:
         table, stride_tb, stride_tp = block_table, block_table.stride(0), block_table.stride(1)
-        page_size, capacity = k_cache.shape[2], block_table.shape[1] * k_cache.shape[2]
     else:
         table, stride_tb, stride_tp = cache_seqlens, 0, 0  # never read
-        page_size, capacity = k_cache.shape[2], k_cache.shape[2]
+    page_size = k_cache.shape[2]
     grid = (num_splits, m_blocks, B * Hkv)
     kernel[grid](
         q, k_cache, v_cache, cache_seqlens, table, o_parts, lse_parts, o,
@@ -528,13 +550,8 @@ def launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_tab
     that knows its inputs are right (and the benchmark, once it has checked
     them) launches the kernels with this instead.
     """
-    B, Hq, T, D = q.shape
-    Hkv = k_cache.shape[1]
     if num_splits is None:
-        capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
-        m_blocks = triton.cdiv((Hq // Hkv) * T, _rows_per_block(Hq // Hkv, T))
-        num_splits = pick_num_splits(B, Hkv, m_blocks, capacity, q.device,
-                                     decode_config(D, q.dtype, q.device)["BLOCK_N"], paged=block_table is not None)
+        num_splits = launch_splits(q, k_cache, block_table)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if out.numel() == 0:
         return out

@@ -992,8 +992,9 @@ def window_block_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     tiles for windows of at most 256 keys (fewer masked keys at each window's
     far edge): ``benchmarks/tune_window.py``, ``results/tune_window.json``
     (H200, bf16, GQA 32/8, D = 128, N = 16k, W in {256, 1024, 4096}, with and
-    without 4 sinks), where lesson 05's 128 x 64 tiles with 8 warps were
-    1.06-1.48x slower. Elsewhere (not measured) :func:`block_config`'s choice.
+    without 4 sinks), where lesson 05's 128 x 64 tiles with 8 warps ran at
+    0.92-1.04x FlexAttention's speed and the fastest launch at 1.06-1.48x.
+    Elsewhere (not measured) :func:`block_config`'s choice.
     """
     cfg = block_config(head_dim, dtype, device, capability)
     if _interpreted(device):
