@@ -58,6 +58,20 @@ EXTRA = [
     ("atomic", 32, 64, 64, 32, 4, 2, True),
 ]
 
+# 64-key blocks on 8 warps: dK and dV of 64 keys are half the registers of 128 keys' (32 fp32 values per
+# thread each, against 64), where every 128-key configuration above spilled. Measured (run 3 of
+# results/tune_backward.json, causal): every one still compiled to 255 registers with 4-90 spilled, and ran
+# 1.9-2.8x slower than lesson 07's pair (7.67 against 3.89 ms at N = 4k for the fastest, atomic 64x64 w8 s3)
+NEW = [
+    ("atomic", 64, 64, 64, 64, 8, 2),
+    ("atomic", 64, 64, 64, 64, 8, 3),
+    ("atomic", 32, 64, 64, 32, 8, 3),
+    ("fused", 64, 64, 64, 64, 8, 2),
+    ("fused", 64, 64, 64, 64, 8, 3),
+    ("fused", 64, 64, 64, 32, 8, 3),
+    ("fused", 32, 64, 64, 32, 8, 3),
+]
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--causal", choices=["causal", "both"], default="both",
                         help="both: every configuration causal, and the three fastest also non-causal")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    parser.add_argument("--new", action="store_true", help="only the NEW configurations (and lesson 07's pair)")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
@@ -79,7 +94,9 @@ def main(argv=None) -> int:
     from course_utils.kernels import flash_attention_with_lse
     from course_utils.kernels.backward import attention_backward, default_config
 
-    candidates = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in EXTRA]))
+    candidates = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in EXTRA + NEW]))
+    if args.new:
+        candidates = [fb.FastBackwardConfig(*c) for c in NEW]
     hq, hkv, d, tokens = 32, 8, 128, 16384
     rows = []
 

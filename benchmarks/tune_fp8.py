@@ -8,6 +8,11 @@ ratio to the course's bf16 forward and to SDPA's cuDNN backend measured in the s
 schedule of the tiles) against the ordinary grid.
 
     python benchmarks/tune_fp8.py [--ns 4096 16384] [--no-sweep] [--out tune_fp8.json]
+    python benchmarks/tune_fp8.py --hopper [--ns 4096 16384] [--out tune_fp8_hopper.json]
+
+``--hopper`` times the Hopper launch instead (``fp8.launch_fp8_hopper``: TMA, the scales folded into one
+FMA per score, ``acc`` accumulated in the tensor cores; optionally the exponentials two at a time in fp16)
+at each candidate, at D = 128 and 64, beside the lesson kernel's launch, the course's bf16 forward and cuDNN.
 
 Needs a CUDA GPU with FP8 (sm_89 or sm_90).
 """
@@ -27,6 +32,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ns", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-sweep", action="store_true", help="only the persistent grid against the ordinary one")
+    parser.add_argument("--hopper", action="store_true", help="sweep the Hopper launch (launch_fp8_hopper)")
+    parser.add_argument("--exp-f16", action="store_true", help="with --hopper: also the fp16 exponentials (EXP_F16=1, 2)")
     args = parser.parse_args(argv)
     import torch
 
@@ -39,6 +46,8 @@ def main(argv=None) -> int:
     from course_utils.bench.fp8 import rel_rms
     from course_utils.kernels import flash_attention, fp8
 
+    if args.hopper:
+        return _sweep_hopper(args)
     hq, hkv, d, tokens = 32, 8, 128, 16384
     candidates = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
                   for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
@@ -92,6 +101,73 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                            triton=__import__("triton").__version__, rows=rows, persistent=persistent), f, indent=1)
+    return 0
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, ORDER): 2 = a GQA group's heads side by side, longest rows first; 0 = lesson 05's
+HOPPER_SHAPES = {128: [(128, 128, 8, 3, 2), (128, 128, 8, 4, 2), (128, 128, 8, 3, 0), (128, 128, 8, 2, 2),
+                       (128, 64, 4, 3, 2), (128, 64, 4, 4, 2), (128, 64, 4, 3, 0), (128, 64, 4, 2, 2),
+                       (128, 64, 8, 3, 2), (64, 64, 4, 3, 2), (64, 64, 4, 4, 2)],
+                 64: [(128, 128, 4, 2, 2), (128, 128, 4, 3, 2), (128, 128, 8, 2, 2), (128, 128, 8, 3, 2),
+                      (128, 64, 4, 3, 2), (128, 64, 4, 4, 2), (64, 64, 4, 3, 2)]}
+
+
+def _sweep_hopper(args) -> int:
+    import torch
+    import triton.testing
+
+    from course_utils.bench.cases import attention_flops
+    from course_utils.bench.fp8 import rel_rms
+    from course_utils.kernels import flash_attention, fp8
+
+    hq, hkv, tokens = 32, 8, 16384
+    rows = []
+    for d, n, causal in itertools.product((128, 64), args.ns, (True, False)):
+        b = max(1, tokens // n)
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+        (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+        vt8 = v8.transpose(2, 3).contiguous()
+        ref = torch.nn.functional.scaled_dot_product_attention(q[:1].float(), k[:1].float(), v[:1].float(),
+                                                               is_causal=causal, enable_gqa=True)
+        flops = attention_flops(b, hq, n, d, causal)
+        ms_bf16 = triton.testing.do_bench(lambda: flash_attention(q, k, v, causal))
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            ms_cudnn = triton.testing.do_bench(
+                lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+        ms_lesson = triton.testing.do_bench(
+            lambda: fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16))
+        print(f"D={d} N={n} causal={causal}: course bf16 {flops / ms_bf16 / 1e9:.0f} TFLOP/s, cuDNN "
+              f"{flops / ms_cudnn / 1e9:.0f}, lesson FP8 kernel {flops / ms_lesson / 1e9:.0f}", flush=True)
+        base = dict(d=d, n=n, causal=causal, batch=b, bf16_ms=ms_bf16, cudnn_ms=ms_cudnn, lesson_fp8_ms=ms_lesson)
+        for (bm, bn, w, st, order), exp_f16 in itertools.product(HOPPER_SHAPES[d], (0, 1, 2) if args.exp_f16 else (0,)):
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ORDER=order, EXP_F16=exp_f16)
+
+            def run():
+                return fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16, config=cfg)
+            try:
+                err = rel_rms(run()[:1].float(), ref)
+            except Exception as exc:  # noqa: BLE001 - a configuration this compiler or GPU rejects
+                print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})", flush=True)
+                rows.append(dict(base, **cfg, ms=None, note=f"{type(exc).__name__}"))
+                continue
+            if err > 8e-2:
+                print(f"  {cfg}: wrong (relative RMS error {err:.3g})", flush=True)
+                rows.append(dict(base, **cfg, ms=None, err=err, note="wrong"))
+                continue
+            compiled = fp8.HOPPER_LAST["compiled"]
+            ms = triton.testing.do_bench(run)
+            row = dict(base, **cfg, ms=ms, tflops=flops / ms / 1e9, err=err, vs_bf16=ms_bf16 / ms,
+                       vs_cudnn=ms_cudnn / ms, vs_lesson_fp8=ms_lesson / ms,
+                       registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None))
+            rows.append(row)
+            print(f"  {cfg}: {row['tflops']:.0f} TFLOP/s, {row['vs_cudnn']:.2f}x cuDNN, {row['vs_bf16']:.2f}x bf16, "
+                  f"{row['vs_lesson_fp8']:.2f}x the lesson's FP8 kernel (err {err:.3g}; {row['registers']} registers, "
+                  f"{row['spills']} spilled)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=__import__("triton").__version__, rows=rows), f, indent=1)
     return 0
 
 

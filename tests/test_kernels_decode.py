@@ -371,18 +371,20 @@ def test_the_split_kernel_gets_the_launch_s_programs_and_split_length(monkeypatc
                     ((12,), dict(num_splits=2, split_blocks=-(-32 // block_n)))]
 
 
-def test_a_paged_cache_counts_each_sm_twice():
-    """pick_num_splits(paged=True): PAGED_LANES_PER_SM lanes per SM, which gives the split counts the paged cache
-    ran at in the run before results/decode_bench.json (2 at B = 16, 8 at B = 4, 32 at B = 1 with 16k)."""
+def test_a_paged_cache_gets_four_times_the_splits_below_one_program_per_sm():
+    """pick_num_splits(paged=True): 4x the contiguous count while that count gives at most one program per SM
+    (capped at 32), the best counts of the paged sweep at 16k (32 at B = 1, 16 at B = 4, 4 at B = 16); past one
+    program per SM (B = 64) the contiguous count."""
     cpu = torch.device("cpu")
     pick = {b: decode.pick_num_splits(b, 8, 1, 16384, cpu, 64, sm_count=132, paged=True) for b in (1, 4, 16, 64)}
-    assert pick == {1: 32, 4: 8, 16: 2, 64: 1}
-    assert decode.pick_num_splits(16, 8, 1, 16384, cpu, 64, sm_count=132) == 1  # contiguous: one per SM
+    contiguous = {b: decode.pick_num_splits(b, 8, 1, 16384, cpu, 64, sm_count=132) for b in (1, 4, 16, 64)}
+    assert contiguous == {1: 16, 4: 4, 16: 1, 64: 1}
+    assert pick == {1: 32, 4: 16, 16: 4, 64: 1}
+    # a short cache: the blocks cap it (1k keys, 16 blocks of 64: 4 splits at most)
+    assert decode.pick_num_splits(1, 8, 1, 1024, cpu, 64, sm_count=132, paged=True) == \
+        decode._max_splits(16) == decode.pick_num_splits(1, 8, 1, 1024, cpu, 64, sm_count=132)
     doc = " ".join(decode.pick_num_splits.__doc__.split())
-    assert "2 splits at ``B = 16``, 8 at ``B = 4`` and 32 at ``B = 1`` (16k context)" in doc
-    # The model with twice the SMs and half the residency per SM: the same slots, twice the lanes.
-    assert decode._best_splits(16, 8, 1, 256, 132, 2) == 2
-    assert decode.split_busy_fraction(16, 8, 1, 256, 2, 264, 1.5) == pytest.approx((128 * 256 / 264) / 131)
+    assert "32 at ``B = 1``, 16 at ``B = 4`` and 4 at ``B = 16`` (16k context)" in doc
 
 
 def test_the_launcher_says_when_the_cache_is_paged(monkeypatch):

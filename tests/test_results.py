@@ -64,6 +64,10 @@ QUOTES = [
     (W07, "The course takes {} ms", "training_bench", "course_ms", "range", {}),
     (W07, "ms: {} faster than SDPA's flash", "training_bench", "course_over_flash", "range", {}),
     (W07, "flash backend and {} of cuDNN's", "training_bench", "course_over_cudnn", "range", {}),
+    (W07, "the fastest such kernel took {} ms", "tune_backward", "bwd_ms", "value",
+     dict(run=3, N=4096, layout="atomic")),
+    (W07, "against the pair's {} ms", "tune_backward", "bwd_ms", "value",
+     dict(run=3, N=4096, layout="lesson 07 (two kernels)")),
 ]
 
 

@@ -369,16 +369,22 @@ def programs_per_sm_of_launch(one_split_programs: int, num_splits: int, n_sms: i
 
 
 @functools.lru_cache(maxsize=4096)
-def _best_splits(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, n_sms: int, lanes: int = 1) -> int:
-    max_splits = max(1, min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS))
+def _best_splits(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, n_sms: int) -> int:
+    max_splits = _max_splits(n_blocks)
     one = batch * n_kv_heads * m_blocks
-    busy = [split_busy_fraction(batch, n_kv_heads, m_blocks, n_blocks, s, n_sms * lanes,
-                                programs_per_sm_of_launch(one, s, n_sms) / lanes) for s in range(1, max_splits + 1)]
+    busy = [split_busy_fraction(batch, n_kv_heads, m_blocks, n_blocks, s, n_sms,
+                                programs_per_sm_of_launch(one, s, n_sms)) for s in range(1, max_splits + 1)]
     best = max(busy)
     return next(s for s, b in enumerate(busy, start=1) if b >= (1 - SPLIT_TOLERANCE) * best)
 
 
-PAGED_LANES_PER_SM = 2  # a paged cache: the model counts each SM as 2 (pick_num_splits)
+def _max_splits(n_blocks: int) -> int:
+    """The most splits of ``n_blocks`` key blocks: each at least MIN_SPLIT_BLOCKS blocks, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS))
+
+
+PAGED_SPLIT_FACTOR = 4  # a paged cache at <= 1 program per SM: 4x the contiguous count (pick_num_splits)
+PAGED_MAX_SPLITS = 32  # ... and at most 32, the most the paged sweep measured (it was the best there at B = 1)
 
 
 def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, device: torch.device,
@@ -406,11 +412,15 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     ``paged``: the caches are pages behind a block table. Each key's address
     is then a load from the table, a gather that one program likely cannot
     run far ahead of, so one program per SM does not keep the SM's share of
-    the bandwidth in flight: the model counts each SM as
-    :data:`PAGED_LANES_PER_SM` (``results/decode_bench.json``, 2026-12-02: at
-    one program per SM the paged cache read 0.44-0.76x the contiguous one at
-    ``B <= 16``; the run before, at about two per SM, 0.66-0.83x). That gives
-    2 splits at ``B = 16``, 8 at ``B = 4`` and 32 at ``B = 1`` (16k context).
+    the bandwidth in flight. Where the contiguous count gives at most one
+    program per SM, a paged cache gets :data:`PAGED_SPLIT_FACTOR` times as
+    many splits (at most what the blocks allow, and at most
+    :data:`PAGED_MAX_SPLITS`): 32 at ``B = 1``, 16 at
+    ``B = 4`` and 4 at ``B = 16`` (16k context), the best counts the paged
+    sweep measured there (``results/tune_decode_paged.json``:
+    1759 / 3150 / 3943 GB/s with the shipped tiles, against 1759 / 2665 /
+    2974 for the 2-lane rule it replaced). Past one program per SM
+    (``B = 64``) the count is the contiguous one.
 
     ``max_len`` is the caches' capacity, not ``cache_seqlens``: reading the
     lengths would stall the GPU to copy them to the host every step. On the
@@ -422,7 +432,10 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     if sm_count is None and device.type != "cuda":
         return max(1, min(2, n_blocks // 2))
     sms = _sm_count(device) if sm_count is None else sm_count
-    return _best_splits(batch, n_kv_heads, m_blocks, n_blocks, sms, PAGED_LANES_PER_SM if paged else 1)
+    splits = _best_splits(batch, n_kv_heads, m_blocks, n_blocks, sms)
+    if paged and batch * n_kv_heads * m_blocks * splits <= sms:
+        splits = min(_max_splits(n_blocks), PAGED_SPLIT_FACTOR * splits, PAGED_MAX_SPLITS)
+    return splits
 
 
 def validate_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None,

@@ -57,6 +57,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .fast import ORDER_KV_GROUPED, _program_tile, grid_shape
+
+try:  # host-side TMA descriptors (Triton >= 3.3); without them the Hopper launch is off
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
 __all__ = [
     "E4M3_MAX",
     "P_SCALE",
@@ -75,6 +82,10 @@ __all__ = [
     "persistent_schedule",
     "lpt_schedule",
     "schedule_makespan",
+    "hopper_config",
+    "hopper_unsupported_reason",
+    "launch_fp8_hopper",
+    "_fp8_hopper_kernel",
 ]
 
 #: e4m3's largest finite value (``torch.finfo(torch.float8_e4m3fn).max``).
@@ -546,6 +557,177 @@ def launch_fp8_persistent(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, 
     return o
 
 
+# -----------------------------------------------------------------------------
+# The Hopper launch: the same arithmetic with lesson 06's machinery
+# -----------------------------------------------------------------------------
+# What the lesson's kernel above spends per score besides the two products, and what this one does instead:
+# - the scales: ``s * (q_scale * k_scale)``, then ``- m``: two operations per score. Here the max is taken
+#   of the raw scores and scaled once per row (the row scale is positive), so scale-and-subtract is one FMA.
+# - P's fixed scale: ``p * 256`` is one multiply per score. Here ``log2(256) = 8`` is folded into the
+#   exponent's shift: ``exp2(x - (m - 8)) = 256 * exp2(x - m)``, the same number.
+# - V's scale: ``acc * alpha + (P V) * v_scale`` is two operations per output element. Here ``acc`` is kept in
+#   units of the current tile's ``v_scale``: one multiply by ``alpha * v_prev / v_scale`` (one number per row),
+#   and the product accumulates straight into ``acc`` inside the tensor cores.
+# - the loads: TMA descriptors instead of masked pointer loads (no bounds masks: ``N`` is a multiple of the
+#   tiles), and lesson 06's launch order (a GQA group's heads side by side, longest rows first).
+HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_TILE = 128  # BLOCK_M; N must be a multiple of it (no ragged tiles, no bounds masks)
+HOPPER_LAST = {"compiled": None}  # the last launch's compiled kernel (n_regs, n_spills; None in the interpreter)
+
+
+@triton.jit
+def _exp2_f16x2(x, INTERPRETED: tl.constexpr):
+    """``exp2`` of fp16 ``x``, two at a time (``ex2.approx.f16x2``: half the special-function unit's work)."""
+    if INTERPRETED:
+        y = tl.math.exp2(x.to(tl.float32)).to(tl.float16)
+    else:
+        y = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=True,
+                                      pack=2)
+    return y
+
+
+@triton.jit
+def _fp8_hopper_inner(acc, l_i, m_i, v_prev, q, row_scale_q,
+                      desc_k, desc_vt, KS, VS, kv_row0, vt_row0, ks_base,
+                      lo, hi, offs_m, offs_n,
+                      BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr, MASK: tl.constexpr,
+                      EXP_F16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Fold K/V blocks ``[lo, hi)`` into ``(acc, l_i, m_i)``; ``acc`` is in units of ``v_prev``."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = desc_k.load([kv_row0 + start_n, 0]).T  # K^T [D, BLOCK_N], a view of the shared-memory tile
+        s = tl.dot(q, k)  # raw e4m3 product, float32
+        blk = start_n // SCALE_BLOCK
+        row_scale = row_scale_q * tl.load(KS + ks_base + blk)  # q_scale * k_scale * sm_scale * log2(e), > 0
+        if MASK:
+            s = tl.where(offs_m[:, None] >= start_n + offs_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * row_scale)
+        x = s * row_scale[:, None] - (m_new - 8.0)[:, None]  # one FMA; exp2(x) = 256 * exp2(score - max)
+        alpha = tl.math.exp2(m_i - m_new)
+        if EXP_F16 == 0:
+            p = tl.math.exp2(x)  # in [0, 256]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p8 = to_e4m3(p, INTERPRETED)
+        else:  # two exponentials per instruction in fp16 (x <= 8, p <= 256: fp16's range holds both)
+            p16 = _exp2_f16x2(x.to(tl.float16), INTERPRETED)
+            if EXP_F16 == 1:
+                l_i = l_i * alpha + tl.sum(p16.to(tl.float32), 1)
+            else:
+                l_i = l_i * alpha + tl.sum(p16, 1).to(tl.float32)
+            if INTERPRETED:  # the interpreter's casts to e4m3 drop the carry (see to_e4m3)
+                p8 = to_e4m3(p16.to(tl.float32), INTERPRETED)
+            else:
+                p8 = p16.to(tl.float8e4nv)  # cvt.rn.satfinite.e4m3x2.f16x2: two per instruction
+        v_scale = tl.load(VS + ks_base + blk)
+        acc = acc * (alpha * (v_prev / v_scale))[:, None]
+        vt = desc_vt.load([vt_row0, start_n])  # V^T [D, BLOCK_N], keys contiguous (K-major)
+        acc = tl.dot(p8, vt.T, acc)
+        v_prev = v_scale
+        m_i = m_new
+    return acc, l_i, m_i, v_prev
+
+
+@triton.jit
+def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, QS, KS, VS,
+                       sm_scale, N_CTX, N_Q_HEADS, N_BLOCKS_SCALE,
+                       GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                       ORDER: tl.constexpr, EXP_F16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One query block of one (batch, query head), on contiguous tensors viewed as 2-D matrices.
+
+    Q ``[B*Hq*N, D]``, K ``[B*Hkv*N, D]``, V^T ``[B*Hkv*D, N]`` (e4m3), O ``[B*Hq*N, D]``; the scales
+    ``[B, H, N_BLOCKS_SCALE]`` contiguous. ``SCALE_BLOCK`` is a multiple of ``BLOCK_N``.
+    """
+    tl.static_assert(SCALE_BLOCK % BLOCK_N == 0)
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    bh, start_m = _program_tile(N_CTX, N_Q_HEADS, BLOCK_M, ORDER, CAUSAL, GROUP_SIZE)
+    batch = bh // N_Q_HEADS
+    kv_bh = batch * (N_Q_HEADS // GROUP_SIZE) + (bh % N_Q_HEADS) // GROUP_SIZE
+    q_row0 = bh * N_CTX + start_m * BLOCK_M
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = desc_q.load([q_row0, 0])
+    row_scale_q = tl.load(QS + bh * N_BLOCKS_SCALE + offs_m // SCALE_BLOCK) * (sm_scale * 1.4426950408889634)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    v_prev = 1.0
+    kv_row0 = kv_bh * N_CTX
+    ks_base = kv_bh * N_BLOCKS_SCALE
+    if CAUSAL:  # two phases: the blocks left of the diagonal unmasked, then the diagonal masked
+        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
+            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
+            0, start_m * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, False, EXP_F16, INTERPRETED)
+        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
+            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
+            start_m * BLOCK_M, (start_m + 1) * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, True, EXP_F16, INTERPRETED)
+    else:
+        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
+            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
+            0, N_CTX, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, False, EXP_F16, INTERPRETED)
+    out = acc * (v_prev / l_i)[:, None]
+    desc_o.store([q_row0, 0], out.to(desc_o.dtype))
+
+
+def hopper_config(head_dim: int, block_size: int) -> dict:
+    """The Hopper kernel's tiles and launch (``benchmarks/tune_fp8.py --hopper`` measures the others)."""
+    if head_dim > 64:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
+    return cfg
+
+
+def hopper_unsupported_reason(q8, block_size: int, config=None) -> str | None:
+    """Why :func:`launch_fp8_hopper` cannot take these (validated) e4m3 inputs; ``None`` if it can."""
+    b, hq, n, d = q8.shape
+    cfg = dict(hopper_config(d, block_size), **(config or {}))
+    if d not in HOPPER_HEAD_DIMS:
+        return f"head dim {d}: the Hopper launch takes {HOPPER_HEAD_DIMS}"
+    if n == 0 or n % cfg["BLOCK_M"] or block_size % cfg["BLOCK_N"]:
+        return f"N = {n} and block_size = {block_size}: the Hopper launch needs N a multiple of {cfg['BLOCK_M']} " \
+               f"and block_size of {cfg['BLOCK_N']}"
+    if TensorDescriptor is None:
+        return "this Triton has no host tensor descriptors"
+    if q8.device.type != "cuda":
+        return "the Hopper launch runs on a GPU (the tests run it in the interpreter through launch_fp8_hopper)"
+    if torch.cuda.get_device_capability(q8.device)[0] != 9:
+        return "not a Hopper GPU (compute capability 9.x)"
+    return None
+
+
+def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, block_size: int, out_dtype,
+                      config=None):
+    """:func:`launch_fp8`'s output from :func:`_fp8_hopper_kernel` (``N`` a multiple of 128, D of 64 or 128).
+
+    Runs in the interpreter too (the CPU tests call it directly); ``config`` replaces :func:`hopper_config`.
+    """
+    b, hq, n, d = q8.shape
+    hkv = k8.shape[1]
+    cfg = dict(hopper_config(d, block_size), **(config or {}))
+    bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    order = cfg.pop("ORDER", ORDER_KV_GROUPED)
+    exp_f16 = cfg.pop("EXP_F16", 0)
+    q8, k8, vt8 = q8.contiguous(), k8.contiguous(), vt8.contiguous()
+    scales = [s.contiguous() for s in (q_scale, k_scale, v_scale)]
+    o = torch.empty((b, hq, n, d), dtype=out_dtype, device=q8.device)
+
+    def desc(t, rows, cols, box):
+        return TensorDescriptor(t, shape=[rows, cols], strides=[cols, 1], block_shape=box)
+
+    descs = (desc(q8, b * hq * n, d, [bm, d]), desc(k8, b * hkv * n, d, [bn, d]),
+             desc(vt8, b * hkv * d, n, [d, bn]), desc(o, b * hq * n, d, [bm, d]))
+    grid = grid_shape(order, b, hq, hkv, n // bm)
+    HOPPER_LAST["compiled"] = _fp8_hopper_kernel[grid](
+        *descs, *scales, 1.0 / math.sqrt(d), n, hq, triton.cdiv(n, block_size),
+        GROUP_SIZE=hq // hkv, HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, SCALE_BLOCK=block_size,
+        ORDER=order, EXP_F16=exp_f16, INTERPRETED=q8.device.type == "cpu", **cfg,
+    )
+    return o
+
+
 def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=None, v_scale=None,
                         block_size: int = 128):
     """Attention ``softmax(q k^T / sqrt(D)) v`` with both products in FP8 (e4m3).
@@ -566,6 +748,8 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
         out_dtype = q.dtype
         (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_fp8(t, block_size) for t in (q, k, v))
     vt8 = v8.transpose(2, 3).contiguous()  # K-major: [B, Hkv, D, N], the keys contiguous
+    if hopper_unsupported_reason(q8, block_size) is None:
+        return launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
     return launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
 
 
