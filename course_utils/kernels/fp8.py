@@ -571,7 +571,6 @@ def launch_fp8_persistent(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, 
 # - the loads: TMA descriptors instead of masked pointer loads (no bounds masks: ``N`` is a multiple of the
 #   tiles), and lesson 06's launch order (a GQA group's heads side by side, longest rows first).
 HOPPER_HEAD_DIMS = (64, 128)
-HOPPER_TILE = 128  # BLOCK_M; N must be a multiple of it (no ragged tiles, no bounds masks)
 HOPPER_LAST = {"compiled": None}  # the last launch's compiled kernel (n_regs, n_spills; None in the interpreter)
 
 
@@ -670,20 +669,27 @@ def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, QS, KS, VS,
     desc_o.store([q_row0, 0], out.to(desc_o.dtype))
 
 
-def hopper_config(head_dim: int, block_size: int) -> dict:
-    """The Hopper kernel's tiles and launch (``benchmarks/tune_fp8.py --hopper`` measures the others)."""
-    if head_dim > 64:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
-    else:
+def hopper_config(head_dim: int, block_size: int, causal: bool = False) -> dict:
+    """The Hopper kernel's tiles and launch: the fastest of ``benchmarks/tune_fp8.py --hopper`` on the H200.
+
+    ``results/tune_fp8_hopper.json`` (run 2; N = 4k and 16k, 16k tokens, GQA 32/8): causal, ``64 x 64``
+    tiles on 4 warps with 3 stages (133 registers: several programs share an SM) at D = 128 and 64; not
+    causal, ``128 x 64`` on 4 warps, 3 stages at D = 128 and ``128 x 128`` on 4 warps, 3 stages at D = 64.
+    """
+    if causal:
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    elif head_dim > 64:
         cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
     return cfg
 
 
-def hopper_unsupported_reason(q8, block_size: int, config=None) -> str | None:
+def hopper_unsupported_reason(q8, block_size: int, config=None, causal: bool = False) -> str | None:
     """Why :func:`launch_fp8_hopper` cannot take these (validated) e4m3 inputs; ``None`` if it can."""
     b, hq, n, d = q8.shape
-    cfg = dict(hopper_config(d, block_size), **(config or {}))
+    cfg = dict(hopper_config(d, block_size, causal), **(config or {}))
     if d not in HOPPER_HEAD_DIMS:
         return f"head dim {d}: the Hopper launch takes {HOPPER_HEAD_DIMS}"
     if n == 0 or n % cfg["BLOCK_M"] or block_size % cfg["BLOCK_N"]:
@@ -700,13 +706,13 @@ def hopper_unsupported_reason(q8, block_size: int, config=None) -> str | None:
 
 def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, block_size: int, out_dtype,
                       config=None):
-    """:func:`launch_fp8`'s output from :func:`_fp8_hopper_kernel` (``N`` a multiple of 128, D of 64 or 128).
+    """:func:`launch_fp8`'s output from :func:`_fp8_hopper_kernel` (``N`` a multiple of ``BLOCK_M``, D of 64 or 128).
 
     Runs in the interpreter too (the CPU tests call it directly); ``config`` replaces :func:`hopper_config`.
     """
     b, hq, n, d = q8.shape
     hkv = k8.shape[1]
-    cfg = dict(hopper_config(d, block_size), **(config or {}))
+    cfg = dict(hopper_config(d, block_size, causal), **(config or {}))
     bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
     order = cfg.pop("ORDER", ORDER_KV_GROUPED)
     exp_f16 = cfg.pop("EXP_F16", 0)
@@ -748,7 +754,7 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
         out_dtype = q.dtype
         (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_fp8(t, block_size) for t in (q, k, v))
     vt8 = v8.transpose(2, 3).contiguous()  # K-major: [B, Hkv, D, N], the keys contiguous
-    if hopper_unsupported_reason(q8, block_size) is None:
+    if hopper_unsupported_reason(q8, block_size, causal=causal) is None:
         return launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
     return launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
 
