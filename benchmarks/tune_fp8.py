@@ -27,6 +27,40 @@ import sys
 import course_utils  # noqa: F401  (first, as in every notebook)
 
 
+def case_inputs(n: int, d: int, causal: bool, *, hq: int = 32, hkv: int = 8, tokens: int = 16384,
+                device: str = "cuda") -> dict:
+    """One case's bf16 inputs (batch ``tokens // n``), their e4m3 copies (V K-major), a float32 reference
+    of batch element 0, and the FLOPs (``attention_flops``)."""
+    import torch
+
+    from course_utils.bench.cases import attention_flops
+    from course_utils.kernels import fp8
+
+    b = max(1, tokens // n)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:1].float(), k[:1].float(), v[:1].float(),
+                                                           is_causal=causal, enable_gqa=True)
+    return dict(b=b, q=q, k=k, v=v, q8=q8, qs=qs, k8=k8, ks=ks, vt8=v8.transpose(2, 3).contiguous(), vs=vs,
+                ref=ref, flops=attention_flops(b, hq, n, d, causal))
+
+
+def _time_bf16_and_cudnn(c: dict, causal: bool) -> tuple[float, float]:
+    """Milliseconds of the course's bf16 forward and of SDPA's cuDNN backend on the case's inputs."""
+    import torch
+    import triton.testing
+
+    from course_utils.kernels import flash_attention
+
+    q, k, v = c["q"], c["k"], c["v"]
+    ms_bf16 = triton.testing.do_bench(lambda: flash_attention(q, k, v, causal))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+        ms_cudnn = triton.testing.do_bench(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+    return ms_bf16, ms_cudnn
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ns", type=int, nargs="+", default=[4096, 16384])
@@ -42,29 +76,20 @@ def main(argv=None) -> int:
         return 0
     import triton.testing
 
-    from course_utils.bench.cases import attention_flops
     from course_utils.bench.fp8 import rel_rms
-    from course_utils.kernels import flash_attention, fp8
+    from course_utils.kernels import fp8
 
     if args.hopper:
         return _sweep_hopper(args)
-    hq, hkv, d, tokens = 32, 8, 128, 16384
+    d = 128
     candidates = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
                   for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))]
     rows, persistent = [], []
     for n, causal in itertools.product(args.ns, (True, False)):
-        b = max(1, tokens // n)
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-        (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
-        vt8 = v8.transpose(2, 3).contiguous()
-        ref = torch.nn.functional.scaled_dot_product_attention(q[:1].float(), k[:1].float(), v[:1].float(),
-                                                               is_causal=causal, enable_gqa=True)
-        flops = attention_flops(b, hq, n, d, causal)
-        ms_bf16 = triton.testing.do_bench(lambda: flash_attention(q, k, v, causal))
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            ms_cudnn = triton.testing.do_bench(
-                lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+        c = case_inputs(n, d, causal)
+        b, flops, ref, q8, qs, k8, ks, vt8, vs = (c[key] for key in ("b", "flops", "ref", "q8", "qs", "k8", "ks",
+                                                                     "vt8", "vs"))
+        ms_bf16, ms_cudnn = _time_bf16_and_cudnn(c, causal)
         print(f"N={n} causal={causal}: course bf16 {flops / ms_bf16 / 1e9:.0f} TFLOP/s, "
               f"cuDNN {flops / ms_cudnn / 1e9:.0f}", flush=True)
         grid_ms = triton.testing.do_bench(lambda: fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16))
@@ -116,25 +141,15 @@ def _sweep_hopper(args) -> int:
     import torch
     import triton.testing
 
-    from course_utils.bench.cases import attention_flops
     from course_utils.bench.fp8 import rel_rms
-    from course_utils.kernels import flash_attention, fp8
+    from course_utils.kernels import fp8
 
-    hq, hkv, tokens = 32, 8, 16384
     rows = []
     for d, n, causal in itertools.product((128, 64), args.ns, (True, False)):
-        b = max(1, tokens // n)
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-        (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
-        vt8 = v8.transpose(2, 3).contiguous()
-        ref = torch.nn.functional.scaled_dot_product_attention(q[:1].float(), k[:1].float(), v[:1].float(),
-                                                               is_causal=causal, enable_gqa=True)
-        flops = attention_flops(b, hq, n, d, causal)
-        ms_bf16 = triton.testing.do_bench(lambda: flash_attention(q, k, v, causal))
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            ms_cudnn = triton.testing.do_bench(
-                lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+        c = case_inputs(n, d, causal)
+        b, flops, ref, q8, qs, k8, ks, vt8, vs = (c[key] for key in ("b", "flops", "ref", "q8", "qs", "k8", "ks",
+                                                                     "vt8", "vs"))
+        ms_bf16, ms_cudnn = _time_bf16_and_cudnn(c, causal)
         ms_lesson = triton.testing.do_bench(
             lambda: fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16))
         print(f"D={d} N={n} causal={causal}: course bf16 {flops / ms_bf16 / 1e9:.0f} TFLOP/s, cuDNN "

@@ -34,6 +34,7 @@ def _load(name):
 tune_backward = _load("tune_backward")
 tune_window = _load("tune_window")
 tune_decode = _load("tune_decode")
+tune_fp8 = _load("tune_fp8")
 FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in tune_backward.EXTRA]))
 
 
@@ -156,3 +157,20 @@ def test_a_sweep_is_written_with_the_machine_beside_its_rows(tmp_path, capsys):
     assert doc["rows"] == rows
     assert doc["info"]["torch"] == torch.__version__ and doc["info"]["date"].endswith("UTC")
     assert f"wrote {tmp_path / 'sweep.json'}" in capsys.readouterr().out
+
+
+def test_the_fp8_sweep_s_cases_are_quantised_copies_of_their_inputs():
+    """tune_fp8.case_inputs (both sweeps' inputs): e4m3 copies that dequantise to the bf16 inputs, V K-major,
+    batch = tokens // N, the reference is attention of batch element 0."""
+    from course_utils.kernels import fp8
+
+    c = tune_fp8.case_inputs(128, 32, True, hq=4, hkv=2, tokens=256, device="cpu")
+    assert c["b"] == 2 and c["q8"].dtype == torch.float8_e4m3fn and c["vt8"].shape == (2, 2, 32, 128)
+    v = fp8.dequantize_fp8(c["vt8"].transpose(2, 3), c["vs"])
+    torch.testing.assert_close(v, c["v"].float(), atol=0.07, rtol=0.07)  # e4m3 keeps 3 mantissa bits
+    k_rep = c["k"][:1].float().repeat_interleave(2, 1)
+    s = (c["q"][:1].float() @ k_rep.mT) / 32 ** 0.5
+    s = s.masked_fill(torch.ones(128, 128, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(s, -1) @ c["v"][:1].float().repeat_interleave(2, 1)
+    torch.testing.assert_close(c["ref"], want, atol=1e-5, rtol=1e-5)
+    assert c["flops"] > 0
