@@ -61,6 +61,24 @@ def _time_bf16_and_cudnn(c: dict, causal: bool) -> tuple[float, float]:
     return ms_bf16, ms_cudnn
 
 
+def check_candidate(run, ref, cfg) -> tuple[float | None, str | None]:
+    """``(error, None)`` when ``run()``'s batch element 0 matches ``ref`` within FP8's tolerance, else
+    ``(error or None, why)``: the exception's name when it raised (a launch this compiler or GPU rejects),
+    ``"wrong"`` when it is off. Says which on the console; the sweep times only the first kind."""
+    from course_utils.bench.fp8 import FP8_TOLERANCE, rel_rms
+
+    try:
+        err = rel_rms(run()[:1].float(), ref)
+    except Exception as exc:  # noqa: BLE001 - one configuration failing must not stop the sweep
+        print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})",
+              flush=True)
+        return None, type(exc).__name__
+    if not err <= FP8_TOLERANCE:
+        print(f"  {cfg}: wrong (relative RMS error {err:.3g})", flush=True)
+        return err, "wrong"
+    return err, None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ns", type=int, nargs="+", default=[4096, 16384])
@@ -76,7 +94,7 @@ def main(argv=None) -> int:
         return 0
     import triton.testing
 
-    from course_utils.bench.fp8 import rel_rms
+    from course_utils.bench.fp8 import FP8_TOLERANCE, rel_rms
     from course_utils.kernels import fp8
 
     if args.hopper:
@@ -97,7 +115,7 @@ def main(argv=None) -> int:
         def run_persistent():
             return fp8.launch_fp8_persistent(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16)
         err = rel_rms(run_persistent()[:1].float(), ref)
-        if err <= 8e-2:
+        if err <= FP8_TOLERANCE:
             ms = triton.testing.do_bench(run_persistent)
             persistent.append(dict(n=n, causal=causal, batch=b, grid_ms=grid_ms, persistent_ms=ms, err=err,
                                    persistent_over_grid=grid_ms / ms, vs_cudnn=ms_cudnn / ms))
@@ -108,13 +126,8 @@ def main(argv=None) -> int:
         for cfg in ([] if args.no_sweep else candidates):
             def run():
                 return fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16, config=cfg)
-            try:
-                err = rel_rms(run()[:1].float(), ref)
-            except Exception as exc:  # noqa: BLE001 - a configuration this compiler or GPU rejects
-                print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})", flush=True)
-                continue
-            if err > 8e-2:
-                print(f"  {cfg}: wrong (relative RMS error {err:.3g})", flush=True)
+            err, note = check_candidate(run, ref, cfg)
+            if note:
                 continue
             ms = triton.testing.do_bench(run)
             row = dict(n=n, causal=causal, batch=b, **cfg, ms=ms, tflops=flops / ms / 1e9, err=err,
@@ -141,7 +154,6 @@ def _sweep_hopper(args) -> int:
     import torch
     import triton.testing
 
-    from course_utils.bench.fp8 import rel_rms
     from course_utils.kernels import fp8
 
     rows = []
@@ -160,15 +172,9 @@ def _sweep_hopper(args) -> int:
 
             def run():
                 return fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16, config=cfg)
-            try:
-                err = rel_rms(run()[:1].float(), ref)
-            except Exception as exc:  # noqa: BLE001 - a configuration this compiler or GPU rejects
-                print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})", flush=True)
-                rows.append(dict(base, **cfg, ms=None, note=f"{type(exc).__name__}"))
-                continue
-            if err > 8e-2:
-                print(f"  {cfg}: wrong (relative RMS error {err:.3g})", flush=True)
-                rows.append(dict(base, **cfg, ms=None, err=err, note="wrong"))
+            err, note = check_candidate(run, ref, cfg)
+            if note:
+                rows.append(dict(base, **cfg, ms=None, err=err, note=note))
                 continue
             compiled = fp8.HOPPER_LAST["compiled"]
             ms = triton.testing.do_bench(run)

@@ -207,6 +207,8 @@ def test_hopper_launch_is_chosen_only_where_it_runs():
     short, *_ = _quantised(1, 2, 1, 200, 128, 128)
     assert "multiple of 128" in fp8.hopper_unsupported_reason(short, 128)
     assert "block_size" in fp8.hopper_unsupported_reason(q8, 32, dict(BLOCK_N=64))
+    huge = torch.empty(1, 2**14, 2**17, 128, dtype=torch.float8_e4m3fn, device="meta")  # 2**31 rows, no memory
+    assert "32-bit" in fp8.hopper_unsupported_reason(huge, 128)
 
 
 def test_flash_attention_fp8_runs_the_hopper_launch_on_hopper(monkeypatch):

@@ -174,3 +174,19 @@ def test_the_fp8_sweep_s_cases_are_quantised_copies_of_their_inputs():
     want = torch.softmax(s, -1) @ c["v"][:1].float().repeat_interleave(2, 1)
     torch.testing.assert_close(c["ref"], want, atol=1e-5, rtol=1e-5)
     assert c["flops"] > 0
+
+
+def test_the_fp8_sweep_times_only_candidates_that_ran_and_were_right(capsys):
+    """tune_fp8.check_candidate: a launch that raises is named by its exception, a wrong one is "wrong", and
+    both say so on the console; only a right one comes back without a note."""
+    ref = torch.randn(1, 2, 64, 32)
+
+    def rejected():
+        raise RuntimeError("out of resource: shared memory")
+
+    assert tune_fp8.check_candidate(lambda: ref.clone(), ref, "right") == (0.0, None)
+    assert tune_fp8.check_candidate(rejected, ref, "big") == (None, "RuntimeError")
+    err, note = tune_fp8.check_candidate(lambda: -ref, ref, "sign")
+    assert note == "wrong" and err == pytest.approx(2.0)
+    out = capsys.readouterr().out
+    assert "big: failed (RuntimeError: out of resource" in out and "sign: wrong" in out and "right" not in out

@@ -702,6 +702,8 @@ def hopper_unsupported_reason(q8, block_size: int, config=None, causal: bool = F
     if n == 0 or n % cfg["BLOCK_M"] or block_size % cfg["BLOCK_N"]:
         return f"N = {n} and block_size = {block_size}: the Hopper launch needs N a multiple of {cfg['BLOCK_M']} " \
                f"and block_size of {cfg['BLOCK_N']}"
+    if b * hq * n >= 2**31:  # the kernel's tile coordinates are 32-bit rows of the 2-D views, as in .fast
+        return "too many rows for 32-bit tile coordinates"
     if TensorDescriptor is None:
         return "this Triton has no host tensor descriptors"
     if q8.device.type != "cuda":
