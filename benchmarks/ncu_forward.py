@@ -1,6 +1,6 @@
 """Nsight Compute counters of the course's forward kernels on one GPU (lessons 05, 06 and 11).
 
-    python benchmarks/ncu_forward.py --all results/    # runs ncu once per kernel, writes ncu_forward.{json,md}
+    python benchmarks/ncu_forward.py --all results/ [--kernels K ...]  # ncu once per kernel: ncu_forward.{json,md}
     python benchmarks/ncu_forward.py --from-csv results/  # the summary again from the kept raw CSVs
     python benchmarks/ncu_forward.py KERNEL             # one warmed-up launch of KERNEL between
                                                          # cudaProfilerStart/Stop (what ncu profiles)
@@ -10,7 +10,12 @@ Kernels (bf16 unless said, GQA 32/8, D = 128, N = 4096, batch 4, not causal):
 - ``lesson05``: lesson 05's kernel (``kernels.forward.flash_attention_gqa_forward``), its own launch;
 - ``fast_1_per_sm``: lesson 06's fast kernel, 128 x 128 tiles, 8 warps, 3 stages (one program per SM);
 - ``fast_2_per_sm``: the same kernel, 128 x 64 tiles, 4 warps, 2 stages (two programs fit one SM);
-- ``fp8``: lesson 11's FP8 kernel with ``fp8_config``'s launch, e4m3 inputs quantised beforehand.
+- ``fp8``: lesson 11's FP8 kernel with ``fp8_config``'s launch, e4m3 inputs quantised beforehand;
+- ``fp8_hopper``: the FP8 forward's Hopper launch (``fp8.launch_fp8_hopper``, ``hopper_config``'s tiles);
+- ``fast_2_per_sm_poly``, ``fp8_hopper_poly``: the same two launches with half of each tile's exponentials
+  computed on the FMA units (``fast._exp_scores``).
+
+``--kernels`` profiles only some of them and keeps the other kernels' rows of an earlier run.
 
 Each is profiled with ``ncu --clock-control none --set full`` (the clocks as they run, not locked to base) and
 the raw counters are kept; the summary holds the duration, the tensor pipes' utilisation, the achieved
@@ -30,7 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELS = ("lesson05", "fast_1_per_sm", "fast_2_per_sm", "fp8")
+KERNELS = ("lesson05", "fast_1_per_sm", "fast_2_per_sm", "fp8", "fp8_hopper", "fast_2_per_sm_poly", "fp8_hopper_poly")
 B, HQ, HKV, N, D = 4, 32, 8, 4096, 128
 # Counters kept in the summary: (label, exact raw-metric name).
 NAMED = [
@@ -46,6 +51,12 @@ NAMED = [
     ("dram_throughput_pct", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
     ("sm_throughput_pct", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
 ]
+# The instruction pipes' utilisation (% of peak, of the active cycles): the tensor cores beside the special-function
+# unit (xu: exp2), the FMA units and the integer/logic unit (alu), which a kernel's softmax shares out.
+PIPES = {"xu": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+         "fma": "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+         "alu": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+         "fp16": "sm__pipe_fp16_cycles_active.avg.pct_of_peak_sustained_active"}
 
 
 def one_launch(name: str) -> None:
@@ -66,12 +77,20 @@ def one_launch(name: str) -> None:
     elif name == "fast_2_per_sm":
         def run():
             return fast.launch(q, k, v, False, block_m=128, block_n=64, num_warps=4, num_stages=2)
-    elif name == "fp8":
+    elif name == "fast_2_per_sm_poly":
+        def run():
+            return fast.launch(q, k, v, False, block_m=128, block_n=64, num_warps=4, num_stages=2, exp_poly=True)
+    elif name.startswith("fp8"):
         (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
         vt8 = v8.transpose(2, 3).contiguous()
+        if name == "fp8":
+            def run():
+                return fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, False, 128, torch.bfloat16)
+        else:
+            config = dict(EXP_POLY=1) if name == "fp8_hopper_poly" else None
 
-        def run():
-            return fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, False, 128, torch.bfloat16)
+            def run():
+                return fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, False, 128, torch.bfloat16, config=config)
     else:
         raise SystemExit(f"unknown kernel {name!r}: one of {', '.join(KERNELS)}")
     for _ in range(3):
@@ -124,6 +143,7 @@ def summarise(raw: dict) -> dict:
               for m, v in raw.items()
               if m.startswith("smsp__average_warps_issue_stalled_") and m.endswith("_per_issue_active.ratio")
               and _number(v) is not None}
+    out["pipes_pct"] = {label: _number(raw.get(metric)) for label, metric in PIPES.items()}
     out["stalls"] = stalls
     out["top_stalls"] = dict(sorted(((k, v) for k, v in stalls.items() if k not in NOT_STALLS),
                                     key=lambda kv: -kv[1])[:5])
@@ -135,26 +155,30 @@ def markdown(summary: dict) -> str:
              f"triton {summary['triton']}, `ncu --clock-control none --set full` ({summary['ncu']}); bf16 "
              f"(FP8: e4m3), GQA {HQ}/{HKV}, D = {D}, N = {N}, batch {B}, not causal. "
              "`python benchmarks/ncu_forward.py --all results/` (raw counters in `results/ncu/`).\n",
-             "| kernel | µs | tensor pipe % | achieved / theoretical occupancy % | L2 hit % | regs | top stalls "
-             "(cycles per issue) |", "|---|---:|---:|---:|---:|---:|---|"]
+             "| kernel | µs | tensor pipe % | exp2 (xu) / FMA / ALU pipe % | achieved / theoretical occupancy % | "
+             "L2 hit % | regs | top stalls (cycles per issue) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, s in summary["kernels"].items():
+        name = f"{name} ({s['run']})" if s.get("run") else name
         if "error" in s:
-            lines.append(f"| {name} | error: {s['error']} | | | | | |")
+            lines.append(f"| {name} | error: {s['error']} | | | | | | |")
             continue
         tensor = s["tensor_pipe_pct"]
         stalls = ", ".join(f"{k} {v:.2f}" for k, v in s["top_stalls"].items())
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        lines.append(f"| {name} | {fmt(s['duration_us'], '.0f')} | {fmt(tensor, '.1f')} | "
+        pipes = " / ".join(fmt(s.get("pipes_pct", {}).get(p), ".1f") for p in ("xu", "fma", "alu"))
+        lines.append(f"| {name} | {fmt(s['duration_us'], '.0f')} | {fmt(tensor, '.1f')} | {pipes} | "
                      f"{fmt(s['achieved_occupancy_pct'], '.1f')} / {fmt(s['theoretical_occupancy_pct'], '.1f')} | "
                      f"{fmt(s['l2_hit_rate_pct'], '.1f')} | {fmt(s['registers_per_thread'], '.0f')} | {stalls} |")
     lines.append("\nTensor pipe %: `sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active` (cycles the tensor "
-                 "pipes were busy, of the SMs' active cycles). Occupancy: warps resident per SM, of its 64. Stalls: "
+                 "pipes were busy, of the SMs' active cycles). exp2 (xu) / FMA / ALU: the same for the special-"
+                 "function unit (`sm__inst_executed_pipe_xu`), the FMA units and the integer/logic unit. Occupancy: warps resident per SM, of its 64. Stalls: "
                  "`smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio`, the five largest, leaving out "
-                 "`selected` and `not_selected` (issuing, or ready while another warp issued).")
+                 "`selected` and `not_selected` (issuing, or ready while another warp issued). A row marked (earlier "
+                 "run) was profiled in an earlier `--all` run (`--kernels` profiles a subset and keeps the rest).")
     return "\n".join(lines) + "\n"
 
 
-def profile_all(out_dir: Path) -> int:
+def profile_all(out_dir: Path, kernels=KERNELS) -> int:
     import torch
     import triton
 
@@ -166,7 +190,11 @@ def profile_all(out_dir: Path) -> int:
     summary = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, ncu=version,
                    kernels={})
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in KERNELS:
+    earlier = out_dir / "ncu_forward.json"
+    if tuple(kernels) != KERNELS and earlier.is_file():  # keep the other kernels' rows, from their own run
+        kept = json.loads(earlier.read_text())["kernels"]
+        summary["kernels"] = {name: dict(row, run=row.get("run", "earlier run")) for name, row in kept.items()}
+    for name in kernels:
         cmd = [ncu, "--clock-control", "none", "--set", "full", "--profile-from-start", "off", "--csv",
                "--page", "raw", sys.executable, __file__, name]
         done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=300)
@@ -190,7 +218,8 @@ def from_csv(out_dir: Path) -> int:
     for name in KERNELS:
         f = out_dir / "ncu" / f"ncu_forward_{name}.csv"
         if f.is_file():
-            summary["kernels"][name] = summarise(parse_raw_csv(f.read_text())[-1])
+            run = summary["kernels"].get(name, {}).get("run")
+            summary["kernels"][name] = dict(summarise(parse_raw_csv(f.read_text())[-1]), **({"run": run} if run else {}))
     (out_dir / "ncu_forward.json").write_text(json.dumps(summary, indent=1))
     (out_dir / "ncu_forward.md").write_text(markdown(summary))
     print(markdown(summary))
@@ -202,9 +231,10 @@ def main(argv=None) -> int:
     parser.add_argument("kernel", nargs="?", choices=KERNELS)
     parser.add_argument("--all", metavar="OUT_DIR", type=Path)
     parser.add_argument("--from-csv", metavar="OUT_DIR", type=Path, help="rebuild the summary from kept CSVs")
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=KERNELS, help="with --all: only these")
     args = parser.parse_args(argv)
     if args.all is not None:
-        return profile_all(args.all)
+        return profile_all(args.all, tuple(args.kernels))
     if args.from_csv is not None:
         return from_csv(args.from_csv)
     if args.kernel is None:

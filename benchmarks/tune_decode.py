@@ -15,9 +15,10 @@ many of its programs fit on one SM, and marks the launch the course ships
 ``--paged`` copies the caches into shuffled pages of ``PAGE_SIZE`` tokens, as
 the decode benchmark's paged column does, and times the paged launches
 (``pick_num_splits(..., paged=True)`` picks the shipped count); ``--points
-B:L ...`` replaces :data:`POINTS`.
+B:L ...`` replaces :data:`POINTS`, ``--candidates`` :data:`CANDIDATES` and ``--counts`` :data:`COUNTS`.
 
     python benchmarks/tune_decode.py [--out results/tune_decode.json] [--paged] [--points 4:65536 16:16384]
+                                     [--candidates 64:4:3 128:4:2] [--counts 1 2 4 33]
 
 Needs a CUDA GPU.
 """
@@ -70,12 +71,19 @@ def parse_point(text: str) -> tuple[int, int]:
     return int(batch), int(context)
 
 
-def allowed_counts(context: int, block_n: int) -> list[int]:
-    """The split counts the launcher allows at ``context`` with ``block_n``-key blocks (at least 4 blocks each)."""
+def parse_candidate(text: str) -> tuple[int, int, int]:
+    """``"64:4:3"`` -> ``(64, 4, 3)``: ``BLOCK_N``, ``num_warps`` and ``num_stages``."""
+    block_n, warps, stages = (int(x) for x in text.split(":"))
+    return block_n, warps, stages
+
+
+def allowed_counts(context: int, block_n: int, counts=COUNTS) -> list[int]:
+    """The split counts of ``counts`` the launcher allows at ``context`` with ``block_n``-key blocks (at least 4
+    blocks each)."""
     from course_utils.kernels import decode
 
     most = max(1, min(decode.MAX_SPLITS, -(-context // block_n) // decode.MIN_SPLIT_BLOCKS))
-    return [s for s in COUNTS if s <= most]
+    return [s for s in counts if s <= most]
 
 
 def compiled(q, k, v, seqlens, block_n, num_warps, num_stages, block_table=None) -> dict:
@@ -89,7 +97,8 @@ def compiled(q, k, v, seqlens, block_n, num_warps, num_stages, block_table=None)
     return dict(n_regs=n_regs, shared_bytes=shared, programs_per_sm=db.programs_per_sm(n_regs, num_warps, shared))
 
 
-def measure(batch: int, context: int, rep_ms: int = 30, paged: bool = False) -> list[dict]:
+def measure(batch: int, context: int, rep_ms: int = 30, paged: bool = False, candidates=CANDIDATES,
+            counts=COUNTS) -> list[dict]:
     import torch
     import triton
 
@@ -128,9 +137,9 @@ def measure(batch: int, context: int, rep_ms: int = 30, paged: bool = False) -> 
         k, v, table = db.paged_copy(k, v, db.PAGE_SIZE)
     pick = decode.launch_splits(q, k, table)  # the count the course launches (paged: pick_num_splits(paged=True))
     ships = shipped_launch(q, k, pick, table)
-    for block_n, warps, stages in CANDIDATES:
+    for block_n, warps, stages in candidates:
         info = compiled(q, k, v, seqlens, block_n, warps, stages, table)
-        for s in allowed_counts(context, block_n):
+        for s in allowed_counts(context, block_n, counts):
             timed(f"course {block_n} w{warps} s{stages} splits {s}" + (" paged" if paged else ""),
                   lambda s=s, c=(block_n, warps, stages): launch(q, k, v, seqlens, s, *c, block_table=table),
                   block_n=block_n, num_warps=warps, num_stages=stages, num_splits=s,
@@ -155,11 +164,15 @@ def main(argv=None) -> int:
     parser.add_argument("--paged", action="store_true", help="time paged caches (shuffled pages)")
     parser.add_argument("--points", type=parse_point, nargs="+", default=None, metavar="B:L",
                         help="batch:context points instead of POINTS")
+    parser.add_argument("--candidates", type=parse_candidate, nargs="+", default=CANDIDATES, metavar="BN:W:S",
+                        help="BLOCK_N:num_warps:num_stages launches instead of CANDIDATES")
+    parser.add_argument("--counts", type=int, nargs="+", default=COUNTS, help="split counts instead of COUNTS")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
         return 0
-    rows = [r for b, n in (args.points or POINTS) for r in measure(b, n, paged=args.paged)]
+    rows = [r for b, n in (args.points or POINTS)
+            for r in measure(b, n, paged=args.paged, candidates=args.candidates, counts=args.counts)]
     if args.out:
         bench.write_sweep(args.out, rows)
     return 0

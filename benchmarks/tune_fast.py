@@ -8,7 +8,7 @@ timed, and SDPA's flash and cuDNN backends are timed on the same inputs in
 the same run (ratios between runs are not comparable: clocks and the card's
 temperature move).
 
-    python benchmarks/tune_fast.py [--ns 4096 16384] [--out tune.json]
+    python benchmarks/tune_fast.py [--ns 4096 16384] [--case main] [--variants-only] [--out tune.json]
 
 Needs a CUDA GPU (Hopper for TMA and warp specialisation). For each
 configuration it also prints registers per thread, spills and shared memory,
@@ -66,6 +66,9 @@ VARIANTS = [
     # registers capped so that more programs fit on an SM (shared memory allows it):
     ((128, 64, 8, 2, KV, False, False), dict(maxnreg=128)),  # two 8-warp programs
     ((128, 32, 4, 2, KV, False, False), dict(maxnreg=168)),  # three 4-warp programs
+    # half of each tile's exponentials on the FMA units (fast._exp_scores, FlashAttention-4's cubic):
+    ((128, 64, 4, 2, KV, False, False), dict(exp_poly=True)),
+    ((128, 128, 8, 3, KV, False, False), dict(exp_poly=True)),
 ]
 
 
@@ -89,6 +92,8 @@ def main(argv=None) -> int:
     parser.add_argument("--case", default=bench.STANDARD_SUITE[0].name,
                         choices=[c.name for c in bench.STANDARD_SUITE])
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="only the VARIANTS and the configurations they start from")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
@@ -125,9 +130,13 @@ def main(argv=None) -> int:
         for name in ("sdpa_flash", "sdpa_cudnn"):
             fn, _ = bench.make_provider(name, q, k, v, case.causal)
             timed(name, fn)
-        timed("autotuned (current space)", lambda: fast.attention_forward_fast(q, k, v, causal=case.causal),
-              fast.best_config(case.causal) or "")
-        for c, extra in [(c, None) for c in CANDIDATES] + VARIANTS:
+        if not args.variants_only:
+            timed("autotuned (current space)", lambda: fast.attention_forward_fast(q, k, v, causal=case.causal),
+                  fast.best_config(case.causal) or "")
+        todo = [(c, None) for c in CANDIDATES] + VARIANTS
+        if args.variants_only:
+            todo = list(dict.fromkeys((c, None) for c, _ in VARIANTS)) + VARIANTS
+        for c, extra in todo:
             name = label(c, extra)
             if name in broken:
                 continue

@@ -8,7 +8,8 @@ ratio to the course's bf16 forward and to SDPA's cuDNN backend measured in the s
 schedule of the tiles) against the ordinary grid.
 
     python benchmarks/tune_fp8.py [--ns 4096 16384] [--no-sweep] [--out tune_fp8.json]
-    python benchmarks/tune_fp8.py --hopper [--ns 4096 16384] [--out tune_fp8_hopper.json]
+    python benchmarks/tune_fp8.py --hopper [--ns 4096 16384] [--exp-f16 | --exp-poly] [--head-dims 128 64]
+                                  [--out tune_fp8_hopper.json]
 
 ``--hopper`` times the Hopper launch instead (``fp8.launch_fp8_hopper``: TMA, the scales folded into one
 FMA per score, ``acc`` accumulated in the tensor cores; optionally the exponentials two at a time in fp16)
@@ -86,6 +87,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="only the persistent grid against the ordinary one")
     parser.add_argument("--hopper", action="store_true", help="sweep the Hopper launch (launch_fp8_hopper)")
     parser.add_argument("--exp-f16", action="store_true", help="with --hopper: also the fp16 exponentials (EXP_F16=1, 2)")
+    parser.add_argument("--exp-poly", action="store_true",
+                        help="with --hopper: POLY_SHAPES with and without half the exponentials on the FMA units "
+                             "(EXP_POLY=0, 1), instead of HOPPER_SHAPES")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=[128, 64])
     args = parser.parse_args(argv)
     import torch
 
@@ -148,6 +153,9 @@ HOPPER_SHAPES = {128: [(128, 128, 8, 3, 2), (128, 128, 8, 4, 2), (128, 128, 8, 3
                        (128, 64, 8, 3, 2), (64, 64, 4, 3, 2), (64, 64, 4, 4, 2)],
                  64: [(128, 128, 4, 2, 2), (128, 128, 4, 3, 2), (128, 128, 8, 2, 2), (128, 128, 8, 3, 2),
                       (128, 64, 4, 3, 2), (128, 64, 4, 4, 2), (64, 64, 4, 3, 2)]}
+# The fastest shapes of tune_fp8_hopper.json's runs, and 64 x 128 (not causal only), for --exp-poly.
+POLY_SHAPES = {128: [(128, 64, 4, 3, 2), (64, 64, 4, 3, 2), (128, 128, 8, 3, 2), (64, 128, 4, 3, 2)],
+               64: [(128, 128, 4, 3, 2), (64, 64, 4, 3, 2), (128, 64, 4, 3, 2)]}
 
 
 def _sweep_hopper(args) -> int:
@@ -157,7 +165,7 @@ def _sweep_hopper(args) -> int:
     from course_utils.kernels import fp8
 
     rows = []
-    for d, n, causal in itertools.product((128, 64), args.ns, (True, False)):
+    for d, n, causal in itertools.product(args.head_dims, args.ns, (True, False)):
         c = case_inputs(n, d, causal)
         b, flops, ref, q8, qs, k8, ks, vt8, vs = (c[key] for key in ("b", "flops", "ref", "q8", "qs", "k8", "ks",
                                                                      "vt8", "vs"))
@@ -167,8 +175,14 @@ def _sweep_hopper(args) -> int:
         print(f"D={d} N={n} causal={causal}: course bf16 {flops / ms_bf16 / 1e9:.0f} TFLOP/s, cuDNN "
               f"{flops / ms_cudnn / 1e9:.0f}, lesson FP8 kernel {flops / ms_lesson / 1e9:.0f}", flush=True)
         base = dict(d=d, n=n, causal=causal, batch=b, bf16_ms=ms_bf16, cudnn_ms=ms_cudnn, lesson_fp8_ms=ms_lesson)
-        for (bm, bn, w, st, order), exp_f16 in itertools.product(HOPPER_SHAPES[d], (0, 1, 2) if args.exp_f16 else (0,)):
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ORDER=order, EXP_F16=exp_f16)
+        if args.exp_poly:
+            todo = [(shape, 0, poly) for shape in POLY_SHAPES[d] for poly in (0, 1)
+                    if not (causal and shape[0] % shape[1])]  # the causal loop needs BLOCK_M % BLOCK_N == 0
+        else:
+            todo = [(shape, f16, 0) for shape in HOPPER_SHAPES[d] for f16 in ((0, 1, 2) if args.exp_f16 else (0,))]
+        for (bm, bn, w, st, order), exp_f16, exp_poly in todo:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ORDER=order, EXP_F16=exp_f16,
+                       EXP_POLY=exp_poly)
 
             def run():
                 return fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16, config=cfg)

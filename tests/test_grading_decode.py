@@ -412,13 +412,15 @@ def test_choose_splits_correct_variants_pass(fn):
 
 
 def test_choose_splits_agrees_with_the_launcher():
-    """The exercise's model is pick_num_splits's: the same choices on the benchmark's grid (an H200), with the
-    residency of the launch at one split (5 per SM for B = 64's 2-stage launch, 3 otherwise)."""
+    """The exercise's model is the launcher's (model_num_splits, where pick_num_splits starts): the same choices
+    on the benchmark's grid (an H200), with the residency of the launch at one split (5 per SM for B = 64's
+    2-stage launch, 3 otherwise)."""
     for b in (1, 4, 16, 64):
         per_sm = 5 if b * 8 >= 2 * 132 else 3
         for n in (1024, 4096, 16384, 65536):
-            assert _learner()(b, 32, 8, n, 132, per_sm) == decode.pick_num_splits(b, 8, 1, n, torch.device("cpu"),
-                                                                                 64, sm_count=132)
+            model = decode.model_num_splits(b, 8, 1, n // 64, 132)
+            assert _learner()(b, 32, 8, n, 132, per_sm) == model
+            assert decode.pick_num_splits(b, 8, 1, n, torch.device("cpu"), 64, sm_count=132) in (model, 2 * model)
             for s in (1, 2, 7):
                 assert p5.splits_busy(b, 32, 8, n, s, 132, 3) == decode.split_busy_fraction(b, 8, 1, n // 64, s, 132, 3)
 
@@ -453,13 +455,15 @@ def test_choose_splits_bad_counts_get_a_sentence(learner, words):
         check_choose_num_splits(learner, seed=0)
 
 
-@pytest.mark.parametrize("answer_key", ["pick_num_splits", "split_busy_fraction"])
+@pytest.mark.parametrize("answer_key", ["pick_num_splits", "model_num_splits", "split_busy_fraction"])
 def test_choose_splits_calling_the_course_fails(answer_key):
     from course_utils.grading import check_choose_num_splits
 
     def borrow(batch, n_q_heads, n_kv_heads, context, n_sms, programs_per_sm):
         if answer_key == "pick_num_splits":
             return decode.pick_num_splits(batch, n_kv_heads, 1, context, torch.device("cpu"), 64, sm_count=n_sms)
+        if answer_key == "model_num_splits":
+            return decode.model_num_splits(batch, n_kv_heads, 1, -(-context // 64), n_sms)
         n = -(-context // 64)
         busy = [decode.split_busy_fraction(batch, n_kv_heads, 1, n, s, n_sms, programs_per_sm)
                 for s in range(1, max(1, min(128, n // 4)) + 1)]

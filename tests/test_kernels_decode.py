@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from course_utils import references as ref
+from course_utils import results
 from course_utils.kernels import decode, decode_attention
 from test_kernels_forward import _notebook_jit_functions, _strip
 
@@ -275,15 +276,66 @@ def test_gpu_bf16_long_ragged_caches(t, page_size):
 def test_pick_num_splits_docstring_counts():
     """The counts pick_num_splits's docstring states for an H200 (132 SMs, 8 kv heads, one row block)."""
     cpu = torch.device("cpu")
-    pick = {(b, n): decode.pick_num_splits(b, 8, 1, n, cpu, 64, sm_count=132)
+    pick = {(b, n): decode.model_num_splits(b, 8, 1, n // 64, 132)  # the model's counts (the paragraph's)
             for b, n in ((1, 16384), (4, 16384), (16, 16384), (64, 1024), (64, 4096), (64, 16384), (64, 65536))}
+    assert all(decode.pick_num_splits(b, 8, 1, n, cpu, 64, sm_count=132) == s for (b, n), s in pick.items()
+               if (b, n) != (16, 16384))  # B = 16 at 16k: doubled (the next test)
     assert pick == {(1, 16384): 16, (4, 16384): 4, (16, 16384): 1, (64, 1024): 1, (64, 4096): 1, (64, 16384): 1,
                     (64, 65536): 1}
-    assert all(decode.pick_num_splits(b, 8, 1, n, cpu, 64, sm_count=132) == 1
+    assert all(decode.model_num_splits(b, 8, 1, -(-n // 64), 132) == 1
                for b in (16, 64) for n in (1024, 4096, 16384, 65536, 131072))
     doc = " ".join(decode.pick_num_splits.__doc__.split())
     assert "16 splits at ``B = 1`` and a 16k context" in doc and "4 at ``B = 4``" in doc
     assert "one split at ``B = 16`` and ``B = 64`` at every context" in doc
+
+
+def test_long_contexts_get_twice_the_models_splits_below_one_program_per_sm():
+    """pick_num_splits: where the model's count leaves at most one program per SM and each of twice as many
+    splits still reads LONE_SPLIT_MIN_BLOCKS blocks, the count doubles (8 at B = 4 from 64k, 2 at B = 16 from
+    16k); shorter splits and B = 64 keep the model's count."""
+    cpu = torch.device("cpu")
+    pick = {(b, n): decode.pick_num_splits(b, 8, 1, n, cpu, 64, sm_count=132)
+            for b in (1, 4, 16, 64) for n in (1024, 4096, 16384, 65536, 131072)}
+    model = {(b, n): decode.model_num_splits(b, 8, 1, -(-n // 64), 132) for b, n in pick}
+    doubled = {key for key in pick if pick[key] != model[key]}
+    assert doubled == {(4, 65536), (4, 131072), (16, 16384), (16, 65536), (16, 131072)}
+    assert all(pick[key] == 2 * model[key] for key in doubled)
+    for (b, n), s in model.items():
+        lone = b * 8 * s <= 132
+        assert ((b, n) in doubled) == (lone and -(-n // 64) // (2 * s) >= decode.LONE_SPLIT_MIN_BLOCKS)
+    doc = " ".join(decode.pick_num_splits.__doc__.split())
+    assert "8 splits at ``B = 4`` from a 64k context and 2 at ``B = 16`` from 16k" in doc
+
+
+def test_the_doubled_split_counts_read_faster_in_the_recorded_sweep():
+    """results/tune_decode_long.json: at the long contexts where pick_num_splits doubles the model's count, the
+    doubled count's launch (3 stages: more than one program per SM) read more than the model's count's
+    (4 stages alone on an SM) in the same run, except B = 16 at 16k (within 1%); and the docstring's ratios."""
+    runs = results.load("tune_decode_long")["runs"]
+    cpu = torch.device("cpu")
+
+    def gbps(rows, splits, stages):
+        return next(r["gbps"] for r in rows if r.get("num_splits") == splits and r.get("num_stages") == stages
+                    and r.get("block_n") == 64 and r["gbps"])
+
+    seen = {}
+    for run in runs:
+        for b, n in sorted({(r["batch"], r["context"]) for r in run["rows"]}):
+            rows = [r for r in run["rows"] if (r["batch"], r["context"]) == (b, n)]
+            model = decode.model_num_splits(b, 8, 1, -(-n // 64), 132)
+            pick = decode.pick_num_splits(b, 8, 1, n, cpu, 64, sm_count=132)
+            if pick == model or not any(r.get("num_stages") == 4 for r in rows):
+                continue
+            sdpa = max(r["gbps"] for r in rows if r["name"].startswith("sdpa"))
+            seen[(b, n)] = (gbps(rows, model, 4) / sdpa, gbps(rows, pick, 3) / sdpa)
+    assert set(seen) == {(4, 131072), (16, 16384), (16, 65536)}
+    for key, (before, after) in seen.items():
+        assert after > before or (key == (16, 16384) and after > 0.99 * before)
+    doc = " ".join(decode.pick_num_splits.__doc__.split())
+    b4, b16, b16s = seen[(4, 131072)], seen[(16, 65536)], seen[(16, 16384)]
+    assert f"{b4[0]:.2f} -> {b4[1]:.2f}x cuDNN at ``B = 4`` and 128k" in doc
+    assert f"{b16[0]:.2f} -> {b16[1]:.2f}x at ``B = 16`` and 64k" in doc
+    assert f"{b16s[0]:.3f} -> {b16s[1]:.3f}x" in doc
 
 
 # -- the split kernel compiled for sm_90 here (triton as installed, no GPU) --------------------------------
@@ -372,13 +424,13 @@ def test_the_split_kernel_gets_the_launch_s_programs_and_split_length(monkeypatc
 
 
 def test_a_paged_cache_gets_four_times_the_splits_below_one_program_per_sm():
-    """pick_num_splits(paged=True): 4x the contiguous count while that count gives at most one program per SM
+    """pick_num_splits(paged=True): 4x the model's count while that count gives at most one program per SM
     (capped at 32), the best counts of the paged sweep at 16k (32 at B = 1, 16 at B = 4, 4 at B = 16); past one
     program per SM (B = 64) the contiguous count."""
     cpu = torch.device("cpu")
     pick = {b: decode.pick_num_splits(b, 8, 1, 16384, cpu, 64, sm_count=132, paged=True) for b in (1, 4, 16, 64)}
-    contiguous = {b: decode.pick_num_splits(b, 8, 1, 16384, cpu, 64, sm_count=132) for b in (1, 4, 16, 64)}
-    assert contiguous == {1: 16, 4: 4, 16: 1, 64: 1}
+    model = {b: decode.model_num_splits(b, 8, 1, 16384 // 64, 132) for b in (1, 4, 16, 64)}
+    assert model == {1: 16, 4: 4, 16: 1, 64: 1}
     assert pick == {1: 32, 4: 16, 16: 4, 64: 1}
     # a short cache: the blocks cap it (1k keys, 16 blocks of 64: 4 splits at most)
     assert decode.pick_num_splits(1, 8, 1, 1024, cpu, 64, sm_count=132, paged=True) == \

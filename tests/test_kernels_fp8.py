@@ -195,6 +195,34 @@ def test_hopper_launch_with_fp16_exponentials_stays_within_the_fp8_error(exp_f16
     assert 0 < err_plain < 0.05 and err_half < err_plain + 0.01
 
 
+def test_hopper_launch_with_polynomial_exponentials_stays_within_the_fp8_error():
+    """EXP_POLY (measured slower on the H200, kept as an option): half the exponentials as a cubic on the FMA
+    units (fast._exp2_poly), 7.5e-5 relative, far below e4m3's rounding of P."""
+    q8, k8, vt8, qs, ks, vs, *parts = _quantised(1, 4, 2, 256, 128, 128, seed=3)
+    for causal in (True, False):
+        plain = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT)
+        poly = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT, config=dict(EXP_POLY=1))
+        want = _exact_on_quantised(parts, causal, 128)
+        err_plain = _rel_rms(plain.double().cpu().numpy(), want)
+        assert 0 < err_plain < 0.05
+        assert _rel_rms(poly.double().cpu().numpy(), want) < err_plain * 1.05
+
+
+def test_hopper_launch_takes_key_tiles_wider_than_query_tiles_without_the_mask():
+    """hopper_config's 64 x 128 launch (not causal, D = 128): BLOCK_N > BLOCK_M needs N a multiple of BLOCK_N,
+    and the causal loop refuses it (its diagonal phase covers whole key blocks)."""
+    q8, k8, vt8, qs, ks, vs, *parts = _quantised(2, 4, 2, 256, 128, 128, seed=4)
+    assert fp8.hopper_config(128, 128) == dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+    wide = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, False, 128, OUT)
+    square = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, False, 128, OUT, config=dict(BLOCK_M=64, BLOCK_N=64))
+    want = _exact_on_quantised(parts, False, 128)
+    assert _rel_rms(wide.double().cpu().numpy(), want) < 1.05 * _rel_rms(square.double().cpu().numpy(), want)
+    odd, *_ = _quantised(1, 2, 1, 192, 128, 128)
+    assert "multiple of 128" in fp8.hopper_unsupported_reason(odd, 128)
+    with pytest.raises(Exception):
+        fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, True, 128, OUT, config=dict(BLOCK_M=64, BLOCK_N=128))
+
+
 def test_hopper_launch_is_chosen_only_where_it_runs():
     q8, *_ = _quantised(1, 2, 1, 256, 128, 128)
     reason = fp8.hopper_unsupported_reason(q8, 128)
@@ -230,21 +258,24 @@ def _hopper_candidates():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     seen, out = set(), []
-    for d, shapes in mod.HOPPER_SHAPES.items():
-        for bm, bn, w, st, order in shapes:
-            key = (d, bm, bn, order) if DEVICE == "cpu" else (d, bm, bn, w, st, order)  # the interpreter has no warps
-            if key not in seen:
-                seen.add(key)
-                out.append((d, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ORDER=order)))
+    for table in (mod.HOPPER_SHAPES, mod.POLY_SHAPES):
+        for d, shapes in table.items():
+            for bm, bn, w, st, order in shapes:
+                key = (d, bm, bn, order) if DEVICE == "cpu" else (d, bm, bn, w, st, order)  # the interpreter: no warps
+                if key not in seen:
+                    seen.add(key)
+                    out.append((d, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ORDER=order)))
     return out
 
 
 @pytest.mark.parametrize("d, cfg", _hopper_candidates(), ids=lambda x: str(x))
 def test_every_hopper_candidate_of_the_tune_script_is_correct(d, cfg):
-    """benchmarks/tune_fp8.py --hopper times these: each must compute attention (causal, GQA, 2 query blocks)."""
+    """benchmarks/tune_fp8.py --hopper times these: each must compute attention (GQA, 2 query blocks), causal
+    unless its key tiles are wider than its query tiles (the script times those without the mask only)."""
+    causal = cfg["BLOCK_M"] % cfg["BLOCK_N"] == 0
     q8, k8, vt8, qs, ks, vs, *parts = _quantised(1, 4, 2, 256, d, 128, seed=5)
-    o = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, True, 128, OUT, config=cfg)
-    assert _rel_rms(o.double().cpu().numpy(), _exact_on_quantised(parts, True, 128)) < 0.05
+    o = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT, config=cfg)
+    assert _rel_rms(o.double().cpu().numpy(), _exact_on_quantised(parts, causal, 128)) < 0.05
 
 
 def test_lpt_schedule_covers_every_tile_once_within_four_thirds():

@@ -106,7 +106,8 @@ EXERCISES: tuple[Exercise, ...] = (
              allowed=_DECODE_HELPERS),
     Exercise("check_choose_num_splits", "09_decoding", part5_decode.grade_choose_num_splits, False, None, 1,
              answer_keys=("course_utils.kernels.decode.pick_num_splits",
-                          "course_utils.kernels.decode.split_busy_fraction")),  # lesson 09 shows both
+                          "course_utils.kernels.decode.model_num_splits",
+                          "course_utils.kernels.decode.split_busy_fraction")),  # lesson 09 shows them
     # The ring checks start their own processes (one per rank): not isolated again.
     Exercise("check_ring_simulation", "10_ring_attention", part6_ring.grade_ring_simulation, False, None, 1,
              allowed=("course_utils.references.attention_lse",)),  # the lesson computes each block with it

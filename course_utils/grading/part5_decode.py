@@ -620,8 +620,8 @@ def grade_choose_num_splits(fn, *, seed=None):
     n_kv_heads * n_blocks / n_sms`` over that. Return a count from 1 to
     ``min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS)`` (1 always allowed) whose
     busy fraction is within ``SPLIT_TOLERANCE`` of the best: any such count
-    passes. The course's ``pick_num_splits`` and ``split_busy_fraction`` are
-    refused while it runs.
+    passes. The course's ``pick_num_splits``, ``model_num_splits`` and
+    ``split_busy_fraction`` are refused while it runs.
     """
     __tracebackhide__ = True
     run = Run("check_choose_num_splits", seed, time_limit_s=10.0)
@@ -630,7 +630,8 @@ def grade_choose_num_splits(fn, *, seed=None):
     for b, hq, hkv, context, n_sms, per_sm, what in cases:
         case = (f"batch={b}, n_q_heads={hq}, n_kv_heads={hkv}, context={context}, n_sms={n_sms}, "
                 f"programs_per_sm={per_sm} ({what})")
-        with proof.answer_keys_forbidden(_decode.pick_num_splits, _decode.split_busy_fraction):
+        with proof.answer_keys_forbidden(_decode.pick_num_splits, _decode.model_num_splits,
+                                          _decode.split_busy_fraction):
             out = run.call(fn, b, hq, hkv, context, n_sms, per_sm, case=case)
         integral = isinstance(out, numbers.Integral) or (isinstance(out, float) and out.is_integer())
         if isinstance(out, bool) or not integral or out < 1:

@@ -45,6 +45,7 @@ __all__ = [
     "decode_split",
     "decode_combine",
     "pick_num_splits",
+    "model_num_splits",
     "split_busy_fraction",
     "validate_decode",
     "decode_config",
@@ -383,8 +384,17 @@ def _max_splits(n_blocks: int) -> int:
     return max(1, min(MAX_SPLITS, n_blocks // MIN_SPLIT_BLOCKS))
 
 
-PAGED_SPLIT_FACTOR = 4  # a paged cache at <= 1 program per SM: 4x the contiguous count (pick_num_splits)
+def model_num_splits(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, n_sms: int) -> int:
+    """The split count the model alone picks (:func:`split_busy_fraction`; lesson 09's exercise 4): of the
+    counts allowed, the fewest whose predicted busy fraction is within :data:`SPLIT_TOLERANCE` of the best.
+    :func:`pick_num_splits` starts from it."""
+    return _best_splits(batch, n_kv_heads, m_blocks, n_blocks, n_sms)
+
+
+PAGED_SPLIT_FACTOR = 4  # a paged cache at <= 1 program per SM: 4x the model's count (pick_num_splits)
 PAGED_MAX_SPLITS = 32  # ... and at most 32, the most the paged sweep measured (it was the best there at B = 1)
+LONE_SPLIT_FACTOR = 2  # a contiguous cache at <= 1 program per SM, long splits: 2x the model's count (pick_num_splits)
+LONE_SPLIT_MIN_BLOCKS = 128  # ... when each of the doubled splits still reads at least this many blocks (8k keys)
 
 
 def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, device: torch.device,
@@ -407,12 +417,28 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     ``B = 16`` and ``B = 64`` at every context: 128 programs, one per SM, and
     512, which the 2-stage launch holds at once (5 per SM).
     ``python -m course_utils.bench decode --splits`` measures GB/s against
-    ``num_splits`` to check the model (``results/decode_splits.md``).
+    ``num_splits`` to check the model (``results/decode_splits.md``);
+    :func:`model_num_splits` is the model's count alone.
+
+    Long contexts, measured past the model: where the model's count leaves at
+    most one program per SM, a program alone on its SM reads less than the
+    SM's share of the bandwidth, as the paged cache below shows more
+    strongly; two programs per SM (3 stages) read more. So where each of
+    :data:`LONE_SPLIT_FACTOR` times as many splits still reads at least
+    :data:`LONE_SPLIT_MIN_BLOCKS` blocks, the count is doubled: 8 splits at
+    ``B = 4`` from a 64k context and 2 at ``B = 16`` from 16k
+    (``results/tune_decode.json``, run 2: 0.97 -> 0.99x cuDNN at ``B = 4`` and
+    128k, 0.96 -> 0.98x at ``B = 16`` and 64k; at ``B = 16`` and 16k 0.995 ->
+    0.990x, within the spread between runs). Where the doubled splits would be
+    shorter the model's count stands: it did not pay at ``B = 1`` and 16k
+    (16 -> 32 splits of 8 blocks: 2131 -> 2110 GB/s, ``results/decode_splits.md``)
+    or ``B = 16`` and 4k (1 -> 2: 3476 -> 3400). This is an empirical factor
+    on top of the model, not part of it.
 
     ``paged``: the caches are pages behind a block table. Each key's address
     is then a load from the table, a gather that one program likely cannot
     run far ahead of, so one program per SM does not keep the SM's share of
-    the bandwidth in flight. Where the contiguous count gives at most one
+    the bandwidth in flight. Where the model's count gives at most one
     program per SM, a paged cache gets :data:`PAGED_SPLIT_FACTOR` times as
     many splits (at most what the blocks allow, and at most
     :data:`PAGED_MAX_SPLITS`): 32 at ``B = 1``, 16 at
@@ -420,7 +446,7 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     sweep measured there (``results/tune_decode_paged.json``:
     1759 / 3150 / 3943 GB/s with the shipped tiles, against 1759 / 2665 /
     2974 for the 2-lane rule it replaced). Past one program per SM
-    (``B = 64``) the count is the contiguous one.
+    (``B = 64``) the count is the model's.
 
     ``max_len`` is the caches' capacity, not ``cache_seqlens``: reading the
     lengths would stall the GPU to copy them to the host every step. On the
@@ -432,9 +458,12 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     if sm_count is None and device.type != "cuda":
         return max(1, min(2, n_blocks // 2))
     sms = _sm_count(device) if sm_count is None else sm_count
-    splits = _best_splits(batch, n_kv_heads, m_blocks, n_blocks, sms)
-    if paged and batch * n_kv_heads * m_blocks * splits <= sms:
+    splits = model_num_splits(batch, n_kv_heads, m_blocks, n_blocks, sms)
+    lone = batch * n_kv_heads * m_blocks * splits <= sms
+    if paged and lone:
         splits = min(_max_splits(n_blocks), PAGED_SPLIT_FACTOR * splits, PAGED_MAX_SPLITS)
+    elif lone and n_blocks // (LONE_SPLIT_FACTOR * splits) >= LONE_SPLIT_MIN_BLOCKS:
+        splits = min(_max_splits(n_blocks), LONE_SPLIT_FACTOR * splits)
     return splits
 
 
