@@ -81,6 +81,24 @@ def test_the_hopper_tiles_are_the_fastest_of_the_run_that_timed_them_all():
     assert "1–4% ahead of `128 × 64`" in _markdown()
 
 
+def test_the_readme_quotes_the_cubic_exponentials_losses_as_recorded():
+    """README: half the exponentials as a cubic, FP8 (tune_fp8_hopper run 3) and bf16 (tune_fast_variants), each
+    against the same launch without it in the same run."""
+    rows = [r for r in results.load("tune_fp8_hopper")["runs"][2]["rows"] if r.get("ms")]
+    keys = ("n", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+    fp8_loss = [1 - next(o["ms"] for o in rows if o["EXP_POLY"] == 0 and all(o[k] == r[k] for k in keys)) / r["ms"]
+                for r in rows if r["EXP_POLY"]]
+    bf16_loss = []
+    for run in results.load("tune_fast_variants")["runs"]:
+        for r in run["rows"]:
+            if "exp_poly=True" in r["name"]:
+                base = next(o for o in run["rows"] if o["n"] == r["n"] and o["name"] == r["name"].replace(" exp_poly=True", ""))
+                bf16_loss.append(1 - r["tflops"] / base["tflops"])
+    readme = " ".join((LESSON.parent.parent / "README.md").read_text().split())
+    assert (f"{100 * min(fp8_loss):.0f}–{100 * max(fp8_loss):.0f}% slower in FP8, {100 * min(bf16_loss):.0f}–"
+            f"{100 * max(bf16_loss):.0f}% in lesson 06's bf16 kernel") in readme
+
+
 def test_the_fp8_default_launch_is_the_fastest_recorded():
     rows = results.load("tune_fp8")["rows"]
     cfg = fp8.fp8_config(128, 128, torch.device("cuda"))

@@ -547,7 +547,7 @@ def measure_splits(batch: int, context: int, counts=SPLIT_COUNTS, log=print, rep
     nbytes = cache_bytes(batch, context, element_size=q.element_size())
     sms = sm_count or (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132)
     block_n = decode.decode_config(HEAD_DIM, q.dtype, q.device)["BLOCK_N"]
-    pick = decode.pick_num_splits(batch, N_KV_HEADS, 1, context, q.device, block_n, sm_count=sms)
+    pick = decode.model_num_splits(batch, N_KV_HEADS, 1, triton.cdiv(context, block_n), sms)  # the model's own
     ceiling_fn, ceiling_note = make_provider("ceiling", q, k, v, seqlens)
     ceiling_ms = triton.testing.do_bench(ceiling_fn, warmup=10, rep=rep_ms, return_mode="median")
     rows = []
