@@ -51,6 +51,8 @@ def test_every_candidate_is_a_correct_launch(candidate, extra):
     o, lse = fast.launch(q, k, v, True, **tune_fast.launch_options(candidate, extra))
     ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True)
     tol = 1e-2 if ON_GPU else 1e-5  # fp32 dots are tf32 on a GPU
+    if (extra or {}).get("exp_poly"):  # half the p's from the cubic: 7.5e-5 relative each (fast.EXP2_POLY)
+        tol = max(tol, 2e-4)
     np.testing.assert_allclose(o.double().cpu().numpy(), ro, atol=tol, rtol=0)
     np.testing.assert_allclose(lse.double().cpu().numpy(), rl, atol=max(tol, 1e-4), rtol=0)
 
