@@ -278,6 +278,28 @@ def test_every_hopper_candidate_of_the_tune_script_is_correct(d, cfg):
     assert _rel_rms(o.double().cpu().numpy(), _exact_on_quantised(parts, causal, 128)) < 0.05
 
 
+def _maxnreg_script():
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("tune_fp8_maxnreg", ROOT / "benchmarks" / "tune_fp8_maxnreg.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("causal, shape", [(c, s) for c, shapes in _maxnreg_script().SHAPES.items() for s in shapes],
+                         ids=str)
+def test_every_register_capped_candidate_is_correct(causal, shape):
+    """benchmarks/tune_fp8_maxnreg.py times these (a register cap, 2 or 3 stages): each must compute attention."""
+    cfg = _maxnreg_script().config(*shape)
+    assert ("maxnreg" in cfg) == (shape[3] is not None)
+    q8, k8, vt8, qs, ks, vs, *parts = _quantised(1, 4, 2, 256, 128, 128, seed=6)
+    o = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT, config=cfg)
+    assert _rel_rms(o.double().cpu().numpy(), _exact_on_quantised(parts, causal, 128)) < 0.05
+
+
 def test_lpt_schedule_covers_every_tile_once_within_four_thirds():
     from course_utils.grading.part7_hopper import lower_bound
 

@@ -35,11 +35,13 @@ the same algorithm with the changes lesson 06 measures one at a time:
    dtype, which the autotuner adds), with configurations that cannot work
    pruned before anything is compiled.
 
-Two ideas that were measured and *not* adopted stay as options of
+Three ideas that were measured and *not* adopted stay as options of
 :func:`launch` for the lesson's ladder: ``lazy_rescale`` (skip most
-rescales of the accumulator) and ``pipeline_qk`` (issue the next block's
+rescales of the accumulator), ``pipeline_qk`` (issue the next block's
 ``Q K^T`` before this block's softmax, FlashAttention-3's intra-warpgroup
-overlap written by hand). Both lost on an H200 (results/NOTES.md).
+overlap written by hand) and ``exp_poly`` (half of each tile's exponentials
+as a cubic on the FMA units, FlashAttention-4's trick). All three lost on an
+H200 (results/NOTES.md).
 
 Public API (the lead routes :func:`course_utils.kernels.flash_attention` here
 on capable GPUs):

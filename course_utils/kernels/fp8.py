@@ -50,6 +50,9 @@ arithmetic with one FMA per score for the scales, P's 256 folded into the
 exponent, V's scale folded into the accumulator's rescale (so ``P V``
 accumulates inside the tensor cores), TMA descriptors and lesson 06's launch
 order, tuned per mask (:func:`hopper_config`, ``results/tune_fp8_hopper.json``).
+Two options of its ``config`` were measured slower on the H200 and stay for
+the lesson's comparison: ``EXP_F16`` (the exponentials two at a time in fp16)
+and ``EXP_POLY`` (half of them as a cubic on the FMA units, ``fast._exp_scores``).
 
 One copy: ``solutions/11_hopper_and_fp8.ipynb`` defines these same
 ``@triton.jit`` functions (``tests/test_kernels_fp8.py`` compares them).
