@@ -13,7 +13,7 @@ It also prints registers per thread, spills and shared memory of each
 configuration (how many programs fit on one SM), and whether two runs of the
 same launch give the same bits (the atomic mode does not).
 
-    python benchmarks/tune_backward.py [--ns 4096 16384] [--out results/tune_backward.json]
+    python benchmarks/tune_backward.py [--ns 4096 16384] [--new | --pair] [--out results/tune_backward.json]
 
 Needs a CUDA GPU (Hopper: ``fast_backward`` is tuned for it).
 """
@@ -72,6 +72,22 @@ NEW = [
     ("fused", 32, 64, 64, 32, 8, 3),
 ]
 
+# Lesson 07's pair itself at other launches (``--pair``): BackwardConfig(dkdv_block_m, dkdv_block_n, dq_block_m,
+# dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages). The first is default_config's on Hopper (one 8-warp
+# program per SM: 255 registers x 256 threads). The others put 4-warp programs on 64-key (or 64-query) tiles,
+# which compiled for sm_90 (triton 3.8 on the CPU, course_utils.kernels.targets) to 195-255 registers without
+# spills and 48-80 KiB of shared memory: two programs per SM, lesson 06's winning layout of the forward.
+PAIR = [
+    (64, 128, 128, 32, 8, 3, 8, 3),
+    (64, 64, 64, 64, 4, 2, 4, 2),
+    (64, 64, 64, 32, 4, 3, 4, 3),
+    (32, 64, 64, 32, 4, 3, 4, 3),
+    (64, 64, 128, 32, 4, 2, 8, 3),
+    (64, 128, 64, 64, 8, 3, 4, 2),
+    (32, 128, 128, 32, 4, 2, 8, 3),
+    (64, 64, 64, 32, 4, 2, 4, 2),
+]
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,6 +96,7 @@ def main(argv=None) -> int:
                         help="both: every configuration causal, and the three fastest also non-causal")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     parser.add_argument("--new", action="store_true", help="only the NEW configurations (and lesson 07's pair)")
+    parser.add_argument("--pair", action="store_true", help="lesson 07's pair at the PAIR launches, causal only")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
@@ -92,7 +109,7 @@ def main(argv=None) -> int:
 
     from course_utils.kernels import fast_backward as fb
     from course_utils.kernels import flash_attention_with_lse
-    from course_utils.kernels.backward import attention_backward, default_config
+    from course_utils.kernels.backward import BackwardConfig, attention_backward, default_config
 
     candidates = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in EXTRA + NEW]))
     if args.new:
@@ -147,6 +164,10 @@ def main(argv=None) -> int:
 
         lesson = default_config(d, "cuda", torch.cuda.get_device_capability(), q.dtype)
         timed("lesson 07 " + repr(lesson), lambda: attention_backward(q, k, v, o, lse, do, causal, config=lesson))
+        if args.pair:
+            for c in PAIR[1:]:
+                cfg = BackwardConfig(*c)
+                timed("pair " + repr(cfg), lambda cfg=cfg: attention_backward(q, k, v, o, lse, do, causal, config=cfg))
         for cfg in configs:
             stats = {}
             try:
@@ -177,15 +198,19 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         return sorted((r for r in mine if r.get("bwd_ms") and "registers" in r), key=lambda r: r["bwd_ms"])
 
+    if args.pair:
+        candidates = []
+    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     best = []
     for n in args.ns:
         ranked = run_case(n, True, candidates)
         best += [r["name"] for r in ranked[:3]]
-    if args.causal == "both":
+        if args.out:  # after each length too: a run cut short keeps what it measured
+            args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+    if args.causal == "both" and not args.pair:
         top = [c for c in candidates if c.short() in set(best)]
         for n in args.ns:
             run_case(n, False, top)
-    info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     if args.out:
         args.out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
         print(f"wrote {args.out}")

@@ -66,6 +66,18 @@ def test_every_backward_candidate_is_a_correct_launch(config):
     assert max(_rel(a.cpu(), b) for a, b in zip(got, want)) < 1e-2
 
 
+@pytest.mark.parametrize("candidate", tune_backward.PAIR, ids=str)
+def test_every_pair_launch_of_lesson_07s_backward_is_correct(candidate):
+    """tune_backward.py --pair times lesson 07's kernels at these launches: causal, GQA, N not a multiple of the
+    tiles; the gradients must be float64 math's."""
+    q, k, v, do = _inputs(2, 1, 200, 64, torch.float32, seed=4)
+    arrays = [t.double().cpu().numpy() for t in (q, k, v, do)]
+    o, lse = (torch.from_numpy(a).to(DEVICE) for a in references.attention_lse(*arrays[:3], causal=True))
+    want = [torch.from_numpy(g) for g in references.attention_backward(*arrays, causal=True)]
+    got = attention_backward(q, k, v, o.float(), lse.float(), do, True, config=BackwardConfig(*candidate))
+    assert max(_rel(a.cpu(), b) for a, b in zip(got, want)) < (1e-2 if ON_GPU else 1e-5)
+
+
 @pytest.mark.parametrize("candidate", tune_window.CANDIDATES, ids=str)
 def test_every_window_forward_candidate_is_a_correct_launch(candidate):
     q, k, v, _ = _inputs(2, 1, 256, 32, torch.float32, seed=2)
