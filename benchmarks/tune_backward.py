@@ -77,6 +77,8 @@ NEW = [
 # program per SM: 255 registers x 256 threads). The others put 4-warp programs on 64-key (or 64-query) tiles,
 # which compiled for sm_90 (triton 3.8 on the CPU, course_utils.kernels.targets) to 195-255 registers without
 # spills and 48-80 KiB of shared memory: two programs per SM, lesson 06's winning layout of the forward.
+# Measured (run 4 of results/tune_backward.json, causal): no gain, 3.84 against 3.91 ms at N = 4k for the best,
+# and the shipped launch the fastest at 16k; 32 x 128 on 4 warps 2.1-2.2x slower (spills on the H200's triton 3.6).
 PAIR = [
     (64, 128, 128, 32, 8, 3, 8, 3),
     (64, 64, 64, 64, 4, 2, 4, 2),

@@ -68,6 +68,13 @@ QUOTES = [
      dict(run=3, N=4096, layout="atomic")),
     (W07, "against the pair's {} ms", "tune_backward", "bwd_ms", "value",
      dict(run=3, N=4096, layout="lesson 07 (two kernels)")),
+    (W07, "The fastest such launch took {} ms at `N = 4096`", "tune_backward", "bwd_ms", "value",
+     dict(run=4, N=4096, layout="pair")),
+    (W07, "against {} ms for this lesson's in the same run", "tune_backward", "bwd_ms", "value",
+     dict(run=4, N=4096, layout="lesson 07 (two kernels)")),
+    (W07, "and at `N = 16384` {} against", "tune_backward", "bwd_ms", "value", dict(run=4, N=16384, layout="pair")),
+    (W07, "against {} ms: the backward's kernels", "tune_backward", "bwd_ms", "value",
+     dict(run=4, N=16384, layout="lesson 07 (two kernels)")),
 ]
 
 
