@@ -248,6 +248,8 @@ def test_half_the_exponentials_on_the_fma_units_stay_accurate(causal):
     _assert_close(o, lse, ref, 3e-4)
     exact, _ = fast.launch(q, k, v, causal, block_m=64, block_n=32)
     assert not torch.equal(o, exact)  # the polynomial really ran
+    with pytest.raises(ValueError, match="needs exp2=True"):
+        fast.launch(q, k, v, causal, block_m=64, block_n=32, exp_poly=True, exp2=False)
 
 
 def test_pipelined_loop_with_one_block_per_phase():

@@ -187,8 +187,9 @@ def _exp_scores(x, EXP2: tl.constexpr):
     """``_exp`` of a score tile; ``EXP2 == 2``: half of its columns through :func:`_exp2_poly`.
 
     The special-function unit does 16 exponentials per clock per SM, the FMA units 128 operations, so
-    moving half the exponentials to a cubic (about 8 operations) balances the two. The split takes
+    moving half the exponentials to a cubic (about 8 operations) should balance the two. The split takes
     each thread's neighbouring pair of columns apart (the tensor-core layout keeps pairs together).
+    Measured slower on an H200: the special-function unit was not the limit (results/NOTES.md).
     """
     if EXP2 == 2:
         a, b = x.reshape([x.shape[0], x.shape[1] // 2, 2]).split()
@@ -641,6 +642,8 @@ def launch(
     the Triton interpreter too (fp32/fp16 there). No fallback: the caller
     makes sure the shapes fit (``N`` a multiple of both block sizes).
     """
+    if exp_poly and not exp2:
+        raise ValueError("exp_poly=True computes exp2: it needs exp2=True")
     q, k, v, o, lse, scale = _prepare(q, k, v, sm_scale)
     b, hq, n, d = q.shape
     if n % block_m or n % block_n or (causal and block_m % block_n):
