@@ -55,8 +55,7 @@ NAMED = [
 # unit (xu: exp2), the FMA units and the integer/logic unit (alu), which a kernel's softmax shares out.
 PIPES = {"xu": "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
          "fma": "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
-         "alu": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
-         "fp16": "sm__pipe_fp16_cycles_active.avg.pct_of_peak_sustained_active"}
+         "alu": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active"}
 
 
 def one_launch(name: str) -> None:
@@ -165,13 +164,14 @@ def markdown(summary: dict) -> str:
         tensor = s["tensor_pipe_pct"]
         stalls = ", ".join(f"{k} {v:.2f}" for k, v in s["top_stalls"].items())
         fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        pipes = " / ".join(fmt(s.get("pipes_pct", {}).get(p), ".1f") for p in ("xu", "fma", "alu"))
+        pipes = " / ".join(fmt(s.get("pipes_pct", {}).get(p), ".1f") for p in PIPES)
         lines.append(f"| {name} | {fmt(s['duration_us'], '.0f')} | {fmt(tensor, '.1f')} | {pipes} | "
                      f"{fmt(s['achieved_occupancy_pct'], '.1f')} / {fmt(s['theoretical_occupancy_pct'], '.1f')} | "
                      f"{fmt(s['l2_hit_rate_pct'], '.1f')} | {fmt(s['registers_per_thread'], '.0f')} | {stalls} |")
     lines.append("\nTensor pipe %: `sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active` (cycles the tensor "
                  "pipes were busy, of the SMs' active cycles). exp2 (xu) / FMA / ALU: the same for the special-"
-                 "function unit (`sm__inst_executed_pipe_xu`), the FMA units and the integer/logic unit. Occupancy: warps resident per SM, of its 64. Stalls: "
+                 "function unit (`sm__inst_executed_pipe_xu`), the FMA units and the integer/logic unit. "
+                 "Occupancy: warps resident per SM, of its 64. Stalls: "
                  "`smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio`, the five largest, leaving out "
                  "`selected` and `not_selected` (issuing, or ready while another warp issued). A row marked (earlier "
                  "run) was profiled in an earlier `--all` run (`--kernels` profiles a subset and keeps the rest).")

@@ -8,12 +8,14 @@ ratio to the course's bf16 forward and to SDPA's cuDNN backend measured in the s
 schedule of the tiles) against the ordinary grid.
 
     python benchmarks/tune_fp8.py [--ns 4096 16384] [--no-sweep] [--out tune_fp8.json]
-    python benchmarks/tune_fp8.py --hopper [--ns 4096 16384] [--exp-f16 | --exp-poly] [--head-dims 128 64]
-                                  [--out tune_fp8_hopper.json]
+    python benchmarks/tune_fp8.py --hopper [--ns 4096 16384] [--exp-f16 | --exp-poly | --maxnreg]
+                                  [--head-dims 128 64] [--out tune_fp8_hopper.json]
 
 ``--hopper`` times the Hopper launch instead (``fp8.launch_fp8_hopper``: TMA, the scales folded into one
 FMA per score, ``acc`` accumulated in the tensor cores; optionally the exponentials two at a time in fp16)
 at each candidate, at D = 128 and 64, beside the lesson kernel's launch, the course's bf16 forward and cuDNN.
+``--exp-poly`` times POLY_SHAPES with and without half the exponentials as a cubic on the FMA units;
+``--maxnreg`` times MAXNREG_SHAPES, hopper_config's tiles with caps on registers per thread (D = 128).
 
 Needs a CUDA GPU with FP8 (sm_89 or sm_90).
 """
@@ -90,6 +92,8 @@ def main(argv=None) -> int:
     parser.add_argument("--exp-poly", action="store_true",
                         help="with --hopper: POLY_SHAPES with and without half the exponentials on the FMA units "
                              "(EXP_POLY=0, 1), instead of HOPPER_SHAPES")
+    parser.add_argument("--maxnreg", action="store_true",
+                        help="with --hopper: MAXNREG_SHAPES (register caps, D = 128) instead of HOPPER_SHAPES")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], choices=[128, 64])
     args = parser.parse_args(argv)
     import torch
@@ -158,6 +162,29 @@ POLY_SHAPES = {128: [(128, 64, 4, 3, 2), (64, 64, 4, 3, 2), (128, 128, 8, 3, 2),
                64: [(128, 128, 4, 3, 2), (64, 64, 4, 3, 2), (128, 64, 4, 3, 2)]}
 
 
+# For --maxnreg (D = 128, per mask): (BLOCK_M, BLOCK_N, num_warps, num_stages, ORDER, maxnreg or None). hopper_config's
+# tiles with 2 and 3 stages, with and without a cap on registers, so that more programs share an SM: the Hopper
+# launch waits on fixed-latency dependencies with two programs per SM (results/ncu_forward.md).
+MAXNREG_SHAPES = {True: [(64, 64, 4, 3, 2, None), (64, 64, 4, 2, 2, None), (64, 64, 4, 3, 2, 128),
+                         (64, 64, 4, 2, 2, 128)],
+                  False: [(64, 128, 4, 3, 2, None), (64, 128, 4, 2, 2, None), (64, 128, 4, 2, 2, 168),
+                          (64, 128, 4, 3, 2, 168), (128, 64, 4, 2, 2, 168)]}
+
+
+def hopper_candidates(args, d: int, causal: bool) -> list[dict]:
+    """The ``launch_fp8_hopper`` configs the --hopper sweep times for one case, as chosen by the options."""
+    def cfg(bm, bn, w, st, order, exp_f16=0, exp_poly=0, maxnreg=None):
+        out = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ORDER=order, EXP_F16=exp_f16, EXP_POLY=exp_poly)
+        return dict(out, maxnreg=maxnreg) if maxnreg else out
+
+    if args.maxnreg:
+        return [cfg(*shape[:5], maxnreg=shape[5]) for shape in MAXNREG_SHAPES[causal]] if d == 128 else []
+    if args.exp_poly:  # the causal loop needs BLOCK_M % BLOCK_N == 0
+        return [cfg(*shape, exp_poly=poly) for shape in POLY_SHAPES[d] for poly in (0, 1)
+                if not (causal and shape[0] % shape[1])]
+    return [cfg(*shape, exp_f16=f16) for shape in HOPPER_SHAPES[d] for f16 in ((0, 1, 2) if args.exp_f16 else (0,))]
+
+
 def _sweep_hopper(args) -> int:
     import torch
     import triton.testing
@@ -166,6 +193,9 @@ def _sweep_hopper(args) -> int:
 
     rows = []
     for d, n, causal in itertools.product(args.head_dims, args.ns, (True, False)):
+        candidates = hopper_candidates(args, d, causal)
+        if not candidates:
+            continue
         c = case_inputs(n, d, causal)
         b, flops, ref, q8, qs, k8, ks, vt8, vs = (c[key] for key in ("b", "flops", "ref", "q8", "qs", "k8", "ks",
                                                                      "vt8", "vs"))
@@ -175,14 +205,7 @@ def _sweep_hopper(args) -> int:
         print(f"D={d} N={n} causal={causal}: course bf16 {flops / ms_bf16 / 1e9:.0f} TFLOP/s, cuDNN "
               f"{flops / ms_cudnn / 1e9:.0f}, lesson FP8 kernel {flops / ms_lesson / 1e9:.0f}", flush=True)
         base = dict(d=d, n=n, causal=causal, batch=b, bf16_ms=ms_bf16, cudnn_ms=ms_cudnn, lesson_fp8_ms=ms_lesson)
-        if args.exp_poly:
-            todo = [(shape, 0, poly) for shape in POLY_SHAPES[d] for poly in (0, 1)
-                    if not (causal and shape[0] % shape[1])]  # the causal loop needs BLOCK_M % BLOCK_N == 0
-        else:
-            todo = [(shape, f16, 0) for shape in HOPPER_SHAPES[d] for f16 in ((0, 1, 2) if args.exp_f16 else (0,))]
-        for (bm, bn, w, st, order), exp_f16, exp_poly in todo:
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ORDER=order, EXP_F16=exp_f16,
-                       EXP_POLY=exp_poly)
+        for cfg in candidates:
 
             def run():
                 return fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, torch.bfloat16, config=cfg)

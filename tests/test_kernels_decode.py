@@ -335,7 +335,7 @@ def test_the_doubled_split_counts_read_faster_in_the_recorded_sweep():
     b4, b16, b16s = seen[(4, 131072)], seen[(16, 65536)], seen[(16, 16384)]
     assert f"{b4[0]:.2f} -> {b4[1]:.2f}x cuDNN at ``B = 4`` and 128k" in doc
     assert f"{b16[0]:.2f} -> {b16[1]:.2f}x at ``B = 16`` and 64k" in doc
-    assert f"{b16s[0]:.3f} -> {b16s[1]:.3f}x" in doc
+    assert f"{b16s[0]:.3f} -> {b16s[1]:.3f}x" in doc and "``results/tune_decode_long.json``, run 2" in doc
     nb = nbformat.read(Path(__file__).resolve().parent.parent / "solutions" / "09_decoding.ipynb", as_version=4)
     lesson = " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
     assert f"at `B = 4` and 128k {b4[0]:.2f}× cuDNN with the model's count against {b4[1]:.2f}×" in lesson

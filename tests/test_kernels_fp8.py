@@ -9,6 +9,8 @@ import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.errors
 
 from course_utils import references as ref
 from course_utils.kernels import flash_attention_fp8, fp8, quantize_fp8
@@ -219,7 +221,7 @@ def test_hopper_launch_takes_key_tiles_wider_than_query_tiles_without_the_mask()
     assert _rel_rms(wide.double().cpu().numpy(), want) < 1.05 * _rel_rms(square.double().cpu().numpy(), want)
     odd, *_ = _quantised(1, 2, 1, 192, 128, 128)
     assert "multiple of 128" in fp8.hopper_unsupported_reason(odd, 128)
-    with pytest.raises(Exception):
+    with pytest.raises(triton.errors.TritonError):  # the causal static_assert (a compile error on a GPU)
         fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, True, 128, OUT, config=dict(BLOCK_M=64, BLOCK_N=128))
 
 
@@ -251,12 +253,17 @@ def test_flash_attention_fp8_runs_the_hopper_launch_on_hopper(monkeypatch):
     assert _rel_rms(o.double().cpu().numpy(), _exact_on_quantised(parts, True, 128)) < 0.05
 
 
-def _hopper_candidates():
+def _tune_fp8():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("tune_fp8", ROOT / "benchmarks" / "tune_fp8.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def _hopper_candidates():
+    mod = _tune_fp8()
     seen, out = set(), []
     for table in (mod.HOPPER_SHAPES, mod.POLY_SHAPES):
         for d, shapes in table.items():
@@ -278,26 +285,21 @@ def test_every_hopper_candidate_of_the_tune_script_is_correct(d, cfg):
     assert _rel_rms(o.double().cpu().numpy(), _exact_on_quantised(parts, causal, 128)) < 0.05
 
 
-def _maxnreg_script():
-    import importlib.util
-    import sys
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_register_capped_candidate_is_correct(causal):
+    """tune_fp8.py --hopper --maxnreg times these (a register cap, 2 or 3 stages): each must compute attention."""
+    import argparse
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("tune_fp8_maxnreg", ROOT / "benchmarks" / "tune_fp8_maxnreg.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.mark.parametrize("causal, shape", [(c, s) for c, shapes in _maxnreg_script().SHAPES.items() for s in shapes],
-                         ids=str)
-def test_every_register_capped_candidate_is_correct(causal, shape):
-    """benchmarks/tune_fp8_maxnreg.py times these (a register cap, 2 or 3 stages): each must compute attention."""
-    cfg = _maxnreg_script().config(*shape)
-    assert ("maxnreg" in cfg) == (shape[3] is not None)
+    mod = _tune_fp8()
+    args = argparse.Namespace(maxnreg=True, exp_poly=False, exp_f16=False)
+    candidates = mod.hopper_candidates(args, 128, causal)
+    assert len(candidates) == len(mod.MAXNREG_SHAPES[causal]) and not mod.hopper_candidates(args, 64, causal)
+    assert any("maxnreg" in cfg for cfg in candidates) and any("maxnreg" not in cfg for cfg in candidates)
     q8, k8, vt8, qs, ks, vs, *parts = _quantised(1, 4, 2, 256, 128, 128, seed=6)
-    o = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT, config=cfg)
-    assert _rel_rms(o.double().cpu().numpy(), _exact_on_quantised(parts, causal, 128)) < 0.05
+    want = _exact_on_quantised(parts, causal, 128)
+    for cfg in candidates:
+        o = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT, config=cfg)
+        assert _rel_rms(o.double().cpu().numpy(), want) < 0.05, cfg
 
 
 def test_lpt_schedule_covers_every_tile_once_within_four_thirds():

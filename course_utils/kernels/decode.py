@@ -387,7 +387,8 @@ def _max_splits(n_blocks: int) -> int:
 def model_num_splits(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, n_sms: int) -> int:
     """The split count the model alone picks (:func:`split_busy_fraction`; lesson 09's exercise 4): of the
     counts allowed, the fewest whose predicted busy fraction is within :data:`SPLIT_TOLERANCE` of the best.
-    :func:`pick_num_splits` starts from it."""
+    :func:`pick_num_splits` starts from it. A plain function over the cached :func:`_best_splits`, so that
+    exercise 4's grader can make it refuse to answer (it swaps a function's code)."""
     return _best_splits(batch, n_kv_heads, m_blocks, n_blocks, n_sms)
 
 
@@ -427,7 +428,7 @@ def pick_num_splits(batch: int, n_kv_heads: int, m_blocks: int, max_len: int, de
     :data:`LONE_SPLIT_FACTOR` times as many splits still reads at least
     :data:`LONE_SPLIT_MIN_BLOCKS` blocks, the count is doubled: 8 splits at
     ``B = 4`` from a 64k context and 2 at ``B = 16`` from 16k
-    (``results/tune_decode.json``, run 2: 0.97 -> 0.99x cuDNN at ``B = 4`` and
+    (``results/tune_decode_long.json``, run 2: 0.97 -> 0.99x cuDNN at ``B = 4`` and
     128k, 0.96 -> 0.98x at ``B = 16`` and 64k; at ``B = 16`` and 16k 0.995 ->
     0.990x, within the spread between runs). Where the doubled splits would be
     shorter the model's count stands: it did not pay at ``B = 1`` and 16k
