@@ -174,8 +174,9 @@ MAXNREG_SHAPES = {True: [(64, 64, 4, 3, 2, None), (64, 64, 4, 2, 2, None), (64, 
 def hopper_candidates(args, d: int, causal: bool) -> list[dict]:
     """The ``launch_fp8_hopper`` configs the --hopper sweep times for one case, as chosen by the options."""
     def cfg(bm, bn, w, st, order, exp_f16=0, exp_poly=0, maxnreg=None):
-        out = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ORDER=order, EXP_F16=exp_f16, EXP_POLY=exp_poly)
-        return dict(out, maxnreg=maxnreg) if maxnreg else out
+        # maxnreg=None lifts hopper_config's own cap (launch_fp8_hopper merges the candidate over it)
+        return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, ORDER=order, EXP_F16=exp_f16,
+                    EXP_POLY=exp_poly, maxnreg=maxnreg)
 
     if args.maxnreg:
         return [cfg(*shape[:5], maxnreg=shape[5]) for shape in MAXNREG_SHAPES[causal]] if d == 128 else []

@@ -214,7 +214,7 @@ def test_hopper_launch_takes_key_tiles_wider_than_query_tiles_without_the_mask()
     """hopper_config's 64 x 128 launch (not causal, D = 128): BLOCK_N > BLOCK_M needs N a multiple of BLOCK_N,
     and the causal loop refuses it (its diagonal phase covers whole key blocks)."""
     q8, k8, vt8, qs, ks, vs, *parts = _quantised(2, 4, 2, 256, 128, 128, seed=4)
-    assert fp8.hopper_config(128, 128) == dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+    assert fp8.hopper_config(128, 128) == dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168)
     wide = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, False, 128, OUT)
     square = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, False, 128, OUT, config=dict(BLOCK_M=64, BLOCK_N=64))
     want = _exact_on_quantised(parts, False, 128)
@@ -294,12 +294,32 @@ def test_every_register_capped_candidate_is_correct(causal):
     args = argparse.Namespace(maxnreg=True, exp_poly=False, exp_f16=False)
     candidates = mod.hopper_candidates(args, 128, causal)
     assert len(candidates) == len(mod.MAXNREG_SHAPES[causal]) and not mod.hopper_candidates(args, 64, causal)
-    assert any("maxnreg" in cfg for cfg in candidates) and any("maxnreg" not in cfg for cfg in candidates)
+    assert any(cfg["maxnreg"] for cfg in candidates) and any(cfg["maxnreg"] is None for cfg in candidates)
     q8, k8, vt8, qs, ks, vs, *parts = _quantised(1, 4, 2, 256, 128, 128, seed=6)
     want = _exact_on_quantised(parts, causal, 128)
     for cfg in candidates:
         o = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT, config=cfg)
         assert _rel_rms(o.double().cpu().numpy(), want) < 0.05, cfg
+
+
+def test_a_candidate_without_a_cap_lifts_hopper_configs_cap(monkeypatch):
+    """hopper_config caps registers at D = 128; a config's maxnreg=None (tune_fp8's uncapped candidates) removes
+    the cap instead of inheriting it."""
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(kwargs)
+
+    monkeypatch.setattr(fp8, "_fp8_hopper_kernel", Recorder())
+    q8, k8, vt8, qs, ks, vs, *_ = _quantised(1, 4, 2, 256, 128, 128)
+    for causal, cap in ((False, 168), (True, 128)):
+        seen.clear()
+        fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT)
+        assert (seen["maxnreg"], seen["num_stages"]) == (cap, 2)
+        seen.clear()
+        fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT, config=dict(maxnreg=None, num_stages=3))
+        assert "maxnreg" not in seen and seen["num_stages"] == 3
 
 
 def test_lpt_schedule_covers_every_tile_once_within_four_thirds():

@@ -42,7 +42,7 @@ def test_every_lesson_kernel_is_compiled_for_both_targets(compiled):
     names = {"flash_attention_kernel", "_flash_attention_forward_gqa_kernel",
              "attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq",
              "_flash_attention_forward_window_kernel", "_attn_bwd_dkdv_window", "_attn_bwd_dkdv_sinks",
-             "attn_bwd_dq_window",
+             "_add_sink_partials", "attn_bwd_dq_window",
              "_flash_attention_forward_mods_kernel", "_attn_bwd_dkdv_mods", "_attn_bwd_dq_mods"}  # lesson 12
     for sm in (75, 80):
         assert {r["kernel"] for r in compiled if r["sm"] == sm} == names
@@ -52,7 +52,8 @@ def test_every_lesson_kernel_is_compiled_for_both_targets(compiled):
 def test_each_kernel_fits_the_chips_shared_memory(compiled, sm):
     limit = targets.TARGETS[sm][1]
     for r in (r for r in compiled if r["sm"] == sm):
-        assert 0 < r["shared_bytes"] <= limit or r["kernel"] == "attn_bwd_preprocess", r
+        # the two kernels without a matrix product need no shared memory
+        assert 0 < r["shared_bytes"] <= limit or r["kernel"] in ("attn_bwd_preprocess", "_add_sink_partials"), r
         assert r["fits"], f"{r['kernel']} needs {r['shared_bytes']} bytes of shared memory on sm_{sm} (limit {limit})"
 
 

@@ -539,6 +539,42 @@ def _attn_bwd_dkdv_sinks(
 
 
 @triton.jit
+def _add_sink_partials(
+    DK_PART, DV_PART, DK, DV,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    n_kv_heads, SINK_SIZE, head_dim, CHUNKS, PART_ROWS,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):
+    """``dk, dv[sink rows] += the sum of :func:`_attn_bwd_dkdv_sinks`'s partials``, chunk 0 first.
+
+    Program ``(s, b * n_kv_heads + kv_head)`` owns sink keys ``[s * BLOCK_S, (s + 1) * BLOCK_S)``
+    of one kv head and adds the ``CHUNKS`` partials in order, so the bits are the same on every
+    run. One launch for both gradients, where the same sum in torch ops took ten (the step is
+    launch-bound at short sequences: ``benchmarks/host_overhead.py``).
+    """
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_kv_heads
+    kv_head = pid_bh % n_kv_heads
+    rows = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    far_k = tl.zeros([BLOCK_S, BLOCK_D], dtype=ACC)
+    far_v = tl.zeros([BLOCK_S, BLOCK_D], dtype=ACC)
+    for c in range(0, CHUNKS):  # fixed order: chunk 0, 1, ...
+        part = (c * tl.num_programs(1) + pid_bh) * (PART_ROWS * BLOCK_D)
+        far_k += tl.load(DK_PART + part + rows[:, None] * BLOCK_D + offs_d[None, :])
+        far_v += tl.load(DV_PART + part + rows[:, None] * BLOCK_D + offs_d[None, :])
+    ok = (rows[:, None] < SINK_SIZE) & (offs_d[None, :] < head_dim)
+    dk_ptrs = DK + b * stride_dkb + kv_head * stride_dkh + rows[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b * stride_dvb + kv_head * stride_dvh + rows[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    dk = tl.load(dk_ptrs, mask=ok, other=0.0).to(ACC) + far_k
+    dv = tl.load(dv_ptrs, mask=ok, other=0.0).to(ACC) + far_v
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=ok)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _dq_inner_window(
     dq, q, do, lse2, delta,
     k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -1226,10 +1262,11 @@ def _sink_far_gradients(q, k, v, lse, delta, do, dk, dv, common, cfg, group_size
         BLOCK_M=bm, BLOCK_S=block_s, BLOCK_D=BLOCK_D, PAD_D=PAD_D, ACC=ACC,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )
-    D = q.shape[3]
-    for grad, part in ((dk, dk_part), (dv, dv_part)):
-        far = part.sum(0)[:, :sink_size, :D].reshape(B, n_kv_heads, sink_size, D)  # fixed order
-        grad[:, :, :sink_size] = (grad[:, :, :sink_size].to(acc_torch) + far).to(grad.dtype)
+    _add_sink_partials[(sink_blocks, B * n_kv_heads)](
+        dk_part, dv_part, dk, dv, *dk.stride(), *dv.stride(),
+        n_kv_heads, sink_size, q.shape[3], chunks, sink_blocks * block_s,
+        BLOCK_S=block_s, BLOCK_D=BLOCK_D, ACC=ACC, num_warps=4, num_stages=1,
+    )
 
 
 # -----------------------------------------------------------------------------

@@ -687,16 +687,20 @@ def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, QS, KS, VS,
 def hopper_config(head_dim: int, block_size: int, causal: bool = False) -> dict:
     """The Hopper kernel's tiles and launch: the fastest of ``benchmarks/tune_fp8.py --hopper`` on the H200.
 
-    ``results/tune_fp8_hopper.json`` (N = 4k and 16k, 16k tokens, GQA 32/8): causal, ``64 x 64`` tiles on
-    4 warps with 3 stages (133 registers: several programs share an SM) at D = 128 and 64 (run 2); not
-    causal, ``64 x 128`` on 4 warps, 3 stages at D = 128 (run 3: 1-4% ahead of ``128 x 64`` in that run; the
-    causal loop's diagonal phase needs ``BLOCK_M`` a multiple of ``BLOCK_N``, so only without the mask)
-    and ``128 x 128`` on 4 warps, 3 stages at D = 64 (run 2).
+    ``results/tune_fp8_hopper.json`` (N = 4k and 16k, 16k tokens, GQA 32/8) chose the tiles: causal, ``64 x 64``
+    on 4 warps (133 registers: several programs share an SM) at D = 128 and 64 (run 2); not causal, ``64 x 128``
+    on 4 warps at D = 128 (run 3: 1-4% ahead of ``128 x 64``; the causal loop's diagonal phase needs
+    ``BLOCK_M`` a multiple of ``BLOCK_N``, so only without the mask) and ``128 x 128`` on 4 warps, 3 stages at
+    D = 64 (run 2). At D = 128 ``results/tune_fp8_maxnreg.json`` (``--maxnreg``) then chose 2 stages with a cap
+    on registers per thread, so that more programs fit on an SM (shared memory and registers both): ``64 x 64``
+    capped at 128 (four programs per SM) with the mask, ``64 x 128`` capped at 168 (three) without it.
     """
     if causal:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+        if head_dim > 64:
+            cfg.update(num_stages=2, maxnreg=128)
     elif head_dim > 64:
-        cfg = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3)
+        cfg = dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, maxnreg=168)
     else:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3)
     cfg["BLOCK_N"] = min(cfg["BLOCK_N"], block_size)
@@ -727,7 +731,8 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
                       config=None):
     """:func:`launch_fp8`'s output from :func:`_fp8_hopper_kernel` (``N`` a multiple of ``BLOCK_M``, D of 64 or 128).
 
-    Runs in the interpreter too (the CPU tests call it directly); ``config`` replaces :func:`hopper_config`.
+    Runs in the interpreter too (the CPU tests call it directly); ``config``'s keys replace
+    :func:`hopper_config`'s (``maxnreg=None``: no register cap).
     """
     b, hq, n, d = q8.shape
     hkv = k8.shape[1]
@@ -736,6 +741,8 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
     order = cfg.pop("ORDER", ORDER_KV_GROUPED)
     exp_f16 = cfg.pop("EXP_F16", 0)
     exp_poly = cfg.pop("EXP_POLY", 0)
+    if cfg.get("maxnreg") is None:  # a config's maxnreg=None: no cap on registers per thread
+        cfg.pop("maxnreg", None)
     q8, k8, vt8 = q8.contiguous(), k8.contiguous(), vt8.contiguous()
     scales = [s.contiguous() for s in (q_scale, k_scale, v_scale)]
     o = torch.empty((b, hq, n, d), dtype=out_dtype, device=q8.device)
