@@ -257,3 +257,13 @@ def test_packaged_results_are_the_recorded_ones(name):
     recorded = (root / "results" / f"{name}.json").read_bytes()
     packaged = (root / "course_utils" / "data" / f"{name}.json").read_bytes()
     assert packaged == recorded, f"copy results/{name}.json to course_utils/data/ after a new GPU run"
+
+
+@pytest.mark.parametrize("module", ["cases", "window", "decode", "mods", "fp8"])
+def test_every_bench_writes_to_the_repositorys_results_folder(module):
+    """Each bench's default --out is <repo>/results (once course_utils/results, which no lesson reads)."""
+    import importlib
+    from pathlib import Path
+
+    mod = importlib.import_module(f"course_utils.bench.{module}")
+    assert mod.RESULTS_DIR == Path(__file__).resolve().parent.parent / "results"

@@ -54,8 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "results"
+from .cases import RESULTS_DIR  # the repository's results/ (one definition)
 STEM = "decode_bench"
 
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128

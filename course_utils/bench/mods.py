@@ -40,8 +40,7 @@ from pathlib import Path
 from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available, is_oom, tflops
 from .window import _cell  # a table cell of the same benchmark rows
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "results"
+from .cases import RESULTS_DIR  # the repository's results/ (one definition)
 STEM = "mods_bench"
 
 MODS = ("softcap", "alibi", "sinks")

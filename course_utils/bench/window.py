@@ -38,8 +38,7 @@ from pathlib import Path
 
 from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available, is_oom, tflops
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = ROOT / "results"
+from .cases import RESULTS_DIR  # the repository's results/ (one definition)
 STEM = "window_bench"
 
 WINDOWS = (256, 1024, 4096)
