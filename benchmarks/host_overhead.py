@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from course_utils import bench  # noqa: E402
 from course_utils.bench import training, window  # noqa: E402
 
 # (label, kind, N, batch, window_size, sink_size)
@@ -94,6 +95,9 @@ def main(argv=None):
     parser.add_argument("--cprofile", default=None, metavar="CASE",
                         help="also print cProfile's top functions for the course's step of this case label")
     args = parser.parse_args(argv)
+    if not bench.gpu_available():
+        print(bench.NO_GPU_MESSAGE)
+        return 0
     rows = []
     for label, kind, n, batch, w, s in CASES:
         for name, step in steps(kind, n, batch, w, s).items():
@@ -123,7 +127,8 @@ def main(argv=None):
                     date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
         data["runs"].append(dict(info=info, note=args.note, rows=rows))
         args.json.write_text(json.dumps(data, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

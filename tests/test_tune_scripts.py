@@ -1,4 +1,4 @@
-"""benchmarks/tune_backward.py, tune_window.py and tune_decode.py on the CPU.
+"""benchmarks/tune_backward.py, tune_window.py, tune_decode.py, tune_fp8.py and host_overhead.py on the CPU.
 
 Every configuration they time is a valid launch that computes the right
 thing (checked here in Triton's interpreter, on a GPU compiled), so that a
@@ -35,6 +35,7 @@ tune_backward = _load("tune_backward")
 tune_window = _load("tune_window")
 tune_decode = _load("tune_decode")
 tune_fp8 = _load("tune_fp8")
+host_overhead = _load("host_overhead")
 FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in tune_backward.EXTRA]))
 
 
@@ -202,3 +203,16 @@ def test_the_fp8_sweep_times_only_candidates_that_ran_and_were_right(capsys):
     assert note == "wrong" and err == pytest.approx(2.0)
     out = capsys.readouterr().out
     assert "big: failed (RuntimeError: out of resource" in out and "sign: wrong" in out and "right" not in out
+
+
+@pytest.mark.interpreter("without a GPU the script has nothing to time")
+def test_host_overhead_explains_itself_without_a_gpu(capsys):
+    assert host_overhead.main([]) == 0
+    assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE
+
+
+def test_host_overhead_cases_name_their_window_and_sinks():
+    """Each case label says what the step runs; the recorded runs used the same labels (tests/test_results.py)."""
+    for label, kind, n, batch, w, s in host_overhead.CASES:
+        assert f"N={n // 1024}k" in label
+        assert (kind == "causal") == (w is None) and (kind == "causal" or f"W={w} S={s}" in label)
