@@ -30,30 +30,27 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from course_utils import bench  # noqa: E402
-from course_utils.bench import training, window  # noqa: E402
+from course_utils.bench import cases, training, window  # noqa: E402
 
-# (label, kind, N, batch, window_size, sink_size)
+# (label, kind, N, window_size, sink_size). "training": training_bench's main case (its batch holds 16k
+# tokens); "causal" and "window": window_bench's inputs (batch 1), plain causal or with the window.
 CASES = [
-    ("causal N=1k B=16", "causal", 1024, 16, None, 0),
-    ("causal N=4k B=1", "causal", 4096, 1, None, 0),
-    ("W=256 S=0 N=4k", "window", 4096, 1, 256, 0),
-    ("W=1024 S=4 N=4k", "window", 4096, 1, 1024, 4),
-    ("W=1024 S=0 N=16k", "window", 16384, 1, 1024, 0),
+    ("causal N=1k B=16", "training", 1024, None, 0),
+    ("causal N=4k B=1", "causal", 4096, None, 0),
+    ("W=256 S=0 N=4k", "window", 4096, 256, 0),
+    ("W=1024 S=4 N=4k", "window", 4096, 1024, 4),
+    ("W=1024 S=0 N=16k", "window", 16384, 1024, 0),
 ]
 
 
-def _inputs(n, batch):
-    g = torch.Generator(device="cuda").manual_seed(n)
-    q = torch.randn(batch, 32, n, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    k, v = (torch.randn(batch, 8, n, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-            for _ in range(2))
-    return q, k, v, torch.randn_like(q)
-
-
-def steps(kind, n, batch, w, s):
-    """``{provider: step}`` for one case."""
-    q, k, v, do = _inputs(n, batch)
-    if kind == "causal":
+def steps(kind, n, w, s):
+    """``{provider: step}`` for one case, on the inputs of the benchmark it comes from."""
+    if kind == "training":
+        q, k, v = (t.requires_grad_() for t in cases.make_inputs(cases.STANDARD_SUITE[0], n))
+    else:
+        q, k, v = window.make_inputs(n, requires_grad=True)
+    do = torch.randn_like(q)
+    if kind != "window":
         return {name: training.make_training_step(name, q, k, v, do, True)
                 for name in ("course", "sdpa_flash", "sdpa_cudnn")}
     case = window.WindowCase(w, s, n)
@@ -99,8 +96,8 @@ def main(argv=None):
         print(bench.NO_GPU_MESSAGE)
         return 0
     rows = []
-    for label, kind, n, batch, w, s in CASES:
-        for name, step in steps(kind, n, batch, w, s).items():
+    for label, kind, n, w, s in CASES:
+        for name, step in steps(kind, n, w, s).items():
             row = dict(case=label, provider=name, host_ms=host_ms(step),
                        gpu_ms=triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median"))
             row["kernels_ms"], row["launches"] = kernel_ms(step)
@@ -111,8 +108,8 @@ def main(argv=None):
         import cProfile
         import pstats
 
-        label, kind, n, batch, w, s = next(c for c in CASES if c[0] == args.cprofile)
-        step = steps(kind, n, batch, w, s)["course"]
+        label, kind, n, w, s = next(c for c in CASES if c[0] == args.cprofile)
+        step = steps(kind, n, w, s)["course"]
         step()
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)

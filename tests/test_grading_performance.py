@@ -436,3 +436,18 @@ def test_the_graders_own_rule_is_refused_as_the_answer():
     text = str(pytest.raises(GradingError, check_programs_per_sm, part3_performance.programs_per_sm).value)
     assert "called course_utils.grading.part3_performance.programs_per_sm" in text and "own answer" in text, text
     assert part3_performance.programs_per_sm(64, 4, 50) > 0  # answers again once the check has ended
+
+
+@pytest.mark.parametrize("borrowed", ["reference", "bench"])
+def test_programs_per_sm_borrowed_answers_are_refused(borrowed):
+    """The grader's own rule, called directly or through course_utils.bench.decode.programs_per_sm (which
+    lesson 11 uses and which delegates to it), is refused while the check runs."""
+    from course_utils.bench import decode as bench_decode
+    from course_utils.grading import part3_performance
+
+    fn = {"reference": part3_performance.programs_per_sm,
+          "bench": lambda r, w, s: bench_decode.programs_per_sm(r, w, s * 1024)}[borrowed]
+    with pytest.raises(GradingError) as info:
+        check_programs_per_sm(fn, seed=0)
+    assert "it is the course's own answer to this exercise" in str(info.value), str(info.value)
+    assert part3_performance.programs_per_sm(255, 4, 96) == 2  # the rule works again after the check

@@ -211,8 +211,12 @@ def test_host_overhead_explains_itself_without_a_gpu(capsys):
     assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE
 
 
-def test_host_overhead_cases_name_their_window_and_sinks():
-    """Each case label says what the step runs; the recorded runs used the same labels (tests/test_results.py)."""
-    for label, kind, n, batch, w, s in host_overhead.CASES:
+def test_host_overhead_cases_name_their_window_sinks_and_batch():
+    """Each case label says what the step runs, the batch included (training_bench's main case at that N, or
+    window_bench's batch of 1); the recorded runs used the same labels (tests/test_results.py)."""
+    for label, kind, n, w, s in host_overhead.CASES:
         assert f"N={n // 1024}k" in label
-        assert (kind == "causal") == (w is None) and (kind == "causal" or f"W={w} S={s}" in label)
+        assert (kind == "window") == (w is not None) and (kind != "window" or f"W={w} S={s}" in label)
+        if kind != "window":
+            batch = bench.STANDARD_SUITE[0].batch(n) if kind == "training" else bench.window.BATCH
+            assert label.endswith(f"B={batch}")

@@ -493,9 +493,12 @@ def model_of(batch: int, context: int, num_splits: int, sm_count: int, block_n: 
 
 
 def programs_per_sm(n_regs: int, num_warps: int, shared_bytes: int) -> int:
-    """Programs of one kernel resident on an H100/H200 SM (lesson 06's rule: registers, shared memory, warps)."""
-    regs = -(-n_regs // 8) * 8 * 32 * num_warps
-    return int(min(65536 // regs, (228 * 1024) // (shared_bytes + 1024), 64 // num_warps, 32))
+    """Programs of one kernel resident on an H100/H200 SM: lesson 06's rule (its reference,
+    :func:`course_utils.grading.part3_performance.programs_per_sm`), with shared memory in bytes as the
+    compiler reports it."""
+    from ..grading.part3_performance import programs_per_sm as rule
+
+    return rule(n_regs, num_warps, shared_bytes / 1024)
 
 
 class _Recorder:
