@@ -9,6 +9,11 @@ float32 reference first. TFLOP/s count visible (query, key) pairs only.
 
     python benchmarks/tune_window.py [--n 16384] [--out results/tune_window.json]
 
+With ``--fast`` it times the window forward on lesson 06's machinery instead
+(``course_utils.kernels.fast_window``: TMA, one warpgroup per program, GQA
+groups side by side) at the ``FAST_CANDIDATES`` launches, beside the lesson
+kernel's shipped launch and FlexAttention.
+
 With ``--backward`` it times the window backward instead: lesson 08's kernels
 at other ``BackwardConfig`` launches (tiles, warps, stages), forward +
 backward, against FlexAttention's forward + backward, the gradients of the
@@ -31,6 +36,13 @@ CANDIDATES = [
     None,
     (128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2),
     (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3),
+]
+
+# fast_window.launch's (block_m, block_n, num_warps, num_stages); None = fast_window.hopper_config's choice
+FAST_CANDIDATES = [
+    None,
+    (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+    (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 2),
 ]
 
 # BackwardConfig(dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages)
@@ -70,9 +82,9 @@ def _time_all(fns, error_of, flops, title, **key) -> list[dict]:
     return results
 
 
-def _forward_rows(n, windows, sinks) -> list[dict]:
+def _forward_rows(n, windows, sinks, fast=False) -> list[dict]:
     from course_utils.bench import window as wb
-    from course_utils.kernels import forward
+    from course_utils.kernels import fast_window, forward
 
     q, k, v = wb.make_inputs(n)
     rows = []
@@ -80,11 +92,16 @@ def _forward_rows(n, windows, sinks) -> list[dict]:
         for s in sinks:
             ref = wb.reference_forward(q, k, v, w, s)
             fns = [("flex", wb.make_forward("flex", q, k, v, wb.WindowCase(w, s, n)))]
-            for c in CANDIDATES:
+            for c in ([None] if fast else CANDIDATES):
                 opts = {} if c is None else dict(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3])
                 label = "course, shipped launch" if c is None else f"course {c[0]}x{c[1]} w{c[2]} s{c[3]}"
                 fns.append((label, lambda opts=opts: forward.flash_attention_window_forward(
                     q, k, v, window_size=w, sink_size=s, **opts)))
+            for c in (FAST_CANDIDATES if fast else []):
+                opts = (fast_window.hopper_config(w, q.shape[-1], n) if c is None
+                        else dict(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3]))
+                label = "fast, hopper_config" if c is None else f"fast {c[0]}x{c[1]} w{c[2]} s{c[3]}"
+                fns.append((label, lambda opts=opts: fast_window.launch(q, k, v, window_size=w, sink_size=s, **opts)))
             rows += _time_all(fns, lambda got: wb.forward_error(got, ref)[0], wb.window_flops(n, w, s),
                               f"forward, W={w} S={s} N={n}", mode="forward", n=n, W=w, S=s)
     return rows
@@ -125,6 +142,7 @@ def main(argv=None) -> int:
     parser.add_argument("--windows", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--sinks", type=int, nargs="+", default=[0, 4])
     parser.add_argument("--backward", action="store_true", help="time forward + backward configurations")
+    parser.add_argument("--fast", action="store_true", help="time fast_window's launches (forward)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if not bench.gpu_available():
@@ -135,7 +153,10 @@ def main(argv=None) -> int:
 
     rows = []
     for n in args.n:
-        rows += (_backward_rows if args.backward else _forward_rows)(n, args.windows, args.sinks)
+        if args.backward:
+            rows += _backward_rows(n, args.windows, args.sinks)
+        else:
+            rows += _forward_rows(n, args.windows, args.sinks, fast=args.fast)
         torch.cuda.empty_cache()
     if args.out:
         bench.write_sweep(args.out, rows)

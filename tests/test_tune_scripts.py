@@ -91,6 +91,21 @@ def test_every_window_forward_candidate_is_a_correct_launch(candidate):
     assert abs(lse.double().cpu().numpy() - rl).max() < max(tol, 1e-4)
 
 
+@pytest.mark.parametrize("candidate", tune_window.FAST_CANDIDATES, ids=str)
+def test_every_fast_window_candidate_is_a_correct_launch(candidate):
+    """tune_window.py --fast times fast_window.launch at these launches: GQA, sinks in a partial tile."""
+    from course_utils.kernels import fast_window
+
+    q, k, v, _ = _inputs(2, 1, 256, 32, torch.float16, seed=2)
+    opts = (fast_window.hopper_config(48, 32, 256) if candidate is None
+            else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), candidate)))
+    o, lse = fast_window.launch(q, k, v, window_size=48, sink_size=4, **opts)
+    ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True, window_size=48,
+                                      sink_size=4)
+    assert abs(o.double().cpu().numpy() - ro).max() < (1e-2 if ON_GPU else 2e-3)
+    assert abs(lse.double().cpu().numpy() - rl).max() < 1e-2
+
+
 @pytest.mark.parametrize("candidate", tune_window.BACKWARD_CANDIDATES, ids=str)
 def test_every_window_backward_candidate_is_a_correct_launch(candidate):
     q, k, v, do = _inputs(2, 1, 256, 32, torch.float32, seed=3)

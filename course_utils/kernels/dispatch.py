@@ -7,7 +7,8 @@ of :mod:`.backward` come here; nothing here calls back up to the package::
         -> check_call (once; FlashAttentionFunction skips it when flash_attention has run it)
         -> launch_forward (the one decision)
             -> forward.flash_attention_mods_forward    (lesson 12's keywords: every machine)
-            -> forward.flash_attention_window_forward  (a window: lesson 08, every machine)
+            -> fast_window.attention_forward_window    (a window the Hopper kernel supports: lessons 06 + 08)
+            -> forward.flash_attention_window_forward  (any other window: lesson 08, every machine)
             -> fast.attention_forward_tuned            (plain attention the Hopper kernel supports)
             -> forward.flash_attention_gqa_forward     (everything else: lesson 05's kernel)
 
@@ -17,7 +18,7 @@ path): the input was checked by :func:`check_call`, so it is not checked again.
 
 from __future__ import annotations
 
-from . import fast, forward
+from . import fast, fast_window, forward
 
 __all__ = ["check_call", "launch_forward"]
 
@@ -42,21 +43,24 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
 
     With any of lesson 12's keywords (documents, soft-cap, ALiBi, sink
     logits, alone or with a window), kernel D of :mod:`.forward` on every
-    machine. With a window alone (lesson 08), the window kernel of
-    :mod:`.forward` on every machine. Otherwise, on a Hopper GPU, for the
-    shapes it covers (bf16/fp16, D of 64 or 128, N a multiple of 64), the
-    autotuned kernel of :mod:`.fast` (lesson 06); for everything else, and in
-    the interpreter, the course's GQA kernel from lesson 05, which handles
-    MHA, GQA and MQA, causal or not.
+    machine. On a Hopper GPU, for the shapes the fast kernel covers
+    (bf16/fp16, D of 64 or 128, N a multiple of 64), lesson 06's kernels: with
+    a window alone (lesson 08) :mod:`.fast_window`'s, otherwise the autotuned
+    kernel of :mod:`.fast`. Everywhere else, and in the interpreter, the
+    lesson kernels of :mod:`.forward`: lesson 08's window kernel for a window,
+    lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest.
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
         return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
                                                     cu_seqlens=cu_seqlens, softcap=softcap,
                                                     alibi_slopes=alibi_slopes, sink_logits=sink_logits,
                                                     _validated=True)
+    supported = fast.is_supported(q, k, v)
     if window_size is not None:
+        if supported:
+            return fast_window.attention_forward_window(q, k, v, window_size=window_size, sink_size=sink_size)
         return forward.flash_attention_window_forward(q, k, v, window_size=window_size, sink_size=sink_size,
                                                       _validated=True)
-    if fast.is_supported(q, k, v):
+    if supported:
         return fast.attention_forward_tuned(q, k, v, causal=causal)
     return forward.flash_attention_gqa_forward(q, k, v, causal=causal, _validated=True)

@@ -1,0 +1,202 @@
+"""Lesson 08's sliding window and sinks on lesson 06's fast kernel.
+
+Lesson 08's window kernel (:func:`.forward._flash_attention_forward_window_kernel`)
+is lesson 05's kernel with five loop phases: the sink tiles, the band's
+partial lower edge, the band's full tiles, and the diagonal. This module runs
+the same phases, with the same bounds (:func:`.forward._window_bounds`) and
+the same mask (:func:`.forward._window_keep`), on the machinery lesson 06
+measured for the fast causal kernel (:mod:`.fast`):
+
+- K and V tiles through host TMA descriptors, and ``exp2`` with the scale
+  folded in, one FMA per score on the unmasked tiles;
+- one warpgroup (4 warps) on ``128 x 64`` tiles with 2 stages: two programs
+  share an SM and the warp schedulers interleave their softmax and matrix
+  products;
+- the query heads of one GQA group side by side in the grid
+  (:data:`.fast.ORDER_KV_GROUPED`): they read the same band of K/V tiles.
+
+The mask is added in the log2 domain as ``-1e6``, not ``-inf``, as in the fast
+kernel's diagonal: a row that has seen only masked keys so far (the band's
+lower edge) then carries a finite running max and a sum of ones, and its
+first visible key rescales them by ``exp2(-1e6 - m)``, which is exactly 0 in
+fp32. Every row sees at least itself, so every row ends with the right sum.
+
+Public API: :func:`unsupported_reason` / :func:`is_supported` (the fast
+kernel's limits: Hopper, bf16/fp16, D of 64 or 128, ``N`` a multiple of 64),
+:func:`hopper_config` (the launch measured on an H200), :func:`launch` (one
+fixed launch; runs in the interpreter too, which is how the CPU tests check
+it) and :func:`attention_forward_window` (what the package's dispatch calls).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import fast
+from .fast import ORDER_KV_GROUPED, _load_k_transposed, _online_update, _program_tile, _shift_unmasked
+from .forward import _window_bounds, _window_keep
+
+__all__ = ["unsupported_reason", "is_supported", "hopper_config", "launch", "attention_forward_window"]
+
+
+@triton.jit
+def _window_tiles(
+    acc, l_i, m_i, q,
+    desc_k, desc_v, K, V,
+    kv_row0, lo, hi, qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE,
+    offs_m, offs_n, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
+    MASK: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """Fold key tiles ``lo, lo + BLOCK_N, ...`` (below ``hi``) into ``(acc, l_i, m_i)``.
+
+    ``MASK``: the window/sink mask on each score (the partial tiles);
+    otherwise every key of every tile is visible (one FMA per score).
+    """
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _load_k_transposed(desc_k, K, kv_row0 + start_n, offs_n, offs_d, HEAD_DIM, USE_TMA)
+        qk = tl.dot(q, k)
+        if MASK:
+            keep = _window_keep(offs_m[:, None], start_n + offs_n[None, :], N_CTX, WINDOW_SIZE, SINK_SIZE,
+                                HAS_SINKS)
+            qk = qk * qk_scale + tl.where(keep, 0.0, -1.0e6)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_new[:, None]
+        else:
+            qk, m_new = _shift_unmasked(qk, m_i, qk_scale)
+        acc, l_i, m_i = _online_update(acc, l_i, m_i, qk, m_new, desc_v, V, kv_row0 + start_n,
+                                       offs_n, offs_d, HEAD_DIM, USE_TMA, True)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_fast_window_kernel(
+    Q, K, V, O, Lse,
+    desc_q, desc_k, desc_v, desc_o,
+    sm_scale, N_CTX, N_Q_HEADS, WINDOW_SIZE, SINK_SIZE,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    ORDER: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """One program: one query block of one (batch, query head), its sink tiles and its band.
+
+    Tensors as in :func:`.fast._attn_fwd_fast_kernel` (contiguous, viewed as
+    ``[B*H*N, D]``; ``N_CTX`` a multiple of both blocks). Key ``j`` is visible
+    from query ``i`` iff ``j <= i and (i - j < WINDOW_SIZE or j < SINK_SIZE)``.
+    """
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal phase starts on a tile boundary
+    bh, start_m = _program_tile(N_CTX, N_Q_HEADS, BLOCK_M, ORDER, True, GROUP_SIZE)
+    batch = bh // N_Q_HEADS
+    q_head = bh % N_Q_HEADS
+    kv_head = q_head // GROUP_SIZE
+    n_kv_heads = N_Q_HEADS // GROUP_SIZE
+
+    q_first = start_m * BLOCK_M
+    q_row0 = bh * N_CTX + q_first
+    kv_row0 = (batch * n_kv_heads + kv_head) * N_CTX
+    offs_m = q_first + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    if USE_TMA:
+        q = desc_q.load([q_row0, 0])
+    else:
+        q_rows = (q_row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * HEAD_DIM + offs_d[None, :])
+
+    sink_full, sink_end, band_start, full_start, band_end = _window_bounds(
+        q_first, N_CTX, WINDOW_SIZE, SINK_SIZE, BLOCK_M, BLOCK_N)
+    if HAS_SINKS:  # 1. sink tiles every row sees whole, 2. the last, partial sink tile
+        acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, 0, sink_full, qk_scale,
+                                      N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
+                                      BLOCK_N, HEAD_DIM, USE_TMA, False, HAS_SINKS)
+        acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, sink_full, sink_end,
+                                      qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
+                                      BLOCK_N, HEAD_DIM, USE_TMA, True, HAS_SINKS)
+    # 3. the band's partial lower edge, 4. its full tiles, 5. the diagonal
+    acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, band_start, full_start,
+                                  qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
+                                  BLOCK_N, HEAD_DIM, USE_TMA, True, HAS_SINKS)
+    acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, full_start, q_first,
+                                  qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
+                                  BLOCK_N, HEAD_DIM, USE_TMA, False, HAS_SINKS)
+    acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, q_first, band_end,
+                                  qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
+                                  BLOCK_N, HEAD_DIM, USE_TMA, True, HAS_SINKS)
+
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # log2 units -> natural log
+    tl.store(Lse + bh * N_CTX + offs_m, lse)
+    out = (acc / l_i[:, None]).to(q.dtype)
+    if USE_TMA:
+        desc_o.store([q_row0, 0], out)
+    else:
+        o_rows = (q_row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        tl.store(O + o_rows[:, None] * HEAD_DIM + offs_d[None, :], out)
+
+
+# --------------------------------------------------------------------------- #
+# Python side
+# --------------------------------------------------------------------------- #
+def unsupported_reason(q, k, v) -> str | None:
+    """Why this kernel cannot take these tensors (the fast kernel's limits, :func:`.fast.unsupported_reason`)."""
+    return fast.unsupported_reason(q, k, v)
+
+
+def is_supported(q, k, v) -> bool:
+    """True when :func:`attention_forward_window` runs this kernel on these tensors."""
+    return fast.is_supported(q, k, v)
+
+
+def hopper_config(window_size: int, head_dim: int, n: int) -> dict:
+    """The launch (:func:`launch` keywords) for a window of ``window_size`` keys on Hopper.
+
+    ``128 x 64`` tiles on one warpgroup with 2 stages, lesson 06's launch, and
+    ``64`` query rows where ``N`` is not a multiple of 128.
+    """
+    block_m = 128 if n % 128 == 0 else 64
+    return dict(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
+
+
+def launch(q, k, v, *, window_size, sink_size=0, sm_scale=None, block_m=128, block_n=64, num_warps=4,
+           num_stages=2, use_tma=True, order=ORDER_KV_GROUPED, maxnreg=None):
+    """Run the kernel with one fixed launch: ``(o, lse)``, as :func:`.forward.flash_attention_window_forward`.
+
+    ``window_size`` and ``sink_size`` are clipped to ``N`` as the lesson's
+    launcher does. No fallback and no validation (the dispatch validated the
+    call): ``N`` must be a multiple of both blocks and ``block_m`` of
+    ``block_n``, else ``ValueError``.
+    """
+    q, k, v, o, lse, scale = fast._prepare(q, k, v, sm_scale)
+    b, hq, n, d = q.shape
+    if n % block_m or n % block_n or block_m % block_n:
+        raise ValueError(f"N={n} must be a multiple of BLOCK_M={block_m} and BLOCK_N={block_n}, "
+                         f"and BLOCK_M of BLOCK_N")
+    if o.numel() == 0:
+        return o, lse
+    descs = fast._descriptors(q, k, v, o, block_m, block_n) if use_tma else (None,) * 4
+    grid = fast.grid_shape(order, b, hq, k.shape[1], n // block_m)
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    _attn_fwd_fast_window_kernel[grid](
+        q, k, v, o, lse, *descs, scale, n, hq, min(int(window_size), n), min(int(sink_size), n),
+        GROUP_SIZE=hq // k.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma,
+        ORDER=order, HAS_SINKS=bool(sink_size), num_warps=num_warps, num_stages=num_stages, **extra,
+    )
+    return o, lse
+
+
+def attention_forward_window(q, k, v, *, window_size, sink_size=0):
+    """``(o, lse)`` of causal attention with a window and sinks, by :func:`hopper_config`'s launch.
+
+    For tensors :func:`is_supported` has accepted (the dispatch asks first).
+    """
+    return launch(q, k, v, window_size=window_size, sink_size=sink_size,
+                  **hopper_config(int(window_size), q.shape[-1], q.shape[2]))
