@@ -80,6 +80,13 @@ COLUMNS = {
         ("best_ms", "fastest, ms", ".3f", ""), ("flex_ms", "Flex ms", ".3f", ""),
         ("before_over_flex", "shipped then / Flex, speed", ".2f", "×"), ("best_over_flex", "fastest / Flex, speed", ".2f", "×"),
     ],
+    "tune_window_fast": [
+        ("W", "W", "d", ""), ("S", "S", "d", ""), ("N", "N", "d", ""), ("flex_ms", "Flex ms", ".3f", ""),
+        ("lesson_over_flex", "lesson 08's kernel / Flex, speed", ".2f", "×"),
+        ("shipped", "fast_window.hopper_config", "", ""),
+        ("shipped_over_flex", "hopper_config / Flex, speed", ".2f", "×"), ("config", "fastest launch", "", ""),
+        ("best_over_flex", "fastest / Flex, speed", ".2f", "×"),
+    ],
 }
 
 
@@ -244,9 +251,27 @@ def _tune_window(d):
     return out
 
 
+def _tune_window_fast(d):
+    """Per W, S and N: lesson 08's kernel, the fast window kernel at the launch it ships with and at the fastest."""
+    from .kernels.fast_window import hopper_config  # imported here: results.py is read without Triton too
+
+    out = []
+    for w, s, n in sorted({(r["W"], r["S"], r["n"]) for r in d["rows"]}):
+        here = {r["name"]: r for r in d["rows"] if (r["W"], r["S"], r["n"]) == (w, s, n) and r.get("ms")}
+        flex = here["flex"]["ms"]
+        cfg = hopper_config(w, 128, n)
+        shipped = f"fast {cfg['block_m']}x{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}"
+        best = min((r for r in here.values() if r["name"] != "flex"), key=lambda r: r["ms"])
+        out.append(dict(W=w, S=s, N=n, flex_ms=flex,
+                        lesson_over_flex=_ratio(flex, (here.get("course, shipped launch") or {}).get("ms")),
+                        shipped=shipped.removeprefix("fast "), shipped_over_flex=_ratio(flex, (here.get(shipped) or {}).get("ms")),
+                        config=best["name"], best_over_flex=_ratio(flex, best["ms"])))
+    return out
+
+
 _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, "decode_splits": _decode_splits,
          "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training,
-         "tune_backward": _tune_backward, "tune_window": _tune_window}
+         "tune_backward": _tune_backward, "tune_window": _tune_window, "tune_window_fast": _tune_window_fast}
 
 
 def rows(name: str, *, doc: dict | None = None, **where) -> list[dict]:

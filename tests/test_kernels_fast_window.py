@@ -67,10 +67,12 @@ def test_launch_rejects_ragged_tiles():
         fast_window.launch(q[:, :, :128], k[:, :, :128], v[:, :, :128], window_size=64, block_m=32, block_n=64)
 
 
-@pytest.mark.parametrize("n, block_m", [(4096, 128), (192, 64), (8256, 64)])
-def test_hopper_config_tiles_divide_n(n, block_m):
-    cfg = fast_window.hopper_config(1024, 128, n)
-    assert cfg["block_m"] == block_m and n % cfg["block_m"] == 0 and n % cfg["block_n"] == 0
+@pytest.mark.parametrize("window_size, block_n", [(64, 32), (256, 32), (257, 64), (4096, 64)])
+@pytest.mark.parametrize("n", [192, 4096, 8256])
+def test_hopper_config_tiles_divide_every_n_the_fast_kernel_takes(n, window_size, block_n):
+    """N is a multiple of 64 (fast.SEQ_MULTIPLE); 32 keys per tile up to W = 256 (results/tune_window_fast.json)."""
+    cfg = fast_window.hopper_config(window_size, 128, n)
+    assert cfg["block_n"] == block_n and n % cfg["block_m"] == 0 and n % cfg["block_n"] == 0
     assert cfg["block_m"] % cfg["block_n"] == 0
 
 
@@ -90,3 +92,42 @@ def test_the_dispatch_routes_windows_to_the_fast_kernel_where_it_is_supported(mo
     ro, rl = _reference(q, k, v, 16, 2)
     np.testing.assert_allclose(o.double().cpu().numpy(), ro, atol=1e-2 if ON_GPU else 1e-5, rtol=0)
     assert len(calls) == 1
+
+
+HOPPER_SCRIPT = r"""
+import json
+import torch
+from course_utils.kernels import targets, fast_window
+
+out = []
+for w in (256, 1024, 4096):
+    for s in (0, 4):
+        q = torch.zeros(1, 4, 8192, 128, dtype=torch.bfloat16)
+        k = torch.zeros(1, 1, 8192, 128, dtype=torch.bfloat16)
+        with targets._captured_launches() as launches:
+            fast_window.attention_forward_window(q, k, k, window_size=w, sink_size=s)
+        (kernel, args, kwargs), = launches
+        c = targets.compile_launch(kernel, args, kwargs, 90, f"W={w} S={s}", registers=True)
+        out.append(dict(w=w, s=s, kernel=c.kernel, fits=c.fits, spill=c.spill_bytes, shared=c.shared_bytes,
+                        registers=c.registers, tiles=[kwargs["BLOCK_M"], kwargs["BLOCK_N"]]))
+print(json.dumps(out))
+"""
+
+
+def test_the_shipped_hopper_launches_compile_for_sm_90_two_programs_per_sm_without_spills():
+    """Compiled here for an H100/H200 (ptxas, no GPU; TMA descriptors in the signature): each launch
+    hopper_config picks fits twice into an SM's 228 KiB and 64K registers, and spills nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", HOPPER_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    launches = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {(c["w"], c["s"]) for c in launches} == {(w, s) for w in (256, 1024, 4096) for s in (0, 4)}
+    for c in launches:
+        assert c["kernel"] == "_attn_fwd_fast_window_kernel" and c["fits"] and c["spill"] == 0, c
+        assert 2 * (c["shared"] + 1024) <= 228 * 1024 and 2 * 128 * c["registers"] <= 64 * 1024, c
+        assert c["tiles"] == ([64, 32] if c["w"] <= 256 else [64, 64]), c

@@ -17,7 +17,8 @@ import pytest
 from course_utils import results
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
-TABLES = ["window_bench", "decode_bench", "ring_bench", "ring_blocks", "training_bench", "tune_backward", "tune_window"]
+TABLES = ["window_bench", "decode_bench", "ring_bench", "ring_blocks", "training_bench", "tune_backward", "tune_window",
+          "tune_window_fast"]
 NUMBER = r"([0-9][0-9,]*(?:\.[0-9]+)?(?:–[0-9][0-9,]*(?:\.[0-9]+)?)?)([×%]?)"
 
 # (lesson, the quoting text with {} for the figure, benchmark, column, stat, which rows)

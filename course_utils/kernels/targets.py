@@ -110,6 +110,10 @@ def _signature(kernel, args, kwargs):
     """Triton's signature and constexprs for one captured launch."""
     import triton.language as tl
 
+    try:  # host TMA descriptors (lesson 06's fast kernels): typed by their dtype and box
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # pragma: no cover
+        TensorDescriptor = ()
     values = dict(zip(kernel.arg_names, args))
     values.update({k: v for k, v in kwargs.items() if k in kernel.arg_names})
     signature, constexprs = {}, {}
@@ -120,6 +124,9 @@ def _signature(kernel, args, kwargs):
             constexprs[param.name] = value
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + _TYPES[value.dtype]
+        elif isinstance(value, TensorDescriptor):
+            box = ",".join(str(size) for size in value.block_shape)
+            signature[param.name] = f"tensordesc<{_TYPES[value.base.dtype]}[{box}]>"
         elif isinstance(value, bool):
             signature[param.name] = "i1"
         elif isinstance(value, int):
