@@ -27,8 +27,9 @@ Sliding window and sinks (lesson 08), with ``causal=True``: key ``j`` is
 visible from query ``i`` iff ``j <= i and (i - j < window_size or j <
 sink_size)``. Such calls run lesson 08's kernels
 (:func:`.forward.flash_attention_window_forward` and the window kernels of
-:mod:`.backward`) on every machine: the Hopper-tuned :mod:`.fast` kernel
-serves plain attention only.
+:mod:`.backward`), except the forward on a Hopper GPU for the shapes the
+:mod:`.fast` kernel takes: there :mod:`.fast_window` runs lesson 08's phases
+on lesson 06's machinery.
 
 Packed documents and score modifications (lesson 12), in any combination with
 each other, ``causal`` and the window: ``cu_seqlens`` (int32 ``[S + 1]`` on
