@@ -17,6 +17,7 @@ Everything else runs on both, with tensors on :data:`DEVICE`.
 """
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,21 @@ def pytest_collection_modifyitems(config, items):
         # numpy 2.5), tests that start CPU interpreter processes cannot run: say why.
         if item.get_closest_marker("cpu_processes") is not None and INTERPRETER_PROBLEM:
             item.add_marker(pytest.mark.skip(reason=f"not run here: {INTERPRETER_PROBLEM}"))
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_switch_left_as_found():
+    """Fail the test that changes ``TRITON_INTERPRET`` and leaves it changed.
+
+    ``@triton.jit`` reads the variable when it decorates, so a leaked ``"1"`` on a GPU machine turns
+    every kernel defined later in the same process into an interpreted one, and a test far away
+    fails with "Cannot call @triton.jit'd outside of the scope of a kernel". (Autouse fixtures are
+    set up first, so this runs after ``monkeypatch`` has restored what it recorded.)
+    """
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    after = os.environ.get("TRITON_INTERPRET")
+    assert after == before, f"this test left TRITON_INTERPRET={after!r} (it was {before!r})"
 
 
 @pytest.fixture

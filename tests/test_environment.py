@@ -1,6 +1,7 @@
 """Environment handling: the interpreter switch, defaults and the doctor."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 import types
@@ -145,8 +146,12 @@ def old_gpu(monkeypatch, tmp_path):
     calls = []
     state = {"ok": False, "detail": "PassManager::run failed"}
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv(environment._NOTE_SAID_VAR, raising=False)
+    for name in ("TRITON_INTERPRET", environment._NOTE_SAID_VAR):
+        # setenv first, so that teardown restores the variable even where it was unset (a GPU machine):
+        # delenv of an unset variable records nothing, and configure() below sets TRITON_INTERPRET=1,
+        # which would leak into the tests after these (kernels decorated later would be interpreted).
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        monkeypatch.delenv(name)
     monkeypatch.delitem(sys.modules, "triton", raising=False)  # as in a fresh notebook: triton not imported yet
     monkeypatch.setattr(environment, "_gpu_name", lambda: "Tesla T4")
 
