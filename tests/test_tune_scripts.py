@@ -1,4 +1,5 @@
-"""benchmarks/tune_backward.py, tune_window.py, tune_decode.py, tune_fp8.py and host_overhead.py on the CPU.
+"""benchmarks/tune_backward.py, tune_window.py, tune_decode.py, tune_fp8.py, host_overhead.py and ncu_backward.py
+on the CPU.
 
 Every configuration they time is a valid launch that computes the right
 thing (checked here in Triton's interpreter, on a GPU compiled), so that a
@@ -36,6 +37,7 @@ tune_window = _load("tune_window")
 tune_decode = _load("tune_decode")
 tune_fp8 = _load("tune_fp8")
 host_overhead = _load("host_overhead")
+ncu_backward = _load("ncu_backward")
 FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in tune_backward.EXTRA]))
 
 
@@ -235,3 +237,39 @@ def test_host_overhead_cases_name_their_window_sinks_and_batch():
         if kind != "window":
             batch = bench.STANDARD_SUITE[0].batch(n) if kind == "training" else bench.window.BATCH
             assert label.endswith(f"B={batch}")
+
+
+def _ncu_raw_csv(kernels):
+    """A small `ncu --csv --page raw` output: a log line, the header, the units row, one row per (name, ms, tensor %)."""
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum",
+              "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+              "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio"]
+    units = ["", "", "msecond", "%", "ratio", "ratio"]
+    rows = [[str(i), name, f"{ms}", f"{tensor}", "0.5", "9.0"] for i, (name, ms, tensor) in enumerate(kernels)]
+    quote = lambda r: ",".join(f'"{c}"' for c in r)  # noqa: E731
+    return "==PROF== Connected to process\n" + "\n".join(quote(r) for r in [header, units, *rows]) + "\n"
+
+
+def test_the_backward_profile_keeps_every_kernel_of_a_provider_in_launch_order():
+    """ncu_backward: each provider's kernels in the order ncu saw them, durations in microseconds, each kernel's
+    share of the summed backward, and the stalls without `selected` (issuing is not waiting)."""
+    text = _ncu_raw_csv([("attn_bwd_preprocess(int)", 0.25, 1.0), ("_attn_bwd_dkdv(int)", 2.0, 55.5),
+                         ("_attn_bwd_dq(int)", 1.75, 48.0)])
+    p = ncu_backward.provider_summary(ncu_backward.parse_raw_csv(text))
+    assert [k["kernel_name"] for k in p["kernels"]] == ["attn_bwd_preprocess(int)", "_attn_bwd_dkdv(int)",
+                                                         "_attn_bwd_dq(int)"]
+    assert p["total_us"] == pytest.approx(4000.0)
+    assert p["kernels"][1]["top_stalls"] == {"wait": 0.5}
+    summary = dict(gpu="Fake GPU", torch="t", triton="tr", ncu="n", providers={"course": p, "sdpa_cudnn": dict(error="E")})
+    md = ncu_backward.markdown(summary)
+    dkdv = next(line for line in md.splitlines() if "_attn_bwd_dkdv" in line)
+    assert "| 2000 | 50% | 55.5 |" in dkdv
+    assert "| course | **all kernels** | **4000** |" in md and "| sdpa_cudnn | error: E |" in md
+
+
+@pytest.mark.interpreter("without a GPU there is nothing to profile")
+def test_the_backward_profile_explains_itself_without_a_gpu(tmp_path, capsys):
+    assert ncu_backward.main(["--all", str(tmp_path)]) == 0
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "ncu_backward.json").exists()
