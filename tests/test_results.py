@@ -232,3 +232,41 @@ def test_lesson_08_reads_the_short_window_steps_as_launch_bound():
     text = markdown_text(W08)
     assert "the kernels alone were 1.3× faster than FlexAttention's in both of that file's runs" in text
     assert "the partials used to be added by ten small torch operations" in text
+
+
+def test_lesson_07_counts_the_backward_s_time_from_the_recorded_profile():
+    """Lesson 07's 'Where the backward's time goes': every figure derived from results/ncu_backward.json (the
+    kernels in launch order: preprocess, dK/dV, dQ; cuDNN's largest kernel is its backward proper)."""
+    p = results.load("ncu_backward")["providers"]
+    pre, dkdv, dq = p["course"]["kernels"]
+    assert [k["kernel_name"] for k in (pre, dkdv, dq)] == ["attn_bwd_preprocess", "_attn_bwd_dkdv", "_attn_bwd_dq"]
+    cudnn = max(p["sdpa_cudnn"]["kernels"], key=lambda k: k["duration_us"])
+    total, cudnn_total = p["course"]["total_us"], p["sdpa_cudnn"]["total_us"]
+    needed = (cudnn_total / 0.9 - pre["duration_us"]) / 7  # the pair's 7 products at 0.9x cuDNN's time
+    quotes = [
+        f"kernels took **{total:.0f} µs**: dK/dV {dkdv['duration_us']:.0f} µs "
+        f"({100 * dkdv['duration_us'] / total:.0f}%), dQ {dq['duration_us']:.0f} µs, the `delta` preprocess "
+        f"{pre['duration_us']:.0f} µs",
+        f"took **{cudnn_total:.0f} µs**, {cudnn['duration_us']:.0f} of them in one kernel",
+        f"{dkdv['tensor_pipe_pct']:.1f}% of the active cycles in the dK/dV kernel, {dq['tensor_pipe_pct']:.1f}% in "
+        f"the dQ kernel, {cudnn['tensor_pipe_pct']:.1f}% in cuDNN's",
+        f"**{dkdv['duration_us'] / 4:.0f} µs per product** in the dK/dV kernel, **{dq['duration_us'] / 3:.0f}** in "
+        f"the dQ kernel, **{cudnn['duration_us'] / 5:.0f}** in cuDNN's",
+        f"dK and dV for 128 keys in {dkdv['registers_per_thread']:.0f} registers",
+        f"({dkdv['achieved_occupancy_pct']:.1f}% of the warps resident, against {dq['achieved_occupancy_pct']:.1f}% "
+        f"for the {dq['registers_per_thread']:.0f}-register dQ kernel)",
+        f"would take {needed:.0f} µs per product, {100 * (1 - needed / (cudnn['duration_us'] / 5)):.0f}% less than "
+        f"cuDNN's own kernel",
+    ]
+    text = markdown_text(W07)
+    for quote in quotes:
+        assert quote in text, f"lesson 07 should quote the recorded profile: {quote!r}"
+    assert dq["duration_us"] / 3 < cudnn["duration_us"] / 5 < dkdv["duration_us"] / 4, \
+        "the lesson says the dQ kernel is faster per product than cuDNN's and the dK/dV kernel slower"
+    readme = " ".join((SOLUTIONS.parent / "README.md").read_text().split())
+    for quote in (f"({dkdv['tensor_pipe_pct']:.1f}% in dK/dV, {dq['tensor_pipe_pct']:.1f}% in dQ, "
+                  f"{cudnn['tensor_pipe_pct']:.1f}% in cuDNN's backward kernel)",
+                  f"{dkdv['duration_us'] / 4:.0f} µs per product in dK/dV, {dq['duration_us'] / 3:.0f} in dQ, "
+                  f"{cudnn['duration_us'] / 5:.0f} in cuDNN's kernel",
+                  f"would need {needed:.0f} µs per product"):
+        assert quote in readme, f"the README should quote the recorded profile: {quote!r}"
