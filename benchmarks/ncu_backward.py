@@ -20,22 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ncu_forward import PIPES, parse_raw_csv, summarise  # noqa: E402
+from ncu_forward import PIPES, ncu_rows, ncu_run_info, parse_raw_csv, summarise, write_summary  # noqa: E402
 
 PROVIDERS = ("course", "sdpa_cudnn", "sdpa_flash")
 B, HQ, HKV, N, D = 4, 32, 8, 4096, 128
 
 
 def one_launch(name: str) -> None:
-    """Run ``name``'s forward + backward three times (compile, warm up), then one backward inside the profiler range."""
+    """Run ``name``'s forward + backward three times (compile, warm up), then one forward outside and its backward
+    inside the profiler range."""
     import course_utils  # noqa: F401  (first)
     import torch
 
@@ -51,29 +49,12 @@ def one_launch(name: str) -> None:
     for _ in range(3):
         step()
     q.grad = k.grad = v.grad = None
-    with torch.enable_grad():
-        out = _forward(name, q, k, v)
+    out = training.make_training_forward(name, q, k, v, True)()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     out.backward(do)
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-
-
-def _forward(name, q, k, v):
-    """The provider's forward alone (its backward is what is profiled)."""
-    import torch.nn.functional as F
-
-    if name == "course":
-        from course_utils.kernels import flash_attention
-
-        return flash_attention(q, k, v, causal=True)
-    from torch.nn.attention import sdpa_kernel
-
-    from course_utils.bench.providers import _sdpa_backend
-
-    with sdpa_kernel(_sdpa_backend(name)):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def _short(kernel_name: str | None, width: int = 48) -> str:
@@ -117,33 +98,15 @@ def markdown(summary: dict) -> str:
 
 
 def profile_all(out_dir: Path, providers=PROVIDERS) -> int:
-    import torch
-    import triton
-
-    ncu = shutil.which("ncu")
-    if ncu is None or not torch.cuda.is_available():
-        print("needs a CUDA GPU and Nsight Compute's `ncu` on PATH; nothing measured.")
+    ncu, summary = ncu_run_info(providers={})
+    if ncu is None:
         return 0
-    version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    summary = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, ncu=version,
-                   providers={})
-    (out_dir / "ncu").mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     for name in providers:
-        cmd = [ncu, "--clock-control", "none", "--set", "full", "--profile-from-start", "off", "--csv",
-               "--page", "raw", sys.executable, __file__, name]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=400)
-        try:
-            rows = parse_raw_csv(done.stdout)
-            if not rows:
-                raise ValueError("no kernel rows")
-            summary["providers"][name] = provider_summary(rows)
-            (out_dir / "ncu" / f"ncu_backward_{name}.csv").write_text(done.stdout[done.stdout.index('"ID"'):])
-        except (StopIteration, IndexError, ValueError) as exc:
-            summary["providers"][name] = dict(error=f"{type(exc).__name__}; ncu said: {(done.stderr or done.stdout)[-300:]}")
+        rows, error = ncu_rows(ncu, __file__, name, out_dir / "ncu" / f"ncu_backward_{name}.csv", timeout=400)
+        summary["providers"][name] = dict(error=error) if error else provider_summary(rows)
         print(name, json.dumps(summary["providers"][name])[:400], flush=True)
-    (out_dir / "ncu_backward.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "ncu_backward.md").write_text(markdown(summary))
-    print(markdown(summary))
+    write_summary(out_dir, "ncu_backward", summary, markdown(summary))
     return 0
 
 
@@ -154,9 +117,7 @@ def from_csv(out_dir: Path) -> int:
         f = out_dir / "ncu" / f"ncu_backward_{name}.csv"
         if f.is_file():
             summary["providers"][name] = provider_summary(parse_raw_csv(f.read_text()))
-    (out_dir / "ncu_backward.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "ncu_backward.md").write_text(markdown(summary))
-    print(markdown(summary))
+    write_summary(out_dir, "ncu_backward", summary, markdown(summary))
     return 0
 
 

@@ -178,37 +178,61 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_all(out_dir: Path, kernels=KERNELS) -> int:
+NCU_OPTIONS = ("--clock-control", "none", "--set", "full", "--profile-from-start", "off", "--csv", "--page", "raw")
+
+
+def ncu_run_info(**sections) -> tuple[str | None, dict | None]:
+    """``(ncu's path, the run's header: GPU, torch, triton and ncu versions, plus sections)``, or ``(None, None)``
+    after saying why nothing can be measured here (no CUDA GPU or no ``ncu`` on PATH)."""
     import torch
     import triton
 
     ncu = shutil.which("ncu")
     if ncu is None or not torch.cuda.is_available():
         print("needs a CUDA GPU and Nsight Compute's `ncu` on PATH; nothing measured.")
-        return 0
+        return None, None
     version = subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    summary = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, ncu=version,
-                   kernels={})
+    return ncu, dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                     ncu=version, **sections)
+
+
+def ncu_rows(ncu: str, script: str, name: str, csv_path: Path, timeout: int = 300) -> tuple[list[dict] | None, str | None]:
+    """Profile ``python script name`` (its launches between cudaProfilerStart/Stop) with :data:`NCU_OPTIONS`:
+    ``(the raw rows, None)``, the raw CSV kept at ``csv_path``; or ``(None, why)`` when ncu gave no kernel row."""
+    done = subprocess.run([ncu, *NCU_OPTIONS, sys.executable, script, name], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=timeout)
+    try:
+        rows = parse_raw_csv(done.stdout)
+        if not rows:
+            raise ValueError("no kernel rows")
+    except (StopIteration, IndexError, ValueError) as exc:
+        return None, f"{type(exc).__name__}; ncu said: {(done.stderr or done.stdout)[-300:]}"
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    csv_path.write_text(done.stdout[done.stdout.index('"ID"'):])
+    return rows, None
+
+
+def write_summary(out_dir: Path, stem: str, summary: dict, text: str) -> None:
+    """``<stem>.json`` (the summary) and ``<stem>.md`` (its table, ``text``) in ``out_dir``; the table printed too."""
+    (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / f"{stem}.md").write_text(text)
+    print(text)
+
+
+def profile_all(out_dir: Path, kernels=KERNELS) -> int:
+    ncu, summary = ncu_run_info(kernels={})
+    if ncu is None:
+        return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     earlier = out_dir / "ncu_forward.json"
     if tuple(kernels) != KERNELS and earlier.is_file():  # keep the other kernels' rows, from their own run
         kept = json.loads(earlier.read_text())["kernels"]
         summary["kernels"] = {name: dict(row, run=row.get("run", "earlier run")) for name, row in kept.items()}
     for name in kernels:
-        cmd = [ncu, "--clock-control", "none", "--set", "full", "--profile-from-start", "off", "--csv",
-               "--page", "raw", sys.executable, __file__, name]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ), timeout=300)
-        try:
-            rows = parse_raw_csv(done.stdout)
-            summary["kernels"][name] = summarise(rows[-1])
-            (out_dir / "ncu").mkdir(exist_ok=True)
-            (out_dir / "ncu" / f"ncu_forward_{name}.csv").write_text(done.stdout[done.stdout.index('"ID"'):])
-        except (StopIteration, IndexError, ValueError) as exc:
-            summary["kernels"][name] = dict(error=f"{type(exc).__name__}; ncu said: {(done.stderr or done.stdout)[-300:]}")
+        rows, error = ncu_rows(ncu, __file__, name, out_dir / "ncu" / f"ncu_forward_{name}.csv")
+        summary["kernels"][name] = dict(error=error) if error else summarise(rows[-1])
         print(name, json.dumps(summary["kernels"][name])[:600], flush=True)
-    (out_dir / "ncu_forward.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "ncu_forward.md").write_text(markdown(summary))
-    print(markdown(summary))
+    write_summary(out_dir, "ncu_forward", summary, markdown(summary))
     return 0
 
 
@@ -220,9 +244,7 @@ def from_csv(out_dir: Path) -> int:
         if f.is_file():
             run = summary["kernels"].get(name, {}).get("run")
             summary["kernels"][name] = dict(summarise(parse_raw_csv(f.read_text())[-1]), **({"run": run} if run else {}))
-    (out_dir / "ncu_forward.json").write_text(json.dumps(summary, indent=1))
-    (out_dir / "ncu_forward.md").write_text(markdown(summary))
-    print(markdown(summary))
+    write_summary(out_dir, "ncu_forward", summary, markdown(summary))
     return 0
 
 

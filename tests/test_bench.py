@@ -267,3 +267,23 @@ def test_every_bench_writes_to_the_repositorys_results_folder(module):
 
     mod = importlib.import_module(f"course_utils.bench.{module}")
     assert mod.RESULTS_DIR == Path(__file__).resolve().parent.parent / "results"
+
+
+def test_a_training_step_is_its_provider_s_forward_then_the_backward():
+    """bench.training.make_training_forward is the forward make_training_step runs (ncu_backward.py profiles the
+    backward of that forward alone): the same o, and the step's gradients are autograd's through it."""
+    import torch
+
+    from course_utils.bench import training
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, h, 64, 16, device=course_utils.DEVICE).requires_grad_() for h in (4, 2, 2))
+    do = torch.randn(1, 4, 64, 16, device=course_utils.DEVICE)
+    o, dq, dk, dv = training.make_training_step("course", q, k, v, do, True)()
+    o2 = training.make_training_forward("course", q, k, v, True)()
+    want = torch.autograd.grad(o2, (q, k, v), do)
+    torch.testing.assert_close(o2, o)
+    for got, w in zip((dq, dk, dv), want):
+        torch.testing.assert_close(got, w)
+    with pytest.raises(ValueError, match="unknown training provider"):
+        training.make_training_forward("sdpa_math", q, k, v, True)

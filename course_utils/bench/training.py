@@ -19,12 +19,8 @@ def training_flops(batch: int, n_heads: int, n: int, head_dim: int, causal: bool
     return (1 + BACKWARD_FLOP_FACTOR) * attention_flops(batch, n_heads, n, head_dim, causal)
 
 
-def make_training_step(name: str, q, k, v, do, causal: bool):
-    """A zero-argument callable: forward, then backward with ``do``; returns ``(o, dq, dk, dv)``.
-
-    ``q, k, v`` must require grad; their ``.grad`` is reset at each call so
-    every call does the same work.
-    """
+def make_training_forward(name: str, q, k, v, causal: bool):
+    """A zero-argument callable: provider ``name``'s differentiable forward, returning ``o``."""
     import torch.nn.functional as F
 
     if name == "course":
@@ -42,6 +38,16 @@ def make_training_step(name: str, q, k, v, do, causal: bool):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
     else:
         raise ValueError(f"unknown training provider {name!r}")
+    return forward
+
+
+def make_training_step(name: str, q, k, v, do, causal: bool):
+    """A zero-argument callable: forward, then backward with ``do``; returns ``(o, dq, dk, dv)``.
+
+    ``q, k, v`` must require grad; their ``.grad`` is reset at each call so
+    every call does the same work.
+    """
+    forward = make_training_forward(name, q, k, v, causal)
 
     def step():
         q.grad = k.grad = v.grad = None
