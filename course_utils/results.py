@@ -47,6 +47,11 @@ COLUMNS = {
         ("stages", "stages", "d", ""), ("gbps", "GB/s", ".0f", ""), ("of_ceiling", "of the read ceiling", ".0f", "%"),
         ("predicted", "model's busy fraction", ".0f", "%"), ("pick", "model's pick", "", ""),
     ],
+    "decode_variants": [
+        ("B", "B", "d", ""), ("context", "context", "d", ""), ("round", "round", "d", ""),
+        ("cudnn_gbps", "SDPA cuDNN GB/s", ".0f", ""), ("course_over_cudnn", "course / cuDNN", ".2f", "×"),
+        ("tma_over_cudnn", "tma / cuDNN", ".2f", "×"), ("fused_over_cudnn", "fused / cuDNN", ".2f", "×"),
+    ],
     "ring_bench": [
         ("N", "N", "d", ""), ("pass", "pass", "", ""), ("one_gpu_toks", "1 GPU tok/s", ",.0f", ""),
         ("ring_toks", "ring tok/s", ",.0f", ""), ("ring_over_one_gpu", "ring / 1 GPU", ".2f", "×"),
@@ -148,6 +153,20 @@ def _decode_splits(d):
                  of_ceiling=100 * r["gbps"] / ceiling[(r["batch"], r["context"])] if r["gbps"] else None,
                  predicted=100 * r["predicted_busy"], pick="yes" if r["model_pick"] else "")
             for r in d["rows"]]
+
+
+def _decode_variants(d):
+    """Per point and round (benchmarks/tune_decode_variants.py): cuDNN's GB/s and, as a ratio to it, the course's
+    launch and each variant's best launch (over its split counts and stages)."""
+    out = []
+    for b, n, rnd in sorted({(r["batch"], r["context"], r["round"]) for r in d["rows"]}):
+        here = [r for r in d["rows"] if (r["batch"], r["context"], r["round"]) == (b, n, rnd) and r.get("gbps")]
+        cudnn = next((r["gbps"] for r in here if r["name"] == "sdpa_cudnn"), None)
+        best = {name: max((r["gbps"] for r in here if r["name"] == name), default=None)
+                for name in ("course", "tma", "fused")}
+        out.append(dict(B=b, context=n, round=rnd, cudnn_gbps=cudnn,
+                        **{f"{name}_over_cudnn": _ratio(gbps, cudnn) for name, gbps in best.items()}))
+    return out
 
 
 CP_ROTATE_METHODS = ("allgather", "alltoall")  # torch's set_rotate_method: how its context parallel moves K/V
@@ -270,6 +289,7 @@ def _tune_window_fast(d):
 
 
 _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, "decode_splits": _decode_splits,
+         "decode_variants": _decode_variants,
          "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training,
          "tune_backward": _tune_backward, "tune_window": _tune_window, "tune_window_fast": _tune_window_fast}
 

@@ -17,7 +17,7 @@ import pytest
 from course_utils import results
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
-TABLES = ["window_bench", "decode_bench", "ring_bench", "ring_blocks", "training_bench", "tune_backward", "tune_window",
+TABLES = ["window_bench", "decode_bench", "decode_variants", "ring_bench", "ring_blocks", "training_bench", "tune_backward", "tune_window",
           "tune_window_fast"]
 NUMBER = r"([0-9][0-9,]*(?:\.[0-9]+)?(?:–[0-9][0-9,]*(?:\.[0-9]+)?)?)([×%]?)"
 
@@ -61,6 +61,22 @@ QUOTES = [
     (W09, "splits that cache in {})", "decode_bench", "splits", "value", dict(B=1, context=16384)),
     (W09, "programs, 396 at once) read {} of the ceiling", "decode_splits", "of_ceiling", "range",
      dict(B=64, splits=1, stages=3)),
+    (W09, "It read {} cuDNN against the course's", "decode_variants", "tma_over_cudnn", "range", {}),
+    (W09, "against the course's {} on the same points", "decode_variants", "course_over_cudnn", "range", {}),
+    (W09, "from a 64k context ({} for both)", "decode_variants", "tma_over_cudnn", "range", dict(context=lambda n: n >= 65536)),
+    (W09, "from a 64k context ({} for both)", "decode_variants", "course_over_cudnn", "range", dict(context=lambda n: n >= 65536)),
+    (W09, "behind them at short contexts ({} against", "decode_variants", "tma_over_cudnn", "range", dict(B=1, context=1024)),
+    (W09, "against {} at `B = 1`, 1k)", "decode_variants", "course_over_cudnn", "range", dict(B=1, context=1024)),
+    (W09, "At `B = 4` it read {} cuDNN", "decode_variants", "fused_over_cudnn", "range", dict(B=4)),
+    (W09, "cuDNN (the course {}); at", "decode_variants", "course_over_cudnn", "range", dict(B=4)),
+    (W09, "contexts it lost, {} against", "decode_variants", "fused_over_cudnn", "range", dict(B=1, context=(4096, 16384))),
+    (W09, "against {}, which we have not explained", "decode_variants", "course_over_cudnn", "range",
+     dict(B=1, context=(4096, 16384))),
+    (W09, "(the course {} in this run, fused", "decode_variants", "course_over_cudnn", "range", dict(B=1, context=1024)),
+    (W09, "in this run, fused {})", "decode_variants", "fused_over_cudnn", "range", dict(B=1, context=1024)),
+    (W09, "1k–4k contexts (the course {}, fused", "decode_variants", "course_over_cudnn", "range", dict(B=16, context=(1024, 4096))),
+    (W09, "1k–4k contexts (the course 0.99×, fused {})", "decode_variants", "fused_over_cudnn", "range",
+     dict(B=16, context=(1024, 4096))),
     (W10, "the ring ran at {} one GPU", "ring_bench", "ring_over_one_gpu", "range", {}),
     (W10, "and at {} PyTorch's context parallel", "ring_bench", "ring_over_torch_cp", "range", {}),
     (W10, "with their merges run at {} cuDNN's speed", "ring_blocks", "course_over_fwd", "range", dict(provider="cudnn")),

@@ -1,5 +1,5 @@
-"""benchmarks/tune_backward.py, tune_window.py, tune_decode.py, tune_fp8.py, host_overhead.py and ncu_backward.py
-on the CPU.
+"""benchmarks/tune_backward.py, tune_window.py, tune_decode.py, tune_decode_variants.py, tune_fp8.py, host_overhead.py and
+ncu_backward.py on the CPU.
 
 Every configuration they time is a valid launch that computes the right
 thing (checked here in Triton's interpreter, on a GPU compiled), so that a
@@ -273,3 +273,55 @@ def test_the_backward_profile_explains_itself_without_a_gpu(tmp_path, capsys):
     assert ncu_backward.main(["--all", str(tmp_path)]) == 0
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "ncu_backward.json").exists()
+
+
+tune_decode_variants = _load("tune_decode_variants")
+
+
+@pytest.mark.parametrize("variant", list(tune_decode_variants.VARIANTS))
+def test_each_decode_variant_is_right_at_every_split_count_and_leaves_its_counter_at_zero(variant):
+    """The variants of benchmarks/tune_decode_variants.py against the float32 reference, with ragged lengths and a
+    ragged last block; a second call gives the same result (the fused variant's counters are reset)."""
+    from course_utils.bench import decode as db
+
+    if variant == "tma" and ON_GPU and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("device-side TMA descriptors need a Hopper GPU")
+    context = 6 * 64 + 7
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 8, 1, 64, generator=g).to(DEVICE, torch.float16)  # GQA 8 / 2
+    k, v = (torch.randn(2, 2, context, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    seqlens = torch.tensor([context, context - 70], dtype=torch.int32, device=DEVICE)
+    for splits in (1, 2, 3):
+        first = tune_decode_variants.launch(q, k, v, seqlens, splits, variant, 3)
+        again = tune_decode_variants.launch(q, k, v, seqlens, splits, variant, 3)
+        for b in range(2):
+            want = db.reference(q[b:b + 1], k[b:b + 1, :, :seqlens[b]], v[b:b + 1, :, :seqlens[b]], 0)
+            assert _rel(first[b].float().cpu(), want.cpu()) < 1e-2, (splits, b)
+        assert torch.equal(first, again), splits
+    assert all(not c.any() for c in tune_decode_variants._counters.values())
+    with pytest.raises(ValueError, match="one new token"):
+        tune_decode_variants.launch(q.expand(2, 8, 2, 64), k, v, seqlens, 2, variant, 3)
+
+
+def test_the_decode_variants_table_shows_each_round_s_ratio_to_cudnn():
+    """Each cell is the lowest and highest ratio over the rounds; a variant's ratio is its best launch's."""
+    def row(rnd, name, gbps, **kw):
+        return dict(batch=1, context=1024, round=rnd, name=name, gbps=gbps, **kw)
+
+    rows = [row(1, "sdpa_cudnn", 400.0), row(1, "course", 380.0), row(1, "tma", 300.0), row(1, "tma", 360.0),
+            row(1, "fused", None, note="RuntimeError: wrong"),
+            row(2, "sdpa_cudnn", 400.0), row(2, "course", 390.0), row(2, "tma", 350.0)]
+    doc = dict(info=dict(gpu="Fake GPU", torch="t", triton="tr", date="d"), rows=rows)
+    (line,) = tune_decode_variants.summary(doc)
+    assert line["course"] == pytest.approx((0.95, 0.975)) and line["tma"] == pytest.approx((0.875, 0.9))
+    assert line["fused"] is None
+    md = tune_decode_variants.markdown(doc)
+    assert "| 1 | 1024 | 0.95–0.97× | 0.88–0.90× | — |" in md
+    assert "`tma` 0 of 1, `fused` 0 of 1" in md
+
+
+@pytest.mark.interpreter("checks what the script does on a machine without a GPU")
+def test_the_decode_variants_explain_themselves_without_a_gpu(tmp_path, capsys):
+    assert tune_decode_variants.main(["--out", str(tmp_path / "v.json")]) == 0
+    assert "No CUDA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "v.json").exists()
