@@ -104,24 +104,15 @@ def measure(batch: int, context: int, rep_ms: int = 30, paged: bool = False, can
 
     from course_utils.kernels import decode
 
-    g = torch.Generator(device="cuda").manual_seed(batch * 1_000_003 + context)
-    q = torch.randn(batch, db.N_Q_HEADS, 1, db.HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(batch, db.N_KV_HEADS, context, db.HEAD_DIM, device="cuda", dtype=torch.bfloat16,
-                        generator=g) for _ in range(2))
-    seqlens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    refs = {b: db.reference(q, k, v, b) for b in sorted({0, batch - 1})}
-    nbytes = db.cache_bytes(batch, context)
+    q, k, v, seqlens, refs, nbytes = db.point_inputs(batch, context)
     key = dict(batch=batch, context=context, paged=paged)
     rows = []
 
     def timed(name, fn, **extra):
         row = dict(key, name=name, gbps=None, **extra)
         try:
-            err = db.rel_error(fn(), refs)
-            if not err <= db.TOLERANCE:
-                raise RuntimeError(f"wrong: relative error {err:.2e}")
-            ms = triton.testing.do_bench(db.cuda_graphed(fn), warmup=10, rep=rep_ms, return_mode="median")
-            row.update(ms=ms, gbps=db.gb_per_s(nbytes, ms))
+            ms, gbps = db.checked_gbps(fn, refs, nbytes, rep_ms)
+            row.update(ms=ms, gbps=gbps)
         except Exception as exc:  # one configuration failing must not stop the sweep
             row["note"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ''}"
         rows.append(row)

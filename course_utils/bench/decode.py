@@ -305,6 +305,38 @@ def rel_error(o, refs) -> float:
     return worst if math.isfinite(worst) else float("inf")
 
 
+def point_inputs(batch: int, context: int, device: str = "cuda", dtype=None):
+    """One point of the grid, seeded by it: ``(q, k, v, cache_seqlens, refs, nbytes)``.
+
+    ``q`` ``[B, 32, 1, 128]``, ``k`` and ``v`` ``[B, 8, context, 128]`` (bf16 by default), every sequence at the full
+    context; ``refs`` the float32 :func:`reference` of the first and last sequence (for :func:`rel_error`);
+    ``nbytes`` the cache bytes one step reads.
+    """
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(batch * 1_000_003 + context)
+    dt = torch.bfloat16 if dtype is None else dtype
+    q = torch.randn(batch, N_Q_HEADS, 1, HEAD_DIM, device=device, dtype=dt, generator=g)
+    k = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
+    v = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    refs = {b: reference(q, k, v, b) for b in sorted({0, batch - 1})}
+    return q, k, v, seqlens, refs, cache_bytes(batch, context, element_size=q.element_size())
+
+
+def checked_gbps(fn, refs, nbytes: int, rep_ms: int = 30, calls: int = 1) -> tuple[float, float]:
+    """``(ms, GB/s)`` of ``fn`` replayed from a CUDA graph, after checking its output against ``refs`` ``calls``
+    times (a tuning script's row); raises ``RuntimeError`` when a call is wrong."""
+    import triton
+
+    for _ in range(calls):
+        err = rel_error(fn(), refs)
+        if not err <= TOLERANCE:
+            raise RuntimeError(f"wrong: relative error {err:.2e}")
+    ms = triton.testing.do_bench(cuda_graphed(fn), warmup=10, rep=rep_ms, return_mode="median")
+    return ms, gb_per_s(nbytes, ms)
+
+
 def measure_point(batch: int, context: int, providers=PROVIDERS, log=print, rep_ms: int = 60,
                   device: str = "cuda", dtype=None, graphs: bool = True) -> list[dict]:
     """Check, then time, every provider at one (batch, context) point (bf16 on the GPU by default).
@@ -314,14 +346,7 @@ def measure_point(batch: int, context: int, providers=PROVIDERS, log=print, rep_
     import torch
     import triton
 
-    g = torch.Generator(device=device).manual_seed(batch * 1_000_003 + context)
-    dt = torch.bfloat16 if dtype is None else dtype
-    q = torch.randn(batch, N_Q_HEADS, 1, HEAD_DIM, device=device, dtype=dt, generator=g)
-    k = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
-    v = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
-    seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    refs = {b: reference(q, k, v, b) for b in sorted({0, batch - 1})}
-    nbytes = cache_bytes(batch, context, element_size=q.element_size())
+    q, k, v, seqlens, refs, nbytes = point_inputs(batch, context, device, dtype)
     rows = []
     for name in providers:
         if name == "flex" and _flex_seconds[0] > FLEX_BUDGET_S:
@@ -539,14 +564,7 @@ def measure_splits(batch: int, context: int, counts=SPLIT_COUNTS, log=print, rep
 
     from ..kernels import decode
 
-    g = torch.Generator(device=device).manual_seed(batch * 1_000_003 + context)
-    dt = torch.bfloat16 if dtype is None else dtype
-    q = torch.randn(batch, N_Q_HEADS, 1, HEAD_DIM, device=device, dtype=dt, generator=g)
-    k = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
-    v = torch.randn(batch, N_KV_HEADS, context, HEAD_DIM, device=device, dtype=dt, generator=g)
-    seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    refs = {b: reference(q, k, v, b) for b in sorted({0, batch - 1})}
-    nbytes = cache_bytes(batch, context, element_size=q.element_size())
+    q, k, v, seqlens, refs, nbytes = point_inputs(batch, context, device, dtype)
     sms = sm_count or (torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132)
     block_n = decode.decode_config(HEAD_DIM, q.dtype, q.device)["BLOCK_N"]
     pick = decode.model_num_splits(batch, N_KV_HEADS, 1, triton.cdiv(context, block_n), sms)  # the model's own
