@@ -286,3 +286,17 @@ def test_lesson_07_counts_the_backward_s_time_from_the_recorded_profile():
                   f"{cudnn['duration_us'] / 5:.0f} in cuDNN's kernel",
                   f"would need {needed:.0f} µs per product"):
         assert quote in readme, f"the README should quote the recorded profile: {quote!r}"
+
+
+def test_the_readme_quotes_the_decode_variants_from_the_recorded_run():
+    """The README's sentence on the two decode rewrites: each range is the recorded one, over every point and round,
+    and neither variant reached cuDNN in any round at B = 1 or at B = 16 with 1k-4k contexts."""
+    readme = " ".join((SOLUTIONS.parent / "README.md").read_text().split())
+    fig = {key: results.figure("decode_variants", f"{key}_over_cudnn") for key in ("course", "tma", "fused")}
+    assert (f"descriptors read {fig['tma']} cuDNN and the combine fused into the split kernel {fig['fused']}, "
+            f"against the course's {fig['course']} in the same run; neither reached cuDNN at B = 1 or at B = 16 "
+            "with 1k–4k contexts") in readme
+    date = results.load("decode_variants")["info"]["date"]
+    assert f"`benchmarks/tune_decode_variants.py`, {date}, two rounds" in readme
+    there = results.rows("decode_variants", B=1) + results.rows("decode_variants", B=16, context=(1024, 4096))
+    assert there and max(max(r["tma_over_cudnn"], r["fused_over_cudnn"]) for r in there) < 1.0
