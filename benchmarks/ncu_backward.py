@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ncu_forward import PIPES, ncu_rows, ncu_run_info, parse_raw_csv, summarise, write_summary  # noqa: E402
+from ncu_forward import PIPES, ncu_rows, ncu_run_info, parse_raw_csv, rebuild_from_csv, summarise, write_summary  # noqa: E402
 
 PROVIDERS = ("course", "sdpa_cudnn", "sdpa_flash")
 B, HQ, HKV, N, D = 4, 32, 8, 4096, 128
@@ -112,13 +112,8 @@ def profile_all(out_dir: Path, providers=PROVIDERS) -> int:
 
 def from_csv(out_dir: Path) -> int:
     """Rebuild ``ncu_backward.{json,md}`` from the raw CSVs a run kept (no GPU needed)."""
-    summary = json.loads((out_dir / "ncu_backward.json").read_text())
-    for name in PROVIDERS:
-        f = out_dir / "ncu" / f"ncu_backward_{name}.csv"
-        if f.is_file():
-            summary["providers"][name] = provider_summary(parse_raw_csv(f.read_text()))
-    write_summary(out_dir, "ncu_backward", summary, markdown(summary))
-    return 0
+    return rebuild_from_csv(out_dir, "ncu_backward", "providers", PROVIDERS, lambda rows, _: provider_summary(rows),
+                            markdown)
 
 
 def main(argv=None) -> int:

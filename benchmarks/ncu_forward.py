@@ -236,16 +236,24 @@ def profile_all(out_dir: Path, kernels=KERNELS) -> int:
     return 0
 
 
-def from_csv(out_dir: Path) -> int:
-    """Rebuild ``ncu_forward.{json,md}`` from the raw CSVs a run kept (no GPU needed)."""
-    summary = json.loads((out_dir / "ncu_forward.json").read_text())
-    for name in KERNELS:
-        f = out_dir / "ncu" / f"ncu_forward_{name}.csv"
+def rebuild_from_csv(out_dir: Path, stem: str, section: str, names, entry, render) -> int:
+    """Rebuild ``<stem>.{json,md}`` in ``out_dir`` from the raw CSVs a run kept there (no GPU needed): each of
+    ``names`` with a CSV gets ``summary[section][name] = entry(rows, earlier_entry)``; ``render`` writes the md."""
+    summary = json.loads((out_dir / f"{stem}.json").read_text())
+    for name in names:
+        f = out_dir / "ncu" / f"{stem}_{name}.csv"
         if f.is_file():
-            run = summary["kernels"].get(name, {}).get("run")
-            summary["kernels"][name] = dict(summarise(parse_raw_csv(f.read_text())[-1]), **({"run": run} if run else {}))
-    write_summary(out_dir, "ncu_forward", summary, markdown(summary))
+            summary[section][name] = entry(parse_raw_csv(f.read_text()), summary[section].get(name, {}))
+    write_summary(out_dir, stem, summary, render(summary))
     return 0
+
+
+def from_csv(out_dir: Path) -> int:
+    """Rebuild ``ncu_forward.{json,md}`` from the raw CSVs a run kept (no GPU needed); a row keeps its ``run``."""
+    def entry(rows, earlier):
+        return dict(summarise(rows[-1]), **({"run": earlier["run"]} if earlier.get("run") else {}))
+
+    return rebuild_from_csv(out_dir, "ncu_forward", "kernels", KERNELS, entry, markdown)
 
 
 def main(argv=None) -> int:

@@ -82,7 +82,7 @@ def allowed_counts(context: int, block_n: int, counts=COUNTS) -> list[int]:
     blocks each)."""
     from course_utils.kernels import decode
 
-    most = max(1, min(decode.MAX_SPLITS, -(-context // block_n) // decode.MIN_SPLIT_BLOCKS))
+    most = decode._max_splits(-(-context // block_n))
     return [s for s in counts if s <= most]
 
 

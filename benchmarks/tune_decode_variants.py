@@ -31,7 +31,6 @@ Needs a CUDA GPU (with ``tma``, a Hopper one); ``launch`` also runs in Triton's 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -44,6 +43,9 @@ import triton.language as tl
 from course_utils import bench
 from course_utils.bench import decode as db
 from course_utils.kernels import decode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tune_decode import parse_point  # noqa: E402  (the sibling sweep's B:L parser)
 
 VARIANTS = {"tma": dict(USE_TMA=True, FUSE_COMBINE=False), "fused": dict(USE_TMA=False, FUSE_COMBINE=True)}
 NO_GPU_MESSAGE = ("No CUDA GPU here, so there is nothing to time: run `python benchmarks/tune_decode_variants.py` "
@@ -171,7 +173,7 @@ def launch(q, k, v, seqlens, num_splits: int, variant: str, num_stages: int, blo
 
 def counts_around(pick: int, context: int, block_n: int = 64) -> list[int]:
     """The course's split count, half and twice it, among those the launcher allows (at least 4 blocks each)."""
-    most = max(1, min(decode.MAX_SPLITS, -(-context // block_n) // decode.MIN_SPLIT_BLOCKS))
+    most = decode._max_splits(-(-context // block_n))
     return sorted(s for s in {max(1, pick // 2), pick, 2 * pick} if s <= most)
 
 
@@ -249,12 +251,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON) and a .md beside it")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-gib", type=float, default=20.0, help="largest cache of the grid, GiB")
-    parser.add_argument("--points", nargs="+", default=None, metavar="B:L", help="batch:context points instead")
+    parser.add_argument("--points", type=parse_point, nargs="+", default=None, metavar="B:L",
+                        help="batch:context points instead")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(NO_GPU_MESSAGE)
         return 0
-    points = ([tuple(int(x) for x in p.split(":")) for p in args.points] if args.points else db.grid(args.max_gib))
+    points = args.points or db.grid(args.max_gib)
     rows = []
     for rnd in range(1, args.rounds + 1):
         for b, n in points:

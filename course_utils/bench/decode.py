@@ -500,8 +500,7 @@ def split_counts(context: int, pick: int, counts=SPLIT_COUNTS, block_n: int = 64
     """The split counts measured at one point: ``counts`` the launcher allows there, and the model's pick."""
     from ..kernels import decode
 
-    n_blocks = -(-context // block_n)
-    most = max(1, min(decode.MAX_SPLITS, n_blocks // decode.MIN_SPLIT_BLOCKS))
+    most = decode._max_splits(-(-context // block_n))
     return sorted({s for s in counts if s <= most} | {pick})
 
 
