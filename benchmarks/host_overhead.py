@@ -1,6 +1,7 @@
 """How much of a forward + backward step is the host's: launch time against GPU time, per provider.
 
     python benchmarks/host_overhead.py [--json PATH --note TEXT] [--cprofile CASE]
+    python benchmarks/host_overhead.py --layers PATH
 
 For each case (bf16, GQA 32/8, D = 128) and provider it prints three numbers:
 
@@ -13,6 +14,12 @@ For each case (bf16, GQA 32/8, D = 128) and provider it prints three numbers:
 Where ``host_ms`` is close to ``gpu_ms`` and ``kernels_ms`` is well below it, the step is launch-bound:
 the GPU waits for Python, and the benches' time is the host's. ``--json`` appends the run (with
 ``--note``, what it measured) to the ``runs`` of that file (``results/host_overhead.json``).
+
+``--layers PATH`` times the window forward instead, one layer of the course's call at a time
+(:func:`forward_layers`: the public call, the dispatch, the launcher, the bare Triton launch and the
+helpers between them), each layer's host time alone, and for the public call, the pointer-load launch,
+the bare launch and FlexAttention also ``do_bench``'s time and the time of a CUDA graph of one call
+(the kernel's time without the host), at :data:`LAYER_POINTS`; it writes ``results/window_host_layers.json``.
 """
 
 from __future__ import annotations
@@ -43,6 +50,19 @@ CASES = [
 ]
 
 
+# (window_size, sink_size, N) of the window grid where the host time was in question (batch 1, as the grid).
+LAYER_POINTS = [(256, 0, 4096), (1024, 4, 4096), (256, 0, 16384)]
+# The layers whose GPU time is also taken (do_bench, and a CUDA graph of one call).
+TIMED_LAYERS = ("public flash_attention_with_lse", "launch use_tma=False", "raw kernel launch (descriptors made)",
+                "flex")
+
+
+LAYERS_WHAT = ("microseconds per call, bf16, batch 1, GQA 32/8, D = 128 (the window grid's inputs). Plain names: "
+               "host enqueue time of that layer alone (GPU kept busy by torch.cuda._sleep, 200 calls); "
+               "'do_bench X': triton.testing.do_bench of X (L2 flushed); 'graph X': do_bench of a CUDA graph of one "
+               "call of X. 'flex': FlexAttention, compiled, block mask built once.")
+
+
 def steps(kind, n, w, s):
     """``{provider: step}`` for one case, on the inputs of the benchmark it comes from."""
     if kind == "training":
@@ -70,6 +90,92 @@ def host_ms(step, reps=20):
     return (t1 - t0) * 1e3 / reps
 
 
+def forward_layers(n, w, s):
+    """``{layer: zero-argument call}`` for the window forward at one point, outermost first.
+
+    From ``kernels.flash_attention_with_lse`` down to the bare launch of
+    ``fast_window``'s kernel with its outputs and four TMA descriptors made
+    beforehand, and the helpers each layer runs (validation, the support
+    check, the allocation, the descriptors); ``flex`` is FlexAttention's
+    compiled call with its block mask built once.
+    """
+    from course_utils import kernels
+    from course_utils.kernels import dispatch, fast, fast_window, forward
+
+    q, k, v = window.make_inputs(n)
+    b, hq, _, d = q.shape
+    hkv = k.shape[1]
+    cfg = fast_window.hopper_config(w, d, n)
+    qc, kc, vc, o, lse, scale = fast._prepare(q, k, v, None)
+    descs = fast._descriptors(qc, kc, vc, o, cfg["block_m"], cfg["block_n"])
+    grid = fast.grid_shape(fast.ORDER_KV_GROUPED, b, hq, hkv, n // cfg["block_m"])
+
+    def bare_launch():
+        fast_window._attn_fwd_fast_window_kernel[grid](
+            qc, kc, vc, o, lse, *descs, scale, n, hq, w, s, GROUP_SIZE=hq // hkv, HEAD_DIM=d,
+            BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=True, ORDER=fast.ORDER_KV_GROUPED,
+            HAS_SINKS=bool(s), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+    return {
+        "public flash_attention_with_lse": lambda: kernels.flash_attention_with_lse(q, k, v, True, window_size=w,
+                                                                                    sink_size=s),
+        "check_call": lambda: dispatch.check_call(q, k, v, True, w, s),
+        "launch_forward": lambda: dispatch.launch_forward(q, k, v, True, w, s),
+        "attention_forward_window": lambda: fast_window.attention_forward_window(q, k, v, window_size=w, sink_size=s),
+        "launch use_tma=False": lambda: fast_window.launch(q, k, v, window_size=w, sink_size=s, use_tma=False, **cfg),
+        "raw kernel launch (descriptors made)": bare_launch,
+        "_descriptors": lambda: fast._descriptors(qc, kc, vc, o, cfg["block_m"], cfg["block_n"]),
+        "_prepare": lambda: fast._prepare(q, k, v, None),
+        "fast.unsupported_reason": lambda: fast.unsupported_reason(q, k, v),
+        "forward.validate": lambda: forward.validate(q, k, v),
+        "get_device_capability": lambda: torch.cuda.get_device_capability(q.device),
+        "bf16_problem": lambda: forward.bf16_problem(q.dtype, q.device),
+        "hopper_config": lambda: fast_window.hopper_config(w, d, n),
+        "flex": window.make_forward("flex", q, k, v, window.WindowCase(w, s, n)),
+    }
+
+
+def graph_ms(fn):
+    """``do_bench``'s median of a CUDA graph of one call of ``fn``: its GPU time with no host in the way."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile, allocate) outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
+def measure_layers(points=LAYER_POINTS, log=print) -> dict:
+    """``{"W=.. S=.. N=..": {name: microseconds}}``: every layer's host time, and GPU times of TIMED_LAYERS."""
+    out = {}
+    for w, s, n in points:
+        layers = forward_layers(n, w, s)
+        row = {name: round(host_ms(fn, reps=200) * 1e3, 1) for name, fn in layers.items()}
+        for name in TIMED_LAYERS:
+            row[f"do_bench {name}"] = round(
+                triton.testing.do_bench(layers[name], warmup=25, rep=100, return_mode="median") * 1e3, 1)
+            row[f"graph {name}"] = round(graph_ms(layers[name]) * 1e3, 1)
+        out[f"W={w} S={s} N={n}"] = row
+        log(f"W={w} S={s} N={n}: " + ", ".join(f"{key} {val} us" for key, val in row.items()))
+    return out
+
+
+def layers_markdown(doc: dict) -> str:
+    """The table of ``results/NOTES.md``'s section on the window forward's host time, from ``--layers``' file."""
+    lines = ["| point | kernel (graph), course | kernel (graph), FlexAttention | course / Flex, kernels "
+             "| course, public call's host time | course, `do_bench` | Flex, `do_bench` |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    public = "public flash_attention_with_lse"
+    for key, row in doc["points"].items():
+        ratio = row["graph flex"] / row[f"graph {public}"]
+        lines.append(f"| {key} | {row[f'graph {public}']:.1f} us | {row['graph flex']:.1f} us | {ratio:.2f}x "
+                     f"| {row[public]:.0f} us | {row[f'do_bench {public}']:.1f} us | {row['do_bench flex']:.1f} us |")
+    return "\n".join(lines)
+
+
 def kernel_ms(step, reps=5):
     """(summed kernel time per step, kernels per step) from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -89,11 +195,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=None, help="append this run to the file's runs")
     parser.add_argument("--note", default="", help="what this run measured (stored with it)")
+    parser.add_argument("--layers", type=Path, default=None, metavar="PATH",
+                        help="time the window forward layer by layer instead (writes PATH)")
     parser.add_argument("--cprofile", default=None, metavar="CASE",
                         help="also print cProfile's top functions for the course's step of this case label")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
+        return 0
+    if args.layers:
+        info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                    date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), what=LAYERS_WHAT,
+                    command="python benchmarks/host_overhead.py --layers " + str(args.layers))
+        args.layers.write_text(json.dumps(dict(info=info, points=measure_layers()), indent=1) + "\n")
         return 0
     rows = []
     for label, kind, n, w, s in CASES:

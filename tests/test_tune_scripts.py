@@ -239,6 +239,38 @@ def test_host_overhead_cases_name_their_window_sinks_and_batch():
             assert label.endswith(f"B={batch}")
 
 
+@pytest.mark.interpreter("without a GPU the script has nothing to time")
+def test_host_overhead_layers_explains_itself_without_a_gpu(tmp_path, capsys):
+    out = tmp_path / "layers.json"
+    assert host_overhead.main(["--layers", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE and not out.exists()
+
+
+def test_host_overhead_layer_points_are_window_grid_points_and_the_recorded_file_has_them():
+    """--layers times points of the window grid (batch 1), and results/window_host_layers.json holds each of
+    them with every timed layer's host, do_bench and graph times."""
+    from course_utils import results
+
+    doc = results.load("window_host_layers")
+    assert list(doc["points"]) == [f"W={w} S={s} N={n}" for w, s, n in host_overhead.LAYER_POINTS]
+    for w, s, n in host_overhead.LAYER_POINTS:
+        assert w in bench.window.WINDOWS and s in bench.window.SINKS and n in bench.window.NS
+    for row in doc["points"].values():
+        for name in host_overhead.TIMED_LAYERS:
+            assert all(row[key] > 0 for key in (name, f"do_bench {name}", f"graph {name}"))
+    assert doc["info"]["what"] == host_overhead.LAYERS_WHAT
+
+
+def test_host_overhead_layers_markdown_renders_each_point_from_the_file():
+    from course_utils import results
+
+    doc = results.load("window_host_layers")
+    text = host_overhead.layers_markdown(doc)
+    for key, row in doc["points"].items():
+        ratio = row["graph flex"] / row["graph public flash_attention_with_lse"]
+        assert f"| {key} | {row['graph public flash_attention_with_lse']:.1f} us |" in text and f"{ratio:.2f}x" in text
+
+
 def _ncu_raw_csv(kernels):
     """A small `ncu --csv --page raw` output: a log line, the header, the units row, one row per (name, ms, tensor %)."""
     header = ["ID", "Kernel Name", "gpu__time_duration.sum",
