@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from course_utils import bench  # noqa: E402
-from course_utils.bench import cases, training, window  # noqa: E402
+from course_utils.bench import cases, decode, training, window  # noqa: E402
 
 # (label, kind, N, window_size, sink_size). "training": training_bench's main case (its batch holds 16k
 # tokens); "causal" and "window": window_bench's inputs (batch 1), plain causal or with the window.
@@ -135,19 +135,6 @@ def forward_layers(n, w, s):
     }
 
 
-def graph_ms(fn):
-    """``do_bench``'s median of a CUDA graph of one call of ``fn``: its GPU time with no host in the way."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile, allocate) outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-
-
 def measure_layers(points=LAYER_POINTS, log=print) -> dict:
     """``{"W=.. S=.. N=..": {name: microseconds}}``: every layer's host time, and GPU times of TIMED_LAYERS."""
     out = {}
@@ -157,7 +144,9 @@ def measure_layers(points=LAYER_POINTS, log=print) -> dict:
         for name in TIMED_LAYERS:
             row[f"do_bench {name}"] = round(
                 triton.testing.do_bench(layers[name], warmup=25, rep=100, return_mode="median") * 1e3, 1)
-            row[f"graph {name}"] = round(graph_ms(layers[name]) * 1e3, 1)
+            replay = decode.cuda_graphed(layers[name])  # the GPU's time alone, no host in the way
+            row[f"graph {name}"] = round(
+                triton.testing.do_bench(replay, warmup=25, rep=100, return_mode="median") * 1e3, 1)
         out[f"W={w} S={s} N={n}"] = row
         log(f"W={w} S={s} N={n}: " + ", ".join(f"{key} {val} us" for key, val in row.items()))
     return out
