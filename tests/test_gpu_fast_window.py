@@ -40,6 +40,7 @@ SHAPES = [
     (1, 8, 1, 192, 128, 64, 70, torch.float16),  # N not a multiple of 128: 64-row tiles; MQA
     (2, 4, 4, 512, 64, 100, 0, torch.bfloat16),  # MHA, D = 64
     (1, 4, 2, 512, 64, 8, 3, torch.float16),  # a window smaller than a tile
+    (1, 2, 1, 6144, 128, 4096, 4, torch.bfloat16),  # long enough for TMA loads (the others are short calls)
 ]
 
 
@@ -47,6 +48,7 @@ SHAPES = [
 def test_the_shipped_launch_matches_the_reference(b, hq, hkv, n, d, window_size, sink_size, dtype):
     q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=n + window_size)
     assert fast_window.is_supported(q, k, v)
+    assert fast_window.is_short_call(q, window_size, sink_size) == (n < 6144)
     o, lse = fast_window.attention_forward_window(q, k, v, window_size=window_size, sink_size=sink_size)
     _assert_close(o, lse, q, k, v, window_size, sink_size)
 

@@ -94,29 +94,59 @@ def test_the_dispatch_routes_windows_to_the_fast_kernel_where_it_is_supported(mo
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("b, hq, n, d, window_size, sink_size, short", [
+    (1, 32, 4096, 128, 256, 0, True),  # the window grid's launch-bound point: 17 GFLOP
+    (1, 32, 4096, 128, 256, 4, True),
+    (1, 32, 8192, 128, 256, 0, False),  # twice the rows
+    (1, 32, 4096, 128, 1024, 0, False),  # four times the window
+    (4, 32, 4096, 128, 256, 0, False),  # four times the batch
+    (1, 32, 4096, 64, 256, 0, True),  # half the head dim
+    (1, 8, 65536, 128, 100_000, 0, False),  # a window longer than N counts N keys: plain causal work
+    (1, 8, 2048, 128, 100_000, 0, True),
+])
+def test_short_calls_are_the_ones_under_the_flop_bound(b, hq, n, d, window_size, sink_size, short):
+    q = torch.empty(b, hq, n, d, device="meta")
+    assert fast_window.is_short_call(q, window_size, sink_size) is short
+
+
+def test_a_short_call_launches_with_pointer_loads_and_a_long_one_with_tma(monkeypatch):
+    """attention_forward_window passes launch use_tma = not is_short_call, with hopper_config's tiles."""
+    calls = []
+    monkeypatch.setattr(fast_window, "launch", lambda q, k, v, **kw: calls.append(kw))
+    for n in (4096, 8192):
+        q = torch.empty(1, 32, n, 128, device="meta")
+        k = torch.empty(1, 8, n, 128, device="meta")
+        fast_window.attention_forward_window(q, k, k, window_size=256, sink_size=4)
+    assert [c["use_tma"] for c in calls] == [False, True]
+    assert all(c["window_size"] == 256 and c["sink_size"] == 4 and c["block_n"] == 32 for c in calls)
+
+
 HOPPER_SCRIPT = r"""
 import json
 import torch
 from course_utils.kernels import targets, fast_window
 
 out = []
-for w in (256, 1024, 4096):
+# the window grid's heads (GQA 32/8): every window at N = 8k, and the short calls of W = 256 at N = 4k
+for w, n in [(256, 8192), (1024, 8192), (4096, 8192), (256, 4096)]:
     for s in (0, 4):
-        q = torch.zeros(1, 4, 8192, 128, dtype=torch.bfloat16)
-        k = torch.zeros(1, 1, 8192, 128, dtype=torch.bfloat16)
+        q = torch.zeros(1, 32, n, 128, dtype=torch.bfloat16)
+        k = torch.zeros(1, 8, n, 128, dtype=torch.bfloat16)
         with targets._captured_launches() as launches:
             fast_window.attention_forward_window(q, k, k, window_size=w, sink_size=s)
         (kernel, args, kwargs), = launches
-        c = targets.compile_launch(kernel, args, kwargs, 90, f"W={w} S={s}", registers=True)
-        out.append(dict(w=w, s=s, kernel=c.kernel, fits=c.fits, spill=c.spill_bytes, shared=c.shared_bytes,
-                        registers=c.registers, tiles=[kwargs["BLOCK_M"], kwargs["BLOCK_N"]]))
+        c = targets.compile_launch(kernel, args, kwargs, 90, f"W={w} S={s} N={n}", registers=True)
+        out.append(dict(w=w, s=s, n=n, kernel=c.kernel, fits=c.fits, spill=c.spill_bytes, shared=c.shared_bytes,
+                        registers=c.registers, tiles=[kwargs["BLOCK_M"], kwargs["BLOCK_N"]],
+                        tma=kwargs["USE_TMA"]))
 print(json.dumps(out))
 """
 
 
 def test_the_shipped_hopper_launches_compile_for_sm_90_two_programs_per_sm_without_spills():
-    """Compiled here for an H100/H200 (ptxas, no GPU; TMA descriptors in the signature): each launch
-    hopper_config picks fits twice into an SM's 228 KiB and 64K registers, and spills nothing."""
+    """Compiled here for an H100/H200 (ptxas, no GPU; TMA descriptors in the signature, or pointers in a
+    short call): each launch hopper_config picks fits twice into an SM's 228 KiB and 64K registers, and
+    spills nothing."""
     import json
     import os
     import subprocess
@@ -126,8 +156,10 @@ def test_the_shipped_hopper_launches_compile_for_sm_90_two_programs_per_sm_witho
     out = subprocess.run([sys.executable, "-c", HOPPER_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     launches = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {(c["w"], c["s"]) for c in launches} == {(w, s) for w in (256, 1024, 4096) for s in (0, 4)}
+    assert {(c["w"], c["s"], c["n"]) for c in launches} == {
+        (w, s, n) for w, n in [(256, 8192), (1024, 8192), (4096, 8192), (256, 4096)] for s in (0, 4)}
     for c in launches:
         assert c["kernel"] == "_attn_fwd_fast_window_kernel" and c["fits"] and c["spill"] == 0, c
+        assert c["tma"] == (c["n"] == 8192), c  # W = 256 at N = 4k is a short call: pointer loads
         assert 2 * (c["shared"] + 1024) <= 228 * 1024 and 2 * 128 * c["registers"] <= 64 * 1024, c
         assert c["tiles"] == ([64, 32] if c["w"] <= 256 else [64, 64]), c

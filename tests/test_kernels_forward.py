@@ -147,6 +147,22 @@ def test_gpus_before_sm80_are_known_to_lack_bf16(monkeypatch):
     assert forward._gpu_without_bf16(torch.device("cpu")) is None
 
 
+def test_the_capability_is_asked_once_per_device_and_again_of_a_new_answerer(monkeypatch):
+    """forward._capability remembers torch's answer per device index, keyed by the function asked too."""
+    asked = []
+    monkeypatch.setattr(forward, "_CAPABILITIES", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (9, 0))
+    assert [forward._capability(torch.device("cuda", 0)) for _ in range(3)] == [(9, 0)] * 3
+    assert forward._capability(torch.device("cuda", 1)) == (9, 0)
+    assert asked == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    forward._capability(torch.device("cuda"))  # no index: whichever device is current, never remembered
+    forward._capability(torch.device("cuda"))
+    assert len(asked) == 4
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4 now
+    assert forward._capability(torch.device("cuda", 0)) == (7, 5)
+    assert forward._capability(torch.device("cpu")) is None
+
+
 def test_bf16_on_a_t4_is_refused_by_forward_and_backward(monkeypatch):
     from course_utils.kernels import backward
 

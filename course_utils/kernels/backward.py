@@ -1062,7 +1062,7 @@ def check_backward_inputs(q, k, v, o, lse, do):
 
 def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, config: BackwardConfig | None = None,
                        window_size=None, sink_size=0, cu_seqlens=None, softcap=None, alibi_slopes=None,
-                       sink_logits=None):
+                       sink_logits=None, _validated: bool = False):
     """``(dq, dk, dv)`` of FlashAttention from what the forward saved, in Triton.
 
     ``q``, ``o``, ``do``: ``[B, H_q, N_q, D]``; ``k``, ``v``: ``[B, H_kv, N_k, D]``
@@ -1087,12 +1087,17 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     :func:`sink_logits_grad`. With sinks (``sink_size``) the sink keys' far
     queries are not split over programs of their own here (lesson 08's
     ``split_sinks`` applies to the window kernels only).
+
+    ``_validated=True`` (:class:`FlashAttentionFunction`'s backward): the
+    forward checked the call and autograd hands back ``do`` with ``o``'s
+    shape, dtype and device, so the inputs are not checked again.
     """
-    check_backward_inputs(q, k, v, o, lse, do)
-    validate_window(causal, window_size, sink_size)
     mods = has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits)
-    if mods:
-        validate_mods(q, cu_seqlens, softcap, alibi_slopes, sink_logits)
+    if not _validated:
+        check_backward_inputs(q, k, v, o, lse, do)
+        validate_window(causal, window_size, sink_size)
+        if mods:
+            validate_mods(q, cu_seqlens, softcap, alibi_slopes, sink_logits)
     B, n_q_heads, N_Q, D = q.shape
     n_kv_heads, N_K = k.shape[1], k.shape[2]
     group_size = n_q_heads // n_kv_heads
@@ -1301,7 +1306,8 @@ class FlashAttentionFunction(torch.autograd.Function):
         window_size, sink_size = ctx.window
         dq, dk, dv = attention_backward(q, k, v, o, lse, do, causal=ctx.causal,
                                         window_size=window_size, sink_size=sink_size, cu_seqlens=cu_seqlens,
-                                        softcap=ctx.softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
+                                        softcap=ctx.softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits,
+                                        _validated=True)
         d_sink = None
         if sink_logits is not None and ctx.needs_input_grad[10]:
             d_sink = sink_logits_grad(o, do, lse, sink_logits)

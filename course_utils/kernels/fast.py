@@ -67,6 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .forward import _capability
+
 try:  # Host-side TMA descriptors (Triton >= 3.3).
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - old Triton: the fast path is off
@@ -593,7 +595,7 @@ def unsupported_reason(q, k, v) -> str | None:
         return "the Triton interpreter is on (no GPU): autotuning and TMA need a GPU"
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return "inputs are not on a CUDA GPU"
-    major, minor = torch.cuda.get_device_capability(q.device)
+    major, minor = _capability(q.device)
     if major != 9:
         return f"compute capability {major}.{minor}: the fast kernel is built and measured for Hopper (9.x) only"
     return None

@@ -21,11 +21,17 @@ lower edge) then carries a finite running max and a sum of ones, and its
 first visible key rescales them by ``exp2(-1e6 - m)``, which is exactly 0 in
 fp32. Every row sees at least itself, so every row ends with the right sum.
 
+A short call (:func:`is_short_call`: a band of under :data:`SHORT_CALL_FLOP`)
+loads K and V with pointers instead: its kernel ends before Python has
+finished launching it with four TMA descriptors, so the host's time is the
+call's, and the pointer launch is the quicker one to make.
+
 Public API: :func:`unsupported_reason` / :func:`is_supported` (the fast
 kernel's limits: Hopper, bf16/fp16, D of 64 or 128, ``N`` a multiple of 64),
-:func:`hopper_config` (the launch measured on an H200), :func:`launch` (one
-fixed launch; runs in the interpreter too, which is how the CPU tests check
-it) and :func:`attention_forward_window` (what the package's dispatch calls).
+:func:`hopper_config` (the launch measured on an H200), :func:`is_short_call`,
+:func:`launch` (one fixed launch; runs in the interpreter too, which is how
+the CPU tests check it) and :func:`attention_forward_window` (what the
+package's dispatch calls).
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ from . import fast
 from .fast import ORDER_KV_GROUPED, _load_k_transposed, _online_update, _program_tile, _shift_unmasked
 from .forward import _window_bounds, _window_keep
 
-__all__ = ["unsupported_reason", "is_supported", "hopper_config", "launch", "attention_forward_window"]
+__all__ = ["unsupported_reason", "is_supported", "hopper_config", "SHORT_CALL_FLOP", "is_short_call", "launch",
+           "attention_forward_window"]
 
 
 @triton.jit
@@ -170,6 +177,22 @@ def hopper_config(window_size: int, head_dim: int, n: int) -> dict:
     return dict(block_m=64, block_n=32 if window_size <= 256 else 64, num_warps=4, num_stages=3)
 
 
+# Below this many FLOPs (an upper bound on the band's work: 4 D per query row per key of its window and sinks,
+# every query head) the forward's kernel takes about 0.1 ms on an H200 or less, and the call is launch-bound:
+# Python launches the kernel with pointer loads 20-25 us sooner than with four host TMA descriptors (each encoded
+# by the driver at every launch), while the kernel is 0-4% slower (results/NOTES.md, "Short window forwards").
+# W = 256 at N = 4k with 32 query heads is 17 GFLOP; W = 256 at 8k (34) and W = 1024 at 4k (69) keep TMA,
+# where its kernel is 4-15% faster and the host keeps ahead of the GPU.
+SHORT_CALL_FLOP = 25e9
+
+
+def is_short_call(q, window_size: int, sink_size: int = 0) -> bool:
+    """True when :func:`attention_forward_window` launches with pointer loads (:data:`SHORT_CALL_FLOP`)."""
+    b, hq, n, d = q.shape
+    keys = min(int(window_size), n) + min(int(sink_size), n)
+    return 4.0 * d * b * hq * n * keys < SHORT_CALL_FLOP
+
+
 def launch(q, k, v, *, window_size, sink_size=0, sm_scale=None, block_m=128, block_n=64, num_warps=4,
            num_stages=2, use_tma=True, order=ORDER_KV_GROUPED, maxnreg=None):
     """Run the kernel with one fixed launch: ``(o, lse)``, as :func:`.forward.flash_attention_window_forward`.
@@ -201,6 +224,9 @@ def attention_forward_window(q, k, v, *, window_size, sink_size=0):
     """``(o, lse)`` of causal attention with a window and sinks, by :func:`hopper_config`'s launch.
 
     For tensors :func:`is_supported` has accepted (the dispatch asks first).
+    K and V go through TMA descriptors, except in a short call
+    (:func:`is_short_call`), which loads them with pointers.
     """
     return launch(q, k, v, window_size=window_size, sink_size=sink_size,
+                  use_tma=not is_short_call(q, window_size, sink_size),
                   **hopper_config(int(window_size), q.shape[-1], q.shape[2]))

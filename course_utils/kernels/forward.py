@@ -871,15 +871,31 @@ def _interpreted(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+# (the function that answered, device index) -> its answer. Keyed by the function too, so that a test
+# which replaces torch.cuda.get_device_capability (to model a T4, say) is asked, not this cache.
+_CAPABILITIES: dict = {}
+
+
 def _capability(device: torch.device) -> tuple[int, int] | None:
     """``(major, minor)`` of a CUDA device; None on the CPU. (course_utils.kernels.targets
-    replaces it to compile for a GPU that is not here.)"""
+    replaces it to compile for a GPU that is not here.)
+
+    Remembered per device: asking torch costs 2-4 us of host time, and every
+    forward and backward call asks (``results/NOTES.md``, "Short window forwards").
+    """
     if device.type != "cuda":
         return None
+    ask = torch.cuda.get_device_capability
+    key = (ask, device.index)
+    if device.index is not None and key in _CAPABILITIES:
+        return _CAPABILITIES[key]
     try:
-        return tuple(torch.cuda.get_device_capability(device))
+        answer = tuple(ask(device))
     except (AssertionError, RuntimeError):  # a CPU-only torch asked about "cuda" (configuration tables)
         return None
+    if device.index is not None:  # "cuda" without an index means whichever device is current
+        _CAPABILITIES[key] = answer
+    return answer
 
 
 def _gpu_without_bf16(device: torch.device) -> tuple[int, int] | None:

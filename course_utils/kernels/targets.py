@@ -133,7 +133,7 @@ def _signature(kernel, args, kwargs):
             signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
         elif isinstance(value, float):
             signature[param.name] = "fp32"
-        elif isinstance(value, tl.dtype):
+        elif isinstance(value, tl.dtype) or value is None:  # None: an unused argument (a pointer launch's descriptors)
             signature[param.name] = "constexpr"
             constexprs[param.name] = value
         else:
