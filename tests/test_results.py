@@ -300,3 +300,31 @@ def test_the_readme_quotes_the_decode_variants_from_the_recorded_run():
     assert f"`benchmarks/tune_decode_variants.py`, {date}, two rounds" in readme
     there = results.rows("decode_variants", B=1) + results.rows("decode_variants", B=16, context=(1024, 4096))
     assert there and max(max(r["tma_over_cudnn"], r["fused_over_cudnn"]) for r in there) < 1.0
+
+
+def test_the_short_window_reruns_are_quoted_as_recorded():
+    """results/window_short_calls.json (two reruns of lesson 08's shortest points after short forwards went to pointer
+    loads): lesson 08 and the README quote its forward ratio at W = 256, N = 4k without sinks over both runs, the
+    README also the other forward points and forward + backward without sinks; each run's ratios are its rows'."""
+    doc = results.load("window_short_calls")
+    assert len(doc["runs"]) == 2
+    for run in doc["runs"]:
+        ms = {(r["mode"], r["window_size"], r["sink_size"], r["n"], r["provider"]): r["ms"] for r in run["rows"]}
+        for r in run["ratios"]:
+            point = (r["mode"], r["window_size"], r["sink_size"], r["n"])
+            assert r["course_over_flex"] == ms[point + ("flex",)] / ms[point + ("course",)]
+
+    def span(keep):
+        values = [r["course_over_flex"] for run in doc["runs"] for r in run["ratios"] if keep(r)]
+        return f"{min(values):.2f}–{max(values):.2f}×"
+
+    def short(r):
+        return (r["window_size"], r["sink_size"], r["n"]) == (256, 0, 4096)
+
+    fwd = span(lambda r: r["mode"] == "forward" and short(r))
+    others = span(lambda r: r["mode"] == "forward" and not short(r))
+    training = span(lambda r: r["mode"] == "training" and r["sink_size"] == 0)
+    assert f"the shortest points read **{fwd} FlexAttention at that one**" in markdown_text(W08)
+    readme = " ".join((SOLUTIONS.parent / "README.md").read_text().split())
+    assert f"**{fwd}** FlexAttention's forward at W = 256, N = 4k without sinks, and {others} at the other" in readme
+    assert f"forward + backward there stayed host-bound ({training} without sinks)" in readme

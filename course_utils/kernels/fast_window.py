@@ -178,11 +178,11 @@ def hopper_config(window_size: int, head_dim: int, n: int) -> dict:
 
 
 # Below this many FLOPs (an upper bound on the band's work: 4 D per query row per key of its window and sinks,
-# every query head) the forward's kernel takes about 0.1 ms on an H200 or less, and the call is launch-bound:
-# Python launches the kernel with pointer loads 20-25 us sooner than with four host TMA descriptors (each encoded
-# by the driver at every launch), while the kernel is 0-4% slower (results/NOTES.md, "Short window forwards").
-# W = 256 at N = 4k with 32 query heads is 17 GFLOP; W = 256 at 8k (34) and W = 1024 at 4k (69) keep TMA,
-# where its kernel is 4-15% faster and the host keeps ahead of the GPU.
+# every query head) the forward's kernel takes about 0.1 ms on an H200, and the call is launch-bound: Python
+# launches the kernel with pointer loads 22-25 us sooner than with four host TMA descriptors (each encoded by the
+# driver at every launch), while that kernel is about 4% slower (results/NOTES.md, "Short window forwards").
+# W = 256 at N = 4k with 32 query heads is 17 GFLOP; W = 256 at 8k (34) and W = 1024 at 4k (69) keep TMA:
+# there pointer loads measured 3-16% slower and the host keeps ahead of the GPU.
 SHORT_CALL_FLOP = 25e9
 
 
