@@ -2,6 +2,7 @@
 
     python benchmarks/host_overhead.py [--json PATH --note TEXT] [--cprofile CASE]
     python benchmarks/host_overhead.py --layers PATH
+    python benchmarks/host_overhead.py --launches CASE
 
 For each case (bf16, GQA 32/8, D = 128) and provider it prints three numbers:
 
@@ -20,6 +21,11 @@ the GPU waits for Python, and the benches' time is the host's. ``--json`` append
 helpers between them), each layer's host time alone, and for the public call, the pointer-load launch,
 the bare launch and FlexAttention also ``do_bench``'s time and the time of a CUDA graph of one call
 (the kernel's time without the host), at :data:`LAYER_POINTS`; it writes ``results/window_host_layers.json``.
+
+``--launches CASE`` prices Triton's own share of the course's step for one case label of :data:`CASES`: every launch
+of one step is captured (:func:`capture_launches`) and replayed three ways (:func:`launch_costs`): through
+``kernel[grid](...)`` as the course launches, through the compiled kernel's ``run`` with the arguments bound once
+(what a launcher that remembered them would pay), and Triton's argument binder alone.
 """
 
 from __future__ import annotations
@@ -165,6 +171,59 @@ def layers_markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def capture_launches(step) -> list[tuple]:
+    """``[(kernel, args, grid, kwargs, compiled)]``: every Triton launch one call of ``step`` makes, in order (GPU).
+
+    ``JITFunction.run`` is wrapped for the one call (the autograd engine's thread included), then restored.
+    """
+    from triton.runtime import jit
+
+    captured, run = [], jit.JITFunction.run
+
+    def spy(self, *args, grid, warmup, **kwargs):
+        compiled = run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        captured.append((self, args, grid, dict(kwargs), compiled))
+        return compiled
+
+    jit.JITFunction.run = spy
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        jit.JITFunction.run = run
+    return captured
+
+
+def launch_costs(captured, reps=300) -> list[dict]:
+    """Host microseconds of each captured launch, the best of three :func:`host_ms` runs of ``reps`` calls.
+
+    ``kernel[grid]``: as the course launches (Triton binds the arguments, builds the cache key, checks the globals,
+    then launches); ``compiled.run``: the compiled kernel's launcher with the arguments bound once beforehand;
+    ``binder``: Triton's generated binder alone (``arguments``: how many it binds).
+    """
+    from triton.runtime.driver import driver
+
+    device = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(device)
+    rows = []
+    for fn, args, grid, kwargs, compiled in captured:
+        binder = fn.device_caches[device][4]
+        bound = binder(*args, **kwargs)[0]
+        grid = grid(bound) if callable(grid) else grid
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        values = tuple(bound.values())
+        calls = {
+            "kernel[grid]": lambda: fn[grid](*args, **kwargs),
+            "compiled.run": lambda: compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata,
+                                                 None, None, None, *values),
+            "binder": lambda: binder(*args, **kwargs),
+        }
+        row = dict(kernel=fn.__name__, arguments=len(values))
+        row.update({name: round(min(host_ms(call, reps) for _ in range(3)) * 1e3, 1) for name, call in calls.items()})
+        rows.append(row)
+    return rows
+
+
 def kernel_ms(step, reps=5):
     """(summed kernel time per step, kernels per step) from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -186,11 +245,22 @@ def main(argv=None):
     parser.add_argument("--note", default="", help="what this run measured (stored with it)")
     parser.add_argument("--layers", type=Path, default=None, metavar="PATH",
                         help="time the window forward layer by layer instead (writes PATH)")
+    parser.add_argument("--launches", default=None, metavar="CASE", choices=[c[0] for c in CASES],
+                        help="price Triton's per-launch host time in the course's step of this case instead")
     parser.add_argument("--cprofile", default=None, metavar="CASE",
                         help="also print cProfile's top functions for the course's step of this case label")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
+        return 0
+    if args.launches:
+        label, kind, n, w, s = next(c for c in CASES if c[0] == args.launches)
+        rows = launch_costs(capture_launches(steps(kind, n, w, s)["course"]))
+        for row in rows:
+            print(f"{row['kernel']:32s} {row['arguments']:3d} arguments: kernel[grid] {row['kernel[grid]']:6.1f} us, "
+                  f"compiled.run {row['compiled.run']:6.1f} us, binder {row['binder']:6.1f} us", flush=True)
+        print(f"{label}, {len(rows)} launches: " + ", ".join(
+            f"{name} {sum(r[name] for r in rows):.1f} us" for name in ("kernel[grid]", "compiled.run")))
         return 0
     if args.layers:
         info = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -228,6 +228,17 @@ def test_host_overhead_explains_itself_without_a_gpu(capsys):
     assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE
 
 
+@pytest.mark.interpreter("without a GPU the script has nothing to time")
+def test_host_overhead_launches_explains_itself_without_a_gpu(capsys):
+    assert host_overhead.main(["--launches", "W=256 S=0 N=4k"]) == 0
+    assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE
+
+
+def test_host_overhead_launches_takes_only_a_case_label():
+    with pytest.raises(SystemExit):
+        host_overhead.main(["--launches", "W=256 N=4k"])
+
+
 def test_host_overhead_cases_name_their_window_sinks_and_batch():
     """Each case label says what the step runs, the batch included (training_bench's main case at that N, or
     window_bench's batch of 1); the recorded runs used the same labels (tests/test_results.py)."""
