@@ -22,9 +22,9 @@ first visible key rescales them by ``exp2(-1e6 - m)``, which is exactly 0 in
 fp32. Every row sees at least itself, so every row ends with the right sum.
 
 A short call (:func:`is_short_call`: a band of under :data:`SHORT_CALL_FLOP`)
-loads K and V with pointers instead: its kernel ends before Python has
-finished launching it with four TMA descriptors, so the host's time is the
-call's, and the pointer launch is the quicker one to make.
+loads K and V with pointers instead: its kernel takes less time than Python
+needs to make the call, so the host's time is the call's, and a launch with
+pointers costs the host less than one with four TMA descriptors.
 
 Public API: :func:`unsupported_reason` / :func:`is_supported` (the fast
 kernel's limits: Hopper, bf16/fp16, D of 64 or 128, ``N`` a multiple of 64),
