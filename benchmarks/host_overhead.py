@@ -172,26 +172,14 @@ def layers_markdown(doc: dict) -> str:
 
 
 def capture_launches(step) -> list[tuple]:
-    """``[(kernel, args, grid, kwargs, compiled)]``: every Triton launch one call of ``step`` makes, in order (GPU).
+    """``[(kernel, args, kwargs, grid, compiled)]``: every Triton launch one call of ``step`` makes, in order (GPU),
+    recorded by :func:`course_utils.kernels.targets._captured_launches` (the autograd engine's thread included)."""
+    from course_utils.kernels import targets
 
-    ``JITFunction.run`` is wrapped for the one call (the autograd engine's thread included), then restored.
-    """
-    from triton.runtime import jit
-
-    captured, run = [], jit.JITFunction.run
-
-    def spy(self, *args, grid, warmup, **kwargs):
-        compiled = run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        captured.append((self, args, grid, dict(kwargs), compiled))
-        return compiled
-
-    jit.JITFunction.run = spy
-    try:
+    with targets._captured_launches(launch=True) as launches:
         step()
         torch.cuda.synchronize()
-    finally:
-        jit.JITFunction.run = run
-    return captured
+    return launches
 
 
 def launch_costs(captured, reps=300) -> list[dict]:
@@ -206,7 +194,7 @@ def launch_costs(captured, reps=300) -> list[dict]:
     device = driver.active.get_current_device()
     stream = driver.active.get_current_stream(device)
     rows = []
-    for fn, args, grid, kwargs, compiled in captured:
+    for fn, args, kwargs, grid, compiled in captured:
         binder = fn.device_caches[device][4]
         bound = binder(*args, **kwargs)[0]
         grid = grid(bound) if callable(grid) else grid

@@ -66,15 +66,24 @@ class Compiled:
 
 
 @contextlib.contextmanager
-def _captured_launches():
-    """Record ``(kernel, args, kwargs)`` of each Triton launch in the block instead of running it."""
+def _captured_launches(launch: bool = False):
+    """Record ``(kernel, args, kwargs)`` of each Triton launch in the block instead of running it.
+
+    ``launch=True`` (a GPU): run each launch too, and record ``(kernel, args, kwargs, grid, compiled)``
+    (``benchmarks/host_overhead.py --launches`` replays them).
+    """
     from triton.runtime.jit import JITFunction
 
     launches = []
     original = JITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        launches.append((self, args, kwargs))
+        if not launch:
+            launches.append((self, args, kwargs))
+            return None
+        compiled = original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        launches.append((self, args, dict(kwargs), grid, compiled))
+        return compiled
 
     JITFunction.run = run
     try:
