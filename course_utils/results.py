@@ -39,7 +39,7 @@ COLUMNS = {
         ("B", "B", "d", ""), ("context", "context", "d", ""), ("course_gbps", "course GB/s", ".0f", ""),
         ("sdpa_best_gbps", "SDPA best GB/s", ".0f", ""), ("ceiling_gbps", "read ceiling GB/s", ".0f", ""),
         ("course_over_sdpa", "course / SDPA best", ".2f", "×"), ("course_over_ceiling", "course / ceiling", ".0f", "%"),
-        ("splits", "splits", "d", ""), ("paged_gbps", "paged GB/s", ".0f", ""),
+        ("splits", "splits", "", ""), ("paged_gbps", "paged GB/s", ".0f", ""),
         ("paged_over_contiguous", "paged / contiguous", ".2f", "×"),
     ],
     "decode_splits": [
@@ -138,10 +138,16 @@ def _mods(d):
     return sorted(out, key=lambda r: (r["mode"] != "forward", order.get(r["mod"], 9), r["docs"], r["N"]))
 
 
+def _splits(note):
+    """The course's launch at a decode point: lesson 09's split count (an int) or ``"lean"`` (equal shares)."""
+    text = str(note).split("=")[-1]
+    return int(text) if text.isdigit() else text
+
+
 def _decode(d):
     return [dict(B=s["batch"], context=s["context"], course_gbps=s["course"], sdpa_best_gbps=s["sdpa_best"],
                  ceiling_gbps=s["ceiling"], course_over_sdpa=s["course_vs_sdpa"],
-                 course_over_ceiling=100 * s["course_vs_ceiling"], splits=int(str(s["num_splits"]).split("=")[-1]),
+                 course_over_ceiling=100 * s["course_vs_ceiling"], splits=_splits(s["num_splits"]),
                  paged_gbps=s["course_paged"], paged_over_contiguous=_ratio(s["course_paged"], s["course"]))
             for s in d["summary"]]
 

@@ -55,6 +55,8 @@ QUOTES = [
     (W09, "and reads {} of the ceiling there", "decode_bench", "course_over_ceiling", "range", dict(B=64)),
     (W09, "course reads at {} the best SDPA backend", "decode_bench", "course_over_sdpa", "range", dict(B=1)),
     (W09, "at `B = 1`, {} over the whole sweep", "decode_bench", "course_over_sdpa", "range", {}),
+    (W09, "those points read {} the best SDPA backend", "decode_bench", "course_over_sdpa", "range",
+     dict(splits="lean")),
     (W09, "costs something: {} the contiguous", "decode_bench", "paged_over_contiguous", "range",
      dict(B=lambda b: b <= 16)),
     (W09, "the two are about level, {})", "decode_bench", "paged_over_contiguous", "range", dict(B=64)),
@@ -328,3 +330,21 @@ def test_the_short_window_reruns_are_quoted_as_recorded():
     readme = " ".join((SOLUTIONS.parent / "README.md").read_text().split())
     assert f"**{fwd}** FlexAttention's forward at W = 256, N = 4k without sinks, and {others} at the other" in readme
     assert f"forward + backward there stayed host-bound ({training} without sinks)" in readme
+
+
+def test_the_readme_quotes_both_decode_runs_and_the_lean_points():
+    """The README's decode sentence: the shipped run's and the second run's ranges over the grid, how many points
+    read below the best SDPA backend in each, and the lean schedule's points (context >= 64k) in both runs."""
+    readme = " ".join((SOLUTIONS.parent / "README.md").read_text().split())
+    runs = [results.load("decode_bench")["summary"], results.load("decode_bench_run2")["summary"]]
+
+    def span(values):
+        return f"{min(values):.2f}–{max(values):.2f}×"
+
+    ratios = [[s["course_vs_sdpa"] for s in run] for run in runs]
+    assert f"{span(ratios[0])} the best SDPA backend in the shipped run, {span(ratios[1])} in the second" in readme
+    below = [sum(r < 1 for r in run) for run in ratios]
+    assert f"below it at {below[0]} and {below[1]} of the {len(ratios[0])} points" in readme
+    lean = [s["course_vs_sdpa"] for run in runs for s in run if str(s["num_splits"]) == "lean"]
+    assert {s["context"] for run in runs for s in run if str(s["num_splits"]) == "lean"} == {65536, 131072}
+    assert len(lean) == 14 and f"those seven points read {span(lean)} cuDNN in both runs" in readme

@@ -10,7 +10,9 @@ out), and writes ``results/decode_bench.md`` and ``results/decode_bench.json``
 Providers, all on the same inputs:
 
 - ``course``: :func:`course_utils.kernels.decode_attention`'s kernels, with its
-  own choice of ``num_splits``, timed through ``decode.launch_decode`` (the
+  own choice of ``num_splits`` (or of the lean schedule, ``splits`` = ``lean``:
+  :mod:`course_utils.kernels.fast_decode`), timed through
+  ``fast_decode.launch_decode`` (the
   kernels without the input checks, whose check of ``cache_seqlens`` copies
   two numbers to the host each call) after the checked call was verified
   against the reference; ``course_paged`` the same over a copy of the cache
@@ -198,12 +200,15 @@ def make_provider(name: str, q, k, v, seqlens):
     import torch.nn.functional as F
 
     if name == "course":
-        from ..kernels import decode
+        from ..kernels import decode, fast_decode
 
-        out = decode.decode_attention(q, k, v, seqlens)  # the checked call (raises on bad input)
-        splits = decode.launch_splits(q, k)
+        out = fast_decode.decode_attention(q, k, v, seqlens)  # the checked call (raises on bad input)
         del out
-        return (lambda: decode.launch_decode(q, k, v, seqlens)), f"num_splits={splits}"
+        if fast_decode.lean_reason(q, k) is None:
+            note = "lean"
+        else:
+            note = f"num_splits={decode.launch_splits(q, k)}"
+        return (lambda: fast_decode.launch_decode(q, k, v, seqlens)), note
     if name == "course_paged":
         from ..kernels import decode
 

@@ -14,7 +14,8 @@ natural-log logsumexp of each query row's scaled scores. Bad input raises a
 ``ValueError`` of one sentence.
 
 Decoding over a KV cache (lesson 09; :mod:`.decode`, split-KV with a paged
-variant)::
+variant; on a GPU, caches of 64k keys or more are cut into equal shares per
+program instead, :mod:`.fast_decode`)::
 
     o = decode_attention(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, block_table=None)
 
@@ -59,9 +60,9 @@ from __future__ import annotations
 
 import torch
 
-from . import decode, dispatch, fast, forward, fp8
+from . import decode, dispatch, fast, fast_decode, forward, fp8
 from .backward import FlashAttentionFunction
-from .decode import decode_attention
+from .fast_decode import decode_attention
 from .dispatch import check_call, launch_forward
 from .fp8 import flash_attention_fp8, quantize_fp8
 from .forward import (flash_attention_forward, flash_attention_gqa_forward, flash_attention_window_forward,

@@ -1,0 +1,326 @@
+"""Decoding with the work cut into equal shares, one per program (a "lean" or stream-K schedule).
+
+Lesson 09's split kernel (:mod:`.decode`) cuts each sequence's keys into
+``num_splits`` equal ranges, so a launch has ``B * Hkv * num_splits``
+programs. Those rarely divide evenly among the SMs: at ``B = 16`` with 8 kv
+heads and one split, 128 programs leave 4 of an H200's 132 SMs idle for the
+whole call, and at ``B = 1`` 16 splits give 128 programs again. Decoding is
+bound by the memory's bandwidth and every SM reads its share of it, so an
+idle SM is 3% of the read rate lost.
+
+This module numbers all the K/V blocks of the call, segment after segment (a
+segment is one (batch element, kv head, block of packed query rows), the
+rows one program of lesson 09 serves), and gives program ``p`` the blocks
+``[p * c, (p + 1) * c)`` of that numbering, ``c = cdiv(total, programs)``.
+A program's share can start inside one segment and end inside the next:
+it writes a partial result (``o``, ``lse``) for each segment piece it reads,
+in slot ``p - first(segment)`` of that segment, and a second kernel merges
+each row's slots by their logsumexp, lesson 09's combine with a count of
+slots per row. ``programs`` is a multiple of the SM count, so every SM reads
+the same number of blocks.
+
+The blocks are counted against the caches' capacity, not ``cache_seqlens``
+(which would need a copy to the host at every step, as
+:func:`.decode.pick_num_splits` explains): blocks past a sequence's length
+are skipped, so with ragged lengths the shares are equal in blocks counted,
+not in blocks read. The result is correct either way.
+
+On Hopper the merge is launched with programmatic dependent launch
+(``launch_pdl``): the split kernel lets it start as soon as all of its
+programs are running (``gdc_launch_dependents``), and the merge waits for
+the split kernel's writes (``gdc_wait``) instead of for a whole launch.
+
+Measured on an H200 (results/NOTES.md, "Decoding in equal shares"): from a 64k
+context the lean schedule read as much as lesson 09's splits or up to 2.5%
+more (``B = 1`` at 128k); at 16k and shorter it read less at 10 of 12 points
+(its programs loop over pieces, and short shares pay the merge), so
+:func:`launch_decode` uses it only from :data:`LEAN_MIN_BLOCKS` blocks on,
+for contiguous caches on a GPU.
+
+Public API: :func:`lean_shares` (the schedule's numbers, a plain function),
+:func:`launch` (one fixed launch; runs in the interpreter too, which is how
+the CPU tests check it), :func:`decode_lean`, :func:`lean_reason`, and
+:func:`launch_decode` / :func:`decode_attention`, the package's decoding
+entry (``course_utils.kernels.decode_attention``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import decode
+
+__all__ = ["LeanShares", "lean_shares", "launch", "decode_lean", "lean_reason", "capacity_reason", "launch_decode", "decode_attention",
+           "PROGRAMS_PER_SM", "MIN_SHARE_BLOCKS", "LEAN_MIN_BLOCKS"]
+
+try:  # grid dependency control (Triton >= 3.4); without it the merge is launched the plain way
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+PROGRAMS_PER_SM = 3  # programs per SM the shares are cut for: 3 read the most of 1-4 at 64k-128k contexts on an
+#                      H200 (results/NOTES.md, "Decoding in equal shares"); 3 is what one SM holds of the 3-stage launch
+MIN_SHARE_BLOCKS = 2  # never a share of fewer K/V blocks than this
+LEAN_MIN_BLOCKS = 1024  # the lean schedule from this many K/V blocks per sequence's capacity (64k keys of 64):
+#                         level with or ahead of lesson 09's splits there, mostly behind them at 16k and shorter
+
+
+@triton.jit
+def _lean_split_kernel(
+    Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_tb, stride_tp,
+    n_q_heads, n_kv_heads, T, n_cap, page_size, m_blocks, n_blocks, total_units, share, max_parts, qk_scale,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program ``p``: blocks ``[p * share, (p + 1) * share)`` of the call, one partial per segment piece."""
+    if PDL:  # the merge may be scheduled now: it waits for this kernel's writes itself
+        gdc_launch_dependents()
+    p = tl.program_id(0)
+    u = p * share
+    u_end = tl.minimum(u + share, total_units)
+    group_size = n_q_heads // n_kv_heads
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    while u < u_end:
+        # The piece: blocks [blk0, blk1) of segment `seg` = (b * n_kv_heads + kv_head) * m_blocks + m_block.
+        seg = u // n_blocks
+        blk0 = u - seg * n_blocks
+        piece_end = tl.minimum(u_end, (seg + 1) * n_blocks)
+        blk1 = blk0 + (piece_end - u)
+        m_block = seg % m_blocks
+        kv_head = (seg // m_blocks) % n_kv_heads
+        b = seg // (m_blocks * n_kv_heads)
+
+        seq_len = tl.minimum(tl.load(SEQLENS + b), n_cap)
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < group_size * T
+        q_head = kv_head * group_size + rows // T
+        t = rows % T
+        q = tl.load(
+            Q + b.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh + t[:, None] * stride_qt
+            + offs_d[None, :] * stride_qd,
+            mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        lo = blk0 * BLOCK_N
+        hi = tl.minimum(blk1 * BLOCK_N, seq_len)
+        pos = seq_len - T + t
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
+        k_head = K + kv_head.to(tl.int64) * stride_kh
+        v_head = V + kv_head.to(tl.int64) * stride_vh
+        for start_n in range(lo, hi, BLOCK_N):  # lesson 09's loop, unchanged
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            if PAGED:
+                page = tl.load(BLOCK_TABLE + b * stride_tb + (offs_n // page_size) * stride_tp, mask=n_ok, other=0)
+                k_rows = page.to(tl.int64) * stride_kb + (offs_n % page_size) * stride_kn
+                v_rows = page.to(tl.int64) * stride_vb + (offs_n % page_size) * stride_vn
+            else:
+                k_rows = b.to(tl.int64) * stride_kb + offs_n.to(tl.int64) * stride_kn
+                v_rows = b.to(tl.int64) * stride_vb + offs_n.to(tl.int64) * stride_vn
+            k = tl.load(k_head + k_rows[None, :] + offs_d[:, None] * stride_kd,
+                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            v = tl.load(v_head + v_rows[:, None] + offs_d[None, :] * stride_vd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            s = tl.dot(q, k) * qk_scale
+            keep = n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p_ = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p_, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p_.to(v.dtype), v)
+            m_i = m_new
+        seen = l_i > 0.0  # False for a piece past the sequence's end
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        slot = p - (seg * n_blocks) // share  # this program's place among the segment's pieces
+        part = ((b * n_q_heads + q_head) * T + t) * max_parts + slot
+        tl.store(O_PART + part.to(tl.int64)[:, None] * D + offs_d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE_PART + part, lse, mask=row_ok)
+        u = piece_end
+
+
+@triton.jit
+def _lean_combine_kernel(
+    O_PART, LSE_PART, O,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    n_q_heads, n_kv_heads, T, m_blocks, n_blocks, share, max_parts,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Merge one (batch, query head, new token) row's pieces by their lse (lesson 09's combine)."""
+    row = tl.program_id(0)  # ((b * n_q_heads + q_head) * T + t)
+    t = row % T
+    q_head = (row // T) % n_q_heads
+    b = row // (T * n_q_heads)
+    group_size = n_q_heads // n_kv_heads
+    kv_head = q_head // group_size
+    m_block = ((q_head % group_size) * T + t) // BLOCK_M
+    seg = (b * n_kv_heads + kv_head) * m_blocks + m_block
+    n_parts = (seg * n_blocks + n_blocks - 1) // share - (seg * n_blocks) // share + 1
+    offs_s = tl.arange(0, S_PAD)
+    s_ok = offs_s < n_parts
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < D
+    if PDL:  # the split kernel's writes, visible from here on
+        gdc_wait()
+    lse = tl.load(LSE_PART + row * max_parts + offs_s, mask=s_ok, other=float("-inf"))
+    o_parts = tl.load(O_PART + (row.to(tl.int64) * max_parts + offs_s)[:, None] * D + offs_d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    m = tl.max(lse, axis=0)
+    w = tl.exp(lse - m)
+    w = w / tl.sum(w, axis=0)
+    o = tl.sum(w[:, None] * o_parts, axis=0)
+    tl.store(O + b.to(tl.int64) * stride_ob + q_head * stride_oh + t * stride_ot + offs_d * stride_od,
+             o.to(O.dtype.element_ty), mask=d_ok)
+
+
+class LeanShares:
+    """The schedule of one call: ``segments`` of ``n_blocks`` blocks each, ``share`` blocks per program,
+    ``programs`` launched, and at most ``max_parts`` pieces per segment."""
+
+    __slots__ = ("segments", "n_blocks", "share", "programs", "max_parts")
+
+    def __init__(self, segments, n_blocks, share, programs, max_parts):
+        self.segments, self.n_blocks, self.share = segments, n_blocks, share
+        self.programs, self.max_parts = programs, max_parts
+
+    def __repr__(self):
+        return (f"LeanShares(segments={self.segments}, n_blocks={self.n_blocks}, share={self.share}, "
+                f"programs={self.programs}, max_parts={self.max_parts})")
+
+    def pieces(self, program: int) -> list[tuple[int, int, int, int]]:
+        """``(segment, first block, end block, slot)`` of each piece ``program`` reads (what the kernel does)."""
+        out = []
+        u, end = program * self.share, min((program + 1) * self.share, self.segments * self.n_blocks)
+        while u < end:
+            seg = u // self.n_blocks
+            piece_end = min(end, (seg + 1) * self.n_blocks)
+            out.append((seg, u - seg * self.n_blocks, piece_end - seg * self.n_blocks,
+                        program - (seg * self.n_blocks) // self.share))
+            u = piece_end
+        return out
+
+    def parts_of(self, segment: int) -> int:
+        """How many pieces segment ``segment`` is cut into (what the merge reads)."""
+        first = segment * self.n_blocks
+        return (first + self.n_blocks - 1) // self.share - first // self.share + 1
+
+
+def lean_shares(segments: int, n_blocks: int, n_sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
+                min_blocks: int = MIN_SHARE_BLOCKS) -> LeanShares:
+    """Cut ``segments * n_blocks`` K/V blocks into equal shares for ``n_sms * programs_per_sm`` programs.
+
+    Each share is ``cdiv(total, n_sms * programs_per_sm)`` blocks, at least
+    ``min_blocks`` (fewer programs then); a segment is cut into at most
+    ``cdiv(n_blocks, share) + 1`` pieces.
+    """
+    if segments < 1 or n_blocks < 1 or n_sms < 1 or programs_per_sm < 1 or min_blocks < 1:
+        raise ValueError("segments, n_blocks, n_sms, programs_per_sm and min_blocks must be positive")
+    total = segments * n_blocks
+    share = max(min_blocks, triton.cdiv(total, n_sms * programs_per_sm))
+    programs = triton.cdiv(total, share)
+    max_parts = min(programs, triton.cdiv(n_blocks, share) + 1)
+    return LeanShares(segments, n_blocks, share, programs, max_parts)
+
+
+def launch(q, k_cache, v_cache, cache_seqlens, block_table=None, *, n_sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
+           min_blocks: int = MIN_SHARE_BLOCKS, BLOCK_N: int | None = None, num_warps: int | None = None,
+           num_stages: int | None = None, pdl: bool | None = None):
+    """``o`` ``[B, Hq, T, D]`` by the lean schedule (:func:`lean_shares` for ``n_sms`` SMs). No validation
+    (:func:`.decode.decode_attention` validates). ``pdl=None``: on a Hopper GPU or newer."""
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    block_m, m_blocks, capacity = decode._launch_shape(q, k_cache, block_table)
+    cfg = decode.decode_config(D, q.dtype, q.device)
+    block_n = BLOCK_N or cfg["BLOCK_N"]
+    n_blocks = triton.cdiv(capacity, block_n)
+    plan = lean_shares(B * Hkv * m_blocks, n_blocks, n_sms, programs_per_sm, min_blocks)
+    gpu = q.device.type == "cuda" and not decode._interpreted(q.device)
+    if gpu:
+        cfg = decode.decode_config(D, q.dtype, q.device, plan.programs, num_splits=2, split_blocks=plan.share)
+    cfg["BLOCK_N"] = block_n
+    for key, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None:
+            cfg[key] = value
+    if pdl is None:
+        pdl = gpu and gdc_wait is not None and torch.cuda.get_device_capability(q.device) >= (9, 0)
+    o_parts = torch.empty((B, Hq, T, plan.max_parts, D), dtype=torch.float32, device=q.device)
+    lse_parts = torch.empty((B, Hq, T, plan.max_parts), dtype=torch.float32, device=q.device)
+    paged = block_table is not None
+    if paged:
+        table, stride_tb, stride_tp = block_table, block_table.stride(0), block_table.stride(1)
+    else:
+        table, stride_tb, stride_tp = cache_seqlens, 0, 0  # never read
+    d_pad = triton.next_power_of_2(max(D, 16))
+    _lean_split_kernel[(plan.programs,)](
+        q, k_cache, v_cache, cache_seqlens, table, o_parts, lse_parts,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), stride_tb, stride_tp,
+        Hq, Hkv, T, capacity, k_cache.shape[2], m_blocks, n_blocks, plan.segments * n_blocks, plan.share,
+        plan.max_parts, decode.LOG2E / math.sqrt(D),
+        D=D, D_PAD=d_pad, BLOCK_M=block_m, PAGED=paged, PDL=pdl, **cfg,
+    )
+    extra = {"launch_pdl": True} if pdl else {}
+    _lean_combine_kernel[(B * Hq * T,)](
+        o_parts, lse_parts, out, *out.stride(), Hq, Hkv, T, m_blocks, n_blocks, plan.share, plan.max_parts,
+        D=D, D_PAD=d_pad, S_PAD=triton.next_power_of_2(plan.max_parts), BLOCK_M=block_m, PDL=pdl, **extra,
+    )
+    return out
+
+
+def decode_lean(q, k_cache, v_cache, cache_seqlens, block_table=None):
+    """:func:`launch` with this GPU's SM count (for tensors :func:`.decode.validate_decode` accepted)."""
+    return launch(q, k_cache, v_cache, cache_seqlens, block_table, n_sms=decode._sm_count(q.device))
+
+
+def lean_reason(q, k_cache, block_table=None) -> str | None:
+    """Why :func:`launch_decode` keeps lesson 09's splits for these inputs (``None``: it runs the lean schedule)."""
+    if q.device.type != "cuda" or decode._interpreted(q.device):
+        return "not on a GPU: the interpreter runs lesson 09's kernels"
+    block_n = decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
+    return capacity_reason(k_cache.shape[2], block_n, paged=block_table is not None)
+
+
+def capacity_reason(capacity: int, block_n: int, *, paged: bool = False) -> str | None:
+    """:func:`lean_reason`'s rule for a GPU: a contiguous cache of at least :data:`LEAN_MIN_BLOCKS` blocks."""
+    if paged:
+        return "a paged cache: pick_num_splits has measured rules for pages, the lean schedule was not measured"
+    if triton.cdiv(capacity, block_n) < LEAN_MIN_BLOCKS:
+        return f"a cache of {capacity} keys: the lean schedule starts at {LEAN_MIN_BLOCKS} blocks of {block_n}"
+    return None
+
+
+def launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None):
+    """:func:`.decode.launch_decode`, or the lean schedule where :func:`lean_reason` allows it (and
+    ``num_splits`` is not given): what :func:`decode_attention` runs, without its checks."""
+    if num_splits is None and lean_reason(q, k_cache, block_table) is None:
+        return decode_lean(q, k_cache, v_cache, cache_seqlens)
+    return decode.launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
+
+
+def decode_attention(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, block_table=None):
+    """The package's decoding entry: :func:`.decode.decode_attention`'s arguments, checks and result, run by
+    :func:`launch_decode` (lesson 09's splits, or on a GPU with long caches the lean schedule)."""
+    decode.validate_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
+    return launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)

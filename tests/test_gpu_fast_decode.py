@@ -1,0 +1,51 @@
+"""Decoding in equal shares (course_utils.kernels.fast_decode) compiled on a GPU.
+
+Skipped without one, CI included: there ``test_kernels_fast_decode.py`` runs the same kernels in Triton's
+interpreter. Outputs are compared with the float64 reference; the merge launched with programmatic dependent
+launch (Hopper) must give the same bits as the plain launch.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from course_utils import references as ref
+from course_utils.kernels import decode, fast_decode, targets
+
+GPU = torch.cuda.is_available()
+HOPPER = GPU and torch.cuda.get_device_capability()[0] >= 9
+pytestmark = pytest.mark.skipif(not GPU, reason="needs a GPU; see test_kernels_fast_decode.py")
+
+
+def _cache(b, hq, hkv, t, n, d, lengths, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, m, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for h, m in ((hq, t), (hkv, n), (hkv, n)))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    want = ref.decode_attention(*(x.double().cpu().numpy() for x in (q, k, v)), seqlens.cpu().numpy())[0]
+    return q, k, v, seqlens, want
+
+
+@pytest.mark.parametrize("b,hq,hkv,t,n,lengths,per_sm", [
+    (1, 32, 8, 1, 4096, [4096], 3),  # the benchmark's heads
+    (4, 32, 8, 1, 2048, [2048, 1000, 64, 1], 3),  # ragged, a one-token sequence
+    (2, 16, 2, 4, 3000, [3000, 2500], 1),  # T = 4, a capacity that is not a multiple of the block
+    (3, 8, 8, 1, 1024, [1024, 512, 700], 4),  # MHA
+])
+def test_lean_decode_on_a_gpu_matches_reference(b, hq, hkv, t, n, lengths, per_sm):
+    q, k, v, seqlens, want = _cache(b, hq, hkv, t, n, 128, lengths)
+    n_sms = decode._sm_count(q.device)
+    o = fast_decode.launch(q, k, v, seqlens, n_sms=n_sms, programs_per_sm=per_sm)
+    np.testing.assert_allclose(o.double().cpu().numpy(), want, atol=3e-2, rtol=3e-2)
+    plain = fast_decode.launch(q, k, v, seqlens, n_sms=n_sms, programs_per_sm=per_sm, pdl=False)
+    assert torch.equal(o, plain)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the lean schedule's routing is measured on Hopper")
+def test_long_caches_run_the_lean_kernels_and_short_ones_lesson_09s():
+    for n, kernel in ((fast_decode.LEAN_MIN_BLOCKS * 64, "_lean_split_kernel"), (16384, "_decode_split_kernel")):
+        q, k, v, seqlens, want = _cache(1, 32, 8, 1, n, 128, [n], seed=n)
+        with targets._captured_launches(launch=True) as launches:
+            o = fast_decode.decode_attention(q, k, v, seqlens)
+        assert launches[0][0].__name__ == kernel
+        np.testing.assert_allclose(o.double().cpu().numpy(), want, atol=3e-2, rtol=3e-2)
