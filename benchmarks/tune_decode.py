@@ -17,8 +17,15 @@ the decode benchmark's paged column does, and times the paged launches
 (``pick_num_splits(..., paged=True)`` picks the shipped count); ``--points
 B:L ...`` replaces :data:`POINTS`, ``--candidates`` :data:`CANDIDATES` and ``--counts`` :data:`COUNTS`.
 
+``--lean`` times the equal-shares schedule instead (``course_utils.kernels.fast_decode``) at
+:data:`PER_SM` programs per SM, beside lesson 09's splits (``decode.launch_decode``) and SDPA's cuDNN, at
+every point of the decode benchmark's grid (or ``--points``), two rounds; each row marks what the package's
+``decode_attention`` runs there (``fast_decode.launch_decode``). ``results/tune_decode_lean.json`` holds the
+scratch run this replaces (same launches, rows in another shape).
+
     python benchmarks/tune_decode.py [--out results/tune_decode.json] [--paged] [--points 4:65536 16:16384]
                                      [--candidates 64:4:3 128:4:2] [--counts 1 2 4 33]
+    python benchmarks/tune_decode.py --lean [--points 1:131072] [--out DIR]
 
 Needs a CUDA GPU.
 """
@@ -149,6 +156,56 @@ def measure(batch: int, context: int, rep_ms: int = 30, paged: bool = False, can
     return rows
 
 
+PER_SM = (1, 2, 3, 4)  # programs per SM the equal shares are cut for (--lean)
+
+
+def lean_launches(q, k, v, seqlens, n_sms: int, per_sm=PER_SM) -> dict:
+    """``{name: (fn, extra)}``: lesson 09's splits, the equal shares at each ``per_sm`` and the package's choice."""
+    from course_utils.kernels import decode, fast_decode
+
+    out = {"splits (lesson 09)": ((lambda: decode.launch_decode(q, k, v, seqlens)),
+                                  dict(num_splits=decode.launch_splits(q, k)))}
+    for n in per_sm:
+        plan = fast_decode.lean_shares(q.shape[0] * k.shape[1] * decode._launch_shape(q, k)[1],
+                                       -(-k.shape[2] // decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]),
+                                       n_sms, n)
+        out[f"lean p{n}"] = ((lambda n=n: fast_decode.launch(q, k, v, seqlens, n_sms=n_sms, programs_per_sm=n)),
+                             dict(programs_per_sm=n, share=plan.share, programs=plan.programs))
+    out["package"] = ((lambda: fast_decode.launch_decode(q, k, v, seqlens)),
+                      dict(runs="lean" if fast_decode.lean_reason(q, k) is None else "splits"))
+    return out
+
+
+def measure_lean(batch: int, context: int, rep_ms: int = 40, rounds: int = 2, per_sm=PER_SM) -> list[dict]:
+    """GB/s of every :func:`lean_launches` entry and SDPA's cuDNN at one point, ``rounds`` times, each checked."""
+    import torch
+
+    from course_utils.kernels import decode
+
+    q, k, v, seqlens, refs, nbytes = db.point_inputs(batch, context)
+    fns = {"sdpa_cudnn": (db.make_provider("sdpa_cudnn", q, k, v, seqlens)[0], {})}
+    fns.update(lean_launches(q, k, v, seqlens, decode._sm_count(q.device), per_sm))
+    rows = []
+    for rnd in range(rounds):
+        for name, (fn, extra) in fns.items():
+            row = dict(batch=batch, context=context, round=rnd, name=name, gbps=None, **extra)
+            try:
+                row["ms"], row["gbps"] = db.checked_gbps(fn, refs, nbytes, rep_ms)
+            except Exception as exc:  # one launch failing must not stop the sweep
+                row["note"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ''}"
+            rows.append(row)
+    cudnn = max((r["gbps"] or 0) for r in rows if r["name"] == "sdpa_cudnn")
+    print(f"\n== B={batch} context={context}: cuDNN {cudnn:.0f} GB/s")
+    for name in fns:
+        got = [r["gbps"] for r in rows if r["name"] == name and r["gbps"]]
+        print(f"  {name:<20} " + " ".join(f"{g / cudnn:.3f}x" for g in got))
+    for r in rows:
+        r["over_cudnn"] = r["gbps"] / cudnn if r["gbps"] and cudnn else None
+    del q, k, v
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None)
@@ -158,9 +215,15 @@ def main(argv=None) -> int:
     parser.add_argument("--candidates", type=parse_candidate, nargs="+", default=CANDIDATES, metavar="BN:W:S",
                         help="BLOCK_N:num_warps:num_stages launches instead of CANDIDATES")
     parser.add_argument("--counts", type=int, nargs="+", default=COUNTS, help="split counts instead of COUNTS")
+    parser.add_argument("--lean", action="store_true", help="time the equal-shares schedule (fast_decode) instead")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
+        return 0
+    if args.lean:
+        rows = [r for b, n in (args.points or db.grid(16.0)) for r in measure_lean(b, n)]
+        if args.out:
+            bench.write_sweep(args.out, rows)
         return 0
     rows = [r for b, n in (args.points or POINTS)
             for r in measure(b, n, paged=args.paged, candidates=args.candidates, counts=args.counts)]

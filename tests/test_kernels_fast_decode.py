@@ -97,4 +97,6 @@ def test_the_lean_schedule_starts_at_long_contiguous_caches():
     assert capacity_reason(LEAN_MIN_BLOCKS * 64, 64) is None
     assert "starts at" in capacity_reason(LEAN_MIN_BLOCKS * 64 - 64, 64)
     assert "paged" in capacity_reason(LEAN_MIN_BLOCKS * 64, 64, paged=True)
+    assert "Hopper only" in capacity_reason(LEAN_MIN_BLOCKS * 64, 64, capability=(8, 0))  # an A100: not measured
+    assert capacity_reason(LEAN_MIN_BLOCKS * 64, 64, capability=(10, 0)) is None
     assert DEVICE in ("cpu", "cuda")

@@ -161,6 +161,25 @@ def test_the_decode_sweep_s_paged_launches_are_correct():
     assert tune_decode.parse_point("4:65536") == (4, 65536)
 
 
+def test_the_lean_sweep_s_launches_are_correct_and_name_what_the_package_runs():
+    from course_utils.bench import decode as db
+
+    context = 9 * 32 + 5  # ragged: the last block part full
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, 1, 64, generator=g).to(DEVICE, torch.float16)
+    k, v = (torch.randn(2, 2, context, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
+    seqlens = torch.tensor([context, context - 70], dtype=torch.int32, device=DEVICE)
+    launches = tune_decode.lean_launches(q, k, v, seqlens, n_sms=3)
+    assert list(launches) == ["splits (lesson 09)", "lean p1", "lean p2", "lean p3", "lean p4", "package"]
+    assert [launches[f"lean p{n}"][1]["programs_per_sm"] for n in tune_decode.PER_SM] == list(tune_decode.PER_SM)
+    assert launches["package"][1] == dict(runs="splits")  # short caches (and no GPU here): lesson 09's kernels
+    for name, (fn, _) in launches.items():
+        o = fn()
+        for b in range(2):
+            want = db.reference(q[b:b + 1], k[b:b + 1, :, :seqlens[b]], v[b:b + 1, :, :seqlens[b]], 0)
+            assert _rel(o[b].float().cpu(), want.cpu()) < 1e-2, (name, b)
+
+
 def test_the_decode_sweep_times_the_shipped_configuration_first():
     from course_utils.kernels import decode
 
@@ -171,7 +190,7 @@ def test_the_decode_sweep_times_the_shipped_configuration_first():
 
 @pytest.mark.interpreter("checks what the scripts do on a machine without a GPU")
 @pytest.mark.parametrize("script, argv", [(tune_backward, ["--ns", "256"]), (tune_window, ["--backward"]),
-                                          (tune_decode, [])])
+                                          (tune_decode, []), (tune_decode, ["--lean"])])
 def test_without_a_gpu_each_script_explains_and_exits_cleanly(script, argv, capsys):
     assert not bench.gpu_available()
     assert script.main(argv) == 0

@@ -14,8 +14,8 @@ natural-log logsumexp of each query row's scaled scores. Bad input raises a
 ``ValueError`` of one sentence.
 
 Decoding over a KV cache (lesson 09; :mod:`.decode`, split-KV with a paged
-variant; on a GPU, caches of 64k keys or more are cut into equal shares per
-program instead, :mod:`.fast_decode`)::
+variant; on a Hopper GPU, caches of 64k keys or more are cut into equal shares
+per program instead, :mod:`.fast_decode`)::
 
     o = decode_attention(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, block_table=None)
 

@@ -35,7 +35,7 @@ context the lean schedule read as much as lesson 09's splits or up to 2.5%
 more (``B = 1`` at 128k); at 16k and shorter it read less at 10 of 12 points
 (its programs loop over pieces, and short shares pay the merge), so
 :func:`launch_decode` uses it only from :data:`LEAN_MIN_BLOCKS` blocks on,
-for contiguous caches on a GPU.
+for contiguous caches on a Hopper GPU (the only one it was measured on).
 
 Public API: :func:`lean_shares` (the schedule's numbers, a plain function),
 :func:`launch` (one fixed launch; runs in the interpreter too, which is how
@@ -299,11 +299,22 @@ def lean_reason(q, k_cache, block_table=None) -> str | None:
     if q.device.type != "cuda" or decode._interpreted(q.device):
         return "not on a GPU: the interpreter runs lesson 09's kernels"
     block_n = decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
-    return capacity_reason(k_cache.shape[2], block_n, paged=block_table is not None)
+    return capacity_reason(k_cache.shape[2], block_n, paged=block_table is not None,
+                           capability=_capability_of(q.device))
 
 
-def capacity_reason(capacity: int, block_n: int, *, paged: bool = False) -> str | None:
-    """:func:`lean_reason`'s rule for a GPU: a contiguous cache of at least :data:`LEAN_MIN_BLOCKS` blocks."""
+def _capability_of(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def capacity_reason(capacity: int, block_n: int, *, paged: bool = False,
+                    capability: tuple[int, int] = (9, 0)) -> str | None:
+    """:func:`lean_reason`'s rule for a GPU: Hopper or newer (where it was measured) and a contiguous cache of at
+    least :data:`LEAN_MIN_BLOCKS` blocks."""
+    if tuple(capability) < (9, 0):
+        return (f"compute capability {capability[0]}.{capability[1]}: the lean schedule was measured on Hopper only, "
+                "other GPUs keep lesson 09's splits")
     if paged:
         return "a paged cache: pick_num_splits has measured rules for pages, the lean schedule was not measured"
     if triton.cdiv(capacity, block_n) < LEAN_MIN_BLOCKS:
