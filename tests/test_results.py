@@ -348,3 +348,20 @@ def test_the_readme_quotes_both_decode_runs_and_the_lean_points():
     lean = [s["course_vs_sdpa"] for run in runs for s in run if str(s["num_splits"]) == "lean"]
     assert {s["context"] for run in runs for s in run if str(s["num_splits"]) == "lean"} == {65536, 131072}
     assert len(lean) == 14 and f"those seven points read {span(lean)} cuDNN in both runs" in readme
+
+
+def test_lesson_11_quotes_the_programmatic_dependent_launch_probe():
+    """results/pdl_probe.json: decode at B = 1 and 1k with and without PDL (ratios to cuDNN over two rounds), the
+    change at every other decode point, and the backward's dQ-behind-dK/dV launch against the plain launches."""
+    doc = results.load("pdl_probe")
+    first = next(r for r in doc["decode"] if (r["B"], r["L"]) == (1, 1024))
+    plain, pdl = (first["ratios"][k] for k in ("course", "pdl_trigger"))
+    others = [change for r in doc["decode"] if (r["B"], r["L"]) != (1, 1024)
+              for change in (max(r["pdl_trigger"]) / max(r["course"]) - 1, min(r["pdl_trigger"]) / min(r["course"]) - 1)]
+    backward = [x for r in doc["backward"] for x in r["speedup_vs_course"]["pdl"]]
+    text = " ".join(markdown_text("11_hopper_and_fp8").split())
+    assert (f"read {min(pdl):.3f}–{max(pdl):.3f}× cuDNN against {min(plain):.3f}–{max(plain):.3f}× for the plain "
+            "launches") in text
+    assert f"the change was {min(others):+.1%} to {max(others):+.1%}".replace("+-", "-") in text
+    assert f"the pair ran at {min(backward):.2f}–{max(backward):.2f}× the plain launches' speed" in text
+    assert min(backward) < 1 < max(backward)  # "does not" pay: the spread straddles the plain launches
