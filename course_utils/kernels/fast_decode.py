@@ -37,6 +37,9 @@ more (``B = 1`` at 128k); at 16k and shorter it read less at 10 of 12 points
 :func:`launch_decode` uses it only from :data:`LEAN_MIN_BLOCKS` blocks on,
 for contiguous caches on a Hopper GPU (the only one it was measured on).
 
+The loop over a piece's blocks is a copy of lesson 09's (``_decode_split_kernel``'s): that kernel is the
+notebook's, written by the learner, so it cannot call a helper the lesson does not have.
+
 Public API: :func:`lean_shares` (the schedule's numbers, a plain function),
 :func:`launch` (one fixed launch; runs in the interpreter too, which is how
 the CPU tests check it), :func:`decode_lean`, :func:`lean_reason`, and
