@@ -25,11 +25,13 @@ from test_kernels_decode import DEVICE, TOL, make_cache
     (128, 2048, 132, 3, 2),  # B = 16 at 128k: 396 programs of 662 blocks
     (512, 16, 132, 3, 2),  # B = 64 at 1k: a share of 21 blocks spans two segments
     (3, 7, 5, 1, 1), (4, 3, 2, 2, 1), (1, 1, 4, 4, 1), (5, 100, 3, 1, 4), (6, 4, 1, 1, 1),
+    (1, 1024, 132, 3, 2),  # MQA, B = 1, 64k keys: one segment, at most 128 pieces (lesson 09's most splits)
 ])
 def test_every_block_is_read_once_and_every_piece_has_its_own_slot(segments, n_blocks, n_sms, per_sm, min_blocks):
     plan = lean_shares(segments, n_blocks, n_sms, per_sm, min_blocks)
     assert plan.share >= min_blocks
     assert plan.programs <= n_sms * per_sm or plan.share == min_blocks  # more programs only at the smallest share
+    assert plan.max_parts <= decode.MAX_SPLITS
     seen = np.zeros((segments, n_blocks), dtype=int)
     slots = {}
     for p in range(plan.programs):
@@ -57,6 +59,15 @@ def test_shares_are_equal_and_fill_the_sms():
     assert plan.max_parts == 5 == max(plan.parts_of(seg) for seg in range(128))
 
 
+def test_a_call_of_few_segments_gets_longer_shares_not_more_pieces_than_the_merge_holds():
+    free = lean_shares(1, 1024, 132, 3, max_parts=10**6)  # uncapped: 342 pieces of one segment, one merge tile
+    assert free.max_parts == free.programs == 342
+    plan = lean_shares(1, 1024, 132, 3)
+    assert plan.max_parts <= decode.MAX_SPLITS and plan.share == -(-1024 // (decode.MAX_SPLITS - 1))
+    small = lean_shares(2, 40, 8, 2, 1, max_parts=4)
+    assert small.share == 14 and max(small.parts_of(s) for s in range(2)) <= 4
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="positive"):
         lean_shares(0, 4, 132)
@@ -72,6 +83,7 @@ CASES = [
     (2, 4, 1, 3, 64, 32, [64, 33], torch.float32, 16, 2, 1, 1),  # MQA, T = 3, paged and shuffled
     (2, 6, 2, 1, 160, 24, [160, 100], torch.float16, None, 3, 1, 1),  # fp16, D not a power of two
     (2, 2, 1, 16, 80, 32, [80, 16], torch.float32, None, 1, 1, 8),  # T = 16; one program reads everything
+    (1, 4, 1, 1, 640, 32, [600], torch.float32, None, 40, 1, 1),  # one segment cut into 20 pieces
 ]
 
 

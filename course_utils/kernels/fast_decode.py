@@ -229,17 +229,21 @@ class LeanShares:
 
 
 def lean_shares(segments: int, n_blocks: int, n_sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
-                min_blocks: int = MIN_SHARE_BLOCKS) -> LeanShares:
+                min_blocks: int = MIN_SHARE_BLOCKS, max_parts: int = decode.MAX_SPLITS) -> LeanShares:
     """Cut ``segments * n_blocks`` K/V blocks into equal shares for ``n_sms * programs_per_sm`` programs.
 
     Each share is ``cdiv(total, n_sms * programs_per_sm)`` blocks, at least
     ``min_blocks`` (fewer programs then); a segment is cut into at most
-    ``cdiv(n_blocks, share) + 1`` pieces.
+    ``cdiv(n_blocks, share) + 1`` pieces, and never more than ``max_parts``
+    (lesson 09's most splits: the merge holds a row's pieces in one tile), so
+    a call of few segments (one sequence, one kv head) gets longer shares and
+    fewer programs.
     """
-    if segments < 1 or n_blocks < 1 or n_sms < 1 or programs_per_sm < 1 or min_blocks < 1:
-        raise ValueError("segments, n_blocks, n_sms, programs_per_sm and min_blocks must be positive")
+    if segments < 1 or n_blocks < 1 or n_sms < 1 or programs_per_sm < 1 or min_blocks < 1 or max_parts < 2:
+        raise ValueError("segments, n_blocks, n_sms, programs_per_sm and min_blocks must be positive, "
+                         "and max_parts at least 2")
     total = segments * n_blocks
-    share = max(min_blocks, triton.cdiv(total, n_sms * programs_per_sm))
+    share = max(min_blocks, triton.cdiv(total, n_sms * programs_per_sm), triton.cdiv(n_blocks, max_parts - 1))
     programs = triton.cdiv(total, share)
     max_parts = min(programs, triton.cdiv(n_blocks, share) + 1)
     return LeanShares(segments, n_blocks, share, programs, max_parts)
