@@ -166,9 +166,7 @@ def lean_launches(q, k, v, seqlens, n_sms: int, per_sm=PER_SM) -> dict:
     out = {"splits (lesson 09)": ((lambda: decode.launch_decode(q, k, v, seqlens)),
                                   dict(num_splits=decode.launch_splits(q, k)))}
     for n in per_sm:
-        plan = fast_decode.lean_shares(q.shape[0] * k.shape[1] * decode._launch_shape(q, k)[1],
-                                       -(-k.shape[2] // decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]),
-                                       n_sms, n)
+        plan, _ = fast_decode.plan_of(q, k, n_sms=n_sms, programs_per_sm=n)
         out[f"lean p{n}"] = ((lambda n=n: fast_decode.launch(q, k, v, seqlens, n_sms=n_sms, programs_per_sm=n)),
                              dict(programs_per_sm=n, share=plan.share, programs=plan.programs))
     out["package"] = ((lambda: fast_decode.launch_decode(q, k, v, seqlens)),

@@ -16,7 +16,7 @@ import torch
 
 from course_utils import kernels
 from course_utils.kernels import decode, fast_decode
-from course_utils.kernels.fast_decode import LEAN_MIN_BLOCKS, capacity_reason, lean_shares
+from course_utils.kernels.fast_decode import LEAN_MIN_BLOCKS, lean_rule, lean_shares
 from test_kernels_decode import DEVICE, TOL, make_cache
 
 
@@ -106,9 +106,9 @@ def test_the_package_entry_keeps_lesson_09s_kernels_off_a_gpu():
 
 
 def test_the_lean_schedule_starts_at_long_contiguous_caches():
-    assert capacity_reason(LEAN_MIN_BLOCKS * 64, 64) is None
-    assert "starts at" in capacity_reason(LEAN_MIN_BLOCKS * 64 - 64, 64)
-    assert "paged" in capacity_reason(LEAN_MIN_BLOCKS * 64, 64, paged=True)
-    assert "Hopper only" in capacity_reason(LEAN_MIN_BLOCKS * 64, 64, capability=(8, 0))  # an A100: not measured
-    assert capacity_reason(LEAN_MIN_BLOCKS * 64, 64, capability=(10, 0)) is None
+    assert lean_rule(LEAN_MIN_BLOCKS * 64, 64) is None
+    assert "starts at" in lean_rule(LEAN_MIN_BLOCKS * 64 - 64, 64)
+    assert "paged" in lean_rule(LEAN_MIN_BLOCKS * 64, 64, paged=True)
+    assert "Hopper only" in lean_rule(LEAN_MIN_BLOCKS * 64, 64, capability=(8, 0))  # an A100: not measured
+    assert lean_rule(LEAN_MIN_BLOCKS * 64, 64, capability=(10, 0)) is None
     assert DEVICE in ("cpu", "cuda")

@@ -56,8 +56,9 @@ import triton
 import triton.language as tl
 
 from . import decode
+from .forward import _capability
 
-__all__ = ["LeanShares", "lean_shares", "launch", "decode_lean", "lean_reason", "capacity_reason", "launch_decode", "decode_attention",
+__all__ = ["LeanShares", "lean_shares", "launch", "plan_of", "decode_lean", "lean_reason", "lean_rule", "launch_decode", "decode_attention",
            "PROGRAMS_PER_SM", "MIN_SHARE_BLOCKS", "LEAN_MIN_BLOCKS"]
 
 try:  # grid dependency control (Triton >= 3.4); without it the merge is launched the plain way
@@ -249,6 +250,18 @@ def lean_shares(segments: int, n_blocks: int, n_sms: int, programs_per_sm: int =
     return LeanShares(segments, n_blocks, share, programs, max_parts)
 
 
+def plan_of(q, k_cache, block_table=None, *, n_sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
+            min_blocks: int = MIN_SHARE_BLOCKS, BLOCK_N: int | None = None) -> tuple[LeanShares, int]:
+    """``(plan, BLOCK_N)`` of one call: its segments (batch x kv heads x blocks of packed query rows), its
+    blocks of ``BLOCK_N`` keys (:func:`.decode.decode_config`'s unless given) against the caches' capacity,
+    cut by :func:`lean_shares`."""
+    _, m_blocks, capacity = decode._launch_shape(q, k_cache, block_table)
+    block_n = BLOCK_N or decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
+    plan = lean_shares(q.shape[0] * k_cache.shape[1] * m_blocks, triton.cdiv(capacity, block_n), n_sms,
+                       programs_per_sm, min_blocks)
+    return plan, block_n
+
+
 def launch(q, k_cache, v_cache, cache_seqlens, block_table=None, *, n_sms: int, programs_per_sm: int = PROGRAMS_PER_SM,
            min_blocks: int = MIN_SHARE_BLOCKS, BLOCK_N: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, pdl: bool | None = None):
@@ -260,19 +273,18 @@ def launch(q, k_cache, v_cache, cache_seqlens, block_table=None, *, n_sms: int, 
     if out.numel() == 0:
         return out
     block_m, m_blocks, capacity = decode._launch_shape(q, k_cache, block_table)
-    cfg = decode.decode_config(D, q.dtype, q.device)
-    block_n = BLOCK_N or cfg["BLOCK_N"]
-    n_blocks = triton.cdiv(capacity, block_n)
-    plan = lean_shares(B * Hkv * m_blocks, n_blocks, n_sms, programs_per_sm, min_blocks)
+    plan, block_n = plan_of(q, k_cache, block_table, n_sms=n_sms, programs_per_sm=programs_per_sm,
+                            min_blocks=min_blocks, BLOCK_N=BLOCK_N)
+    n_blocks = plan.n_blocks
     gpu = q.device.type == "cuda" and not decode._interpreted(q.device)
-    if gpu:
-        cfg = decode.decode_config(D, q.dtype, q.device, plan.programs, num_splits=2, split_blocks=plan.share)
+    cfg = decode.decode_config(D, q.dtype, q.device, plan.programs if gpu else None, num_splits=2,
+                               split_blocks=plan.share)
     cfg["BLOCK_N"] = block_n
     for key, value in (("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None:
             cfg[key] = value
     if pdl is None:
-        pdl = gpu and gdc_wait is not None and torch.cuda.get_device_capability(q.device) >= (9, 0)
+        pdl = gpu and gdc_wait is not None and _capability(q.device) >= (9, 0)
     o_parts = torch.empty((B, Hq, T, plan.max_parts, D), dtype=torch.float32, device=q.device)
     lse_parts = torch.empty((B, Hq, T, plan.max_parts), dtype=torch.float32, device=q.device)
     paged = block_table is not None
@@ -306,17 +318,11 @@ def lean_reason(q, k_cache, block_table=None) -> str | None:
     if q.device.type != "cuda" or decode._interpreted(q.device):
         return "not on a GPU: the interpreter runs lesson 09's kernels"
     block_n = decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
-    return capacity_reason(k_cache.shape[2], block_n, paged=block_table is not None,
-                           capability=_capability_of(q.device))
+    return lean_rule(k_cache.shape[2], block_n, paged=block_table is not None, capability=_capability(q.device))
 
 
-def _capability_of(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return tuple(torch.cuda.get_device_capability(index))
-
-
-def capacity_reason(capacity: int, block_n: int, *, paged: bool = False,
-                    capability: tuple[int, int] = (9, 0)) -> str | None:
+def lean_rule(capacity: int, block_n: int, *, paged: bool = False,
+              capability: tuple[int, int] = (9, 0)) -> str | None:
     """:func:`lean_reason`'s rule for a GPU: Hopper or newer (where it was measured) and a contiguous cache of at
     least :data:`LEAN_MIN_BLOCKS` blocks."""
     if tuple(capability) < (9, 0):
