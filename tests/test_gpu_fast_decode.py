@@ -42,10 +42,41 @@ def test_lean_decode_on_a_gpu_matches_reference(b, hq, hkv, t, n, lengths, per_s
 
 
 @pytest.mark.skipif(not HOPPER, reason="the lean schedule's routing is measured on Hopper")
-def test_long_caches_run_the_lean_kernels_and_short_ones_lesson_09s():
-    for n, kernel in ((fast_decode.LEAN_MIN_BLOCKS * 64, "_lean_split_kernel"), (16384, "_decode_split_kernel")):
-        q, k, v, seqlens, want = _cache(1, 32, 8, 1, n, 128, [n], seed=n)
+def test_long_caches_run_the_lean_kernels_and_short_ones_lesson_09s_with_the_pdl_combine():
+    long = fast_decode.LEAN_MIN_BLOCKS * 64
+    for b, n, kernels, choice in (
+            (4, long, ["_lean_split_kernel", "_lean_combine_kernel"], "lean"),  # 256 programs in lesson 09's launch
+            (1, long, ["_split_released", "_combine_waiting"], "pdl num_splits=32"),  # 128 programs: one per SM
+            (1, 16384, ["_split_released", "_combine_waiting"], "pdl num_splits=32")):
+        q, k, v, seqlens, want = _cache(b, 32, 8, 1, n, 128, [n] * b, seed=n + b)
         with targets._captured_launches(launch=True) as launches:
             o = fast_decode.decode_attention(q, k, v, seqlens)
-        assert launches[0][0].__name__ == kernel
+        assert [fn.__name__ for fn, *_ in launches] == kernels
+        assert fast_decode.launch_choice(q, k) == choice
         np.testing.assert_allclose(o.double().cpu().numpy(), want, atol=3e-2, rtol=3e-2)
+        del q, k, v
+
+
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs Hopper")
+@pytest.mark.parametrize("b,n,lengths", [(1, 1024, [1024]), (4, 4096, [4096, 3000, 17, 1]), (2, 2000, [2000, 1999])])
+def test_the_pdl_combine_gives_lesson_09s_bits(b, n, lengths):
+    q, k, v, seqlens, want = _cache(b, 32, 8, 1, n, 128, lengths, seed=b)
+    splits = fast_decode.pdl_splits_of(q, k)
+    o = fast_decode.decode_attention(q, k, v, seqlens)
+    assert torch.equal(o, decode.launch_decode(q, k, v, seqlens, splits))  # the same kernels, the same bits
+    np.testing.assert_allclose(o.double().cpu().numpy(), want, atol=3e-2, rtol=3e-2)
+    assert fast_decode.launch_choice(q, k) == f"pdl num_splits={splits}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="programmatic dependent launch needs Hopper")
+def test_a_paged_cache_keeps_lesson_09s_plain_launch():
+    q, k, v, seqlens, want = _cache(2, 32, 8, 1, 1024, 128, [1024, 700], seed=3)
+    pages = k.shape[2] // 16
+    table = torch.arange(2 * pages, dtype=torch.int32, device="cuda").reshape(2, pages)
+    kp, vp = (x.reshape(2, 8, pages, 16, 128).permute(0, 2, 1, 3, 4).reshape(2 * pages, 8, 16, 128).contiguous()
+              for x in (k, v))
+    with targets._captured_launches(launch=True) as launches:
+        o = fast_decode.decode_attention(q, kp, vp, seqlens, block_table=table)
+    assert launches[0][0].__name__ == "_decode_split_kernel"
+    assert fast_decode.launch_choice(q, kp, table).startswith("num_splits=")
+    np.testing.assert_allclose(o.double().cpu().numpy(), want, atol=3e-2, rtol=3e-2)

@@ -111,4 +111,38 @@ def test_the_lean_schedule_starts_at_long_contiguous_caches():
     assert "paged" in lean_rule(LEAN_MIN_BLOCKS * 64, 64, paged=True)
     assert "Hopper only" in lean_rule(LEAN_MIN_BLOCKS * 64, 64, capability=(8, 0))  # an A100: not measured
     assert lean_rule(LEAN_MIN_BLOCKS * 64, 64, capability=(10, 0)) is None
+    # B = 1 with 8 kv heads and 16 splits is 128 programs on an H200's 132 SMs: lesson 09's splits with the PDL
+    # combine; B = 4 with 8 splits is 256: the lean schedule
+    assert "at most one per SM" in lean_rule(LEAN_MIN_BLOCKS * 64, 64, programs=128, n_sms=132)
+    assert lean_rule(LEAN_MIN_BLOCKS * 64, 64, programs=256, n_sms=132) is None
     assert DEVICE in ("cpu", "cuda")
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_lesson_09s_kernels_through_the_pdl_wrappers_give_their_bits(page_size):
+    """The wrappers call lesson 09's kernels as functions: same launch, same result (PDL itself needs a GPU)."""
+    (q, k, v, seqlens, table), (want_o, _) = make_cache(2, 4, 2, 2, 96, 32, [96, 40], torch.float32,
+                                                        page_size=page_size)
+    for splits in (1, 3):
+        o = fast_decode.launch_pdl_splits(q, k, v, seqlens, splits, table, pdl=False)
+        assert torch.equal(o, decode.launch_decode(q, k, v, seqlens, splits, table))
+        np.testing.assert_allclose(o.double().numpy(), want_o, atol=1e-4, rtol=1e-4)
+    assert fast_decode.launch_choice(q, k, table) == f"num_splits={decode.launch_splits(q, k, table)}"  # no GPU
+
+
+@pytest.mark.parametrize("batch,context,lesson_09,pdl", [
+    (1, 1024, 4, 8),  # one wave of 64 programs of 2 blocks
+    (1, 4096, 16, 16),  # doubled: 256 programs of 2 blocks (lost)
+    (1, 16384, 16, 32),  # doubled splits of 8 blocks
+    (4, 1024, 4, 4),  # doubled: 256 programs of 2 blocks (lost)
+    (4, 4096, 4, 8),
+    (4, 16384, 4, 8),
+    (4, 65536, 8, 8),  # 256 programs: more than one per SM already
+    (16, 1024, 1, 1),  # one split: no combine to add
+    (16, 16384, 2, 2),
+])
+def test_the_pdl_split_rule_on_an_h200(batch, context, lesson_09, pdl):
+    n_blocks = context // 64
+    splits = decode.pick_num_splits(batch, 8, 1, context, torch.device("cpu"), 64, sm_count=132)
+    assert splits == lesson_09
+    assert fast_decode.pdl_num_splits(batch, 8, 1, n_blocks, splits, 132) == pdl

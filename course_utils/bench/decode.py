@@ -10,7 +10,8 @@ out), and writes ``results/decode_bench.md`` and ``results/decode_bench.json``
 Providers, all on the same inputs:
 
 - ``course``: :func:`course_utils.kernels.decode_attention`'s kernels, with its
-  own choice of ``num_splits`` (or of the lean schedule, ``splits`` = ``lean``:
+  own choice of ``num_splits`` (or of the lean schedule, ``splits`` = ``lean``,
+  or on Hopper lesson 09's kernels with the combine launched by PDL, ``pdl S``:
   :mod:`course_utils.kernels.fast_decode`), timed through
   ``fast_decode.launch_decode`` (the
   kernels without the input checks, whose check of ``cache_seqlens`` copies
@@ -200,15 +201,11 @@ def make_provider(name: str, q, k, v, seqlens):
     import torch.nn.functional as F
 
     if name == "course":
-        from ..kernels import decode, fast_decode
+        from ..kernels import fast_decode
 
         out = fast_decode.decode_attention(q, k, v, seqlens)  # the checked call (raises on bad input)
         del out
-        if fast_decode.lean_reason(q, k) is None:
-            note = "lean"
-        else:
-            note = f"num_splits={decode.launch_splits(q, k)}"
-        return (lambda: fast_decode.launch_decode(q, k, v, seqlens)), note
+        return (lambda: fast_decode.launch_decode(q, k, v, seqlens)), fast_decode.launch_choice(q, k)
     if name == "course_paged":
         from ..kernels import decode
 

@@ -534,13 +534,14 @@ def _rows_per_block(group_size: int, t: int) -> int:
 
 
 def decode_split(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_table=None, *, BLOCK_N=None,
-                 out=None, kernel=None, num_warps=None, num_stages=None):
+                 out=None, kernel=None, num_warps=None, num_stages=None, extra=None):
     """Launch the split kernel: ``(o_parts, lse_parts)``, float32 ``[B, Hq, T, S, D]`` and ``[B, Hq, T, S]``.
 
     With ``out`` given and one split, the result goes to ``out`` instead and
     ``(out, None)`` is returned. ``kernel`` replaces the module's kernel (the
     lesson passes its own). ``BLOCK_N``, ``num_warps`` and ``num_stages``
-    replace :func:`decode_config`'s choice (``benchmarks/tune_decode.py``).
+    replace :func:`decode_config`'s choice (``benchmarks/tune_decode.py``). ``extra``: more keyword
+    arguments for the launch (a ``kernel`` that takes more, :mod:`.fast_decode`'s).
     """
     kernel = _decode_split_kernel if kernel is None else kernel
     B, Hq, T, D = q.shape
@@ -570,17 +571,19 @@ def decode_split(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_tabl
         *(o.stride() if direct else (0, 0, 0, 0)),
         Hq, Hkv, T, capacity, page_size, num_splits, LOG2E / math.sqrt(D),
         D=D, D_PAD=triton.next_power_of_2(max(D, 16)), BLOCK_M=block_m, PAGED=paged, SPLIT=not direct, **cfg,
+        **(extra or {}),
     )
     return (out, None) if direct else (o_parts, lse_parts)
 
 
-def decode_combine(o_parts, lse_parts, out, *, kernel=None):
-    """Launch the combine kernel: merge ``o_parts``/``lse_parts`` into ``out`` ``[B, Hq, T, D]``; returns ``out``."""
+def decode_combine(o_parts, lse_parts, out, *, kernel=None, extra=None):
+    """Launch the combine kernel: merge ``o_parts``/``lse_parts`` into ``out`` ``[B, Hq, T, D]``; returns ``out``.
+    ``kernel`` and ``extra`` as in :func:`decode_split`."""
     kernel = _decode_combine_kernel if kernel is None else kernel
     B, Hq, T, S, D = o_parts.shape
     kernel[(B * Hq * T,)](
         o_parts, lse_parts, out, *out.stride(), Hq, T, S,
-        D=D, D_PAD=triton.next_power_of_2(max(D, 16)), S_PAD=triton.next_power_of_2(S),
+        D=D, D_PAD=triton.next_power_of_2(max(D, 16)), S_PAD=triton.next_power_of_2(S), **(extra or {}),
     )
     return out
 

@@ -35,14 +35,23 @@ context the lean schedule read as much as lesson 09's splits or up to 2.5%
 more (``B = 1`` at 128k); at 16k and shorter it read less at 10 of 12 points
 (its programs loop over pieces, and short shares pay the merge), so
 :func:`launch_decode` uses it only from :data:`LEAN_MIN_BLOCKS` blocks on,
-for contiguous caches on a Hopper GPU (the only one it was measured on).
+for contiguous caches on a Hopper GPU (the only one it was measured on), and
+only where lesson 09's launch has more than one program per SM.
+
+Elsewhere on Hopper (contiguous caches) :func:`launch_decode` runs lesson 09's
+two kernels themselves, called as functions from two wrappers
+(:func:`_split_released`, :func:`_combine_waiting`) so that the combine is
+launched by PDL, at :func:`pdl_num_splits`'s count: twice lesson 09's where
+its launch is at most one program per SM and the doubled splits are long
+enough (``results/pdl_splits.json``; NOTES, "The decode combine by PDL").
 
 The loop over a piece's blocks is a copy of lesson 09's (``_decode_split_kernel``'s): that kernel is the
 notebook's, written by the learner, so it cannot call a helper the lesson does not have.
 
 Public API: :func:`lean_shares` (the schedule's numbers, a plain function),
 :func:`launch` (one fixed launch; runs in the interpreter too, which is how
-the CPU tests check it), :func:`decode_lean`, :func:`lean_reason`, and
+the CPU tests check it), :func:`decode_lean`, :func:`lean_reason`,
+:func:`launch_pdl_splits`, :func:`pdl_num_splits`, :func:`launch_choice`, and
 :func:`launch_decode` / :func:`decode_attention`, the package's decoding
 entry (``course_utils.kernels.decode_attention``).
 """
@@ -58,8 +67,10 @@ import triton.language as tl
 from . import decode
 from .forward import _capability
 
-__all__ = ["LeanShares", "lean_shares", "launch", "plan_of", "decode_lean", "lean_reason", "lean_rule", "launch_decode", "decode_attention",
-           "PROGRAMS_PER_SM", "MIN_SHARE_BLOCKS", "LEAN_MIN_BLOCKS"]
+__all__ = ["LeanShares", "lean_shares", "launch", "plan_of", "decode_lean", "lean_reason", "lean_rule", "launch_decode",
+           "decode_attention", "launch_pdl_splits", "pdl_num_splits", "pdl_splits_of", "launch_choice",
+           "PROGRAMS_PER_SM", "MIN_SHARE_BLOCKS", "LEAN_MIN_BLOCKS", "PDL_ONE_WAVE_MIN_BLOCKS",
+           "PDL_TWO_PER_SM_MIN_BLOCKS"]
 
 try:  # grid dependency control (Triton >= 3.4); without it the merge is launched the plain way
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -71,6 +82,13 @@ PROGRAMS_PER_SM = 3  # programs per SM the shares are cut for: 3 read the most o
 MIN_SHARE_BLOCKS = 2  # never a share of fewer K/V blocks than this
 LEAN_MIN_BLOCKS = 1024  # the lean schedule from this many K/V blocks per sequence's capacity (64k keys of 64):
 #                         level with or ahead of lesson 09's splits there, mostly behind them at 16k and shorter
+# Below that, lesson 09's kernels with the combine launched by PDL, at more splits where a launch of at most one
+# program per SM leaves room (pdl_num_splits; results/pdl_splits.json, an H200): twice lesson 09's count when the
+# doubled launch is still at most one program per SM and each split reads at least PDL_ONE_WAVE_MIN_BLOCKS blocks,
+# or when each doubled split still reads at least PDL_TWO_PER_SM_MIN_BLOCKS blocks.
+PDL_ONE_WAVE_MIN_BLOCKS = 2  # B = 1, 1k: 4 -> 8 splits of 2 blocks (64 programs), 0.84-0.86x -> 1.003x cuDNN
+PDL_TWO_PER_SM_MIN_BLOCKS = 8  # B = 4, 4k and 16k: 4 -> 8 splits (256 programs), +2%; splits of 2 blocks at
+#                                B = 1, 4k and B = 4, 1k (256 programs) lost 3%
 
 
 @triton.jit
@@ -197,6 +215,47 @@ def _lean_combine_kernel(
              o.to(O.dtype.element_ty), mask=d_ok)
 
 
+@triton.jit
+def _split_released(
+    Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART, O,
+    stride_qb, stride_qh, stride_qt, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_tb, stride_tp,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    n_q_heads, n_kv_heads, T, n_cap, page_size, num_splits, qk_scale,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+):
+    """Lesson 09's split kernel, called as a function, after letting the combine be scheduled (``PDL``)."""
+    if PDL:
+        gdc_launch_dependents()
+    decode._decode_split_kernel(
+        Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART, O,
+        stride_qb, stride_qh, stride_qt, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_tb, stride_tp,
+        stride_ob, stride_oh, stride_ot, stride_od,
+        n_q_heads, n_kv_heads, T, n_cap, page_size, num_splits, qk_scale,
+        D, D_PAD, BLOCK_M, BLOCK_N, PAGED, SPLIT,
+    )
+
+
+@triton.jit
+def _combine_waiting(
+    O_PART, LSE_PART, O,
+    stride_ob, stride_oh, stride_ot, stride_od,
+    n_q_heads, T, num_splits,
+    D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """Lesson 09's combine kernel, called as a function once the split kernel's writes are visible (``PDL``)."""
+    if PDL:
+        gdc_wait()
+    decode._decode_combine_kernel(O_PART, LSE_PART, O, stride_ob, stride_oh, stride_ot, stride_od,
+                                  n_q_heads, T, num_splits, D, D_PAD, S_PAD)
+
+
 class LeanShares:
     """The schedule of one call: ``segments`` of ``n_blocks`` blocks each, ``share`` blocks per program,
     ``programs`` launched, and at most ``max_parts`` pieces per segment."""
@@ -284,7 +343,7 @@ def launch(q, k_cache, v_cache, cache_seqlens, block_table=None, *, n_sms: int, 
         if value is not None:
             cfg[key] = value
     if pdl is None:
-        pdl = gpu and gdc_wait is not None and _capability(q.device) >= (9, 0)
+        pdl = _pdl_ok(q.device)
     o_parts = torch.empty((B, Hq, T, plan.max_parts, D), dtype=torch.float32, device=q.device)
     lse_parts = torch.empty((B, Hq, T, plan.max_parts), dtype=torch.float32, device=q.device)
     paged = block_table is not None
@@ -308,6 +367,59 @@ def launch(q, k_cache, v_cache, cache_seqlens, block_table=None, *, n_sms: int, 
     return out
 
 
+def launch_pdl_splits(q, k_cache, v_cache, cache_seqlens, num_splits: int, block_table=None, *,
+                      pdl: bool | None = None):
+    """Lesson 09's two kernels at ``num_splits`` (:func:`.decode.launch_decode`'s launch), the combine launched
+    by programmatic dependent launch (``pdl=None``: on a Hopper GPU or newer). No validation."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if out.numel() == 0:
+        return out
+    if num_splits == 1:  # no combine to launch early
+        return decode.decode_split(q, k_cache, v_cache, cache_seqlens, 1, block_table, out=out)[0]
+    if pdl is None:
+        pdl = _pdl_ok(q.device)
+    o_parts, lse_parts = decode.decode_split(q, k_cache, v_cache, cache_seqlens, num_splits, block_table,
+                                             kernel=_split_released, extra={"PDL": pdl})
+    return decode.decode_combine(o_parts, lse_parts, out, kernel=_combine_waiting,
+                                 extra={"PDL": pdl, **({"launch_pdl": True} if pdl else {})})
+
+
+def pdl_num_splits(batch: int, n_kv_heads: int, m_blocks: int, n_blocks: int, num_splits: int, n_sms: int) -> int:
+    """The split count with the combine launched by PDL, from lesson 09's ``num_splits`` (:func:`.decode.pick_num_splits`).
+
+    The PDL launch hides most of the combine's cost, which is what kept lesson
+    09's count low where its programs are few. So where lesson 09 already
+    splits (``num_splits >= 2``) and its launch is at most one program per SM,
+    the count is doubled if the doubled launch is still at most one program
+    per SM with splits of at least :data:`PDL_ONE_WAVE_MIN_BLOCKS` blocks, or
+    if each doubled split still reads at least :data:`PDL_TWO_PER_SM_MIN_BLOCKS`
+    blocks. One split stays one: going to two adds the combine itself, which
+    lost at ``B = 16`` (0.985 -> 0.96x cuDNN at 1k, ``results/pdl_probe.json``).
+    An empirical rule over the decode grid's points (``results/pdl_splits.json``), not a model.
+    """
+    programs = batch * n_kv_heads * m_blocks * num_splits
+    doubled = 2 * num_splits
+    if num_splits < 2 or programs > n_sms or doubled > decode.MAX_SPLITS:
+        return num_splits
+    per_split = n_blocks // doubled
+    one_wave = 2 * programs <= n_sms and per_split >= PDL_ONE_WAVE_MIN_BLOCKS
+    return doubled if one_wave or per_split >= PDL_TWO_PER_SM_MIN_BLOCKS else num_splits
+
+
+def pdl_splits_of(q, k_cache) -> int:
+    """:func:`pdl_num_splits` for a call on a contiguous cache (this GPU's SM count)."""
+    _, m_blocks, capacity = decode._launch_shape(q, k_cache)
+    block_n = decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
+    return pdl_num_splits(q.shape[0], k_cache.shape[1], m_blocks, triton.cdiv(capacity, block_n),
+                          decode.launch_splits(q, k_cache), decode._sm_count(q.device))
+
+
+def _pdl_ok(device: torch.device) -> bool:
+    """Programmatic dependent launch: on a Hopper GPU or newer, with Triton's grid dependency control."""
+    return (device.type == "cuda" and not decode._interpreted(device) and gdc_wait is not None
+            and _capability(device) >= (9, 0))
+
+
 def decode_lean(q, k_cache, v_cache, cache_seqlens, block_table=None):
     """:func:`launch` with this GPU's SM count (for tensors :func:`.decode.validate_decode` accepted)."""
     return launch(q, k_cache, v_cache, cache_seqlens, block_table, n_sms=decode._sm_count(q.device))
@@ -318,13 +430,18 @@ def lean_reason(q, k_cache, block_table=None) -> str | None:
     if q.device.type != "cuda" or decode._interpreted(q.device):
         return "not on a GPU: the interpreter runs lesson 09's kernels"
     block_n = decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
-    return lean_rule(k_cache.shape[2], block_n, paged=block_table is not None, capability=_capability(q.device))
+    _, m_blocks, _ = decode._launch_shape(q, k_cache, block_table)
+    programs = q.shape[0] * k_cache.shape[1] * m_blocks * decode.launch_splits(q, k_cache, block_table)
+    return lean_rule(k_cache.shape[2], block_n, paged=block_table is not None, capability=_capability(q.device),
+                     programs=programs, n_sms=decode._sm_count(q.device))
 
 
-def lean_rule(capacity: int, block_n: int, *, paged: bool = False,
-              capability: tuple[int, int] = (9, 0)) -> str | None:
-    """:func:`lean_reason`'s rule for a GPU: Hopper or newer (where it was measured) and a contiguous cache of at
-    least :data:`LEAN_MIN_BLOCKS` blocks."""
+def lean_rule(capacity: int, block_n: int, *, paged: bool = False, capability: tuple[int, int] = (9, 0),
+              programs: int | None = None, n_sms: int | None = None) -> str | None:
+    """:func:`lean_reason`'s rule for a GPU: Hopper or newer (where it was measured), a contiguous cache of at
+    least :data:`LEAN_MIN_BLOCKS` blocks, and (when ``programs``, lesson 09's launch at its own split count, and
+    ``n_sms`` are given) more than one program per SM in lesson 09's launch: at most one per SM, its splits with
+    the PDL combine (:func:`pdl_num_splits`) read as much or more (``results/pdl_splits.json``, ``B = 1`` from 64k)."""
     if tuple(capability) < (9, 0):
         return (f"compute capability {capability[0]}.{capability[1]}: the lean schedule was measured on Hopper only, "
                 "other GPUs keep lesson 09's splits")
@@ -332,15 +449,34 @@ def lean_rule(capacity: int, block_n: int, *, paged: bool = False,
         return "a paged cache: pick_num_splits has measured rules for pages, the lean schedule was not measured"
     if triton.cdiv(capacity, block_n) < LEAN_MIN_BLOCKS:
         return f"a cache of {capacity} keys: the lean schedule starts at {LEAN_MIN_BLOCKS} blocks of {block_n}"
+    if programs is not None and n_sms and programs <= n_sms:
+        return (f"lesson 09's launch is {programs} programs on {n_sms} SMs, at most one per SM: its splits with the "
+                "PDL combine read as much or more")
     return None
 
 
 def launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None):
-    """:func:`.decode.launch_decode`, or the lean schedule where :func:`lean_reason` allows it (and
-    ``num_splits`` is not given): what :func:`decode_attention` runs, without its checks."""
+    """What :func:`decode_attention` runs, without its checks: the lean schedule where :func:`lean_reason`
+    allows it (and ``num_splits`` is not given); else on a Hopper GPU with a contiguous cache lesson 09's kernels
+    with the PDL combine (:func:`launch_pdl_splits`, at ``num_splits`` or :func:`pdl_splits_of`'s count);
+    else :func:`.decode.launch_decode`."""
     if num_splits is None and lean_reason(q, k_cache, block_table) is None:
         return decode_lean(q, k_cache, v_cache, cache_seqlens)
+    if block_table is None and _pdl_ok(q.device):
+        splits = pdl_splits_of(q, k_cache) if num_splits is None else num_splits
+        return launch_pdl_splits(q, k_cache, v_cache, cache_seqlens, splits, pdl=True)
     return decode.launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
+
+
+def launch_choice(q, k_cache, block_table=None) -> str:
+    """What :func:`launch_decode` runs for these inputs, in the decode bench's words: ``"lean"``,
+    ``"pdl num_splits=S"`` (lesson 09's kernels, the combine launched by PDL) or ``"num_splits=S"``."""
+    if lean_reason(q, k_cache, block_table) is None:
+        return "lean"
+    if block_table is None and _pdl_ok(q.device):
+        splits = pdl_splits_of(q, k_cache)
+        return f"pdl num_splits={splits}" if splits > 1 else "num_splits=1"  # one split: no combine to launch
+    return f"num_splits={decode.launch_splits(q, k_cache, block_table)}"
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, block_table=None):
