@@ -35,8 +35,7 @@ context the lean schedule read as much as lesson 09's splits or up to 2.5%
 more (``B = 1`` at 128k); at 16k and shorter it read less at 10 of 12 points
 (its programs loop over pieces, and short shares pay the merge), so
 :func:`launch_decode` uses it only from :data:`LEAN_MIN_BLOCKS` blocks on,
-for contiguous caches on a Hopper GPU (the only one it was measured on), and
-only where lesson 09's launch has more than one program per SM.
+for contiguous caches on a Hopper GPU (the only one it was measured on).
 
 Elsewhere on Hopper (contiguous caches) :func:`launch_decode` runs lesson 09's
 two kernels themselves, called as functions from two wrappers
@@ -430,18 +429,13 @@ def lean_reason(q, k_cache, block_table=None) -> str | None:
     if q.device.type != "cuda" or decode._interpreted(q.device):
         return "not on a GPU: the interpreter runs lesson 09's kernels"
     block_n = decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
-    _, m_blocks, _ = decode._launch_shape(q, k_cache, block_table)
-    programs = q.shape[0] * k_cache.shape[1] * m_blocks * decode.launch_splits(q, k_cache, block_table)
-    return lean_rule(k_cache.shape[2], block_n, paged=block_table is not None, capability=_capability(q.device),
-                     programs=programs, n_sms=decode._sm_count(q.device))
+    return lean_rule(k_cache.shape[2], block_n, paged=block_table is not None, capability=_capability(q.device))
 
 
-def lean_rule(capacity: int, block_n: int, *, paged: bool = False, capability: tuple[int, int] = (9, 0),
-              programs: int | None = None, n_sms: int | None = None) -> str | None:
-    """:func:`lean_reason`'s rule for a GPU: Hopper or newer (where it was measured), a contiguous cache of at
-    least :data:`LEAN_MIN_BLOCKS` blocks, and (when ``programs``, lesson 09's launch at its own split count, and
-    ``n_sms`` are given) more than one program per SM in lesson 09's launch: at most one per SM, its splits with
-    the PDL combine (:func:`pdl_num_splits`) read as much or more (``results/pdl_splits.json``, ``B = 1`` from 64k)."""
+def lean_rule(capacity: int, block_n: int, *, paged: bool = False,
+              capability: tuple[int, int] = (9, 0)) -> str | None:
+    """:func:`lean_reason`'s rule for a GPU: Hopper or newer (where it was measured) and a contiguous cache of at
+    least :data:`LEAN_MIN_BLOCKS` blocks."""
     if tuple(capability) < (9, 0):
         return (f"compute capability {capability[0]}.{capability[1]}: the lean schedule was measured on Hopper only, "
                 "other GPUs keep lesson 09's splits")
@@ -449,9 +443,6 @@ def lean_rule(capacity: int, block_n: int, *, paged: bool = False, capability: t
         return "a paged cache: pick_num_splits has measured rules for pages, the lean schedule was not measured"
     if triton.cdiv(capacity, block_n) < LEAN_MIN_BLOCKS:
         return f"a cache of {capacity} keys: the lean schedule starts at {LEAN_MIN_BLOCKS} blocks of {block_n}"
-    if programs is not None and n_sms and programs <= n_sms:
-        return (f"lesson 09's launch is {programs} programs on {n_sms} SMs, at most one per SM: its splits with the "
-                "PDL combine read as much or more")
     return None
 
 
