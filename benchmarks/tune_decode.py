@@ -18,10 +18,11 @@ the decode benchmark's paged column does, and times the paged launches
 B:L ...`` replaces :data:`POINTS`, ``--candidates`` :data:`CANDIDATES` and ``--counts`` :data:`COUNTS`.
 
 ``--lean`` times the equal-shares schedule instead (``course_utils.kernels.fast_decode``) at
-:data:`PER_SM` programs per SM, beside lesson 09's splits (``decode.launch_decode``) and SDPA's cuDNN, at
-every point of the decode benchmark's grid (or ``--points``), two rounds; each row marks what the package's
-``decode_attention`` runs there (``fast_decode.launch_decode``). ``results/tune_decode_lean.json`` holds the
-scratch run this replaces (same launches, rows in another shape).
+:data:`PER_SM` programs per SM, beside lesson 09's splits (``decode.launch_decode``), the same kernels with
+the combine launched by PDL at lesson 09's count and at twice it (``fast_decode.launch_pdl_splits``), and
+SDPA's cuDNN, at every point of the decode benchmark's grid (or ``--points``), two rounds; each row marks what
+the package's ``decode_attention`` runs there (``fast_decode.launch_choice``). ``results/tune_decode_lean.json``
+and ``results/pdl_splits.json`` hold the scratch runs this replaces (same launches, rows in another shape).
 
     python benchmarks/tune_decode.py [--out results/tune_decode.json] [--paged] [--points 4:65536 16:16384]
                                      [--candidates 64:4:3 128:4:2] [--counts 1 2 4 33]
@@ -160,17 +161,26 @@ PER_SM = (1, 2, 3, 4)  # programs per SM the equal shares are cut for (--lean)
 
 
 def lean_launches(q, k, v, seqlens, n_sms: int, per_sm=PER_SM) -> dict:
-    """``{name: (fn, extra)}``: lesson 09's splits, the equal shares at each ``per_sm`` and the package's choice."""
+    """``{name: (fn, extra)}``: lesson 09's splits, the same kernels with the PDL combine at lesson 09's count
+    (``pdl splits``) and, where lesson 09 splits and its blocks allow, at twice it (``pdl x2``, splits of at least
+    2 blocks), the equal shares at each ``per_sm``, and the package's choice (``fast_decode.launch_choice``)."""
+    import triton
+
     from course_utils.kernels import decode, fast_decode
 
-    out = {"splits (lesson 09)": ((lambda: decode.launch_decode(q, k, v, seqlens)),
-                                  dict(num_splits=decode.launch_splits(q, k)))}
+    splits = decode.launch_splits(q, k)
+    out = {"splits (lesson 09)": ((lambda: decode.launch_decode(q, k, v, seqlens)), dict(num_splits=splits)),
+           "pdl splits": ((lambda: fast_decode.launch_pdl_splits(q, k, v, seqlens, splits)), dict(num_splits=splits))}
+    block_n = decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
+    doubled = min(2 * splits, triton.cdiv(k.shape[2], block_n) // 2, decode.MAX_SPLITS)
+    if splits > 1 and doubled > splits:
+        out["pdl x2"] = ((lambda: fast_decode.launch_pdl_splits(q, k, v, seqlens, doubled)), dict(num_splits=doubled))
     for n in per_sm:
         plan, _ = fast_decode.plan_of(q, k, n_sms=n_sms, programs_per_sm=n)
         out[f"lean p{n}"] = ((lambda n=n: fast_decode.launch(q, k, v, seqlens, n_sms=n_sms, programs_per_sm=n)),
                              dict(programs_per_sm=n, share=plan.share, programs=plan.programs))
     out["package"] = ((lambda: fast_decode.launch_decode(q, k, v, seqlens)),
-                      dict(runs="lean" if fast_decode.lean_reason(q, k) is None else "splits"))
+                      dict(runs=fast_decode.launch_choice(q, k)))
     return out
 
 

@@ -163,6 +163,7 @@ def test_the_decode_sweep_s_paged_launches_are_correct():
 
 def test_the_lean_sweep_s_launches_are_correct_and_name_what_the_package_runs():
     from course_utils.bench import decode as db
+    from course_utils.kernels import decode, fast_decode
 
     context = 9 * 32 + 5  # ragged: the last block part full
     g = torch.Generator().manual_seed(11)
@@ -170,9 +171,15 @@ def test_the_lean_sweep_s_launches_are_correct_and_name_what_the_package_runs():
     k, v = (torch.randn(2, 2, context, 64, generator=g).to(DEVICE, torch.float16) for _ in range(2))
     seqlens = torch.tensor([context, context - 70], dtype=torch.int32, device=DEVICE)
     launches = tune_decode.lean_launches(q, k, v, seqlens, n_sms=3)
-    assert list(launches) == ["splits (lesson 09)", "lean p1", "lean p2", "lean p3", "lean p4", "package"]
+    doubled = ["pdl x2"] if "pdl x2" in launches else []
+    assert list(launches) == ["splits (lesson 09)", "pdl splits", *doubled, "lean p1", "lean p2", "lean p3", "lean p4",
+                              "package"]
     assert [launches[f"lean p{n}"][1]["programs_per_sm"] for n in tune_decode.PER_SM] == list(tune_decode.PER_SM)
-    assert launches["package"][1] == dict(runs="splits")  # short caches (and no GPU here): lesson 09's kernels
+    if DEVICE == "cpu":  # the interpreter's 10 blocks of 32 keys: 2 splits, doubled to 4 (each of 2 blocks or more)
+        assert decode.launch_splits(q, k) == 2 and launches["pdl x2"][1] == dict(num_splits=4)
+        assert launches["package"][1] == dict(runs="num_splits=2")  # no GPU: lesson 09's plain launch
+    else:  # a GPU's 5 blocks of 64: one split (4 blocks at least each), nothing to double
+        assert not doubled and launches["package"][1] == dict(runs=fast_decode.launch_choice(q, k))
     for name, (fn, _) in launches.items():
         o = fn()
         for b in range(2):
