@@ -384,3 +384,16 @@ def test_lesson_09_quotes_the_pdl_split_sweep():
             f"{span(row['ratio']['pdl x2'])}× (`results/pdl_splits.json`), and the recorded run reads "
             f"{recorded['course_vs_sdpa']:.2f}×") in text
     assert f"moved by {round(100 * (max(cudnn) / min(cudnn) - 1))}% between the sweep's two rounds" in text
+
+
+def test_lesson_11_quotes_the_pdl_split_sweep():
+    """Lesson 11's PDL section: B = 1 and 1k, twice lesson 09's splits with the PDL merge against the plain launch."""
+    text = " ".join(markdown_text("11_hopper_and_fp8").split())
+    row = next(r for r in results.load("pdl_splits")["rows"] if (r["B"], r["L"]) == (1, 1024))
+
+    def span(values):
+        lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    assert (f"{2 * row['splits']} splits instead of {row['splits']} read {span(row['ratio']['pdl x2'])}× cuDNN "
+            f"against {span(row['ratio']['course'])}× for the plain launch of {row['splits']}") in text
