@@ -367,21 +367,23 @@ def test_lesson_11_quotes_the_programmatic_dependent_launch_probe():
     assert min(backward) < 1 < max(backward)  # "does not" pay: the spread straddles the plain launches
 
 
+def _span(values) -> str:
+    """``lo–hi`` at two decimals (one number when they round alike), as the lessons write a range of ratios."""
+    lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def test_lesson_09_quotes_the_pdl_split_sweep():
     """results/pdl_splits.json at B = 1 and 1k: the plain launch of lesson 09's count and the PDL launch of twice it
     (ratios to the better cuDNN round), cuDNN's spread between the rounds, and the recorded run's ratio there."""
     text = " ".join(markdown_text("09_decoding").split())
     row = next(r for r in results.load("pdl_splits")["rows"] if (r["B"], r["L"]) == (1, 1024))
 
-    def span(values):
-        lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
-        return lo if lo == hi else f"{lo}–{hi}"
-
     cudnn = row["gbps"]["cudnn"]
     recorded = next(s for s in results.load("decode_bench")["summary"] if (s["batch"], s["context"]) == (1, 1024))
     assert recorded["num_splits"] == "pdl num_splits=8" and row["splits"] == 4
-    assert (f"the plain launch of 4 splits read {span(row['ratio']['course'])}× cuDNN there and this one "
-            f"{span(row['ratio']['pdl x2'])}× (`results/pdl_splits.json`), and the recorded run reads "
+    assert (f"the plain launch of 4 splits read {_span(row['ratio']['course'])}× cuDNN there and this one "
+            f"{_span(row['ratio']['pdl x2'])}× (`results/pdl_splits.json`), and the recorded run reads "
             f"{recorded['course_vs_sdpa']:.2f}×") in text
     assert f"moved by {round(100 * (max(cudnn) / min(cudnn) - 1))}% between the sweep's two rounds" in text
 
@@ -391,9 +393,5 @@ def test_lesson_11_quotes_the_pdl_split_sweep():
     text = " ".join(markdown_text("11_hopper_and_fp8").split())
     row = next(r for r in results.load("pdl_splits")["rows"] if (r["B"], r["L"]) == (1, 1024))
 
-    def span(values):
-        lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
-        return lo if lo == hi else f"{lo}–{hi}"
-
-    assert (f"{2 * row['splits']} splits instead of {row['splits']} read {span(row['ratio']['pdl x2'])}× cuDNN "
-            f"against {span(row['ratio']['course'])}× for the plain launch of {row['splits']}") in text
+    assert (f"{2 * row['splits']} splits instead of {row['splits']} read {_span(row['ratio']['pdl x2'])}× cuDNN "
+            f"against {_span(row['ratio']['course'])}× for the plain launch of {row['splits']}") in text
