@@ -46,7 +46,6 @@ def test_long_caches_run_the_lean_kernels_and_short_ones_lesson_09s_with_the_pdl
     long = fast_decode.LEAN_MIN_BLOCKS * 64
     for b, n, kernels, choice in (
             (1, long, ["_lean_split_kernel", "_lean_combine_kernel"], "lean"),
-            (4, long, ["_lean_split_kernel", "_lean_combine_kernel"], "lean"),
             (1, 16384, ["_split_released", "_combine_waiting"], "pdl num_splits=32")):
         q, k, v, seqlens, want = _cache(b, 32, 8, 1, n, 128, [n] * b, seed=n + b)
         with targets._captured_launches(launch=True) as launches:
