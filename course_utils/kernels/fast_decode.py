@@ -50,7 +50,7 @@ notebook's, written by the learner, so it cannot call a helper the lesson does n
 Public API: :func:`lean_shares` (the schedule's numbers, a plain function),
 :func:`launch` (one fixed launch; runs in the interpreter too, which is how
 the CPU tests check it), :func:`decode_lean`, :func:`lean_reason`,
-:func:`launch_pdl_splits`, :func:`pdl_num_splits`, :func:`launch_choice`, and
+:func:`launch_pdl_splits`, :func:`pdl_num_splits`, :func:`schedule_of`, :func:`launch_choice`, and
 :func:`launch_decode` / :func:`decode_attention`, the package's decoding
 entry (``course_utils.kernels.decode_attention``).
 """
@@ -67,7 +67,7 @@ from . import decode
 from .forward import _capability
 
 __all__ = ["LeanShares", "lean_shares", "launch", "plan_of", "decode_lean", "lean_reason", "lean_rule", "launch_decode",
-           "decode_attention", "launch_pdl_splits", "pdl_num_splits", "pdl_splits_of", "launch_choice",
+           "decode_attention", "launch_pdl_splits", "pdl_num_splits", "pdl_splits_of", "schedule_of", "launch_choice",
            "PROGRAMS_PER_SM", "MIN_SHARE_BLOCKS", "LEAN_MIN_BLOCKS", "PDL_ONE_WAVE_MIN_BLOCKS",
            "PDL_TWO_PER_SM_MIN_BLOCKS"]
 
@@ -446,32 +446,40 @@ def lean_rule(capacity: int, block_n: int, *, paged: bool = False,
     return None
 
 
-def launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None):
-    """What :func:`decode_attention` runs, without its checks: the lean schedule where :func:`lean_reason`
-    allows it (and ``num_splits`` is not given); else on a Hopper GPU with a contiguous cache lesson 09's kernels
-    with the PDL combine (:func:`launch_pdl_splits`, at ``num_splits`` or :func:`pdl_splits_of`'s count);
-    else :func:`.decode.launch_decode`."""
+def schedule_of(q, k_cache, block_table=None, num_splits=None) -> tuple[str, int | None]:
+    """What :func:`launch_decode` runs for these inputs: ``("lean", None)`` where :func:`lean_reason` allows it
+    (and ``num_splits`` is not given); on a Hopper GPU with a contiguous cache ``("pdl", S)``, lesson 09's kernels
+    with the PDL combine at ``num_splits`` or :func:`pdl_splits_of`'s count; else ``("plain", S)``, lesson 09's
+    launch at ``num_splits`` or :func:`.decode.launch_splits`'s count."""
     if num_splits is None and lean_reason(q, k_cache, block_table) is None:
-        return decode_lean(q, k_cache, v_cache, cache_seqlens)
+        return "lean", None
     if block_table is None and _pdl_ok(q.device):
-        splits = pdl_splits_of(q, k_cache) if num_splits is None else num_splits
+        return "pdl", pdl_splits_of(q, k_cache) if num_splits is None else num_splits
+    return "plain", decode.launch_splits(q, k_cache, block_table) if num_splits is None else num_splits
+
+
+def launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits=None, block_table=None):
+    """What :func:`decode_attention` runs, without its checks: :func:`schedule_of`'s choice."""
+    schedule, splits = schedule_of(q, k_cache, block_table, num_splits)
+    if schedule == "lean":
+        return decode_lean(q, k_cache, v_cache, cache_seqlens)
+    if schedule == "pdl":
         return launch_pdl_splits(q, k_cache, v_cache, cache_seqlens, splits, pdl=True)
-    return decode.launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
+    return decode.launch_decode(q, k_cache, v_cache, cache_seqlens, splits, block_table)
 
 
 def launch_choice(q, k_cache, block_table=None) -> str:
-    """What :func:`launch_decode` runs for these inputs, in the decode bench's words: ``"lean"``,
-    ``"pdl num_splits=S"`` (lesson 09's kernels, the combine launched by PDL) or ``"num_splits=S"``."""
-    if lean_reason(q, k_cache, block_table) is None:
+    """:func:`schedule_of` in the decode bench's words: ``"lean"``, ``"pdl num_splits=S"`` (lesson 09's kernels,
+    the combine launched by PDL) or ``"num_splits=S"`` (one split launches no combine, so it never says pdl)."""
+    schedule, splits = schedule_of(q, k_cache, block_table)
+    if schedule == "lean":
         return "lean"
-    if block_table is None and _pdl_ok(q.device):
-        splits = pdl_splits_of(q, k_cache)
-        return f"pdl num_splits={splits}" if splits > 1 else "num_splits=1"  # one split: no combine to launch
-    return f"num_splits={decode.launch_splits(q, k_cache, block_table)}"
+    return f"pdl num_splits={splits}" if schedule == "pdl" and splits > 1 else f"num_splits={splits}"
 
 
 def decode_attention(q, k_cache, v_cache, cache_seqlens, *, num_splits=None, block_table=None):
     """The package's decoding entry: :func:`.decode.decode_attention`'s arguments, checks and result, run by
-    :func:`launch_decode` (lesson 09's splits, or on a GPU with long caches the lean schedule)."""
+    :func:`launch_decode` (lesson 09's splits; on Hopper with the PDL combine, or the lean schedule for long
+    contiguous caches)."""
     decode.validate_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
     return launch_decode(q, k_cache, v_cache, cache_seqlens, num_splits, block_table)
