@@ -67,3 +67,64 @@ def test_the_tool_refuses_to_run_in_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-m", "course_utils.kernels.targets"], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 2 and "TRITON_INTERPRET=0" in out.stdout
+
+
+# -- an sm_90 compile here is the H200's own: the same specialisation, the spills counted --------------
+# Three launches whose compiled kernels the H200 reported (triton 3.6): two of lesson 06's fast forward
+# (results/tune_fast.json) and the atomic one-pass backward (results/tune_backward.json). Before the
+# compile ran Triton's own binder (pointers 16-byte aligned, integers divisible by 16), the backward came
+# out with half the GPU's shared memory; before the stack frame was read, every spill read as 0.
+DEVICE_SCRIPT = r"""
+import json, torch, triton
+from course_utils.kernels import targets, fast, fast_backward as fb
+q = torch.zeros(1, 32, 4096, 128, dtype=torch.bfloat16)
+k = torch.zeros(1, 8, 4096, 128, dtype=torch.bfloat16)
+with targets._captured_launches() as launches:
+    fast.launch(q, k, k, True, block_m=128, block_n=64, num_warps=4, num_stages=2)
+    fast.launch(q, k, k, True, block_m=64, block_n=64, num_warps=4, num_stages=3)
+    fb.attention_backward_fast(q, k, k, q, torch.zeros(1, 32, 4096), q, True,
+                               config=fb.FastBackwardConfig("atomic", 64, 128, 128, 64, 8, 3))
+names = ["128x64 w4 s2 kv-grouped", "64x64 w4 s3 kv-grouped", "atomic dkdv 64x128 w8 s3"]
+out = {"triton": triton.__version__}
+for name, (kernel, args, kwargs) in zip(names, launches):
+    c = targets.compile_launch(kernel, args, kwargs, 90, name, registers=True)
+    out[name] = dict(registers=c.registers, spills=c.spill_bytes // 4, shared=c.shared_bytes)
+print(json.dumps(out))
+"""
+
+
+def _recorded_on_the_h200():
+    """``{launch: (registers, spills, shared bytes or KiB)}`` and the triton version, from results/."""
+    import re
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parent.parent / "results"
+    fast = json.loads((results / "tune_fast.json").read_text())
+    bwd = json.loads((results / "tune_backward.json").read_text())
+    assert fast["env"]["triton"] == bwd["runs"][0]["info"]["triton"]
+    want = {}
+    for row in fast["rows"]:
+        if row["n"] == 4096 and row["name"] in ("128x64 w4 s2 kv-grouped", "64x64 w4 s3 kv-grouped"):
+            regs, spills, kib = map(int, re.fullmatch(r"regs (\d+), spills (\d+), smem (\d+) KiB", row["info"]).groups())
+            want[row["name"]] = dict(registers=regs, spills=spills, shared_kib=kib)
+    row = next(r for r in bwd["runs"][0]["rows"] if r["name"] == "atomic dkdv 64x128 w8 s3" and r["n"] == 16384)
+    want[row["name"]] = dict(registers=row["registers"], spills=row["spills"], shared=row["shared"])
+    return want, fast["env"]["triton"]
+
+
+def test_an_sm_90_compile_here_is_the_h200s_own():
+    want, device_triton = _recorded_on_the_h200()
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", DEVICE_SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for name, w in want.items():
+        g = got[name]
+        # shared memory: the tiles and pipeline buffers the specialised kernel lays out
+        if "shared" in w:
+            assert g["shared"] == w["shared"], (name, g, w)
+        else:
+            assert round(g["shared"] / 1024) == w["shared_kib"], (name, g, w)
+        assert (g["spills"] > 0) == (w["spills"] > 0), (name, g, w)  # spilled here iff it spilled there
+        if got["triton"] == device_triton:  # the GPU's own compiler: its registers, and its spills within a few
+            assert g["registers"] == w["registers"] and abs(g["spills"] - w["spills"]) <= 8, (name, g, w)

@@ -11,10 +11,16 @@ a target you name, so we can find that out on a laptop:
 
 Each lesson kernel is compiled with the configuration its launcher would
 choose on that GPU (the same launcher code, with the launch itself captured
-instead of run), and its shared memory, registers and spills are read from
-the compiled binary (``cuobjdump --dump-resource-usage``, which ships with
-Triton). ``TRITON_INTERPRET=0`` must be set before anything imports Triton,
-since the interpreter would replace the compiler.
+instead of run) and with the facts Triton's launcher specialises on (pointers
+16-byte aligned, integers equal to 1 or divisible by 16), so that the binary
+is the one the GPU would build; its shared memory, registers and spills are
+read from it (``cuobjdump --dump-resource-usage``, which ships with Triton).
+With the Triton version the GPU runs, the figures are the GPU's: the
+backward kernels of :mod:`.fast_backward` compiled here with triton 3.6 gave
+the shared memory the H200 reported and spills within 6 values per thread
+of it (``results/tune_backward.json``). ``TRITON_INTERPRET=0`` must be set
+before anything imports Triton, since the interpreter would replace the
+compiler.
 """
 
 from __future__ import annotations
@@ -115,8 +121,38 @@ _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", 
           torch.int32: "i32", torch.int64: "i64"}  # integers: lesson 12's cu_seqlens and the tile tables from it
 
 
+def _specialised_source(kernel, args, kwargs, target):
+    """``(ASTSource, options)`` of one captured launch, as ``JITFunction.run`` would build them on ``target``.
+
+    Triton's launcher specialises each argument before it compiles:
+    pointers known to be 16-byte aligned and integers divisible by 16 (or
+    equal to 1) let it vectorise loads and pipeline them through shared
+    memory. A compile without those facts is another kernel (the dK/dV
+    kernel of :mod:`.fast_backward` needed half the shared memory of the
+    GPU's build). So the launcher's own binder is run here, with the
+    target's backend. Triton versions without it (the binder is internal)
+    get the unspecialised source of :func:`_signature`.
+    """
+    from triton.compiler import ASTSource, make_backend
+
+    try:
+        from triton.runtime.jit import create_function_from_signature
+
+        backend = make_backend(target)
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        kw = dict(kwargs)
+        kw.setdefault("debug", False)
+        bound, specialization, options = binder(*args, **kw)
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, specialization, options)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another Triton's internals
+        signature, constexprs = _signature(kernel, args, kwargs)
+        options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
+        return ASTSource(kernel, signature, constexprs), options
+    return ASTSource(kernel, signature, constexprs, attrs), {k: v for k, v in vars(options).items() if v is not None}
+
+
 def _signature(kernel, args, kwargs):
-    """Triton's signature and constexprs for one captured launch."""
+    """Triton's signature and constexprs for one captured launch, without its specialisation."""
     import triton.language as tl
 
     try:  # host TMA descriptors (lesson 06's fast kernels): typed by their dtype and box
@@ -151,7 +187,13 @@ def _signature(kernel, args, kwargs):
 
 
 def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
-    """``(registers, shared bytes, spill bytes)`` of a cubin, by cuobjdump."""
+    """``(registers, shared bytes, spill bytes)`` of a cubin, by cuobjdump.
+
+    Spilled registers live in each thread's stack frame (``STACK``: what the
+    driver reports as the kernel's local memory, Triton's ``n_spills`` times
+    4); ``LOCAL`` counts only local arrays the source declares, which a Triton
+    kernel has none of.
+    """
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -161,8 +203,9 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
         text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
     reg = int(re.search(r"REG:(\d+)", text).group(1))
     shared = int(re.search(r"SHARED:(\d+)", text).group(1))
+    stack = int(re.search(r"STACK:(\d+)", text).group(1))
     local = int(re.search(r"LOCAL:(\d+)", text).group(1))
-    return reg, shared, local
+    return reg, shared, stack + local
 
 
 class _StopBeforeMachineCode(Exception):
@@ -196,12 +239,9 @@ def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool 
     """
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    signature, constexprs = _signature(kernel, args, kwargs)
-    options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
-    source = ASTSource(kernel, signature, constexprs)
     target = GPUTarget("cuda", sm, 32)
+    source, options = _specialised_source(kernel, args, kwargs, target)
     if not registers:
         try:
             with _without_ptxas():
