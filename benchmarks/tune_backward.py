@@ -15,6 +15,10 @@ same launch give the same bits (the atomic mode does not).
 
     python benchmarks/tune_backward.py [--ns 4096 16384] [--new | --pair] [--out results/tune_backward.json]
 
+Registers and spills of a launch can be read before any GPU time is spent:
+``course_utils.kernels.targets.compile_launch`` on a captured launch gives the
+H200's own figures when run with the H200's Triton (3.6).
+
 Needs a CUDA GPU (Hopper: ``fast_backward`` is tuned for it).
 """
 
@@ -74,11 +78,17 @@ NEW = [
 
 # Lesson 07's pair itself at other launches (``--pair``): BackwardConfig(dkdv_block_m, dkdv_block_n, dq_block_m,
 # dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages). The first is default_config's on Hopper (one 8-warp
-# program per SM: 255 registers x 256 threads). The others put 4-warp programs on 64-key (or 64-query) tiles,
-# which compiled for sm_90 (triton 3.8 on the CPU, course_utils.kernels.targets) to 195-255 registers without
-# spills and 48-80 KiB of shared memory: two programs per SM, lesson 06's winning layout of the forward.
-# Measured (run 4 of results/tune_backward.json, causal): no gain, 3.84 against 3.91 ms at N = 4k for the best,
-# and the shipped launch the fastest at 16k; 32 x 128 on 4 warps 2.1-2.2x slower (spills on the H200's triton 3.6).
+# program per SM). The next seven put 4-warp programs on 64-key (or 64-query) tiles: two programs per SM, lesson
+# 06's winning layout of the forward. Measured (run 4 of results/tune_backward.json, causal): no gain, 3.84
+# against 3.91 ms at N = 4k for the best, and the shipped launch the fastest at 16k; 32 x 128 on 4 warps
+# 2.1-2.2x slower. They were chosen as "without spills" by a compile on the CPU that did not specialise the
+# arguments as Triton's launcher does and read no spills; compiled as the H200 does (triton 3.6, targets.py since
+# the twenty-sixth session) the dK/dV kernel spills at every one of those launches: 40 values per thread at the
+# shipped one, 96 at 64 x 64 on 4 warps, 210 at 32 x 128 on 4 warps (the dQ kernel spills at none).
+# The last seven (twenty-sixth session, not yet timed) are dK/dV launches that compile without spills for the
+# H200 (registers per thread: 16 x 64 on 4 warps 253-254, two programs per SM; 32 x 128 on 8 warps 245-247;
+# 16 x 128 on 8 warps 218; 32 x 64 on 8 warps 238), with the shipped dQ launch (125 registers) or 4-warp dQ
+# tiles (64 x 32: 141 registers, three programs per SM).
 PAIR = [
     (64, 128, 128, 32, 8, 3, 8, 3),
     (64, 64, 64, 64, 4, 2, 4, 2),
@@ -88,6 +98,13 @@ PAIR = [
     (64, 128, 64, 64, 8, 3, 4, 2),
     (32, 128, 128, 32, 4, 2, 8, 3),
     (64, 64, 64, 32, 4, 2, 4, 2),
+    (16, 64, 128, 32, 4, 2, 8, 3),
+    (16, 64, 128, 32, 4, 3, 8, 3),
+    (16, 64, 64, 32, 4, 2, 4, 2),
+    (32, 128, 128, 32, 8, 3, 8, 3),
+    (32, 128, 128, 32, 8, 2, 8, 3),
+    (16, 128, 128, 32, 8, 3, 8, 3),
+    (32, 64, 128, 32, 8, 3, 8, 3),
 ]
 
 

@@ -46,10 +46,17 @@ FAST_CANDIDATES = [
 ]
 
 # BackwardConfig(dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages)
+# Compiled as the H200 does (triton 3.6, course_utils.kernels.targets), the window dK/dV kernel spills at W = 1024
+# (values per thread): 98 at 32 x 64 on 4 warps (the shipped launch for W <= 1024, and the fastest in
+# results/tune_window.json), 30 at 32 x 128 on 8 warps, 144 at 64 x 128 on 8 warps (W = 4096's). The last four
+# (twenty-sixth session, not yet timed) spill less or nothing there: 16 x 64 on 4 warps 16 (2 stages) or 40
+# (3 stages), two programs per SM; 16 x 64 on 8 warps none (240 registers); 32 x 128 on 8 warps, 2 stages, none.
 BACKWARD_CANDIDATES = [
     None,
     (64, 128, 128, 64, 8, 3, 8, 3), (32, 128, 128, 32, 8, 3, 8, 3), (64, 128, 128, 32, 8, 2, 8, 2),
     (64, 64, 64, 64, 4, 3, 4, 3), (32, 64, 64, 32, 4, 3, 4, 3),
+    (16, 64, 64, 32, 4, 2, 4, 3), (16, 64, 64, 32, 4, 3, 4, 3), (16, 64, 64, 32, 8, 2, 4, 3),
+    (32, 128, 128, 32, 8, 2, 8, 3),
 ]
 
 
