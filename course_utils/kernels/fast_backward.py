@@ -26,7 +26,8 @@ bf16, causal, GQA 32/8, D = 128, triton 3.6), every configuration of both
 modes was slower than lesson 07's pair (13.5-13.7 ms at N = 16k against
 14.2 ms for the best fused one and 14.6 ms for the best atomic one; cuDNN
 10.5 ms): at 255 registers per thread the compiler spills 50-150 values per
-thread in both, where lesson 07's two smaller kernels each fit. Halving the
+thread in both, where lesson 07's dQ kernel fits and its dK/dV kernel
+spills 40 (compiled as the H200 does: :mod:`.targets`). Halving the
 key block to 64 on 8 warps (run 3) did not bring either under the limit
 (255 registers, 4-90 spilled) and ran 1.9-2.8x slower than the pair. So
 :func:`course_utils.kernels.backward.attention_backward` (and autograd through
