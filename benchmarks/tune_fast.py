@@ -69,6 +69,15 @@ VARIANTS = [
     # half of each tile's exponentials on the FMA units (fast._exp_scores, FlashAttention-4's cubic):
     ((128, 64, 4, 2, KV, False, False), dict(exp_poly=True)),
     ((128, 128, 8, 3, KV, False, False), dict(exp_poly=True)),
+    # warp specialisation of one warpgroup (twenty-sixth session, not yet timed): Triton 3.6 compiles it for
+    # sm_90 into FlashAttention-3's shape, a producer partition and two consumer warpgroups of 64 rows (12 warps,
+    # 168 registers, no spills; 112 / 144 / 176 KiB for 128 x 64 on 2 or 3 stages and 128 x 128 on 2), once the
+    # output goes by pointers; causal needs the one-loop form (every block masked), timed without warp
+    # specialisation too so that the two effects can be told apart.
+    ((128, 64, 4, 2, KV, False, False), dict(two_phase=False)),
+    ((128, 64, 4, 2, KV, True, False), dict(two_phase=False)),
+    ((128, 64, 4, 3, KV, True, False), dict(two_phase=False)),
+    ((128, 128, 4, 2, KV, True, False), dict(two_phase=False)),
 ]
 
 

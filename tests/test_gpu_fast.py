@@ -13,6 +13,7 @@ launch order are checked on the real compiler, not only in the interpreter.
 
 import pytest
 import torch
+import triton
 
 from course_utils import references
 from course_utils.kernels import fast, flash_attention, flash_attention_with_lse
@@ -83,6 +84,19 @@ def test_every_configuration_of_the_search_space(config, d):
         o, lse = fast.launch(q, k, v, causal, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
                              order=order, warp_specialize=ws)
         _assert_close(o, lse, _reference(q, k, v, causal))
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"),
+                    reason="compiled into the producer/consumer form with triton 3.6; triton 3.8 refuses it")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_the_warp_specialised_one_warpgroup_launch_is_fa3s_shape_and_correct(causal, block_n):
+    """``warp_specialize`` on 4 warps: a producer warpgroup and two 64-row consumers (12 warps in all)."""
+    q, k, v = _inputs(2, 8, 2, 1024, 128, torch.bfloat16, seed=block_n + causal)
+    o, lse = fast.launch(q, k, v, causal, block_m=128, block_n=block_n, num_warps=4, num_stages=2,
+                         warp_specialize=True, two_phase=False)
+    assert fast.LAST_LAUNCH["compiled"].metadata.num_warps == 12
+    _assert_close(o, lse, _reference(q, k, v, causal))
 
 
 def test_public_functions_and_gradients_through_the_fast_forward():

@@ -200,6 +200,10 @@ CASES = [
     (1, 2, 1, 128, 64, True, torch.float32, dict(use_tma=True, pipeline_qk=True)),
     (1, 4, 2, 128, 32, False, torch.float32, dict(use_tma=False, pipeline_qk=True)),
     (1, 4, 1, 128, 64, True, torch.float16, dict(use_tma=False, pipeline_qk=True, order=fast.ORDER_M_MAJOR)),
+    # one warpgroup, warp-specialised (a producer and two 64-row consumers on Hopper): the output stored by
+    # pointers beside the TMA loads, and causal in one loop with every block masked
+    (1, 4, 2, 128, 64, True, torch.float32, dict(use_tma=True, warp_specialize=True, num_warps=4, two_phase=False)),
+    (1, 4, 2, 128, 32, False, torch.float16, dict(use_tma=True, warp_specialize=True, num_warps=4)),
 ]
 
 
@@ -209,6 +213,13 @@ def test_launch_matches_the_reference(b, hq, hkv, n, d, causal, dtype, opts):
     o, lse = fast.launch(q, k, v, causal, block_m=64, block_n=32, **opts)
     assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32
     _assert_close(o, lse, _ref(q, k, v, causal), 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_a_warp_specialised_one_warpgroup_causal_launch_needs_one_loop():
+    q, k, v = _inputs(1, 2, 1, 128, 32, torch.float32, seed=5)
+    with pytest.raises(ValueError, match="two_phase=False"):
+        fast.launch(q, k, v, True, block_m=64, block_n=32, num_warps=4, warp_specialize=True)
+    fast.launch(q, k, v, False, block_m=64, block_n=32, num_warps=4, warp_specialize=True)  # no loop to split
 
 
 def test_exp2_poly_coefficients_meet_their_stated_bound():

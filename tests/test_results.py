@@ -17,6 +17,7 @@ import pytest
 from course_utils import results
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
+ROOT = SOLUTIONS.parent
 TABLES = ["window_bench", "decode_bench", "decode_variants", "ring_bench", "ring_blocks", "training_bench", "tune_backward", "tune_window",
           "tune_window_fast"]
 NUMBER = r"([0-9][0-9,]*(?:\.[0-9]+)?(?:–[0-9][0-9,]*(?:\.[0-9]+)?)?)([×%]?)"
@@ -395,3 +396,53 @@ def test_lesson_11_quotes_the_pdl_split_sweep():
 
     assert (f"{2 * row['splits']} splits instead of {row['splits']} read {_span(row['ratio']['pdl x2'])}× cuDNN "
             f"against {_span(row['ratio']['course'])}× for the plain launch of {row['splits']}") in text
+
+
+def test_lesson_11_quotes_the_warp_specialised_compiles():
+    """results/sm90_compiles.json (compiled here with the H200's triton 3.6): the 4-warp warp-specialised loop is 12
+    warps with the consumers' registers raised by setmaxnreg and nothing spilled; the 8-warp one changed nothing
+    (tune_fast.json: the same registers and shared memory, and the same time within about 1%)."""
+    text = " ".join(markdown_text("11_hopper_and_fp8").split())
+    doc = results.load("sm90_compiles")
+    fast = results.load("tune_fast")
+    assert doc["info"]["triton"] == fast["env"]["triton"]
+    ws = [r for r in doc["ws_forward"] if r["warp_specialize"]]
+    assert ws and all(r["warps"] == 12 and r["spills"] == 0 for r in ws)
+    raised = {int(v) for r in ws for op, v in r["setmaxnreg"] if op == "inc" and int(v) < 256}
+    assert len(raised) == 1
+    assert (f"a producer partition and **two consumer warpgroups of {ws[0]['block_m'] // 2} query rows each**, "
+            f"{ws[0]['warps']} warps, the consumers' registers raised to {raised.pop()} by `setmaxnreg`, no spills") in text
+    rows = {(r["n"], r["name"]): r for r in fast["rows"]}
+    for n in (4096, 16384):
+        plain, spec = rows[n, "128x128 w8 s3 kv-grouped"], rows[n, "128x128 w8 s3+ws kv-grouped"]
+        assert plain["info"] == spec["info"] and abs(spec["tflops"] / plain["tflops"] - 1) < 0.015
+    regs, kib = re.fullmatch(r"regs (\d+), spills 0, smem (\d+) KiB", plain["info"]).groups()
+    assert f"where it changed nothing (the same {regs} registers and {kib} KiB, and the same time within about 1%)" in text
+
+
+def test_the_backward_spills_notes_quotes_are_the_recorded_compiles():
+    """NOTES' twenty-sixth-session figures for lesson 07's and 08's dK/dV kernels come from results/sm90_compiles.json,
+    which covers every launch tune_backward.py --pair and tune_window.py --backward time."""
+    import importlib.util
+
+    doc = results.load("sm90_compiles")
+    pair = {(tuple(r["config"]), r["kernel"]): r for r in doc["backward_pair"]}
+    window = {(r["window_size"], tuple(r["config"]), r["kernel"]): r for r in doc["window_backward"]}
+    spec = importlib.util.spec_from_file_location("tune_backward", ROOT / "benchmarks" / "tune_backward.py")
+    tune_backward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_backward)
+    assert {c for c, _ in pair} == set(tune_backward.PAIR)
+    shipped = pair[(64, 128, 128, 32, 8, 3, 8, 3), "_attn_bwd_dkdv"]
+    assert shipped["spills"] == 40 and pair[(64, 128, 128, 32, 8, 3, 8, 3), "_attn_bwd_dq"]["registers"] == 125
+    notes = " ".join((ROOT / "results" / "NOTES.md").read_text().split())
+    assert f"spills at its shipped Hopper launch (64 x 128, 8 warps, 3 stages: {shipped['spills']})" in notes
+    assert pair[(64, 64, 64, 64, 4, 2, 4, 2), "_attn_bwd_dkdv"]["spills"] == 96
+    assert pair[(32, 128, 128, 32, 4, 2, 8, 3), "_attn_bwd_dkdv"]["spills"] == 210
+    unspilled = {(16, 64, 128, 32, 4, 2, 8, 3): 253, (32, 128, 128, 32, 8, 3, 8, 3): 245,
+                 (16, 128, 128, 32, 8, 3, 8, 3): 218, (32, 64, 128, 32, 8, 3, 8, 3): 238}
+    for c, regs in unspilled.items():
+        r = pair[c, "_attn_bwd_dkdv"]
+        assert r["spills"] == 0 and r["registers"] == regs, (c, r)
+    assert window[1024, (32, 64, 64, 32, 4, 3, 4, 3), "_attn_bwd_dkdv_window"]["spills"] == 98
+    assert window[4096, (64, 128, 128, 64, 8, 3, 8, 3), "_attn_bwd_dkdv_window"]["spills"] == 144
+    assert all(r["spills"] == 0 for (w, c, kernel), r in window.items() if kernel == "attn_bwd_dq_window")

@@ -128,3 +128,36 @@ def test_an_sm_90_compile_here_is_the_h200s_own():
         assert (g["spills"] > 0) == (w["spills"] > 0), (name, g, w)  # spilled here iff it spilled there
         if got["triton"] == device_triton:  # the GPU's own compiler: its registers, and its spills within a few
             assert g["registers"] == w["registers"] and abs(g["spills"] - w["spills"]) <= 8, (name, g, w)
+
+
+RECORD_SCRIPT = r"""
+import importlib.util, json, sys, torch
+spec = importlib.util.spec_from_file_location("compile_sm90", sys.argv[1])
+script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(script)
+from course_utils.kernels import targets, fast
+q = torch.zeros(1, 4, 512, 128, dtype=torch.bfloat16)
+k = torch.zeros(1, 2, 512, 128, dtype=torch.bfloat16)
+with targets._captured_launches() as launches:
+    fast.launch(q, k, k, True, block_m=64, block_n=64, num_warps=4, num_stages=3)
+kernel, args, kwargs = launches[0]
+good = script._compiled(kernel, args, kwargs)
+bad = script._compiled(kernel, args, dict(kwargs, BLOCK_N=128))  # causal needs BLOCK_M % BLOCK_N == 0
+print(json.dumps(dict(good=good, bad=bad)))
+"""
+
+
+def test_the_sm_90_record_script_reads_a_compile_and_keeps_a_refusal():
+    """benchmarks/compile_sm90.py (results/sm90_compiles.json): one record per launch; a refusal is a record too."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "compile_sm90.py"
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", RECORD_SCRIPT, str(script)], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    good, bad = got["good"], got["bad"]
+    assert good["kernel"] == "_attn_fwd_fast_kernel" and good["warps"] == 4 and 0 < good["registers"] <= 255
+    assert good["spills"] == 0 and good["shared"] > 0 and good["setmaxnreg"] == []
+    assert bad["kernel"] == "_attn_fwd_fast_kernel" and "error" in bad and "registers" not in bad

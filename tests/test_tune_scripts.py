@@ -1,4 +1,4 @@
-"""benchmarks/tune_backward.py, tune_window.py, tune_decode.py, tune_decode_variants.py, tune_fp8.py, host_overhead.py and
+"""benchmarks/tune_fast.py, tune_backward.py, tune_window.py, tune_decode.py, tune_decode_variants.py, tune_fp8.py, host_overhead.py and
 ncu_backward.py on the CPU.
 
 Every configuration they time is a valid launch that computes the right
@@ -32,6 +32,7 @@ def _load(name):
     return module
 
 
+tune_fast = _load("tune_fast")
 tune_backward = _load("tune_backward")
 tune_window = _load("tune_window")
 tune_decode = _load("tune_decode")
@@ -79,6 +80,31 @@ def test_every_pair_launch_of_lesson_07s_backward_is_correct(candidate):
     want = [torch.from_numpy(g) for g in references.attention_backward(*arrays, causal=True)]
     got = attention_backward(q, k, v, o.float(), lse.float(), do, True, config=BackwardConfig(*candidate))
     assert max(_rel(a.cpu(), b) for a, b in zip(got, want)) < (1e-2 if ON_GPU else 1e-5)
+
+
+FAST_FORWARD = [(c, None) for c in tune_fast.CANDIDATES] + tune_fast.VARIANTS
+
+
+@pytest.mark.parametrize("candidate, extra", FAST_FORWARD, ids=[tune_fast.label(c, e) for c, e in FAST_FORWARD])
+def test_every_fast_forward_candidate_and_variant_is_a_correct_launch(candidate, extra):
+    """tune_fast.py times fast.launch at these launches: causal (the benchmark's main case) and not."""
+    from course_utils.kernels import fast
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    q, k, v, _ = _inputs(4, 2, 256, 64, dtype, seed=5)
+    for causal in (True, False):
+        opts = tune_fast.launch_options(candidate, extra)
+        if not ON_GPU:
+            opts.pop("maxnreg", None)  # a compiler option: the interpreter has no registers to cap
+        if causal and opts["warp_specialize"] and opts["num_warps"] == 4 and opts.get("two_phase", True):
+            with pytest.raises(ValueError, match="two_phase=False"):  # timed only in the one-loop form
+                fast.launch(q, k, v, causal, **opts)
+            continue
+        o, lse = fast.launch(q, k, v, causal, **opts)
+        ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=causal)
+        tol = 2e-2 if ON_GPU else (3e-4 if opts.get("exp_poly") else 1e-5)  # the cubic exp2: 7.5e-5 relative
+        assert abs(o.double().cpu().numpy() - ro).max() < tol
+        assert abs(lse.double().cpu().numpy() - rl).max() < max(tol, 1e-4)
 
 
 @pytest.mark.parametrize("candidate", tune_window.CANDIDATES, ids=str)

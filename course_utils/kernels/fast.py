@@ -346,6 +346,7 @@ def _attn_fwd_fast_kernel(
     TWO_PHASE: tl.constexpr,
     EXP2: tl.constexpr,
     PIPELINE_QK: tl.constexpr,
+    O_BY_POINTER: tl.constexpr = False,
 ):
     """One program: one query block of one (batch, query head).
 
@@ -353,6 +354,9 @@ def _attn_fwd_fast_kernel(
     matrices (that is what the descriptors describe). ``N_CTX`` is a multiple
     of ``BLOCK_M`` and ``BLOCK_N`` (the wrapper guarantees it), so no tile
     crosses from one head into the next and no bounds masks are needed.
+    ``O_BY_POINTER`` stores the output tile by pointers even with TMA: Triton
+    3.6's warp-specialisation pass refuses the descriptor store of a 4-warp
+    program (see :func:`launch`).
     """
     if CAUSAL:
         tl.static_assert(BLOCK_M % BLOCK_N == 0)
@@ -411,7 +415,7 @@ def _attn_fwd_fast_kernel(
         acc, l_i, m_i = _attn_fwd_inner(
             acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, start_m, qk_scale, N_CTX,
             offs_m, offs_n, offs_d, BLOCK_M, BLOCK_N, HEAD_DIM,
-            3, USE_TMA, False, False, EXP2,
+            3, USE_TMA, False, WARP_SPECIALIZE, EXP2,
         )
     elif PIPELINE_QK:
         acc, l_i, m_i = _attn_fwd_inner_pipelined(
@@ -432,7 +436,7 @@ def _attn_fwd_fast_kernel(
         lse = m_i + tl.log(l_i)
     tl.store(Lse + bh * N_CTX + offs_m, lse)
     out = (acc / l_i[:, None]).to(q.dtype)
-    if USE_TMA:
+    if USE_TMA and not O_BY_POINTER:
         desc_o.store([q_row0, 0], out)
     else:
         o_rows = (q_row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -477,9 +481,11 @@ CONFIG_SPACE = [
     (64, 64, 4, 3, ORDER_M_MAJOR, False),
 ]
 # Warp specialisation: Triton splits the loop into a producer warp issuing the
-# TMA copies and consumer warpgroups doing the dots and the softmax. On
-# Hopper with Triton 3.6 it compiled for 8-warp configs only (the 4-warp one
-# failed in the NVGPUWarpSpecialization pass), so only those are offered.
+# TMA copies and consumer warpgroups doing the dots and the softmax. The
+# autotuner offers it on 8-warp configs only, where Triton 3.6 compiles it to
+# the same kernel. On 4 warps it needs the output stored by pointers and, causal,
+# one loop (launch(): FlashAttention-3's producer and two 64-row consumers);
+# that form is timed by benchmarks/tune_fast.py before it may join the space.
 WS_SPACE = [
     (128, 128, 8, 3, ORDER_KV_GROUPED, True),
 ]
@@ -510,7 +516,8 @@ def config_ok(block_m: int, block_n: int, num_warps: int, n_ctx: int, head_dim: 
       have, so it would spill: skip it;
     - on Hopper one warpgroup (4 warps) already owns a 64-row wgmma tile; 8
       warps only paid off here when the tile is at least ``128 x 128``;
-    - warp specialisation needs two consumer warpgroups (8 warps) here.
+    - the autotuner's warp-specialised configs have 8 warps (the 4-warp form,
+      :func:`launch`'s, is not in the space until it is measured).
     """
     if n_ctx % block_m or n_ctx % block_n:
         return False
@@ -643,9 +650,21 @@ def launch(
     This is what the lesson's tuning ladder and the CPU tests call; it works in
     the Triton interpreter too (fp32/fp16 there). No fallback: the caller
     makes sure the shapes fit (``N`` a multiple of both block sizes).
+
+    ``warp_specialize`` with ``num_warps=4``: Triton 3.6 compiles the loop for
+    Hopper into FlashAttention-3's shape, a producer partition issuing the TMA
+    copies and two consumer warpgroups of 64 query rows each (12 warps, their
+    registers raised to 232 by ``setmaxnreg``). It does so only for one loop
+    with the output stored by pointers, so the output goes by pointers here,
+    and a causal launch needs ``two_phase=False`` (one loop, every block
+    masked); triton 3.8 refuses the form (its split of the ``Q`` load).
     """
     if exp_poly and not exp2:
         raise ValueError("exp_poly=True computes exp2: it needs exp2=True")
+    split_rows = warp_specialize and num_warps == 4  # the producer + two 64-row consumers form
+    if split_rows and causal and two_phase:
+        raise ValueError("a 4-warp warp-specialised causal launch needs two_phase=False (Triton 3.6 specialises "
+                         "only one loop)")
     q, k, v, o, lse, scale = _prepare(q, k, v, sm_scale)
     b, hq, n, d = q.shape
     if n % block_m or n % block_n or (causal and block_m % block_n):
@@ -661,7 +680,7 @@ def launch(
         GROUP_SIZE=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal),
         BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, ORDER=order,
         LAZY_RESCALE=lazy_rescale, WARP_SPECIALIZE=warp_specialize,
-        TWO_PHASE=two_phase, EXP2=2 if exp_poly else exp2, PIPELINE_QK=pipeline_qk,
+        TWO_PHASE=two_phase, EXP2=2 if exp_poly else exp2, PIPELINE_QK=pipeline_qk, O_BY_POINTER=split_rows,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
     LAST_LAUNCH["compiled"] = compiled

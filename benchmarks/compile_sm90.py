@@ -1,0 +1,152 @@
+"""Compile the course's Hopper launches for sm_90 here, without a GPU, and record what the compiler made.
+
+``course_utils.kernels.targets`` specialises each captured launch as Triton's
+launcher does on the GPU, so with the GPU's Triton version (3.6 on the course's
+H200: its wheel installed with ``pip install --target DIR`` and ``DIR`` first on
+``PYTHONPATH``) the registers, spills and shared memory are the H200's own
+(``tests/test_targets.py`` checks three launches against what the H200 reported).
+This script records, for bf16 and D = 128:
+
+- ``ws_forward``: lesson 06's fast kernel on one warpgroup with
+  ``warp_specialize=True`` (the output stored by pointers, causal in one loop),
+  with and without it: warps per program, registers, spills, shared memory, and
+  the ``setmaxnreg`` values Triton wrote into the PTX;
+- ``backward_pair``: lesson 07's dK/dV and dQ kernels at every launch that
+  ``benchmarks/tune_backward.py --pair`` times;
+- ``window_backward``: lesson 08's window dK/dV and dQ kernels at every launch
+  ``benchmarks/tune_window.py --backward`` times (W = 1024 and 4096, no sinks).
+
+    TRITON_INTERPRET=0 PYTHONPATH=/path/to/triton-3.6:$PWD python benchmarks/compile_sm90.py --out results/sm90_compiles.json
+
+A failed compile is recorded with the compiler's first error line, not raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # before anything imports Triton: compile, do not interpret
+
+ROOT = Path(__file__).resolve().parent.parent
+SM = 90
+N, D = 4096, 128
+
+
+def _tuning_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compiled(kernel, args, kwargs) -> dict:
+    """What the compiler made of one captured launch (or why it refused)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from course_utils.kernels import targets
+
+    try:
+        target = GPUTarget("cuda", SM, 32)
+        source, options = targets._specialised_source(kernel, args, kwargs, target)
+        compiled = triton.compile(source, target=target, options=options)
+    except Exception as exc:  # noqa: BLE001 - a refusal is a result here
+        lines = [line for line in str(exc).splitlines() if "error:" in line] or str(exc).splitlines() or [""]
+        return dict(kernel=kernel.__name__, error=f"{type(exc).__name__}: {lines[0].strip()[:200]}")
+    registers, static_shared, spill_bytes = targets._resource_usage(compiled.asm["cubin"])
+    return dict(kernel=kernel.__name__, warps=compiled.metadata.num_warps, registers=registers,
+                spills=spill_bytes // 4, shared=max(int(compiled.metadata.shared), static_shared),
+                setmaxnreg=re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]))
+
+
+def _inputs(hq, hkv, n=N, d=D):
+    import torch
+
+    return (torch.zeros(1, hq, n, d, dtype=torch.bfloat16), torch.zeros(1, hkv, n, d, dtype=torch.bfloat16),
+            torch.zeros(1, hq, n))
+
+
+def ws_forward() -> list[dict]:
+    """Lesson 06's kernel on one warpgroup, with and without warp specialisation."""
+    from course_utils.kernels import fast, targets
+
+    q, k, _ = _inputs(32, 8)
+    rows = []
+    for block_m, block_n, stages in ((128, 64, 2), (128, 64, 3), (128, 128, 2)):
+        for causal in (True, False):
+            for ws in (False, True):
+                opts = dict(block_m=block_m, block_n=block_n, num_warps=4, num_stages=stages, warp_specialize=ws,
+                            two_phase=not (causal and ws))
+                with targets._captured_launches() as launches:
+                    fast.launch(q, k, k, causal, **opts)
+                rows.append(dict(opts, causal=causal, **_compiled(*launches[0])))
+    return rows
+
+
+def _backward_launches(configs, **window):
+    from course_utils.kernels import backward, targets
+    from course_utils.kernels.backward import BackwardConfig
+
+    q, k, lse = _inputs(4, 1)
+    for c in configs:
+        with targets._as_if_on_a_gpu(SM), targets._captured_launches() as launches:
+            backward.attention_backward(q, k, k, q, lse, q, True, config=BackwardConfig(*c), **window)
+        for kernel, args, kwargs in launches:
+            if "dkdv" in kernel.__name__ or "dq" in kernel.__name__:
+                yield c, kernel, args, kwargs
+
+
+def backward_pair() -> list[dict]:
+    """Lesson 07's pair at tune_backward.py's ``PAIR`` launches (causal)."""
+    pair = _tuning_script("tune_backward").PAIR
+    return [dict(config=list(c), **_compiled(kernel, args, kwargs)) for c, kernel, args, kwargs in _backward_launches(pair)]
+
+
+def window_backward() -> list[dict]:
+    """Lesson 08's window kernels at tune_window.py's ``BACKWARD_CANDIDATES`` (W = 1024, 4096; no sinks)."""
+    from course_utils.kernels.backward import default_config
+
+    rows = []
+    for w in (1024, 4096):
+        shipped = default_config(D, "cuda", (9, 0), __import__("torch").bfloat16, window_size=w)
+        shipped = (shipped.dkdv_block_m, shipped.dkdv_block_n, shipped.dq_block_m, shipped.dq_block_n,
+                   shipped.dkdv_warps, shipped.dkdv_stages, shipped.dq_warps, shipped.dq_stages)
+        configs = [shipped if c is None else c for c in _tuning_script("tune_window").BACKWARD_CANDIDATES]
+        for c, kernel, args, kwargs in _backward_launches(dict.fromkeys(configs), window_size=w, sink_size=0):
+            rows.append(dict(window_size=w, config=list(c), shipped=c == shipped, **_compiled(kernel, args, kwargs)))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
+    args = parser.parse_args(argv)
+    import triton
+
+    record = dict(info=dict(triton=triton.__version__, target=f"sm_{SM}", dtype="bf16", head_dim=D,
+                            date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                            command="python benchmarks/compile_sm90.py"),
+                  ws_forward=ws_forward(), backward_pair=backward_pair(), window_backward=window_backward())
+    for section in ("ws_forward", "backward_pair", "window_backward"):
+        print(f"== {section}")
+        for r in record[section]:
+            what = r.get("error") or (f"{r['warps']} warps, {r['registers']} registers, {r['spills']} spilled, "
+                                      f"{r['shared'] // 1024} KiB")
+            key = {k: v for k, v in r.items() if k in ("config", "window_size", "block_m", "block_n", "num_stages",
+                                                        "causal", "warp_specialize")}
+            print(f"  {r['kernel']:<22} {key}: {what}")
+    if args.out:
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
