@@ -13,6 +13,8 @@ This script records, for bf16 and D = 128:
   the ``setmaxnreg`` values Triton wrote into the PTX;
 - ``backward_pair``: lesson 07's dK/dV and dQ kernels at every launch that
   ``benchmarks/tune_backward.py --pair`` times;
+- ``flat_backward``: :mod:`course_utils.kernels.fast_backward`'s flat dK/dV
+  kernel at every launch ``tune_backward.py --flat`` times, causal and not;
 - ``window_backward``: lesson 08's window dK/dV and dQ kernels at every launch
   ``benchmarks/tune_window.py --backward`` times (W = 1024 and 4096, no sinks).
 
@@ -109,6 +111,23 @@ def backward_pair() -> list[dict]:
     return [dict(config=list(c), **_compiled(kernel, args, kwargs)) for c, kernel, args, kwargs in _backward_launches(pair)]
 
 
+def flat_backward() -> list[dict]:
+    """The flat mode's dK/dV kernel (fast_backward) at tune_backward.py's ``FLAT`` launches, causal and not."""
+    from course_utils.kernels import fast_backward as fb
+    from course_utils.kernels import targets
+
+    q, k, lse = _inputs(4, 1)
+    rows = []
+    for c in _tuning_script("tune_backward").FLAT:
+        cfg = fb.FastBackwardConfig(*c)
+        for causal in (True, False):
+            with targets._captured_launches() as launches:
+                fb.attention_backward_fast(q, k, k, q, lse, q, causal, config=cfg)
+            kernel, args, kwargs = next(l for l in launches if l[0].__name__ == "_attn_bwd_dkdv_flat")
+            rows.append(dict(config=cfg.short(), causal=causal, **_compiled(kernel, args, kwargs)))
+    return rows
+
+
 def window_backward() -> list[dict]:
     """Lesson 08's window kernels at tune_window.py's ``BACKWARD_CANDIDATES`` (W = 1024, 4096; no sinks)."""
     from course_utils.kernels.backward import default_config
@@ -133,8 +152,9 @@ def main(argv=None) -> int:
     record = dict(info=dict(triton=triton.__version__, target=f"sm_{SM}", dtype="bf16", head_dim=D,
                             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                             command="python benchmarks/compile_sm90.py"),
-                  ws_forward=ws_forward(), backward_pair=backward_pair(), window_backward=window_backward())
-    for section in ("ws_forward", "backward_pair", "window_backward"):
+                  ws_forward=ws_forward(), backward_pair=backward_pair(), flat_backward=flat_backward(),
+                  window_backward=window_backward())
+    for section in ("ws_forward", "backward_pair", "flat_backward", "window_backward"):
         print(f"== {section}")
         for r in record[section]:
             what = r.get("error") or (f"{r['warps']} warps, {r['registers']} registers, {r['spills']} spilled, "

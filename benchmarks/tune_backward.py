@@ -13,7 +13,7 @@ It also prints registers per thread, spills and shared memory of each
 configuration (how many programs fit on one SM), and whether two runs of the
 same launch give the same bits (the atomic mode does not).
 
-    python benchmarks/tune_backward.py [--ns 4096 16384] [--new | --pair] [--out results/tune_backward.json]
+    python benchmarks/tune_backward.py [--ns 4096 16384] [--new | --pair | --flat] [--out results/tune_backward.json]
 
 Registers and spills of a launch can be read before any GPU time is spent:
 ``course_utils.kernels.targets.compile_launch`` on a captured launch gives the
@@ -60,6 +60,21 @@ EXTRA = [
     ("atomic", 64, 64, 64, 64, 4, 3, True),
     ("atomic", 32, 64, 64, 32, 4, 3, True),
     ("atomic", 32, 64, 64, 32, 4, 2, True),
+]
+
+# The flat mode (twenty-sixth session, not yet timed; ``--flat`` times these alone): lesson 07's split of the
+# work, with dK/dV over one loop of (query head, query block) through TMA, warp-specialised or not, and lesson
+# 07's dQ kernel. Compiled for sm_90 with the H200's triton 3.6 (benchmarks/compile_sm90.py,
+# results/sm90_compiles.json), none spills: 64 x 128 on 8 warps 255 registers (lesson 07's dK/dV kernel spills
+# 40 at the same launch), 32 x 128 on 8 warps 208; warp-specialised on 4 warps, 12 warps of 168 registers.
+FLAT = [
+    ("flat", 64, 128, 128, 32, 8, 3, True),
+    ("flat", 64, 128, 128, 32, 8, 2, True),
+    ("flat", 32, 128, 128, 32, 8, 2, True),
+    ("flat", 32, 128, 128, 32, 4, 2, True, True),
+    ("flat", 32, 128, 128, 32, 4, 3, True, True),
+    ("flat", 64, 128, 128, 32, 4, 2, True, True),
+    ("flat", 64, 64, 128, 32, 4, 2, True, True),
 ]
 
 # 64-key blocks on 8 warps: dK and dV of 64 keys are half the registers of 128 keys' (32 fp32 values per
@@ -116,6 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     parser.add_argument("--new", action="store_true", help="only the NEW configurations (and lesson 07's pair)")
     parser.add_argument("--pair", action="store_true", help="lesson 07's pair at the PAIR launches, causal only")
+    parser.add_argument("--flat", action="store_true", help="only the FLAT configurations (and lesson 07's pair)")
     args = parser.parse_args(argv)
     if not bench.gpu_available():
         print(bench.NO_GPU_MESSAGE)
@@ -130,9 +146,11 @@ def main(argv=None) -> int:
     from course_utils.kernels import flash_attention_with_lse
     from course_utils.kernels.backward import BackwardConfig, attention_backward, default_config
 
-    candidates = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in EXTRA + NEW]))
+    candidates = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in EXTRA + NEW + FLAT]))
     if args.new:
         candidates = [fb.FastBackwardConfig(*c) for c in NEW]
+    if args.flat:
+        candidates = [fb.FastBackwardConfig(*c) for c in FLAT]
     hq, hkv, d, tokens = 32, 8, 128, 16384
     rows = []
 

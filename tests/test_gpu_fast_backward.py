@@ -13,6 +13,7 @@ tiles, masks and GQA sums are checked on the real compiler.
 
 import pytest
 import torch
+import triton
 
 from course_utils import references
 from course_utils.kernels import fast_backward as fb
@@ -60,6 +61,39 @@ def test_every_configuration_matches_float64(config, b, hq, hkv, n, d, causal, d
     got = fb.attention_backward_fast(q, k, v, o, lse, do, causal, config=config)
     assert all(g.dtype == dtype for g in got)
     _assert_close(got, _float64_grads(q, k, v, do, causal))
+
+
+def _tuning_script(name):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FLAT = [fb.FastBackwardConfig(*c) for c in _tuning_script("tune_backward").FLAT]
+
+
+@pytest.mark.parametrize("config", FLAT, ids=lambda c: c.short().replace(" ", "_"))
+@pytest.mark.parametrize("b, hq, hkv, n, d, causal, dtype", SHAPES)
+def test_every_flat_configuration_matches_float64_and_specialises(config, b, hq, hkv, n, d, causal, dtype):
+    """The flat mode's launches that tune_backward.py --flat times: float64 math's gradients, and a warp-specialised
+    one-warpgroup launch compiled into a producer and two consumer warpgroups (12 warps)."""
+    if config.warp_specialize and not triton.__version__.startswith("3.6"):
+        pytest.skip("compiled warp-specialised with triton 3.6; triton 3.8 refuses the form")
+    q, k, v, do = _inputs(b, hq, hkv, n, d, dtype, seed=n + hq + 1)
+    if not fb.supports(q, k, v, config):
+        pytest.skip(fb.unsupported_reason(q, k, v, config))
+    o, lse = flash_attention_with_lse(q, k, v, causal=causal)
+    stats = {}
+    got = fb.attention_backward_fast(q, k, v, o, lse, do, causal, config=config, stats=stats)
+    assert all(g.dtype == dtype for g in got)
+    _assert_close(got, _float64_grads(q, k, v, do, causal))
+    if config.warp_specialize and config.num_warps == 4:
+        assert stats["warps"] == 12, stats
 
 
 def test_autograd_stays_on_lesson_07_kernels_and_is_deterministic():

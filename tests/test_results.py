@@ -446,3 +446,31 @@ def test_the_backward_spills_notes_quotes_are_the_recorded_compiles():
     assert window[1024, (32, 64, 64, 32, 4, 3, 4, 3), "_attn_bwd_dkdv_window"]["spills"] == 98
     assert window[4096, (64, 128, 128, 64, 8, 3, 8, 3), "_attn_bwd_dkdv_window"]["spills"] == 144
     assert all(r["spills"] == 0 for (w, c, kernel), r in window.items() if kernel == "attn_bwd_dq_window")
+
+
+def test_the_flat_backward_figures_are_the_recorded_compiles():
+    """fast_backward's and tune_backward.py's figures for the flat mode's dK/dV kernel (sm_90, triton 3.6): no spills
+    at the launches quoted, 12 warps warp-specialised, every FLAT launch recorded causal and not."""
+    import importlib.util
+
+    doc = results.load("sm90_compiles")
+    flat = {(r["config"], r["causal"]): r for r in doc["flat_backward"]}
+    spec = importlib.util.spec_from_file_location("tune_backward", ROOT / "benchmarks" / "tune_backward.py")
+    tune_backward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_backward)
+    from course_utils.kernels import fast_backward as fb
+
+    configs = [fb.FastBackwardConfig(*c) for c in tune_backward.FLAT]
+    assert {k for k in flat} == {(c.short(), causal) for c in configs for causal in (True, False)}
+    for c in configs:
+        for causal in (True, False):
+            r = flat[c.short(), causal]
+            assert r["warps"] == (12 if c.warp_specialize and c.num_warps == 4 else c.num_warps), r
+    tune_text = " ".join((ROOT / "benchmarks" / "tune_backward.py").read_text().split())
+    wide, narrow = flat["flat dkdv 64x128 w8 s3 dq 128x32", True], flat["flat dkdv 32x128 w8 s2 dq 128x32", True]
+    assert wide["spills"] == narrow["spills"] == 0
+    assert (f"none spills: 64 x 128 on 8 warps {wide['registers']} registers (lesson 07's dK/dV kernel spills # "
+            f"40 at the same launch), 32 x 128 on 8 warps {narrow['registers']}") in tune_text
+    ws = flat["flat dkdv 32x128 w4 s2 ws dq 128x32", True]
+    assert ws["spills"] == 0 and ws["warps"] == 12 and f"12 warps of {ws['registers']} registers" in tune_text
+    assert fb.FLAT_DEFAULT.short() == "flat dkdv 32x128 w4 s2 ws dq 128x32"

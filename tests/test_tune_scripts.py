@@ -39,7 +39,8 @@ tune_decode = _load("tune_decode")
 tune_fp8 = _load("tune_fp8")
 host_overhead = _load("host_overhead")
 ncu_backward = _load("ncu_backward")
-FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c) for c in tune_backward.EXTRA]))
+FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c)
+                                                for c in tune_backward.EXTRA + tune_backward.FLAT]))
 
 
 def _inputs(hq, hkv, n, d, dtype, seed=0):

@@ -1121,13 +1121,7 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
     if q.numel() == 0 or k.numel() == 0:  # nothing to launch; no query sees any key
         return dq.zero_(), dk.zero_(), dv.zero_()
 
-    pre_m = cfg.pre_block_m
-    attn_bwd_preprocess[(triton.cdiv(N_Q, pre_m), B * n_q_heads)](
-        o, do, delta,
-        *o.stride(), *do.stride(), delta.stride(0), delta.stride(1),
-        n_q_heads, N_Q, D,
-        BLOCK_M=pre_m, BLOCK_D=BLOCK_D, EVEN_M=N_Q % pre_m == 0, PAD_D=PAD_D, ACC=ACC,
-    )
+    launch_preprocess(o, do, delta, cfg.pre_block_m)
     common = (*q.stride(), *k.stride(), *v.stride(), *do.stride(),
               lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
     if mods:
@@ -1146,15 +1140,41 @@ def attention_backward(q, k, v, o, lse, do, causal=False, sm_scale=None, *, conf
         EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
         num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )
+    launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, cfg)
+    return dq, dk, dv
+
+
+def launch_preprocess(o, do, delta, block_m: int):
+    """Step 1 into ``delta`` (``[B, H_q, N_q]``, fp32 or fp64): ``rowsum(dO * O)`` by :func:`attn_bwd_preprocess`."""
+    B, n_q_heads, N_Q, D = o.shape
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    attn_bwd_preprocess[(triton.cdiv(N_Q, block_m), B * n_q_heads)](
+        o, do, delta,
+        *o.stride(), *do.stride(), delta.stride(0), delta.stride(1),
+        n_q_heads, N_Q, D,
+        BLOCK_M=block_m, BLOCK_D=BLOCK_D, EVEN_M=N_Q % block_m == 0, PAD_D=BLOCK_D != D,
+        ACC=tl.float64 if delta.dtype == torch.float64 else tl.float32,
+    )
+
+
+def launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, cfg: BackwardConfig):
+    """Step 3 into ``dq``: :func:`_attn_bwd_dq` at ``cfg``'s dQ launch (``lse``, ``delta`` in ``delta``'s dtype).
+
+    :mod:`.fast_backward`'s ``"flat"`` mode runs this kernel for ``dQ`` too.
+    """
+    B, n_q_heads, N_Q, D = q.shape
+    n_kv_heads, N_K = k.shape[1], k.shape[2]
+    BLOCK_D = max(16, triton.next_power_of_2(D))
     bm, bn = cfg.dq_block_m, cfg.dq_block_n
     _attn_bwd_dq[(triton.cdiv(N_Q, bm), B * n_q_heads)](
-        q, k, v, do, lse, delta, dq, *common, *dq.stride(),
-        n_q_heads, group_size, N_Q, N_K, D, sm_scale,
+        q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), *dq.stride(),
+        n_q_heads, n_q_heads // n_kv_heads, N_Q, N_K, D, sm_scale,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, CAUSAL=bool(causal),
-        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
+        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=BLOCK_D != D,
+        ACC=tl.float64 if delta.dtype == torch.float64 else tl.float32,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )
-    return dq, dk, dv
 
 
 def _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_size, sm_scale,

@@ -34,6 +34,19 @@ key block to 64 on 8 warps (run 3) did not bring either under the limit
 it) stays on lesson 07's kernels, and this kernel runs only when
 :func:`attention_backward_fast` is called.
 
+A third mode, ``"flat"`` (twenty-sixth session, compiled without a GPU and
+not yet timed), keeps lesson 07's two kernels' split of the work and changes
+the dK/dV kernel, :func:`_attn_bwd_dkdv_flat`: its tiles come through TMA
+descriptors, and the group's query heads and their query blocks are one flat
+loop, so that ``warp_specialize`` can split it the way FlashAttention-3's
+backward is split, a producer issuing the copies and two consumer warpgroups
+of half the key block each. Compiled for sm_90 with the H200's triton 3.6
+(:mod:`.targets`), ``32 x 128`` on 4 warps became 12 warps with no spills
+(the pair's dK/dV kernel spills 40 values per thread at its launch). Causal,
+that one loop masks every block. ``dQ`` is lesson 07's kernel
+(:func:`.backward.launch_dq`), which neither spills nor compiles
+warp-specialised.
+
 It covers self-attention (``N_q == N_k``), ``N`` a multiple of the largest
 block, ``D`` of 64 or 128, 16-bit inputs, causal or not, MHA/GQA/MQA;
 :func:`unsupported_reason` says what it does not take. It runs in the
@@ -52,6 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .backward import BackwardConfig, launch_dq, launch_preprocess
+
 try:  # host-side TMA descriptors (Triton >= 3.3); without them use_tma is refused
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
@@ -60,7 +75,7 @@ except ImportError:  # pragma: no cover
 __all__ = ["FastBackwardConfig", "CONFIGS", "default_config", "supports", "unsupported_reason",
            "attention_backward_fast", "MODES"]
 
-MODES = ("fused", "atomic")
+MODES = ("fused", "atomic", "flat")
 
 
 @dataclass(frozen=True)
@@ -76,6 +91,12 @@ class FastBackwardConfig:
     descriptors, and the atomic mode adds its ``dQ`` tiles with TMA's
     reduce-add (one bulk ``cp.reduce.async.bulk`` per tile instead of one
     atomic per element).
+    ``"flat"``: ``block_m1 x block_n1`` (``num_warps``, ``num_stages``) is
+    :func:`_attn_bwd_dkdv_flat`'s launch, which always loads through TMA
+    (``use_tma`` must be True); ``block_m2 x block_n2`` is lesson 07's dQ
+    kernel's, on its Hopper launch's 8 warps and 3 stages.
+    ``warp_specialize`` (``"flat"`` only): the dK/dV loop as
+    ``tl.range(..., warp_specialize=True)``.
     """
 
     mode: str = "fused"
@@ -86,6 +107,7 @@ class FastBackwardConfig:
     num_warps: int = 8
     num_stages: int = 2
     use_tma: bool = False
+    warp_specialize: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -98,13 +120,20 @@ class FastBackwardConfig:
                              "(the causal loops split at block boundaries)")
         if self.mode == "fused" and self.block_m2 != self.block_n1:
             raise ValueError("the fused mode needs block_m2 == block_n1: program i owns key block i and query block i")
+        if self.mode == "flat" and not self.use_tma:
+            raise ValueError("the flat mode loads every tile through TMA descriptors: it needs use_tma=True")
+        if self.warp_specialize and self.mode != "flat":
+            raise ValueError("warp_specialize is the flat mode's (its dK/dV loop is the one that compiles so)")
 
     @property
     def largest_block(self) -> int:
         return max(self.block_m1, self.block_n1, self.block_m2, self.block_n2)
 
     def short(self) -> str:
-        tail = f" dq {self.block_m2}x{self.block_n2}" if self.mode == "fused" else ""
+        tail = f" dq {self.block_m2}x{self.block_n2}" if self.mode in ("fused", "flat") else ""
+        if self.mode == "flat":  # always TMA: say whether it is warp-specialised instead
+            return (f"flat dkdv {self.block_m1}x{self.block_n1} w{self.num_warps} s{self.num_stages}"
+                    + (" ws" if self.warp_specialize else "") + tail)
         return (f"{self.mode} dkdv {self.block_m1}x{self.block_n1}{tail} "
                 f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.use_tma else ""))
 
@@ -123,11 +152,17 @@ CONFIGS = (
 _DEFAULT = {"fused": CONFIGS[0], "atomic": CONFIGS[3]}
 
 
+# The flat mode's launch until one is measured: 32 x 128 on 4 warps, warp-specialised (12 warps, no spills when
+# compiled for sm_90 with triton 3.6: results/sm90_compiles.json), with lesson 07's dQ launch.
+FLAT_DEFAULT = FastBackwardConfig("flat", 32, 128, 128, 32, 4, 2, True, True)
+
+
 def default_config(mode: str = "fused") -> FastBackwardConfig:
-    """The configuration :func:`attention_backward_fast` uses for ``mode`` (the fastest measured, D = 128)."""
+    """The configuration :func:`attention_backward_fast` uses for ``mode`` (the fastest measured, D = 128;
+    the flat mode's is not measured yet)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return _DEFAULT[mode]
+    return FLAT_DEFAULT if mode == "flat" else _DEFAULT[mode]
 
 
 def unsupported_reason(q, k, v, config: FastBackwardConfig | None = None) -> str | None:
@@ -142,7 +177,7 @@ def unsupported_reason(q, k, v, config: FastBackwardConfig | None = None) -> str
     if q.shape[2] != k.shape[2]:
         return "the fast backward takes self-attention only (as many keys as queries)"
     if cfg.use_tma and TensorDescriptor is None:
-        return "use_tma needs triton.tools.tensor_descriptor (Triton >= 3.3)"
+        return "use_tma (and the flat mode) need triton.tools.tensor_descriptor (Triton >= 3.3)"
     if q.shape[2] % cfg.largest_block:
         return f"N = {q.shape[2]} is not a multiple of {cfg.largest_block} (the largest block)"
     return None
@@ -293,16 +328,90 @@ def _attn_bwd_fast(
                      + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty))
 
 
+@triton.jit
+def _attn_bwd_dkdv_flat(desc_q, desc_do, desc_k, desc_v, LSE, DELTA, DK, DV, N, group_size, sm_scale,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        CAUSAL: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """dK, dV of key block ``program_id(0)`` of one (batch, kv head): every (query head, query block) in one loop.
+
+    Contiguous tensors as 2-D views: Q, dO ``[B*H_q*N, D]``, K, V, dK, dV
+    ``[B*H_kv*N, D]``; LSE (natural log), DELTA ``[B*H_q*N]``. The loop runs
+    over ``i = g * n_m + m``, query head ``g`` of the group and query block
+    ``m`` (causal: from the key block's own rows on), so that it is one loop
+    Triton can warp-specialise; causal, every block is masked (a branch
+    between masked and unmasked blocks does not compile specialised). The
+    outputs are stored by pointers (a descriptor store does not compile in
+    a specialised 4-warp program).
+    """
+    start_n = tl.program_id(0) * BLOCK_N
+    kv_row = tl.program_id(1) * N + start_n  # this key block's first row in the 2-D views
+    q_row0 = tl.program_id(1) * group_size * N  # the group's first query head's row 0
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    qk_scale = sm_scale * 1.4426950408889634
+    k = desc_k.load([kv_row, 0])
+    v = desc_v.load([kv_row, 0])
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:  # queries before the key block see none of it
+        lo = start_n
+    else:
+        lo = 0
+    n_m = (N - lo) // BLOCK_M
+    for i in tl.range(0, group_size * n_m, warp_specialize=WARP_SPECIALIZE):
+        g = i // n_m
+        start_m = lo + (i - g * n_m) * BLOCK_M
+        row = q_row0 + g * N + start_m
+        q = desc_q.load([row, 0])
+        do = desc_do.load([row, 0])
+        lse2 = tl.load(LSE + row + tl.arange(0, BLOCK_M)) * 1.4426950408889634  # natural log -> base 2
+        delta = tl.load(DELTA + row + tl.arange(0, BLOCK_M))
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
+        if CAUSAL:
+            p_t = tl.where(start_m + tl.arange(0, BLOCK_M)[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+    dk *= sm_scale
+    rows = (kv_row + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    tl.store(DK + rows[:, None] * HEAD_DIM + cols[None, :], dk.to(DK.dtype.element_ty))
+    tl.store(DV + rows[:, None] * HEAD_DIM + cols[None, :], dv.to(DV.dtype.element_ty))
+
+
+def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config):
+    """The flat mode: dK, dV by :func:`_attn_bwd_dkdv_flat`, dQ by lesson 07's kernel (:func:`.backward.launch_dq`)."""
+    B, n_q_heads, N, D = q.shape
+    n_kv_heads = k.shape[1]
+    q, k, v, do = (t.contiguous() for t in (q, k, v, do))
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+
+    def desc(t, rows):
+        return TensorDescriptor(t, shape=[t.numel() // D, D], strides=[D, 1], block_shape=[rows, D])
+
+    compiled = _attn_bwd_dkdv_flat[(N // config.block_n1, B * n_kv_heads)](
+        desc(q, config.block_m1), desc(do, config.block_m1), desc(k, config.block_n1), desc(v, config.block_n1),
+        lse, delta, dk, dv, N, n_q_heads // n_kv_heads, sm_scale,
+        BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, HEAD_DIM=D, CAUSAL=bool(causal),
+        WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
+              BackwardConfig(dq_block_m=config.block_m2, dq_block_n=config.block_n2, dq_warps=8, dq_stages=3))
+    return compiled, (dq, dk, dv)
+
+
 def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *, delta=None,
                             config: FastBackwardConfig | None = None, mode: str | None = None, stats=None):
     """``(dq, dk, dv)`` by the fast backward; the arguments are :func:`.backward.attention_backward`'s.
 
     ``delta = rowsum(do * o)`` ([B, H_q, N] fp32) may be passed in;
-    otherwise it is computed here, in fp32 by torch. ``config`` (or ``mode``,
+    otherwise lesson 07's preprocess kernel computes it. ``config`` (or ``mode``,
     which picks that mode's :func:`default_config`) chooses the launch.
     Raises ``ValueError`` with :func:`unsupported_reason`'s sentence for
     inputs it does not cover. ``stats``, a dict, receives what the compiler
-    made of the launch (registers per thread, spills, shared memory in bytes).
+    made of the launch (registers per thread, spills, shared memory in bytes;
+    the flat mode's dK/dV kernel, with its warps per program too).
     """
     if config is None:
         config = default_config(mode or "fused")
@@ -317,9 +426,20 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
         raise ValueError(f"{n_q_heads} query heads cannot be shared evenly among {n_kv_heads} kv heads")
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     lse = lse.float().contiguous()  # the kernel reads each row's lse at stride 1
-    if delta is None:
-        delta = (o.float() * do.float()).sum(-1)
+    if delta is None:  # lesson 07's step 1, one kernel
+        delta = torch.zeros((B, n_q_heads, N), device=q.device, dtype=torch.float32)
+        if q.numel():
+            launch_preprocess(o, do, delta, 64)
     delta = delta.float().contiguous()
+    if config.mode == "flat":
+        if q.numel() == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        compiled, grads = _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config)
+        if stats is not None:
+            meta = getattr(compiled, "metadata", None)
+            stats.update(registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
+                         shared=getattr(meta, "shared", None), warps=getattr(meta, "num_warps", None))
+        return grads
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     atomic = config.mode == "atomic"
