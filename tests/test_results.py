@@ -474,3 +474,21 @@ def test_the_flat_backward_figures_are_the_recorded_compiles():
     ws = flat["flat dkdv 32x128 w4 s2 ws dq 128x32", True]
     assert ws["spills"] == 0 and ws["warps"] == 12 and f"12 warps of {ws['registers']} registers" in tune_text
     assert fb.FLAT_DEFAULT.short() == "flat dkdv 32x128 w4 s2 ws dq 128x32"
+
+
+def test_lesson_07_quotes_its_kernels_spills_from_the_recorded_compile():
+    """Lesson 07's two-layouts section: its dQ kernel's registers and its dK/dV kernel's spills at the Hopper launch,
+    from results/sm90_compiles.json (the launch default_config picks on Hopper for bf16, D = 128)."""
+    import torch
+
+    from course_utils.kernels.backward import default_config
+
+    cfg = default_config(128, "cuda", (9, 0), torch.bfloat16)
+    launch = (cfg.dkdv_block_m, cfg.dkdv_block_n, cfg.dq_block_m, cfg.dq_block_n,
+              cfg.dkdv_warps, cfg.dkdv_stages, cfg.dq_warps, cfg.dq_stages)
+    pair = {(tuple(r["config"]), r["kernel"]): r for r in results.load("sm90_compiles")["backward_pair"]}
+    dkdv, dq = pair[launch, "_attn_bwd_dkdv"], pair[launch, "_attn_bwd_dq"]
+    text = " ".join(markdown_text("07_backward").split())
+    assert dq["spills"] == 0 and f"This lesson's dQ kernel fits without that ({dq['registers']} registers)" in text
+    assert f"spills too, but less: {dkdv['spills']} values per thread at its Hopper launch" in text
+    assert f"in 255 registers (and spills {dkdv['spills']})" in text and dkdv["registers"] == 255
