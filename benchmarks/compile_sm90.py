@@ -14,7 +14,8 @@ This script records, for bf16 and D = 128:
 - ``backward_pair``: lesson 07's dK/dV and dQ kernels at every launch that
   ``benchmarks/tune_backward.py --pair`` times;
 - ``flat_backward``: :mod:`course_utils.kernels.fast_backward`'s flat dK/dV
-  kernel at every launch ``tune_backward.py --flat`` times, causal and not;
+  kernel at every launch ``tune_backward.py --flat`` times, causal and not,
+  and at ``tune_window.py --backward``'s flat launches with W = 1024;
 - ``window_backward``: lesson 08's window dK/dV and dQ kernels at every launch
   ``benchmarks/tune_window.py --backward`` times (W = 1024 and 4096, no sinks).
 
@@ -112,19 +113,21 @@ def backward_pair() -> list[dict]:
 
 
 def flat_backward() -> list[dict]:
-    """The flat mode's dK/dV kernel (fast_backward) at tune_backward.py's ``FLAT`` launches, causal and not."""
+    """The flat mode's dK/dV kernel (fast_backward) at tune_backward.py's ``FLAT`` launches, causal and not, and at
+    tune_window.py's ``FLAT_BACKWARD_CANDIDATES`` with a 1024-key window."""
     from course_utils.kernels import fast_backward as fb
     from course_utils.kernels import targets
 
     q, k, lse = _inputs(4, 1)
+    cases = [(c, causal, None) for c in _tuning_script("tune_backward").FLAT for causal in (True, False)]
+    cases += [(c, True, w) for c in _tuning_script("tune_window").FLAT_BACKWARD_CANDIDATES for w in (1024,)]
     rows = []
-    for c in _tuning_script("tune_backward").FLAT:
+    for c, causal, window_size in cases:
         cfg = fb.FastBackwardConfig(*c)
-        for causal in (True, False):
-            with targets._captured_launches() as launches:
-                fb.attention_backward_fast(q, k, k, q, lse, q, causal, config=cfg)
-            kernel, args, kwargs = next(l for l in launches if l[0].__name__ == "_attn_bwd_dkdv_flat")
-            rows.append(dict(config=cfg.short(), causal=causal, **_compiled(kernel, args, kwargs)))
+        with targets._captured_launches() as launches:
+            fb.attention_backward_fast(q, k, k, q, lse, q, causal, config=cfg, window_size=window_size)
+        kernel, args, kwargs = next(l for l in launches if l[0].__name__ == "_attn_bwd_dkdv_flat")
+        rows.append(dict(config=cfg.short(), causal=causal, window_size=window_size, **_compiled(kernel, args, kwargs)))
     return rows
 
 
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
             what = r.get("error") or (f"{r['warps']} warps, {r['registers']} registers, {r['spills']} spilled, "
                                       f"{r['shared'] // 1024} KiB")
             key = {k: v for k, v in r.items() if k in ("config", "window_size", "block_m", "block_n", "num_stages",
-                                                        "causal", "warp_specialize")}
+                                                        "causal", "warp_specialize") and v is not None}
             print(f"  {r['kernel']:<22} {key}: {what}")
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -60,6 +60,18 @@ BACKWARD_CANDIDATES = [
 ]
 
 
+# fast_backward's flat mode with a window (twenty-sixth session, not yet timed; no sinks, so S = 0 only): the dK/dV
+# kernel over one TMA loop, lesson 08's dQ. Compiled for sm_90 with triton 3.6 at W = 1024, none spills (lesson 08's
+# dK/dV kernel spills 98 at its shipped launch there); (mode, block_m1, block_n1, block_m2, block_n2, warps, stages,
+# use_tma, warp_specialize) as fast_backward.FastBackwardConfig takes them.
+FLAT_BACKWARD_CANDIDATES = [
+    ("flat", 32, 128, 128, 32, 4, 2, True, True),
+    ("flat", 32, 64, 128, 32, 4, 2, True, True),
+    ("flat", 64, 128, 128, 32, 8, 3, True),
+    ("flat", 32, 128, 128, 32, 8, 2, True),
+]
+
+
 def _time_all(fns, error_of, flops, title, **key) -> list[dict]:
     """Check each ``(label, fn)`` (``error_of(fn())`` at most 2e-2), time it, print them fastest first.
 
@@ -119,6 +131,7 @@ def _backward_rows(n, windows, sinks) -> list[dict]:
 
     from course_utils.bench import window as wb
     from course_utils.kernels import flash_attention_with_lse
+    from course_utils.kernels import fast_backward as fb
     from course_utils.kernels.backward import BackwardConfig, attention_backward
 
     q, k, v = wb.make_inputs(n, requires_grad=True)
@@ -138,6 +151,14 @@ def _backward_rows(n, windows, sinks) -> list[dict]:
                                                    sink_size=s))
 
                 fns.append(("course, shipped launch" if cfg is None else f"course {cfg!r}", step))
+            for c in (FLAT_BACKWARD_CANDIDATES if s == 0 else []):
+                flat = fb.FastBackwardConfig(*c)
+
+                def flat_step(flat=flat, w=w):
+                    o, lse = flash_attention_with_lse(qd, kd, vd, True, window_size=w)
+                    return (o, *fb.attention_backward_fast(qd, kd, vd, o, lse, do, True, config=flat, window_size=w))
+
+                fns.append((f"course {flat.short()}", flat_step))
             rows += _time_all(fns, lambda got: wb.grads_error(got, want), wb.window_flops(n, w, s, training=True),
                               f"forward + backward, W={w} S={s} N={n}", mode="forward + backward", n=n, W=w, S=s)
     return rows

@@ -96,6 +96,23 @@ def test_every_flat_configuration_matches_float64_and_specialises(config, b, hq,
         assert stats["warps"] == 12, stats
 
 
+FLAT_WINDOW = [fb.FastBackwardConfig(*c) for c in _tuning_script("tune_window").FLAT_BACKWARD_CANDIDATES]
+
+
+@pytest.mark.parametrize("config", FLAT_WINDOW, ids=lambda c: c.short().replace(" ", "_"))
+@pytest.mark.parametrize("window_size", [100, 256, 1000])
+def test_the_flat_mode_with_a_window_matches_float64(config, window_size):
+    """tune_window.py --backward's flat launches: lesson 08's window, no sinks, GQA 8/2, D = 128."""
+    if config.warp_specialize and not triton.__version__.startswith("3.6"):
+        pytest.skip("compiled warp-specialised with triton 3.6; triton 3.8 refuses the form")
+    q, k, v, do = _inputs(1, 8, 2, 1024, 128, torch.bfloat16, seed=window_size)
+    o, lse = flash_attention_with_lse(q, k, v, True, window_size=window_size)
+    got = fb.attention_backward_fast(q, k, v, o, lse, do, True, config=config, window_size=window_size)
+    arrays = (t.detach().double().cpu().numpy() for t in (q, k, v, do))
+    ref = tuple(torch.from_numpy(g) for g in references.attention_backward(*arrays, causal=True, window_size=window_size))
+    _assert_close(got, ref)
+
+
 def test_autograd_stays_on_lesson_07_kernels_and_is_deterministic():
     q, k, v, do = _inputs(1, 32, 8, 2048, 128, torch.bfloat16, seed=3)
     runs = []

@@ -24,12 +24,13 @@ def _inputs(b, hq, hkv, n, d, seed=0):
     return q, k, v, torch.randn(q.shape, generator=g).to(DEVICE, FP16)
 
 
-def _saved(q, k, v, do, causal):
+def _saved(q, k, v, do, causal, window_size=None):
     """What the forward saves (``o`` in the inputs' dtype, ``lse`` in fp32) and the float64 gradients,
     from the course's references."""
     arrays = [t.detach().double().cpu().numpy() for t in (q, k, v)]
-    o, lse = references.attention_lse(*arrays, causal=causal)
-    grads = references.attention_backward(*arrays, do.detach().double().cpu().numpy(), causal=causal)
+    o, lse = references.attention_lse(*arrays, causal=causal, window_size=window_size)
+    grads = references.attention_backward(*arrays, do.detach().double().cpu().numpy(), causal=causal,
+                                          window_size=window_size)
     return (torch.from_numpy(o).to(DEVICE, q.dtype), torch.from_numpy(lse).to(DEVICE, torch.float32),
             [torch.from_numpy(g) for g in grads])
 
@@ -84,6 +85,27 @@ def test_delta_passed_in_or_computed_give_the_same_gradients(config):
     for x, y in zip(a, torch_delta):
         torch.testing.assert_close(x, y, rtol=2e-3, atol=2e-3)
     _assert_close(a, ref)
+
+
+@pytest.mark.parametrize("config", [SMALL[4], SMALL[5]], ids=lambda c: c.short().replace(" ", "_"))
+@pytest.mark.parametrize("window_size", [16, 48, 64, 200])
+def test_the_flat_mode_takes_lesson_08s_window(config, window_size):
+    """Key j visible from query i iff 0 <= i - j < W: windows inside one tile, across tiles, a tile wide, past N/2."""
+    q, k, v, do = _inputs(1, 4, 2, 256, 64, seed=window_size)
+    o, lse, ref = _saved(q, k, v, do, True, window_size)
+    _assert_close(fb.attention_backward_fast(q, k, v, o, lse, do, True, config=config, window_size=window_size), ref)
+
+
+def test_a_window_is_refused_where_it_does_not_run():
+    q, k, v, do = _inputs(1, 2, 1, 128, 64, seed=2)
+    o, lse, _ = _saved(q, k, v, do, True)
+    with pytest.raises(ValueError, match="flat mode, with causal=True"):
+        fb.attention_backward_fast(q, k, v, o, lse, do, True, config=SMALL[0], window_size=32)
+    with pytest.raises(ValueError, match="flat mode, with causal=True"):
+        fb.attention_backward_fast(q, k, v, o, lse, do, False, config=SMALL[4], window_size=32)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            fb.attention_backward_fast(q, k, v, o, lse, do, True, config=SMALL[4], window_size=bad)
 
 
 @pytest.mark.parametrize("change, words", [

@@ -453,13 +453,22 @@ def test_the_flat_backward_figures_are_the_recorded_compiles():
     at the launches quoted, 12 warps warp-specialised, every FLAT launch recorded causal and not."""
     import importlib.util
 
+    from course_utils.kernels import fast_backward as fb
+
     doc = results.load("sm90_compiles")
-    flat = {(r["config"], r["causal"]): r for r in doc["flat_backward"]}
+    flat = {(r["config"], r["causal"]): r for r in doc["flat_backward"] if r["window_size"] is None}
+    windowed = [r for r in doc["flat_backward"] if r["window_size"] is not None]
+    spec = importlib.util.spec_from_file_location("tune_window", ROOT / "benchmarks" / "tune_window.py")
+    tune_window = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_window)
+    assert sorted(r["config"] for r in windowed) == sorted(
+        fb.FastBackwardConfig(*c).short() for c in tune_window.FLAT_BACKWARD_CANDIDATES)
+    window_text = " ".join((ROOT / "benchmarks" / "tune_window.py").read_text().split())
+    assert all(r["spills"] == 0 and r["window_size"] == 1024 for r in windowed)
+    assert "Compiled for sm_90 with triton 3.6 at W = 1024, none spills" in window_text
     spec = importlib.util.spec_from_file_location("tune_backward", ROOT / "benchmarks" / "tune_backward.py")
     tune_backward = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune_backward)
-    from course_utils.kernels import fast_backward as fb
-
     configs = [fb.FastBackwardConfig(*c) for c in tune_backward.FLAT]
     assert {k for k in flat} == {(c.short(), causal) for c in configs for causal in (True, False)}
     for c in configs:

@@ -146,6 +146,17 @@ def test_every_window_backward_candidate_is_a_correct_launch(candidate):
     assert max(_rel(a, b) for a, b in zip(got, want)) < (1e-2 if ON_GPU else 1e-5)
 
 
+@pytest.mark.parametrize("candidate", tune_window.FLAT_BACKWARD_CANDIDATES, ids=str)
+def test_every_flat_window_backward_candidate_is_a_correct_launch(candidate):
+    """tune_window.py --backward times fast_backward's flat mode with a window (no sinks) at these launches."""
+    q, k, v, do = _inputs(2, 1, 256, 64, torch.float16, seed=6)
+    o, lse = flash_attention_with_lse(q, k, v, True, window_size=48)
+    got = fb.attention_backward_fast(q, k, v, o, lse, do, True, config=fb.FastBackwardConfig(*candidate),
+                                     window_size=48)
+    want = attention_backward(q, k, v, o, lse, do, True, config=BackwardConfig(16, 32, 32, 16), window_size=48)
+    assert max(_rel(a, b) for a, b in zip(got, want)) < (2e-2 if ON_GPU else 2e-3)
+
+
 @pytest.mark.parametrize("candidate", tune_decode.CANDIDATES, ids=str)
 def test_every_decode_candidate_is_a_correct_launch_at_every_split_count_it_times(candidate):
     from course_utils.bench import decode as db

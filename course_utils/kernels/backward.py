@@ -1157,24 +1157,27 @@ def launch_preprocess(o, do, delta, block_m: int):
     )
 
 
-def launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, cfg: BackwardConfig):
-    """Step 3 into ``dq``: :func:`_attn_bwd_dq` at ``cfg``'s dQ launch (``lse``, ``delta`` in ``delta``'s dtype).
+def launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, cfg: BackwardConfig, *, window_size=None, sink_size=0):
+    """Step 3 into ``dq`` at ``cfg``'s dQ launch (``lse``, ``delta`` in ``delta``'s dtype): :func:`_attn_bwd_dq`,
+    or with ``window_size`` (causal, lesson 08) :func:`attn_bwd_dq_window`.
 
-    :mod:`.fast_backward`'s ``"flat"`` mode runs this kernel for ``dQ`` too.
+    :mod:`.fast_backward`'s ``"flat"`` mode runs these kernels for ``dQ`` too.
     """
     B, n_q_heads, N_Q, D = q.shape
     n_kv_heads, N_K = k.shape[1], k.shape[2]
     BLOCK_D = max(16, triton.next_power_of_2(D))
     bm, bn = cfg.dq_block_m, cfg.dq_block_n
-    _attn_bwd_dq[(triton.cdiv(N_Q, bm), B * n_q_heads)](
-        q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), *dq.stride(),
-        n_q_heads, n_q_heads // n_kv_heads, N_Q, N_K, D, sm_scale,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, CAUSAL=bool(causal),
-        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=BLOCK_D != D,
-        ACC=tl.float64 if delta.dtype == torch.float64 else tl.float32,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
-    )
+    args = (q, k, v, do, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1), *dq.stride(),
+            n_q_heads, n_q_heads // n_kv_heads, N_Q, N_K, D, sm_scale)
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0,
+                  PAD_D=BLOCK_D != D, ACC=tl.float64 if delta.dtype == torch.float64 else tl.float32,
+                  num_warps=cfg.dq_warps, num_stages=cfg.dq_stages)
+    grid = (triton.cdiv(N_Q, bm), B * n_q_heads)
+    if window_size is None:
+        _attn_bwd_dq[grid](*args, CAUSAL=bool(causal), **common)
+    else:
+        attn_bwd_dq_window[grid](*args, window_size, sink_size, HAS_SINKS=sink_size > 0, **common)
 
 
 def _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_size, sm_scale,
@@ -1200,14 +1203,7 @@ def _window_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_siz
     if split:
         _sink_far_gradients(q, k, v, lse, delta, do, dk, dv, common, cfg, group_size, sm_scale,
                             window_size, sink_size, BLOCK_D, PAD_D, ACC)
-    bm, bn = cfg.dq_block_m, cfg.dq_block_n
-    attn_bwd_dq_window[(triton.cdiv(N_Q, bm), B * n_q_heads)](
-        q, k, v, do, lse, delta, dq, *common, *dq.stride(),
-        n_q_heads, group_size, N_Q, N_K, D, sm_scale, window_size, sink_size,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=BLOCK_D, HAS_SINKS=sink_size > 0,
-        EVEN_M=N_Q % bm == 0, EVEN_N=N_K % bn == 0, PAD_D=PAD_D, ACC=ACC,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
-    )
+    launch_dq(q, k, v, do, lse, delta, dq, True, sm_scale, cfg, window_size=window_size, sink_size=sink_size)
 
 
 def _mods_backward(q, k, v, lse, delta, do, dq, dk, dv, common, cfg, group_size, sm_scale, BLOCK_D, PAD_D, ACC,

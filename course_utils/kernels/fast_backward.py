@@ -329,15 +329,17 @@ def _attn_bwd_fast(
 
 
 @triton.jit
-def _attn_bwd_dkdv_flat(desc_q, desc_do, desc_k, desc_v, LSE, DELTA, DK, DV, N, group_size, sm_scale,
+def _attn_bwd_dkdv_flat(desc_q, desc_do, desc_k, desc_v, LSE, DELTA, DK, DV, N, group_size, sm_scale, window_size,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        CAUSAL: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     """dK, dV of key block ``program_id(0)`` of one (batch, kv head): every (query head, query block) in one loop.
 
     Contiguous tensors as 2-D views: Q, dO ``[B*H_q*N, D]``, K, V, dK, dV
     ``[B*H_kv*N, D]``; LSE (natural log), DELTA ``[B*H_q*N]``. The loop runs
     over ``i = g * n_m + m``, query head ``g`` of the group and query block
-    ``m`` (causal: from the key block's own rows on), so that it is one loop
+    ``m`` (causal: from the key block's own rows on; with ``WINDOW`` (causal,
+    no sinks) only up to the last query within ``window_size`` of one of its
+    keys), so that it is one loop
     Triton can warp-specialise; causal, every block is masked (a branch
     between masked and unmasked blocks does not compile specialised). The
     outputs are stored by pointers (a descriptor store does not compile in
@@ -356,7 +358,10 @@ def _attn_bwd_dkdv_flat(desc_q, desc_do, desc_k, desc_v, LSE, DELTA, DK, DV, N, 
         lo = start_n
     else:
         lo = 0
-    n_m = (N - lo) // BLOCK_M
+    if WINDOW:  # query i sees key j iff 0 <= i - j < window_size: none past start_n + BLOCK_N - 1 + window_size - 1
+        n_m = tl.cdiv(tl.minimum(N, start_n + BLOCK_N + window_size - 1) - lo, BLOCK_M)
+    else:
+        n_m = (N - lo) // BLOCK_M
     for i in tl.range(0, group_size * n_m, warp_specialize=WARP_SPECIALIZE):
         g = i // n_m
         start_m = lo + (i - g * n_m) * BLOCK_M
@@ -367,7 +372,11 @@ def _attn_bwd_dkdv_flat(desc_q, desc_do, desc_k, desc_v, LSE, DELTA, DK, DV, N, 
         delta = tl.load(DELTA + row + tl.arange(0, BLOCK_M))
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])
         if CAUSAL:
-            p_t = tl.where(start_m + tl.arange(0, BLOCK_M)[None, :] >= offs_n[:, None], p_t, 0.0)
+            distance = start_m + tl.arange(0, BLOCK_M)[None, :] - offs_n[:, None]  # i - j
+            if WINDOW:
+                p_t = tl.where((distance >= 0) & (distance < window_size), p_t, 0.0)
+            else:
+                p_t = tl.where(distance >= 0, p_t, 0.0)
         dv += tl.dot(p_t.to(do.dtype), do)
         ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(ds_t.to(q.dtype), q)
@@ -378,8 +387,9 @@ def _attn_bwd_dkdv_flat(desc_q, desc_do, desc_k, desc_v, LSE, DELTA, DK, DV, N, 
     tl.store(DV + rows[:, None] * HEAD_DIM + cols[None, :], dv.to(DV.dtype.element_ty))
 
 
-def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config):
-    """The flat mode: dK, dV by :func:`_attn_bwd_dkdv_flat`, dQ by lesson 07's kernel (:func:`.backward.launch_dq`)."""
+def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_size=None):
+    """The flat mode: dK, dV by :func:`_attn_bwd_dkdv_flat`, dQ by lesson 07's (or, with a window, lesson 08's)
+    kernel (:func:`.backward.launch_dq`)."""
     B, n_q_heads, N, D = q.shape
     n_kv_heads = k.shape[1]
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
@@ -391,25 +401,30 @@ def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config):
 
     compiled = _attn_bwd_dkdv_flat[(N // config.block_n1, B * n_kv_heads)](
         desc(q, config.block_m1), desc(do, config.block_m1), desc(k, config.block_n1), desc(v, config.block_n1),
-        lse, delta, dk, dv, N, n_q_heads // n_kv_heads, sm_scale,
+        lse, delta, dk, dv, N, n_q_heads // n_kv_heads, sm_scale, 0 if window_size is None else int(window_size),
         BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, HEAD_DIM=D, CAUSAL=bool(causal),
-        WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
+        WINDOW=window_size is not None, WARP_SPECIALIZE=config.warp_specialize,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
-              BackwardConfig(dq_block_m=config.block_m2, dq_block_n=config.block_n2, dq_warps=8, dq_stages=3))
+              BackwardConfig(dq_block_m=config.block_m2, dq_block_n=config.block_n2, dq_warps=8, dq_stages=3),
+              window_size=None if window_size is None else int(window_size))
     return compiled, (dq, dk, dv)
 
 
 def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *, delta=None,
-                            config: FastBackwardConfig | None = None, mode: str | None = None, stats=None):
+                            config: FastBackwardConfig | None = None, mode: str | None = None, stats=None,
+                            window_size=None):
     """``(dq, dk, dv)`` by the fast backward; the arguments are :func:`.backward.attention_backward`'s.
 
     ``delta = rowsum(do * o)`` ([B, H_q, N] fp32) may be passed in;
     otherwise lesson 07's preprocess kernel computes it. ``config`` (or ``mode``,
     which picks that mode's :func:`default_config`) chooses the launch.
     Raises ``ValueError`` with :func:`unsupported_reason`'s sentence for
-    inputs it does not cover. ``stats``, a dict, receives what the compiler
+    inputs it does not cover. ``window_size`` (``causal=True``, the flat
+    mode only, no sinks): key ``j`` visible from query ``i`` iff
+    ``0 <= i - j < window_size``, lesson 08's window. ``stats``, a dict, receives what the compiler
     made of the launch (registers per thread, spills, shared memory in bytes;
     the flat mode's dK/dV kernel, with its warps per program too).
     """
@@ -420,6 +435,11 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     reason = unsupported_reason(q, k, v, config)
     if reason:
         raise ValueError(reason)
+    if window_size is not None:
+        if config.mode != "flat" or not causal:
+            raise ValueError("a window runs in the flat mode, with causal=True")
+        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"window_size must be a positive integer, got {window_size!r}")
     B, n_q_heads, N, D = q.shape
     n_kv_heads = k.shape[1]
     if n_kv_heads == 0 or n_q_heads % n_kv_heads:
@@ -434,7 +454,7 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     if config.mode == "flat":
         if q.numel() == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        compiled, grads = _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config)
+        compiled, grads = _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_size)
         if stats is not None:
             meta = getattr(compiled, "metadata", None)
             stats.update(registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
