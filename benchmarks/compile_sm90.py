@@ -11,6 +11,8 @@ This script records, for bf16 and D = 128:
   ``warp_specialize=True`` (the output stored by pointers, causal in one loop),
   with and without it: warps per program, registers, spills, shared memory, and
   the ``setmaxnreg`` values Triton wrote into the PTX;
+- ``ws_window_forward``: lesson 08's window on that machinery
+  (:mod:`course_utils.kernels.fast_window`), warp-specialised, no sinks;
 - ``backward_pair``: lesson 07's dK/dV and dQ kernels at every launch that
   ``benchmarks/tune_backward.py --pair`` times;
 - ``flat_backward``: :mod:`course_utils.kernels.fast_backward`'s flat dK/dV
@@ -93,6 +95,22 @@ def ws_forward() -> list[dict]:
     return rows
 
 
+def ws_window_forward() -> list[dict]:
+    """fast_window's warp-specialised launches (tune_window.py's ``FAST_WS_CANDIDATES``), W = 1024 and 4096."""
+    from course_utils.kernels import fast_window, targets
+
+    q, k, _ = _inputs(32, 8)
+    rows = []
+    for bm, bn, w, s in _tuning_script("tune_window").FAST_WS_CANDIDATES:
+        for window_size in (1024, 4096):
+            with targets._captured_launches() as launches:
+                fast_window.launch(q, k, k, window_size=window_size, block_m=bm, block_n=bn, num_warps=w,
+                                   num_stages=s, warp_specialize=True)
+            rows.append(dict(block_m=bm, block_n=bn, num_stages=s, window_size=window_size, warp_specialize=True,
+                             **_compiled(*launches[0])))
+    return rows
+
+
 def _backward_launches(configs, **window):
     from course_utils.kernels import backward, targets
     from course_utils.kernels.backward import BackwardConfig
@@ -155,9 +173,9 @@ def main(argv=None) -> int:
     record = dict(info=dict(triton=triton.__version__, target=f"sm_{SM}", dtype="bf16", head_dim=D,
                             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                             command="python benchmarks/compile_sm90.py"),
-                  ws_forward=ws_forward(), backward_pair=backward_pair(), flat_backward=flat_backward(),
-                  window_backward=window_backward())
-    for section in ("ws_forward", "backward_pair", "flat_backward", "window_backward"):
+                  ws_forward=ws_forward(), ws_window_forward=ws_window_forward(), backward_pair=backward_pair(),
+                  flat_backward=flat_backward(), window_backward=window_backward())
+    for section in ("ws_forward", "ws_window_forward", "backward_pair", "flat_backward", "window_backward"):
         print(f"== {section}")
         for r in record[section]:
             what = r.get("error") or (f"{r['warps']} warps, {r['registers']} registers, {r['spills']} spilled, "

@@ -6,6 +6,7 @@ Triton's interpreter. Outputs, lse and gradients are compared with the course's 
 
 import pytest
 import torch
+import triton
 
 from course_utils import references
 from course_utils.grading import proof
@@ -51,6 +52,19 @@ def test_the_shipped_launch_matches_the_reference(b, hq, hkv, n, d, window_size,
     assert fast_window.is_short_call(q, window_size, sink_size) == (n < 6144)
     o, lse = fast_window.attention_forward_window(q, k, v, window_size=window_size, sink_size=sink_size)
     _assert_close(o, lse, q, k, v, window_size, sink_size)
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"),
+                    reason="compiled into the producer/consumer form with triton 3.6; triton 3.8 refuses it")
+@pytest.mark.parametrize("launch", [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2)], ids=str)
+@pytest.mark.parametrize("window_size", [256, 1000])
+def test_the_warp_specialised_window_launch_is_fa3s_shape_and_correct(launch, window_size):
+    """tune_window.py --fast's warp-specialised launches (no sinks): 12 warps, the reference's output."""
+    bm, bn, w, s = launch
+    q, k, v = _inputs(1, 8, 2, 2048, 128, torch.bfloat16, seed=window_size + bn)
+    o, lse = fast_window.launch(q, k, v, window_size=window_size, block_m=bm, block_n=bn, num_warps=w,
+                                num_stages=s, warp_specialize=True)
+    _assert_close(o, lse, q, k, v, window_size, 0)
 
 
 LAUNCHES = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),

@@ -501,3 +501,18 @@ def test_lesson_07_quotes_its_kernels_spills_from_the_recorded_compile():
     assert dq["spills"] == 0 and f"This lesson's dQ kernel fits without that ({dq['registers']} registers)" in text
     assert f"spills too, but less: {dkdv['spills']} values per thread at its Hopper launch" in text
     assert f"in 255 registers (and spills {dkdv['spills']})" in text and dkdv["registers"] == 255
+
+
+def test_the_warp_specialised_window_launches_are_the_recorded_compiles():
+    """tune_window.py's FAST_WS_CANDIDATES, as its comment says: 12 warps of 168 registers, no spills (sm_90, triton 3.6)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tune_window", ROOT / "benchmarks" / "tune_window.py")
+    tune_window = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune_window)
+    rows = results.load("sm90_compiles")["ws_window_forward"]
+    assert {(r["block_m"], r["block_n"], 4, r["num_stages"]) for r in rows} == set(tune_window.FAST_WS_CANDIDATES)
+    regs = {r["registers"] for r in rows}
+    assert all(r["warps"] == 12 and r["spills"] == 0 for r in rows) and len(regs) == 1
+    text = " ".join((ROOT / "benchmarks" / "tune_window.py").read_text().split())
+    assert f"warpgroups, 12 warps of {regs.pop()} registers, no spills" in text

@@ -54,14 +54,14 @@ def _window_tiles(
     kv_row0, lo, hi, qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE,
     offs_m, offs_n, offs_d,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr,
-    MASK: tl.constexpr, HAS_SINKS: tl.constexpr,
+    MASK: tl.constexpr, HAS_SINKS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """Fold key tiles ``lo, lo + BLOCK_N, ...`` (below ``hi``) into ``(acc, l_i, m_i)``.
 
     ``MASK``: the window/sink mask on each score (the partial tiles);
     otherwise every key of every tile is visible (one FMA per score).
     """
-    for start_n in tl.range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = _load_k_transposed(desc_k, K, kv_row0 + start_n, offs_n, offs_d, HEAD_DIM, USE_TMA)
         qk = tl.dot(q, k)
@@ -90,6 +90,7 @@ def _attn_fwd_fast_window_kernel(
     USE_TMA: tl.constexpr,
     ORDER: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """One program: one query block of one (batch, query head), its sink tiles and its band.
 
@@ -122,28 +123,32 @@ def _attn_fwd_fast_window_kernel(
 
     sink_full, sink_end, band_start, full_start, band_end = _window_bounds(
         q_first, N_CTX, WINDOW_SIZE, SINK_SIZE, BLOCK_M, BLOCK_N)
-    if HAS_SINKS:  # 1. sink tiles every row sees whole, 2. the last, partial sink tile
+    if WARP_SPECIALIZE:  # no sinks: the band in one loop, every tile masked (Triton specialises one loop only)
+        acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, band_start, band_end,
+                                      qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
+                                      BLOCK_N, HEAD_DIM, USE_TMA, True, False, True)
+    elif HAS_SINKS:  # 1. sink tiles every row sees whole, 2. the last, partial sink tile
         acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, 0, sink_full, qk_scale,
                                       N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
                                       BLOCK_N, HEAD_DIM, USE_TMA, False, HAS_SINKS)
         acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, sink_full, sink_end,
                                       qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
                                       BLOCK_N, HEAD_DIM, USE_TMA, True, HAS_SINKS)
-    # 3. the band's partial lower edge, 4. its full tiles, 5. the diagonal
-    acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, band_start, full_start,
-                                  qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
-                                  BLOCK_N, HEAD_DIM, USE_TMA, True, HAS_SINKS)
-    acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, full_start, q_first,
-                                  qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
-                                  BLOCK_N, HEAD_DIM, USE_TMA, False, HAS_SINKS)
-    acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, q_first, band_end,
-                                  qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
-                                  BLOCK_N, HEAD_DIM, USE_TMA, True, HAS_SINKS)
+    if not WARP_SPECIALIZE:  # 3. the band's partial lower edge, 4. its full tiles, 5. the diagonal
+        acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, band_start, full_start,
+                                      qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
+                                      BLOCK_N, HEAD_DIM, USE_TMA, True, HAS_SINKS)
+        acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, full_start, q_first,
+                                      qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
+                                      BLOCK_N, HEAD_DIM, USE_TMA, False, HAS_SINKS)
+        acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, q_first, band_end,
+                                      qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
+                                      BLOCK_N, HEAD_DIM, USE_TMA, True, HAS_SINKS)
 
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # log2 units -> natural log
     tl.store(Lse + bh * N_CTX + offs_m, lse)
     out = (acc / l_i[:, None]).to(q.dtype)
-    if USE_TMA:
+    if USE_TMA and not WARP_SPECIALIZE:  # a specialised 4-warp program's descriptor store does not compile
         desc_o.store([q_row0, 0], out)
     else:
         o_rows = (q_row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -194,19 +199,24 @@ def is_short_call(q, window_size: int, sink_size: int = 0) -> bool:
 
 
 def launch(q, k, v, *, window_size, sink_size=0, sm_scale=None, block_m=128, block_n=64, num_warps=4,
-           num_stages=2, use_tma=True, order=ORDER_KV_GROUPED, maxnreg=None):
+           num_stages=2, use_tma=True, order=ORDER_KV_GROUPED, maxnreg=None, warp_specialize=False):
     """Run the kernel with one fixed launch: ``(o, lse)``, as :func:`.forward.flash_attention_window_forward`.
 
     ``window_size`` and ``sink_size`` are clipped to ``N`` as the lesson's
     launcher does. No fallback and no validation (the dispatch validated the
     call): ``N`` must be a multiple of both blocks and ``block_m`` of
-    ``block_n``, else ``ValueError``.
+    ``block_n``, else ``ValueError``. ``warp_specialize`` (no sinks): the
+    band in one masked loop, which Triton 3.6 splits on 4 warps into a
+    producer and two consumer warpgroups (:func:`.fast.launch` says more);
+    not measured yet (``benchmarks/tune_window.py --fast``).
     """
     q, k, v, o, lse, scale = fast._prepare(q, k, v, sm_scale)
     b, hq, n, d = q.shape
     if n % block_m or n % block_n or block_m % block_n:
         raise ValueError(f"N={n} must be a multiple of BLOCK_M={block_m} and BLOCK_N={block_n}, "
                          f"and BLOCK_M of BLOCK_N")
+    if warp_specialize and sink_size:
+        raise ValueError("the warp-specialised window launch takes no sinks (one loop over the band)")
     if o.numel() == 0:
         return o, lse
     descs = fast._descriptors(q, k, v, o, block_m, block_n) if use_tma else (None,) * 4
@@ -215,7 +225,8 @@ def launch(q, k, v, *, window_size, sink_size=0, sm_scale=None, block_m=128, blo
     _attn_fwd_fast_window_kernel[grid](
         q, k, v, o, lse, *descs, scale, n, hq, min(int(window_size), n), min(int(sink_size), n),
         GROUP_SIZE=hq // k.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma,
-        ORDER=order, HAS_SINKS=bool(sink_size), num_warps=num_warps, num_stages=num_stages, **extra,
+        ORDER=order, HAS_SINKS=bool(sink_size), WARP_SPECIALIZE=warp_specialize,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
     return o, lse
 
