@@ -7,6 +7,8 @@ H200: its wheel installed with ``pip install --target DIR`` and ``DIR`` first on
 (``tests/test_targets.py`` checks three launches against what the H200 reported).
 This script records, for bf16 and D = 128:
 
+- ``lesson05_forward``: lesson 05's GQA kernel at its Hopper launch and on
+  4 warps with 3 and 2 stages (lesson 06, section 8);
 - ``ws_forward``: lesson 06's fast kernel on one warpgroup with
   ``warp_specialize=True`` (the output stored by pointers, causal in one loop),
   with and without it: warps per program, registers, spills, shared memory, and
@@ -95,6 +97,23 @@ def ws_forward() -> list[dict]:
     return rows
 
 
+def lesson05_forward() -> list[dict]:
+    """Lesson 05's GQA kernel at its Hopper launch and on 4 warps (lesson 06's section 8 compares them)."""
+    from course_utils.kernels import forward, targets
+
+    q, k, _ = _inputs(32, 8)
+    with targets._as_if_on_a_gpu(SM), targets._captured_launches() as launches:
+        forward.flash_attention_gqa_forward(q, k, k, True)
+    kernel, args, kwargs = launches[0]
+    rows = []
+    for name, opts in (("lesson 05's launch", {}), ("4 warps, 3 stages", dict(num_warps=4, num_stages=3)),
+                       ("4 warps, 2 stages", dict(num_warps=4, num_stages=2))):
+        kw = dict(kwargs, **opts)
+        rows.append(dict(name=name, block_m=kw["BLOCK_M"], block_n=kw["BLOCK_N"], num_warps=kw["num_warps"],
+                         num_stages=kw["num_stages"], causal=True, **_compiled(kernel, args, kw)))
+    return rows
+
+
 def ws_window_forward() -> list[dict]:
     """fast_window's warp-specialised launches (tune_window.py's ``FAST_WS_CANDIDATES``), W = 1024 and 4096."""
     from course_utils.kernels import fast_window, targets
@@ -173,15 +192,16 @@ def main(argv=None) -> int:
     record = dict(info=dict(triton=triton.__version__, target=f"sm_{SM}", dtype="bf16", head_dim=D,
                             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                             command="python benchmarks/compile_sm90.py"),
-                  ws_forward=ws_forward(), ws_window_forward=ws_window_forward(), backward_pair=backward_pair(),
-                  flat_backward=flat_backward(), window_backward=window_backward())
-    for section in ("ws_forward", "ws_window_forward", "backward_pair", "flat_backward", "window_backward"):
+                  lesson05_forward=lesson05_forward(), ws_forward=ws_forward(), ws_window_forward=ws_window_forward(),
+                  backward_pair=backward_pair(), flat_backward=flat_backward(), window_backward=window_backward())
+    for section in ("lesson05_forward", "ws_forward", "ws_window_forward", "backward_pair", "flat_backward",
+                    "window_backward"):
         print(f"== {section}")
         for r in record[section]:
             what = r.get("error") or (f"{r['warps']} warps, {r['registers']} registers, {r['spills']} spilled, "
                                       f"{r['shared'] // 1024} KiB")
-            key = {k: v for k, v in r.items() if k in ("config", "window_size", "block_m", "block_n", "num_stages",
-                                                        "causal", "warp_specialize") and v is not None}
+            key = {k: v for k, v in r.items() if k in ("name", "config", "window_size", "block_m", "block_n",
+                                                        "num_stages", "causal", "warp_specialize") and v is not None}
             print(f"  {r['kernel']:<22} {key}: {what}")
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -516,3 +516,18 @@ def test_the_warp_specialised_window_launches_are_the_recorded_compiles():
     assert all(r["warps"] == 12 and r["spills"] == 0 for r in rows) and len(regs) == 1
     text = " ".join((ROOT / "benchmarks" / "tune_window.py").read_text().split())
     assert f"warpgroups, 12 warps of {regs.pop()} registers, no spills" in text
+
+
+def test_lesson_06_quotes_lesson_05s_compiles_on_4_and_8_warps():
+    """Section 8's registers hypothesis, tested by compiling for sm_90: lesson 05's kernel at its Hopper launch and on 4
+    warps (results/sm90_compiles.json), against the fast kernel's 4-warp, 2-stage spills (tune_fast.json)."""
+    rows = {r["name"]: r for r in results.load("sm90_compiles")["lesson05_forward"]}
+    own, w4s2, w4s3 = rows["lesson 05's launch"], rows["4 warps, 2 stages"], rows["4 warps, 3 stages"]
+    assert own["warps"] == 8 and w4s2["warps"] == w4s3["warps"] == 4
+    fast = next(r for r in results.load("tune_fast")["rows"] if r["n"] == 4096 and r["name"] == "128x64 w4 s2 kv-grouped")
+    fast_spills = int(re.search(r"spills (\d+)", fast["info"]).group(1))
+    text = " ".join(markdown_text("06_performance").split())
+    assert (f"its own launch: {own['registers']} registers, nothing spilled. On 4 warps: {w4s2['registers']} registers "
+            f"and {w4s2['spills']} values per thread spilled with 2 stages ({w4s3['spills']} with 3), where the fast "
+            f"kernel with TMA loads spills {fast_spills}") in text
+    assert own["spills"] == 0 < fast_spills < w4s2["spills"] < w4s3["spills"]
