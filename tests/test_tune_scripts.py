@@ -49,6 +49,14 @@ def _inputs(hq, hkv, n, d, dtype, seed=0):
     return q, k, v, torch.randn(q.shape, generator=g).to(DEVICE, dtype)
 
 
+def _skip_unless_specialisable(warp_specialize, num_warps=4):
+    """A warp-specialised one-warpgroup launch compiles with triton 3.6 only (3.8 refuses it); the interpreter runs it."""
+    import triton
+
+    if ON_GPU and warp_specialize and num_warps == 4 and not triton.__version__.startswith("3.6"):
+        pytest.skip("compiled warp-specialised with triton 3.6; this Triton refuses the form")
+
+
 def _rel(a, b):
     return (torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double())).item()
 
@@ -61,6 +69,7 @@ def test_the_backward_sweep_times_each_configuration_once_and_every_shipped_one(
 
 @pytest.mark.parametrize("config", FAST, ids=lambda c: c.short().replace(" ", "_"))
 def test_every_backward_candidate_is_a_correct_launch(config):
+    _skip_unless_specialisable(config.warp_specialize, config.num_warps)
     if config.mode == "atomic" and config.use_tma and not ON_GPU:
         pytest.skip("TMA's reduce-add is not in the interpreter: test_gpu_fast_backward.py checks such launches")
     q, k, v, do = _inputs(2, 1, 128, 64, torch.float16, seed=1)
@@ -93,6 +102,7 @@ def test_every_fast_forward_candidate_and_variant_is_a_correct_launch(candidate,
 
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     q, k, v, _ = _inputs(4, 2, 256, 64, dtype, seed=5)
+    _skip_unless_specialisable(candidate[5], candidate[2])
     for causal in (True, False):
         opts = tune_fast.launch_options(candidate, extra)
         if not ON_GPU:
@@ -140,6 +150,8 @@ def test_every_warp_specialised_window_candidate_is_a_correct_launch(candidate):
     """tune_window.py --fast times these without sinks: the band in one masked loop, the output by pointers."""
     from course_utils.kernels import fast_window
 
+    _skip_unless_specialisable(True, candidate[2])
+
     q, k, v, _ = _inputs(2, 1, 256, 32, torch.float16, seed=7)
     opts = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), candidate))
     o, lse = fast_window.launch(q, k, v, window_size=48, warp_specialize=True, **opts)
@@ -164,6 +176,8 @@ def test_every_window_backward_candidate_is_a_correct_launch(candidate):
 @pytest.mark.parametrize("candidate", tune_window.FLAT_BACKWARD_CANDIDATES, ids=str)
 def test_every_flat_window_backward_candidate_is_a_correct_launch(candidate):
     """tune_window.py --backward times fast_backward's flat mode with a window (no sinks) at these launches."""
+    config = fb.FastBackwardConfig(*candidate)
+    _skip_unless_specialisable(config.warp_specialize, config.num_warps)
     q, k, v, do = _inputs(2, 1, 256, 64, torch.float16, seed=6)
     o, lse = flash_attention_with_lse(q, k, v, True, window_size=48)
     got = fb.attention_backward_fast(q, k, v, o, lse, do, True, config=fb.FastBackwardConfig(*candidate),
