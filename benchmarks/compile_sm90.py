@@ -20,6 +20,8 @@ This script records, for bf16 and D = 128:
 - ``flat_backward``: :mod:`course_utils.kernels.fast_backward`'s flat dK/dV
   kernel at every launch ``tune_backward.py --flat`` times, causal and not,
   and at ``tune_window.py --backward``'s flat launches with W = 1024;
+- ``t4_lessons``: every lesson kernel for a T4 (sm_75, fp16), as
+  ``course_utils.kernels.targets --sm 75`` compiles them;
 - ``window_backward``: lesson 08's window dK/dV and dQ kernels at every launch
   ``benchmarks/tune_window.py --backward`` times (W = 1024 and 4096, no sinks).
 
@@ -35,7 +37,6 @@ import datetime
 import importlib.util
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -54,23 +55,16 @@ def _tuning_script(name):
 
 
 def _compiled(kernel, args, kwargs) -> dict:
-    """What the compiler made of one captured launch (or why it refused)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
+    """What the compiler made of one captured launch (``targets.compile_launch``), or why it refused."""
     from course_utils.kernels import targets
 
     try:
-        target = GPUTarget("cuda", SM, 32)
-        source, options = targets._specialised_source(kernel, args, kwargs, target)
-        compiled = triton.compile(source, target=target, options=options)
+        c = targets.compile_launch(kernel, args, kwargs, SM, "")
     except Exception as exc:  # noqa: BLE001 - a refusal is a result here
         lines = [line for line in str(exc).splitlines() if "error:" in line] or str(exc).splitlines() or [""]
         return dict(kernel=kernel.__name__, error=f"{type(exc).__name__}: {lines[0].strip()[:200]}")
-    registers, static_shared, spill_bytes = targets._resource_usage(compiled.asm["cubin"])
-    return dict(kernel=kernel.__name__, warps=compiled.metadata.num_warps, registers=registers,
-                spills=spill_bytes // 4, shared=max(int(compiled.metadata.shared), static_shared),
-                setmaxnreg=re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]))
+    return dict(kernel=c.kernel, warps=c.num_warps, registers=c.registers, spills=c.spill_bytes // 4,
+                shared=c.shared_bytes, setmaxnreg=[list(pair) for pair in c.setmaxnreg])
 
 
 def _inputs(hq, hkv, n=N, d=D):
@@ -183,6 +177,15 @@ def window_backward() -> list[dict]:
     return rows
 
 
+def t4_lessons() -> list[dict]:
+    """Every lesson kernel at the launch its launcher picks on a T4 (sm_75, fp16, D = 64 and 128): what Colab runs."""
+    from course_utils.kernels import targets
+
+    return [dict(kernel=c.kernel, case=c.case, warps=c.num_warps, num_stages=c.num_stages, registers=c.registers,
+                 spills=c.spill_bytes // 4, shared=c.shared_bytes)
+            for c in targets.check_targets(sms=(75,), head_dims=(64, 128))]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
@@ -193,14 +196,15 @@ def main(argv=None) -> int:
                             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                             command="python benchmarks/compile_sm90.py"),
                   lesson05_forward=lesson05_forward(), ws_forward=ws_forward(), ws_window_forward=ws_window_forward(),
-                  backward_pair=backward_pair(), flat_backward=flat_backward(), window_backward=window_backward())
+                  backward_pair=backward_pair(), flat_backward=flat_backward(), window_backward=window_backward(),
+                  t4_lessons=t4_lessons())
     for section in ("lesson05_forward", "ws_forward", "ws_window_forward", "backward_pair", "flat_backward",
-                    "window_backward"):
+                    "window_backward", "t4_lessons"):
         print(f"== {section}")
         for r in record[section]:
             what = r.get("error") or (f"{r['warps']} warps, {r['registers']} registers, {r['spills']} spilled, "
                                       f"{r['shared'] // 1024} KiB")
-            key = {k: v for k, v in r.items() if k in ("name", "config", "window_size", "block_m", "block_n",
+            key = {k: v for k, v in r.items() if k in ("name", "case", "config", "window_size", "block_m", "block_n",
                                                         "num_stages", "causal", "warp_specialize") and v is not None}
             print(f"  {r['kernel']:<22} {key}: {what}")
     if args.out:

@@ -103,6 +103,16 @@ QUOTES = [
 ]
 
 
+def _benchmark(name):
+    """``benchmarks/<name>.py`` as a module (the tuning scripts' candidate lists)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def markdown_text(lesson: str) -> str:
     """Every markdown cell of a solution notebook, whitespace runs as single spaces."""
     nb = nbformat.read(SOLUTIONS / f"{lesson}.ipynb", as_version=4)
@@ -423,14 +433,10 @@ def test_lesson_11_quotes_the_warp_specialised_compiles():
 def test_the_backward_spills_notes_quotes_are_the_recorded_compiles():
     """NOTES' twenty-sixth-session figures for lesson 07's and 08's dK/dV kernels come from results/sm90_compiles.json,
     which covers every launch tune_backward.py --pair and tune_window.py --backward time."""
-    import importlib.util
-
     doc = results.load("sm90_compiles")
     pair = {(tuple(r["config"]), r["kernel"]): r for r in doc["backward_pair"]}
     window = {(r["window_size"], tuple(r["config"]), r["kernel"]): r for r in doc["window_backward"]}
-    spec = importlib.util.spec_from_file_location("tune_backward", ROOT / "benchmarks" / "tune_backward.py")
-    tune_backward = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune_backward)
+    tune_backward = _benchmark("tune_backward")
     assert {c for c, _ in pair} == set(tune_backward.PAIR)
     shipped = pair[(64, 128, 128, 32, 8, 3, 8, 3), "_attn_bwd_dkdv"]
     assert shipped["spills"] == 40 and pair[(64, 128, 128, 32, 8, 3, 8, 3), "_attn_bwd_dq"]["registers"] == 125
@@ -451,24 +457,18 @@ def test_the_backward_spills_notes_quotes_are_the_recorded_compiles():
 def test_the_flat_backward_figures_are_the_recorded_compiles():
     """fast_backward's and tune_backward.py's figures for the flat mode's dK/dV kernel (sm_90, triton 3.6): no spills
     at the launches quoted, 12 warps warp-specialised, every FLAT launch recorded causal and not."""
-    import importlib.util
-
     from course_utils.kernels import fast_backward as fb
 
     doc = results.load("sm90_compiles")
     flat = {(r["config"], r["causal"]): r for r in doc["flat_backward"] if r["window_size"] is None}
     windowed = [r for r in doc["flat_backward"] if r["window_size"] is not None]
-    spec = importlib.util.spec_from_file_location("tune_window", ROOT / "benchmarks" / "tune_window.py")
-    tune_window = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune_window)
+    tune_window = _benchmark("tune_window")
     assert sorted(r["config"] for r in windowed) == sorted(
         fb.FastBackwardConfig(*c).short() for c in tune_window.FLAT_BACKWARD_CANDIDATES)
     window_text = " ".join((ROOT / "benchmarks" / "tune_window.py").read_text().split())
     assert all(r["spills"] == 0 and r["window_size"] == 1024 for r in windowed)
     assert "Compiled for sm_90 with triton 3.6 at W = 1024, none spills" in window_text
-    spec = importlib.util.spec_from_file_location("tune_backward", ROOT / "benchmarks" / "tune_backward.py")
-    tune_backward = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune_backward)
+    tune_backward = _benchmark("tune_backward")
     configs = [fb.FastBackwardConfig(*c) for c in tune_backward.FLAT]
     assert {k for k in flat} == {(c.short(), causal) for c in configs for causal in (True, False)}
     for c in configs:
@@ -505,11 +505,7 @@ def test_lesson_07_quotes_its_kernels_spills_from_the_recorded_compile():
 
 def test_the_warp_specialised_window_launches_are_the_recorded_compiles():
     """tune_window.py's FAST_WS_CANDIDATES, as its comment says: 12 warps of 168 registers, no spills (sm_90, triton 3.6)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tune_window", ROOT / "benchmarks" / "tune_window.py")
-    tune_window = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tune_window)
+    tune_window = _benchmark("tune_window")
     rows = results.load("sm90_compiles")["ws_window_forward"]
     assert {(r["block_m"], r["block_n"], 4, r["num_stages"]) for r in rows} == set(tune_window.FAST_WS_CANDIDATES)
     regs = {r["registers"] for r in rows}
@@ -531,3 +527,14 @@ def test_lesson_06_quotes_lesson_05s_compiles_on_4_and_8_warps():
             f"and {w4s2['spills']} values per thread spilled with 2 stages ({w4s3['spills']} with 3), where the fast "
             f"kernel with TMA loads spills {fast_spills}") in text
     assert own["spills"] == 0 < fast_spills < w4s2["spills"] < w4s3["spills"]
+
+
+def test_the_readme_quotes_the_t4_compile_as_recorded():
+    """README's T4 row: the forward kernels' spills on sm_75 (results/sm90_compiles.json's t4_lessons), every kernel in
+    the T4's 64 KiB of shared memory."""
+    rows = results.load("sm90_compiles")["t4_lessons"]
+    forward = [r for r in rows if "forward" in r["kernel"] or r["kernel"] == "flash_attention_kernel"]
+    assert len(forward) == 8 and all(r["shared"] <= 64 * 1024 for r in rows)
+    lo, hi = (f(r["spills"] * 4 for r in forward) / 1024 for f in (min, max))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"the forward kernels spill {lo:.1f}-{hi:.1f} KiB per thread" in readme

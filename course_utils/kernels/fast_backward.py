@@ -387,6 +387,19 @@ def _attn_bwd_dkdv_flat(desc_q, desc_do, desc_k, desc_v, LSE, DELTA, DK, DV, N, 
     tl.store(DV + rows[:, None] * HEAD_DIM + cols[None, :], dv.to(DV.dtype.element_ty))
 
 
+def _desc_2d(t, rows):
+    """A TMA descriptor over contiguous ``t`` viewed as ``[numel / D, D]``, ``rows`` rows a box."""
+    d = t.shape[-1]
+    return TensorDescriptor(t, shape=[t.numel() // d, d], strides=[d, 1], block_shape=[rows, d])
+
+
+def _compile_stats(compiled) -> dict:
+    """Registers per thread, spills, shared memory (bytes) and warps of a compiled launch (``None`` in the interpreter)."""
+    meta = getattr(compiled, "metadata", None)
+    return dict(registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
+                shared=getattr(meta, "shared", None), warps=getattr(meta, "num_warps", None))
+
+
 def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_size=None):
     """The flat mode: dK, dV by :func:`_attn_bwd_dkdv_flat`, dQ by lesson 07's (or, with a window, lesson 08's)
     kernel (:func:`.backward.launch_dq`)."""
@@ -395,12 +408,9 @@ def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_siz
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-
-    def desc(t, rows):
-        return TensorDescriptor(t, shape=[t.numel() // D, D], strides=[D, 1], block_shape=[rows, D])
-
-    compiled = _attn_bwd_dkdv_flat[(N // config.block_n1, B * n_kv_heads)](
-        desc(q, config.block_m1), desc(do, config.block_m1), desc(k, config.block_n1), desc(v, config.block_n1),
+    m1, n1 = config.block_m1, config.block_n1
+    compiled = _attn_bwd_dkdv_flat[(N // n1, B * n_kv_heads)](
+        _desc_2d(q, m1), _desc_2d(do, m1), _desc_2d(k, n1), _desc_2d(v, n1),
         lse, delta, dk, dv, N, n_q_heads // n_kv_heads, sm_scale, 0 if window_size is None else int(window_size),
         BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, HEAD_DIM=D, CAUSAL=bool(causal),
         WINDOW=window_size is not None, WARP_SPECIALIZE=config.warp_specialize,
@@ -425,8 +435,8 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     inputs it does not cover. ``window_size`` (``causal=True``, the flat
     mode only, no sinks): key ``j`` visible from query ``i`` iff
     ``0 <= i - j < window_size``, lesson 08's window. ``stats``, a dict, receives what the compiler
-    made of the launch (registers per thread, spills, shared memory in bytes;
-    the flat mode's dK/dV kernel, with its warps per program too).
+    made of the launch (registers per thread, spills, shared memory in bytes,
+    warps per program; the flat mode's: its dK/dV kernel's).
     """
     if config is None:
         config = default_config(mode or "fused")
@@ -456,9 +466,7 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         compiled, grads = _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_size)
         if stats is not None:
-            meta = getattr(compiled, "metadata", None)
-            stats.update(registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
-                         shared=getattr(meta, "shared", None), warps=getattr(meta, "num_warps", None))
+            stats.update(_compile_stats(compiled))
         return grads
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -469,11 +477,8 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     descs = (None, None, None)
     if config.use_tma:  # descriptors over the 2-D [B*H_q*N, D] views of contiguous tensors
         q, do = q.contiguous(), do.contiguous()
-
-        def desc(t):
-            return TensorDescriptor(t, shape=[t.numel() // D, D], strides=[D, 1], block_shape=[config.block_m1, D])
-
-        descs = (desc(q), desc(do), desc(dq) if atomic else None)
+        descs = (_desc_2d(q, config.block_m1), _desc_2d(do, config.block_m1),
+                 _desc_2d(dq, config.block_m1) if atomic else None)
     compiled = _attn_bwd_fast[(N // config.block_n1, B * n_kv_heads)](
         q, k, v, do, lse, delta, dk, dv, dq, *descs,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(),
@@ -485,6 +490,5 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if stats is not None:
-        stats.update(registers=getattr(compiled, "n_regs", None), spills=getattr(compiled, "n_spills", None),
-                     shared=getattr(getattr(compiled, "metadata", None), "shared", None))
+        stats.update(_compile_stats(compiled))
     return (dq.to(q.dtype) if atomic else dq), dk, dv

@@ -59,6 +59,7 @@ class Compiled:
     spill_bytes: int
     num_warps: int
     num_stages: int
+    setmaxnreg: tuple = ()  # ("inc" | "dec", registers) of each setmaxnreg in the PTX (warp-specialised kernels)
 
     @property
     def fits(self) -> bool:
@@ -255,8 +256,9 @@ def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool 
     n_regs, static_shared, spills = _resource_usage(compiled.asm["cubin"])
     # Triton's dynamic shared memory (tiles, pipeline buffers) is in its metadata.
     shared = max(int(compiled.metadata.shared), static_shared)
+    setmaxnreg = tuple(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]))
     return Compiled(kernel.__name__, case, sm, shared, n_regs, spills,
-                    compiled.metadata.num_warps, compiled.metadata.num_stages)
+                    compiled.metadata.num_warps, compiled.metadata.num_stages, setmaxnreg)
 
 
 def lesson_launches(sm: int, head_dim: int, causal: bool = True, dtype: torch.dtype | None = None):
