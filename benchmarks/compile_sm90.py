@@ -18,12 +18,16 @@ This script records, for bf16 and D = 128:
 - ``backward_pair``: lesson 07's dK/dV and dQ kernels at every launch that
   ``benchmarks/tune_backward.py --pair`` times;
 - ``flat_backward``: :mod:`course_utils.kernels.fast_backward`'s flat dK/dV
-  kernel at every launch ``tune_backward.py --flat`` times, causal and not,
-  and at ``tune_window.py --backward``'s flat launches with W = 1024;
+  kernel (and flat dQ kernel, ``flat_dq``) at every launch
+  ``tune_backward.py --flat`` times, causal and not, and at
+  ``tune_window.py --backward``'s flat launches with W = 1024;
 - ``t4_lessons``: every lesson kernel for a T4 (sm_75, fp16), as
   ``course_utils.kernels.targets --sm 75`` compiles them;
 - ``window_backward``: lesson 08's window dK/dV and dQ kernels at every launch
-  ``benchmarks/tune_window.py --backward`` times (W = 1024 and 4096, no sinks).
+  ``benchmarks/tune_window.py --backward`` times (W = 1024 and 4096, no sinks);
+- ``fp8_ws``: lesson 11's FP8 Hopper kernel (e4m3 inputs, D = 128 and 64) at
+  ``benchmarks/tune_fp8.py --hopper --ws``'s launches: hopper_config's, then
+  the warp-specialised ones.
 
     TRITON_INTERPRET=0 PYTHONPATH=/path/to/triton-3.6:$PWD python benchmarks/compile_sm90.py --out results/sm90_compiles.json
 
@@ -144,8 +148,8 @@ def backward_pair() -> list[dict]:
 
 
 def flat_backward() -> list[dict]:
-    """The flat mode's dK/dV kernel (fast_backward) at tune_backward.py's ``FLAT`` launches, causal and not, and at
-    tune_window.py's ``FLAT_BACKWARD_CANDIDATES`` with a 1024-key window."""
+    """The flat mode's dK/dV kernel (fast_backward), and its dQ kernel where ``flat_dq``, at tune_backward.py's
+    ``FLAT`` launches, causal and not, and at tune_window.py's ``FLAT_BACKWARD_CANDIDATES`` with a 1024-key window."""
     from course_utils.kernels import fast_backward as fb
     from course_utils.kernels import targets
 
@@ -157,8 +161,10 @@ def flat_backward() -> list[dict]:
         cfg = fb.FastBackwardConfig(*c)
         with targets._captured_launches() as launches:
             fb.attention_backward_fast(q, k, k, q, lse, q, causal, config=cfg, window_size=window_size)
-        kernel, args, kwargs = next(l for l in launches if l[0].__name__ == "_attn_bwd_dkdv_flat")
-        rows.append(dict(config=cfg.short(), causal=causal, window_size=window_size, **_compiled(kernel, args, kwargs)))
+        for kernel, args, kwargs in launches:  # the dK/dV kernel, and the dQ kernel where it is the flat mode's
+            if kernel.__name__ in ("_attn_bwd_dkdv_flat", "_attn_bwd_dq_flat"):
+                rows.append(dict(config=cfg.short(), causal=causal, window_size=window_size,
+                                 **_compiled(kernel, args, kwargs)))
     return rows
 
 
@@ -174,6 +180,33 @@ def window_backward() -> list[dict]:
         configs = [shipped if c is None else c for c in _tuning_script("tune_window").BACKWARD_CANDIDATES]
         for c, kernel, args, kwargs in _backward_launches(dict.fromkeys(configs), window_size=w, sink_size=0):
             rows.append(dict(window_size=w, config=list(c), shipped=c == shipped, **_compiled(kernel, args, kwargs)))
+    return rows
+
+
+def fp8_ws() -> list[dict]:
+    """The FP8 Hopper kernel at ``tune_fp8.py --hopper --ws``'s launches (D = 128 and 64, causal and not)."""
+    import argparse as _argparse
+
+    import torch
+
+    from course_utils.kernels import fp8, targets
+
+    options = _argparse.Namespace(maxnreg=False, exp_poly=False, exp_f16=False, ws=True)
+    rows = []
+    for d in (128, 64):
+        q8 = torch.zeros(1, 32, N, d, dtype=torch.float8_e4m3fn)
+        k8 = torch.zeros(1, 8, N, d, dtype=torch.float8_e4m3fn)
+        vt8 = torch.zeros(1, 8, d, N, dtype=torch.float8_e4m3fn)
+        qs, ks = torch.ones(1, 32, N // 128), torch.ones(1, 8, N // 128)
+        for causal in (True, False):
+            for cfg in _tuning_script("tune_fp8").hopper_candidates(options, d, causal):
+                with targets._captured_launches() as launches:
+                    fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, ks, causal, 128, torch.bfloat16, config=cfg)
+                kernel, args, kwargs = launches[0]
+                kwargs = dict(kwargs, INTERPRETED=False)  # captured from CPU tensors: compile the GPU's branch
+                rows.append(dict(head_dim=d, causal=causal, block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"],
+                                 num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
+                                 warp_specialize=bool(cfg.get("WARP_SPECIALIZE")), **_compiled(kernel, args, kwargs)))
     return rows
 
 
@@ -197,15 +230,16 @@ def main(argv=None) -> int:
                             command="python benchmarks/compile_sm90.py"),
                   lesson05_forward=lesson05_forward(), ws_forward=ws_forward(), ws_window_forward=ws_window_forward(),
                   backward_pair=backward_pair(), flat_backward=flat_backward(), window_backward=window_backward(),
-                  t4_lessons=t4_lessons())
+                  fp8_ws=fp8_ws(), t4_lessons=t4_lessons())
     for section in ("lesson05_forward", "ws_forward", "ws_window_forward", "backward_pair", "flat_backward",
-                    "window_backward", "t4_lessons"):
+                    "window_backward", "fp8_ws", "t4_lessons"):
         print(f"== {section}")
         for r in record[section]:
             what = r.get("error") or (f"{r['warps']} warps, {r['registers']} registers, {r['spills']} spilled, "
                                       f"{r['shared'] // 1024} KiB")
-            key = {k: v for k, v in r.items() if k in ("name", "case", "config", "window_size", "block_m", "block_n",
-                                                        "num_stages", "causal", "warp_specialize") and v is not None}
+            key = {k: v for k, v in r.items() if k in ("name", "case", "config", "window_size", "head_dim", "block_m",
+                                                        "block_n", "num_stages", "causal", "maxnreg",
+                                                        "warp_specialize") and v is not None}
             print(f"  {r['kernel']:<22} {key}: {what}")
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -75,6 +75,12 @@ FLAT = [
     ("flat", 32, 128, 128, 32, 4, 3, True, True),
     ("flat", 64, 128, 128, 32, 4, 2, True, True),
     ("flat", 64, 64, 128, 32, 4, 2, True, True),
+    # dQ by the flat mode's own kernel too (flat_dq; twenty-seventh session, not yet timed): lse and delta through
+    # TMA descriptors, which lets Triton 3.6 specialise the dQ loop as well. Compiled for sm_90, the dQ kernel is
+    # 12 warps of 168 registers and no spills at 128 x 32 and 128 x 64 (results/sm90_compiles.json's flat_backward).
+    ("flat", 32, 128, 128, 32, 4, 2, True, True, True),
+    ("flat", 32, 128, 128, 64, 4, 2, True, True, True),
+    ("flat", 64, 128, 128, 64, 8, 2, True, False, True),
 ]
 
 # 64-key blocks on 8 warps: dK and dV of 64 keys are half the registers of 128 keys' (32 fp32 values per

@@ -69,12 +69,15 @@ BACKWARD_CANDIDATES = [
 # fast_backward's flat mode with a window (twenty-sixth session, not yet timed; no sinks, so S = 0 only): the dK/dV
 # kernel over one TMA loop, lesson 08's dQ. Compiled for sm_90 with triton 3.6 at W = 1024, none spills (lesson 08's
 # dK/dV kernel spills 98 at its shipped launch there); (mode, block_m1, block_n1, block_m2, block_n2, warps, stages,
-# use_tma, warp_specialize) as fast_backward.FastBackwardConfig takes them.
+# use_tma, warp_specialize[, flat_dq]) as fast_backward.FastBackwardConfig takes them.
 FLAT_BACKWARD_CANDIDATES = [
     ("flat", 32, 128, 128, 32, 4, 2, True, True),
     ("flat", 32, 64, 128, 32, 4, 2, True, True),
     ("flat", 64, 128, 128, 32, 8, 3, True),
     ("flat", 32, 128, 128, 32, 8, 2, True),
+    # with the flat mode's own dQ kernel (flat_dq, specialised too; twenty-seventh session, not yet timed)
+    ("flat", 32, 128, 128, 32, 4, 2, True, True, True),
+    ("flat", 32, 64, 128, 64, 4, 2, True, True, True),
 ]
 
 

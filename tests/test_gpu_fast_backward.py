@@ -94,6 +94,8 @@ def test_every_flat_configuration_matches_float64_and_specialises(config, b, hq,
     _assert_close(got, _float64_grads(q, k, v, do, causal))
     if config.warp_specialize and config.num_warps == 4:
         assert stats["warps"] == 12, stats
+        if config.flat_dq:  # the dQ loop specialises too
+            assert stats["dq"]["warps"] == 12, stats
 
 
 FLAT_WINDOW = [fb.FastBackwardConfig(*c) for c in _tuning_script("tune_window").FLAT_BACKWARD_CANDIDATES]

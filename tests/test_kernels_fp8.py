@@ -302,6 +302,45 @@ def test_every_register_capped_candidate_is_correct(causal):
         assert _rel_rms(o.double().cpu().numpy(), want) < 0.05, cfg
 
 
+def _ws_candidates():
+    import argparse
+
+    mod = _tune_fp8()
+    out = []
+    for d in (128, 64):
+        for causal in (True, False):
+            cands = mod.hopper_candidates(argparse.Namespace(maxnreg=False, exp_poly=False, exp_f16=False, ws=True),
+                                          d, causal)
+            out += [(d, causal, cfg) for cfg in cands]
+    return out
+
+
+@pytest.mark.skipif(DEVICE == "cuda" and not triton.__version__.startswith("3.6"),
+                    reason="compiled into the producer/consumer form with triton 3.6; triton 3.8 refuses it")
+@pytest.mark.parametrize("d, causal, cfg", _ws_candidates(), ids=lambda x: str(x))
+def test_every_warp_specialised_candidate_of_the_tune_script_is_correct(d, causal, cfg):
+    """tune_fp8.py --hopper --ws times these: one query scale per tile, one masked loop when causal, the output
+    stored by pointers; on the H200 the specialised ones run as 12 warps (a producer and two consumers)."""
+    q8, k8, vt8, qs, ks, vs, *parts = _quantised(1, 4, 2, 256, d, 128, seed=7)
+    o = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT, config=cfg)
+    want = _exact_on_quantised(parts, causal, 128)
+    assert _rel_rms(o.double().cpu().numpy(), want) < 0.05, cfg
+    if cfg.get("WARP_SPECIALIZE") and DEVICE == "cuda":
+        assert fp8.HOPPER_LAST["compiled"].metadata.num_warps == 12
+    if DEVICE == "cpu" and cfg.get("WARP_SPECIALIZE"):  # the same numbers as the plain launch at these tiles
+        plain = dict(cfg, WARP_SPECIALIZE=False)
+        torch.testing.assert_close(o, fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, 128, OUT, config=plain),
+                                   atol=2e-3, rtol=0)
+
+
+def test_a_warp_specialised_launch_needs_one_query_scale_per_tile():
+    """The specialised form reads one query scale per tile: a query tile wider than a scale block is refused."""
+    q8, k8, vt8, qs, ks, vs, *_ = _quantised(1, 2, 1, 256, 64, 64)
+    with pytest.raises(ValueError, match="divide block_size"):
+        fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, False, 64, OUT,
+                              config=dict(BLOCK_M=128, BLOCK_N=64, WARP_SPECIALIZE=True))
+
+
 def test_a_candidate_without_a_cap_lifts_hopper_configs_cap(monkeypatch):
     """hopper_config caps registers at D = 128; a config's maxnreg=None (tune_fp8's uncapped candidates) removes
     the cap instead of inheriting it."""

@@ -460,13 +460,14 @@ def test_the_flat_backward_figures_are_the_recorded_compiles():
     from course_utils.kernels import fast_backward as fb
 
     doc = results.load("sm90_compiles")
-    flat = {(r["config"], r["causal"]): r for r in doc["flat_backward"] if r["window_size"] is None}
-    windowed = [r for r in doc["flat_backward"] if r["window_size"] is not None]
+    dkdv_rows = [r for r in doc["flat_backward"] if r["kernel"] == "_attn_bwd_dkdv_flat"]
+    flat = {(r["config"], r["causal"]): r for r in dkdv_rows if r["window_size"] is None}
+    windowed = [r for r in dkdv_rows if r["window_size"] is not None]
     tune_window = _benchmark("tune_window")
     assert sorted(r["config"] for r in windowed) == sorted(
         fb.FastBackwardConfig(*c).short() for c in tune_window.FLAT_BACKWARD_CANDIDATES)
     window_text = " ".join((ROOT / "benchmarks" / "tune_window.py").read_text().split())
-    assert all(r["spills"] == 0 and r["window_size"] == 1024 for r in windowed)
+    assert all(r["spills"] == 0 and r["window_size"] == 1024 for r in doc["flat_backward"] if r["window_size"])
     assert "Compiled for sm_90 with triton 3.6 at W = 1024, none spills" in window_text
     tune_backward = _benchmark("tune_backward")
     configs = [fb.FastBackwardConfig(*c) for c in tune_backward.FLAT]
@@ -483,6 +484,45 @@ def test_the_flat_backward_figures_are_the_recorded_compiles():
     ws = flat["flat dkdv 32x128 w4 s2 ws dq 128x32", True]
     assert ws["spills"] == 0 and ws["warps"] == 12 and f"12 warps of {ws['registers']} registers" in tune_text
     assert fb.FLAT_DEFAULT.short() == "flat dkdv 32x128 w4 s2 ws dq 128x32"
+    # flat_dq: the dQ kernel of every such launch recorded (with and without the window), specialised where asked
+    dq_rows = [r for r in doc["flat_backward"] if r["kernel"] == "_attn_bwd_dq_flat"]
+    plain = [c for c in configs if c.flat_dq]  # recorded causal and not
+    with_window = [c for c in map(lambda c: fb.FastBackwardConfig(*c), tune_window.FLAT_BACKWARD_CANDIDATES)
+                   if c.flat_dq]  # recorded at W = 1024
+    flat_dq = plain + with_window
+    assert len(dq_rows) == 2 * len(plain) + len(with_window) and plain and with_window
+    for r in dq_rows:
+        c = next(c for c in flat_dq if c.short() == r["config"])
+        assert r["spills"] == 0 and r["warps"] == (12 if c.warp_specialize and c.num_warps == 4 else c.num_warps), r
+    ws_dq = {(r["config"].split(" dq ")[1].split()[0], r["registers"]) for r in dq_rows if r["warps"] == 12}
+    assert {size for size, _ in ws_dq} == {"128x32", "128x64"} and {regs for _, regs in ws_dq} == {168}
+    assert ("the dQ kernel is # 12 warps of 168 registers and no spills at 128 x 32 and 128 x 64 "
+            "(results/sm90_compiles.json's flat_backward)") in tune_text
+
+
+def test_the_warp_specialised_fp8_launches_are_the_recorded_compiles():
+    """tune_fp8.py --hopper --ws's launches as its comment and lesson 11 say (sm_90, triton 3.6): every specialised one
+    12 warps of 168 registers raised to 232 by setmaxnreg, no spills; hopper_config's launch recorded beside them."""
+    import argparse
+
+    rows = results.load("sm90_compiles")["fp8_ws"]
+    tune_fp8 = _benchmark("tune_fp8")
+    options = argparse.Namespace(maxnreg=False, exp_poly=False, exp_f16=False, ws=True)
+    for d in (128, 64):
+        for causal in (True, False):
+            want = [(c["BLOCK_M"], c["BLOCK_N"], c["num_stages"], bool(c.get("WARP_SPECIALIZE")))
+                    for c in tune_fp8.hopper_candidates(options, d, causal)]
+            got = [(r["block_m"], r["block_n"], r["num_stages"], r["warp_specialize"]) for r in rows
+                   if (r["head_dim"], r["causal"]) == (d, causal)]
+            assert got == want and not want[0][3] and all(w[3] for w in want[1:])
+    ws = [r for r in rows if r["warp_specialize"]]
+    raised = {int(v) for r in ws for op, v in r["setmaxnreg"] if op == "inc" and int(v) < 256}
+    assert all(r["warps"] == 12 and r["spills"] == 0 and r["registers"] == 168 for r in ws) and raised == {232}
+    tune_text = " ".join((ROOT / "benchmarks" / "tune_fp8.py").read_text().split())
+    assert "each makes 12 warps of 168 registers raised to 232 by setmaxnreg, with no spills" in tune_text
+    text = " ".join(markdown_text("11_hopper_and_fp8").split())
+    assert ("the FP8 loop becomes the same producer and two consumers, 12 warps, no spills "
+            "(`results/sm90_compiles.json`'s `fp8_ws`)") in text
 
 
 def test_lesson_07_quotes_its_kernels_spills_from_the_recorded_compile():

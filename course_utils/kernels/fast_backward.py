@@ -44,8 +44,13 @@ of half the key block each. Compiled for sm_90 with the H200's triton 3.6
 (:mod:`.targets`), ``32 x 128`` on 4 warps became 12 warps with no spills
 (the pair's dK/dV kernel spills 40 values per thread at its launch). Causal,
 that one loop masks every block. ``dQ`` is lesson 07's kernel
-(:func:`.backward.launch_dq`), which neither spills nor compiles
-warp-specialised.
+(:func:`.backward.launch_dq`, which does not spill), or with ``flat_dq``
+:func:`_attn_bwd_dq_flat`: lesson 07's dQ step with its tiles, ``lse`` and
+``delta`` too, through TMA descriptors, one loop that Triton 3.6 also
+specialises (lesson 07's dQ kernel does not: its ``lse`` and ``delta``,
+loaded by pointers before the loop, stop the compiler's pass), 12 warps
+and no spills at ``128 x 32`` and ``128 x 64`` (twenty-seventh session, not
+yet timed).
 
 It covers self-attention (``N_q == N_k``), ``N`` a multiple of the largest
 block, ``D`` of 64 or 128, 16-bit inputs, causal or not, MHA/GQA/MQA;
@@ -97,6 +102,10 @@ class FastBackwardConfig:
     kernel's, on its Hopper launch's 8 warps and 3 stages.
     ``warp_specialize`` (``"flat"`` only): the dK/dV loop as
     ``tl.range(..., warp_specialize=True)``.
+    ``flat_dq`` (``"flat"`` only): ``dQ`` by :func:`_attn_bwd_dq_flat` (every
+    tile through TMA, ``lse`` and ``delta`` too; one loop, specialised with
+    ``warp_specialize``) at ``block_m2 x block_n2`` on this config's warps and
+    stages, instead of lesson 07's dQ kernel.
     """
 
     mode: str = "fused"
@@ -108,6 +117,7 @@ class FastBackwardConfig:
     num_stages: int = 2
     use_tma: bool = False
     warp_specialize: bool = False
+    flat_dq: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -124,6 +134,8 @@ class FastBackwardConfig:
             raise ValueError("the flat mode loads every tile through TMA descriptors: it needs use_tma=True")
         if self.warp_specialize and self.mode != "flat":
             raise ValueError("warp_specialize is the flat mode's (its dK/dV loop is the one that compiles so)")
+        if self.flat_dq and self.mode != "flat":
+            raise ValueError("flat_dq is the flat mode's (its dQ kernel loads through TMA like its dK/dV kernel)")
 
     @property
     def largest_block(self) -> int:
@@ -133,7 +145,7 @@ class FastBackwardConfig:
         tail = f" dq {self.block_m2}x{self.block_n2}" if self.mode in ("fused", "flat") else ""
         if self.mode == "flat":  # always TMA: say whether it is warp-specialised instead
             return (f"flat dkdv {self.block_m1}x{self.block_n1} w{self.num_warps} s{self.num_stages}"
-                    + (" ws" if self.warp_specialize else "") + tail)
+                    + (" ws" if self.warp_specialize else "") + tail + (" flat" if self.flat_dq else ""))
         return (f"{self.mode} dkdv {self.block_m1}x{self.block_n1}{tail} "
                 f"w{self.num_warps} s{self.num_stages}" + (" tma" if self.use_tma else ""))
 
@@ -387,6 +399,53 @@ def _attn_bwd_dkdv_flat(desc_q, desc_do, desc_k, desc_v, LSE, DELTA, DK, DV, N, 
     tl.store(DV + rows[:, None] * HEAD_DIM + cols[None, :], dv.to(DV.dtype.element_ty))
 
 
+@triton.jit
+def _attn_bwd_dq_flat(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, DQ, N, group_size, sm_scale,
+                      window_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      CAUSAL: tl.constexpr, WINDOW: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """dQ of one query block of one (batch, query head): lesson 07's dQ step with every tile through TMA.
+
+    The 2-D views of :func:`_attn_bwd_dkdv_flat`; LSE and DELTA as ``[1, B*H_q*N]``, read through
+    descriptors too: a vector loaded by pointers outside the loop stops Triton 3.6's warp-specialisation pass
+    (an assertion in ``WSLowerToken.cpp``), as in :func:`.fp8._fp8_hopper_kernel`. Causal, the one loop masks
+    every block; the longest rows run first.
+    """
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    bh = tl.program_id(1)  # batch * H_q + query head
+    row = bh * N + start_m
+    kv_row0 = (bh // group_size) * N  # its kv head's row 0 (B*H_q = group_size * B*H_kv)
+    q = desc_q.load([row, 0])
+    do = desc_do.load([row, 0])
+    lse2 = desc_lse.load([0, row]).reshape([BLOCK_M]) * 1.4426950408889634  # natural log -> base 2
+    delta = desc_delta.load([0, row]).reshape([BLOCK_M])
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    qk_scale = sm_scale * 1.4426950408889634
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if CAUSAL:
+        hi = start_m + BLOCK_M
+    else:
+        hi = N
+    if WINDOW:  # the block's first query sees keys from start_m - window_size + 1 on
+        lo = (tl.maximum(start_m - window_size + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        k = desc_k.load([kv_row0 + start_n, 0])
+        v = desc_v.load([kv_row0 + start_n, 0])
+        p = tl.math.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if CAUSAL:
+            distance = offs_m[:, None] - (start_n + tl.arange(0, BLOCK_N))[None, :]  # i - j
+            if WINDOW:
+                p = tl.where((distance >= 0) & (distance < window_size), p, 0.0)
+            else:
+                p = tl.where(distance >= 0, p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq *= sm_scale
+    rows = (row + tl.arange(0, BLOCK_M)).to(tl.int64)
+    tl.store(DQ + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], dq.to(DQ.dtype.element_ty))
+
+
 def _desc_2d(t, rows):
     """A TMA descriptor over contiguous ``t`` viewed as ``[numel / D, D]``, ``rows`` rows a box."""
     d = t.shape[-1]
@@ -401,8 +460,9 @@ def _compile_stats(compiled) -> dict:
 
 
 def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_size=None):
-    """The flat mode: dK, dV by :func:`_attn_bwd_dkdv_flat`, dQ by lesson 07's (or, with a window, lesson 08's)
-    kernel (:func:`.backward.launch_dq`)."""
+    """The flat mode: dK, dV by :func:`_attn_bwd_dkdv_flat`, dQ by :func:`_attn_bwd_dq_flat` (``flat_dq``) or by
+    lesson 07's (with a window, lesson 08's) kernel (:func:`.backward.launch_dq`); ``(compiled dK/dV launch,
+    compiled dQ launch or None, grads)``."""
     B, n_q_heads, N, D = q.shape
     n_kv_heads = k.shape[1]
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
@@ -417,10 +477,23 @@ def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_siz
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
-              BackwardConfig(dq_block_m=config.block_m2, dq_block_n=config.block_n2, dq_warps=8, dq_stages=3),
-              window_size=None if window_size is None else int(window_size))
-    return compiled, (dq, dk, dv)
+    if config.flat_dq:
+        m2, n2 = config.block_m2, config.block_n2
+
+        def row_desc(t):  # [B, H_q, N] fp32 as one row, m2 values a box
+            return TensorDescriptor(t, shape=[1, t.numel()], strides=[t.numel(), 1], block_shape=[1, m2])
+        compiled_dq = _attn_bwd_dq_flat[(N // m2, B * n_q_heads)](
+            _desc_2d(q, m2), _desc_2d(do, m2), _desc_2d(k, n2), _desc_2d(v, n2), row_desc(lse), row_desc(delta),
+            dq, N, n_q_heads // n_kv_heads, sm_scale, 0 if window_size is None else int(window_size),
+            BLOCK_M=m2, BLOCK_N=n2, HEAD_DIM=D, CAUSAL=bool(causal), WINDOW=window_size is not None,
+            WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    else:
+        compiled_dq = None
+        launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
+                  BackwardConfig(dq_block_m=config.block_m2, dq_block_n=config.block_n2, dq_warps=8, dq_stages=3),
+                  window_size=None if window_size is None else int(window_size))
+    return compiled, compiled_dq, (dq, dk, dv)
 
 
 def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *, delta=None,
@@ -436,7 +509,8 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     mode only, no sinks): key ``j`` visible from query ``i`` iff
     ``0 <= i - j < window_size``, lesson 08's window. ``stats``, a dict, receives what the compiler
     made of the launch (registers per thread, spills, shared memory in bytes,
-    warps per program; the flat mode's: its dK/dV kernel's).
+    warps per program; the flat mode's: its dK/dV kernel's, and with
+    ``flat_dq`` its dQ kernel's under ``"dq"``).
     """
     if config is None:
         config = default_config(mode or "fused")
@@ -464,9 +538,11 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     if config.mode == "flat":
         if q.numel() == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        compiled, grads = _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_size)
+        compiled, compiled_dq, grads = _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_size)
         if stats is not None:
             stats.update(_compile_stats(compiled))
+            if compiled_dq is not None:
+                stats["dq"] = _compile_stats(compiled_dq)
         return grads
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

@@ -600,9 +600,10 @@ def _fp8_hopper_inner(acc, l_i, m_i, v_prev, q, row_scale_q,
                       desc_k, desc_vt, KS, VS, kv_row0, vt_row0, ks_base,
                       lo, hi, offs_m, offs_n,
                       BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr, MASK: tl.constexpr,
-                      EXP_F16: tl.constexpr, EXP_POLY: tl.constexpr, INTERPRETED: tl.constexpr):
+                      EXP_F16: tl.constexpr, EXP_POLY: tl.constexpr, INTERPRETED: tl.constexpr,
+                      WARP_SPECIALIZE: tl.constexpr = False):
     """Fold K/V blocks ``[lo, hi)`` into ``(acc, l_i, m_i)``; ``acc`` is in units of ``v_prev``."""
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = desc_k.load([kv_row0 + start_n, 0]).T  # K^T [D, BLOCK_N], a view of the shared-memory tile
         s = tl.dot(q, k)  # raw e4m3 product, float32
@@ -640,20 +641,28 @@ def _fp8_hopper_inner(acc, l_i, m_i, v_prev, q, row_scale_q,
 
 
 @triton.jit
-def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, QS, KS, VS,
+def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, O, QS, KS, VS,
                        sm_scale, N_CTX, N_Q_HEADS, N_BLOCKS_SCALE,
                        GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                        ORDER: tl.constexpr, EXP_F16: tl.constexpr, EXP_POLY: tl.constexpr,
-                       INTERPRETED: tl.constexpr):
+                       INTERPRETED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
     """One query block of one (batch, query head), on contiguous tensors viewed as 2-D matrices.
 
     Q ``[B*Hq*N, D]``, K ``[B*Hkv*N, D]``, V^T ``[B*Hkv*D, N]`` (e4m3), O ``[B*Hq*N, D]``; the scales
     ``[B, H, N_BLOCKS_SCALE]`` contiguous. ``SCALE_BLOCK`` is a multiple of ``BLOCK_N``.
+
+    ``WARP_SPECIALIZE`` (4 warps): the form Triton 3.6 turns into a producer and two consumer warpgroups
+    (see :func:`launch_fp8_hopper`): one loop (causal: every block masked), the output stored through the
+    pointer ``O``, and the query tile's scale read as one number (``BLOCK_M <= SCALE_BLOCK``: the tile lies in
+    one scale block), because a vector of scales loaded by pointers before the loop stops the compiler's
+    warp-specialisation pass (an internal assertion in ``WSLowerToken.cpp``).
     """
     tl.static_assert(SCALE_BLOCK % BLOCK_N == 0)
     if CAUSAL:  # the diagonal phase covers whole key blocks
         tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    if WARP_SPECIALIZE:
+        tl.static_assert(SCALE_BLOCK % BLOCK_M == 0)
     bh, start_m = _program_tile(N_CTX, N_Q_HEADS, BLOCK_M, ORDER, CAUSAL, GROUP_SIZE)
     batch = bh // N_Q_HEADS
     kv_bh = batch * (N_Q_HEADS // GROUP_SIZE) + (bh % N_Q_HEADS) // GROUP_SIZE
@@ -661,7 +670,11 @@ def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, QS, KS, VS,
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     q = desc_q.load([q_row0, 0])
-    row_scale_q = tl.load(QS + bh * N_BLOCKS_SCALE + offs_m // SCALE_BLOCK) * (sm_scale * 1.4426950408889634)
+    if WARP_SPECIALIZE:  # one scale for the whole tile, as a row vector
+        tile_scale = tl.load(QS + bh * N_BLOCKS_SCALE + (start_m * BLOCK_M) // SCALE_BLOCK)
+        row_scale_q = tl.full([BLOCK_M], 1.0, tl.float32) * (tile_scale * (sm_scale * 1.4426950408889634))
+    else:
+        row_scale_q = tl.load(QS + bh * N_BLOCKS_SCALE + offs_m // SCALE_BLOCK) * (sm_scale * 1.4426950408889634)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -669,7 +682,12 @@ def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, QS, KS, VS,
     v_prev = 1.0
     kv_row0 = kv_bh * N_CTX
     ks_base = kv_bh * N_BLOCKS_SCALE
-    if CAUSAL:  # two phases: the blocks left of the diagonal unmasked, then the diagonal masked
+    if CAUSAL and WARP_SPECIALIZE:  # one loop, every block masked: only one loop specialises
+        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
+            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
+            0, (start_m + 1) * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, True, EXP_F16, EXP_POLY, INTERPRETED,
+            WARP_SPECIALIZE)
+    elif CAUSAL:  # two phases: the blocks left of the diagonal unmasked, then the diagonal masked
         acc, l_i, m_i, v_prev = _fp8_hopper_inner(
             acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
             0, start_m * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, False, EXP_F16, EXP_POLY, INTERPRETED)
@@ -679,9 +697,14 @@ def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, QS, KS, VS,
     else:
         acc, l_i, m_i, v_prev = _fp8_hopper_inner(
             acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
-            0, N_CTX, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, False, EXP_F16, EXP_POLY, INTERPRETED)
+            0, N_CTX, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, False, EXP_F16, EXP_POLY, INTERPRETED,
+            WARP_SPECIALIZE)
     out = acc * (v_prev / l_i)[:, None]
-    desc_o.store([q_row0, 0], out.to(desc_o.dtype))
+    if WARP_SPECIALIZE:  # by pointers: the 4-warp specialised form refuses the descriptor store
+        o_rows = (q_row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        tl.store(O + o_rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], out.to(O.dtype.element_ty))
+    else:
+        desc_o.store([q_row0, 0], out.to(desc_o.dtype))
 
 
 def hopper_config(head_dim: int, block_size: int, causal: bool = False) -> dict:
@@ -741,6 +764,10 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
     order = cfg.pop("ORDER", ORDER_KV_GROUPED)
     exp_f16 = cfg.pop("EXP_F16", 0)
     exp_poly = cfg.pop("EXP_POLY", 0)
+    warp_specialize = bool(cfg.pop("WARP_SPECIALIZE", False))
+    if warp_specialize and block_size % bm:
+        raise ValueError(f"a warp-specialised launch needs BLOCK_M = {bm} to divide block_size = {block_size} "
+                         "(one query scale per tile)")
     if cfg.get("maxnreg") is None:  # a config's maxnreg=None: no cap on registers per thread
         cfg.pop("maxnreg", None)
     q8, k8, vt8 = q8.contiguous(), k8.contiguous(), vt8.contiguous()
@@ -754,9 +781,10 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
              desc(vt8, b * hkv * d, n, [d, bn]), desc(o, b * hq * n, d, [bm, d]))
     grid = grid_shape(order, b, hq, hkv, n // bm)
     HOPPER_LAST["compiled"] = _fp8_hopper_kernel[grid](
-        *descs, *scales, 1.0 / math.sqrt(d), n, hq, triton.cdiv(n, block_size),
+        *descs, o, *scales, 1.0 / math.sqrt(d), n, hq, triton.cdiv(n, block_size),
         GROUP_SIZE=hq // hkv, HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, SCALE_BLOCK=block_size,
-        ORDER=order, EXP_F16=exp_f16, EXP_POLY=exp_poly, INTERPRETED=q8.device.type == "cpu", **cfg,
+        ORDER=order, EXP_F16=exp_f16, EXP_POLY=exp_poly, INTERPRETED=q8.device.type == "cpu",
+        WARP_SPECIALIZE=warp_specialize, **cfg,
     )
     return o
 
