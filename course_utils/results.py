@@ -92,6 +92,12 @@ COLUMNS = {
         ("shipped_over_flex", "hopper_config / Flex, speed", ".2f", "×"), ("config", "fastest launch", "", ""),
         ("best_over_flex", "fastest / Flex, speed", ".2f", "×"),
     ],
+    "sm90_compiles": [
+        ("kernel", "kernel", "", ""), ("causal", "causal", "", ""), ("launch", "launch", "", ""),
+        ("warp_specialize", "warp_specialize", "", ""), ("warps", "warps", "d", ""),
+        ("registers", "registers per thread", "d", ""), ("setmaxnreg", "consumers raised to", "", ""),
+        ("spills", "spilled per thread", "d", ""), ("shared_kib", "shared memory KiB", ".0f", ""),
+    ],
 }
 
 
@@ -294,10 +300,30 @@ def _tune_window_fast(d):
     return out
 
 
+def _sm90(d):
+    """Lesson 06's fast forward (bf16) and lesson 11's FP8 Hopper kernel (D = 128) as compiled for sm_90, with and
+    without warp specialisation: ``ws_forward`` and ``fp8_ws`` of ``benchmarks/compile_sm90.py``."""
+    out = []
+    for section, kernel in (("ws_forward", "bf16 forward (lesson 06)"), ("fp8_ws", "FP8 forward (lesson 11)")):
+        for r in d.get(section, []):
+            if r.get("error") or r.get("head_dim", 128) != 128:
+                continue
+            raised = [int(v) for op, v in r["setmaxnreg"] if op == "inc" and int(v) < 256]
+            launch = f"{r['block_m']} x {r['block_n']}, {r['num_stages']} stages"
+            if r.get("maxnreg"):
+                launch += f", at most {r['maxnreg']} registers"
+            out.append(dict(kernel=kernel, causal=r["causal"], launch=launch, warp_specialize=r["warp_specialize"],
+                            warps=r["warps"], registers=r["registers"],
+                            setmaxnreg=str(max(raised)) if raised else None, spills=r["spills"],
+                            shared_kib=r["shared"] / 1024))
+    return out
+
+
 _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, "decode_splits": _decode_splits,
          "decode_variants": _decode_variants,
          "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training,
-         "tune_backward": _tune_backward, "tune_window": _tune_window, "tune_window_fast": _tune_window_fast}
+         "tune_backward": _tune_backward, "tune_window": _tune_window, "tune_window_fast": _tune_window_fast,
+         "sm90_compiles": _sm90}
 
 
 def rows(name: str, *, doc: dict | None = None, **where) -> list[dict]:
@@ -360,7 +386,9 @@ def markdown(name: str, columns: list[str] | None = None, *, doc: dict | None = 
     cols = [_column(name, k) for k in (columns or [c[0] for c in COLUMNS[name]])]
     info = load(name) if doc is None else doc
     info = info.get("info") or info.get("meta") or {}
-    lines = [f"Recorded on {info.get('gpu', '?')}, {info.get('date', '?')} (`results/{name}.json`).", "",
+    where_run = info.get("gpu") or (f"{info['target']}, compiled without a GPU by triton {info.get('triton', '?')}"
+                                    if "target" in info else "?")
+    lines = [f"Recorded on {where_run}, {info.get('date', '?')} (`results/{name}.json`).", "",
              "| " + " | ".join(c[1] for c in cols) + " |",
              "|" + "|".join("---" if c[2] == "" else "---:" for c in cols) + "|"]
     for r in rows(name, doc=doc, **where):

@@ -158,3 +158,36 @@ def test_any_strides_give_the_contiguous_answer(config):
     want = fb.attention_backward_fast(q, k, v, o, lse, do, True, config=config)
     if config.mode == "fused" or not ON_GPU:  # on a GPU the atomic mode's dQ differs in its last bits run to run
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_autograd_runs_the_configured_fast_backward_where_it_applies(monkeypatch):
+    """kernels.flash_attention's autograd: lesson 07's pair by default (AUTOGRAD_CONFIG None); with a configuration
+    set, the fast backward for the calls it takes (float64's gradients) and lesson 07's pair for the others
+    (sinks, lesson 12's keywords, a window outside the flat mode)."""
+    from course_utils.kernels import backward, flash_attention
+
+    calls = []
+    real = fb.attention_backward_fast
+    monkeypatch.setattr(fb, "attention_backward_fast", lambda *a, **kw: calls.append(kw["config"]) or real(*a, **kw))
+    q, k, v, do = _inputs(1, 4, 2, 128, 64, seed=9)
+
+    def grads(**kw):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        flash_attention(*leaves, True, **kw).backward(do)
+        return [t.grad for t in leaves]
+
+    assert fb.AUTOGRAD_CONFIG is None
+    _assert_close(grads(), _saved(q, k, v, do, True)[2])
+    assert calls == []
+    monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", SMALL[6])  # flat, dQ by the flat kernel too
+    _assert_close(grads(), _saved(q, k, v, do, True)[2])
+    _assert_close(grads(window_size=48), _saved(q, k, v, do, True, 48)[2])
+    assert calls == [SMALL[6], SMALL[6]]
+    pair = []
+    monkeypatch.setattr(backward, "attention_backward",
+                        lambda *a, _real=backward.attention_backward, **kw: pair.append(1) or _real(*a, **kw))
+    grads(window_size=48, sink_size=4)
+    monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", SMALL[0])  # fused: no window
+    grads(window_size=48)
+    assert calls == [SMALL[6], SMALL[6]] and len(pair) == 2
+    assert fb.autograd_config(q, k, v, True, softcap=30.0) is None and fb.autograd_config(q, k, v, True) == SMALL[0]

@@ -578,3 +578,16 @@ def test_the_readme_quotes_the_t4_compile_as_recorded():
     lo, hi = (f(r["spills"] * 4 for r in forward) / 1024 for f in (min, max))
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"the forward kernels spill {lo:.1f}-{hi:.1f} KiB per thread" in readme
+
+
+def test_the_compile_table_renders_the_recorded_forward_compiles():
+    """results.table("sm90_compiles") (lesson 11): one row per D = 128 launch of ws_forward and fp8_ws, the consumers'
+    setmaxnreg only where specialised, and a header that says the figures were compiled, not measured on a GPU."""
+    doc = results.load("sm90_compiles")
+    rows = results.rows("sm90_compiles")
+    want = len(doc["ws_forward"]) + sum(r["head_dim"] == 128 for r in doc["fp8_ws"])
+    assert len(rows) == want and {r["kernel"] for r in rows} == {"bf16 forward (lesson 06)", "FP8 forward (lesson 11)"}
+    assert all((r["setmaxnreg"] == "232") == r["warp_specialize"] for r in rows)
+    assert any("at most 128 registers" in r["launch"] for r in rows)
+    md = results.markdown("sm90_compiles")
+    assert md.startswith(f"Recorded on sm_90, compiled without a GPU by triton {doc['info']['triton']}")

@@ -461,3 +461,25 @@ def test_the_decode_variants_explain_themselves_without_a_gpu(tmp_path, capsys):
     assert tune_decode_variants.main(["--out", str(tmp_path / "v.json")]) == 0
     assert "No CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "v.json").exists()
+
+
+@pytest.mark.interpreter("on a GPU the plan's steps are the session itself (minutes each), not a test")
+def test_the_gpu_plan_runs_its_steps_and_splits_the_suite_in_two(tmp_path):
+    """benchmarks/gpu_plan.sh: `halves` names every tests/ file once; a step runs each command under the budget and
+    logs how it ended (without a GPU the tune scripts say so and exit 0); an unknown step is refused."""
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ, OUT=str(tmp_path), PYTHON=sys.executable, STEP_BUDGET="300")
+    run = subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "halves", "fwd"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    halves = dict(line.split(": ", 1) for line in run.stdout.splitlines() if line.startswith("half "))
+    files = [f for half in ("half 1", "half 2") for f in halves[half].split()]
+    assert sorted(files) == sorted(f"tests/{p.name}" for p in (BENCHMARKS.parent / "tests").glob("test_*.py"))
+    assert halves["half 1"].split()[-1] == "tests/test_grading_part2.py"
+    log = (tmp_path / "plan.log").read_text().splitlines()
+    assert [line.split(":")[0] for line in log] == ["fwd_causal", "fwd_noncausal"] and all("rc=0" in x for x in log)
+    assert "No CUDA GPU here" in (tmp_path / "fwd_causal.log").read_text()
+    bad = subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "bogus"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown step: bogus" in bad.stdout

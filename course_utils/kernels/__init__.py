@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from . import decode, dispatch, fast, fast_decode, forward, fp8
+from . import decode, dispatch, fast, fast_backward, fast_decode, forward, fp8
 from .backward import FlashAttentionFunction
 from .fast_decode import decode_attention
 from .dispatch import check_call, launch_forward
@@ -100,15 +100,18 @@ def flash_attention(q, k, v, causal: bool = False, *, window_size=None, sink_siz
     ``o`` with ``q``'s shape and dtype. Differentiable in ``q, k, v`` and
     ``sink_logits``: when one requires grad, the backward pass runs the Triton
     kernels of :mod:`.backward` (lesson 07), which rebuild the softmax from the
-    saved ``lse``.
+    saved ``lse`` (or :mod:`.fast_backward`'s, where
+    ``fast_backward.AUTOGRAD_CONFIG`` is set and applies).
     """
     mods = dict(cu_seqlens=cu_seqlens, softcap=softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
     check_call(q, k, v, causal, window_size, sink_size, **mods)
     inputs = (q, k, v) if sink_logits is None else (q, k, v, sink_logits)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        # the fast backward where one is configured (fast_backward.AUTOGRAD_CONFIG; None by default: lesson 07's)
+        function = FlashAttentionFunction if fast_backward.AUTOGRAD_CONFIG is None else fast_backward.FastBackwardFunction
         # validated=True: the autograd function's forward does not check the call again
-        return FlashAttentionFunction.apply(q, k, v, bool(causal), window_size, sink_size, True,
-                                            cu_seqlens, softcap, alibi_slopes, sink_logits)
+        return function.apply(q, k, v, bool(causal), window_size, sink_size, True,
+                              cu_seqlens, softcap, alibi_slopes, sink_logits)
     return launch_forward(q, k, v, bool(causal), window_size, sink_size, **mods)[0]
 
 

@@ -52,6 +52,12 @@ loaded by pointers before the loop, stop the compiler's pass), 12 warps
 and no spills at ``128 x 32`` and ``128 x 64`` (twenty-seventh session, not
 yet timed).
 
+Autograd: :class:`FastBackwardFunction` is lesson 07's autograd function
+with this module's backward; ``kernels.flash_attention`` uses it when
+:data:`AUTOGRAD_CONFIG` is set (``None`` by default, so lesson 07's pair
+runs until a layout here is measured faster), and it runs that
+configuration wherever :func:`autograd_config` says it applies.
+
 It covers self-attention (``N_q == N_k``), ``N`` a multiple of the largest
 block, ``D`` of 64 or 128, 16-bit inputs, causal or not, MHA/GQA/MQA;
 :func:`unsupported_reason` says what it does not take. It runs in the
@@ -70,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backward import BackwardConfig, launch_dq, launch_preprocess
+from .backward import BackwardConfig, FlashAttentionFunction, launch_dq, launch_preprocess
 
 try:  # host-side TMA descriptors (Triton >= 3.3); without them use_tma is refused
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -78,7 +84,7 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 __all__ = ["FastBackwardConfig", "CONFIGS", "default_config", "supports", "unsupported_reason",
-           "attention_backward_fast", "MODES"]
+           "attention_backward_fast", "MODES", "AUTOGRAD_CONFIG", "autograd_config", "FastBackwardFunction"]
 
 MODES = ("fused", "atomic", "flat")
 
@@ -568,3 +574,48 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     if stats is not None:
         stats.update(_compile_stats(compiled))
     return (dq.to(q.dtype) if atomic else dq), dk, dv
+
+
+# -----------------------------------------------------------------------------
+# Autograd through the fast backward
+# -----------------------------------------------------------------------------
+# The configuration whose backward kernels.flash_attention's autograd runs instead of lesson 07's pair, where
+# autograd_config says it applies. None (the default): lesson 07's pair everywhere, because no layout of this
+# module has been measured faster than it on the H200 (results/tune_backward.json); set it to a measured winner.
+AUTOGRAD_CONFIG: FastBackwardConfig | None = None
+
+
+def autograd_config(q, k, v, causal, window_size=None, sink_size=0, **mods) -> FastBackwardConfig | None:
+    """The configuration autograd's backward runs for this call, or ``None`` for lesson 07's pair.
+
+    :data:`AUTOGRAD_CONFIG` where it applies: no lesson 12 keyword (``mods``: ``cu_seqlens``, ``softcap``,
+    ``alibi_slopes``, ``sink_logits``, all ``None``), no sinks, a window only in the flat mode with
+    ``causal``, inputs :func:`supports` takes, and on a GPU a Hopper one (the CPU's interpreter runs it too,
+    which is how the tests check the route).
+    """
+    cfg = AUTOGRAD_CONFIG
+    if cfg is None or sink_size or any(m is not None for m in mods.values()):
+        return None
+    if window_size is not None and (cfg.mode != "flat" or not causal):
+        return None
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] != 9:
+        return None
+    return cfg if supports(q, k, v, cfg) else None
+
+
+class FastBackwardFunction(FlashAttentionFunction):
+    """:class:`.backward.FlashAttentionFunction` with the backward of :func:`attention_backward_fast` at
+    :func:`autograd_config`'s configuration (lesson 07's pair where that is ``None``); the forward, and what
+    it saves, are the parent's."""
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, cu_seqlens, alibi_slopes, sink_logits = ctx.saved_tensors
+        window_size, sink_size = ctx.window
+        cfg = autograd_config(q, k, v, ctx.causal, window_size, sink_size, cu_seqlens=cu_seqlens,
+                              softcap=ctx.softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
+        if cfg is None:
+            return FlashAttentionFunction.backward(ctx, do)
+        dq, dk, dv = attention_backward_fast(q, k, v, o, lse, do, ctx.causal, config=cfg, window_size=window_size)
+        return (dq, dk, dv) + (None,) * 8
+

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
+#
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: tests0 suite1 suite2 fwd bwd window misc halves
+#
+# (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
+#
+# Each step is sized to finish inside one 10-minute call: its commands run under `timeout` with what is left
+# of STEP_BUDGET seconds (default 540), so a hung kernel costs its step, not the session. Logs and JSON land in
+# $OUT (the device machine's returned folder; ./gpu_out here), one file per command, and the script's own
+# summary in $OUT/plan.log says which command ended how. On a GPU machine, the wheels of
+# ../shared/device/fetch-wheels.sh in .whl/ (carried there) are installed to /tmp/site first, as the device
+# README asks. `halves` prints the two halves' test files (every tests/test_*.py once).
+#
+#   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
+#   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
+#   suite2  the rest of tests/ and nbval over solutions/
+#   fwd     tune_fast.py --variants-only (causal and not): the warp-specialised one-warpgroup forward
+#   bwd     tune_backward.py --flat and --pair: the flat backward (flat_dq too) and the spill-free pair launches
+#   window  tune_window.py --backward (W = 1024, 4096) and --fast (W = 4096)
+#   misc    tune_fp8.py --hopper --ws and --maxnreg, tune_decode.py --lean at the two long points
+#
+# A command that needs no GPU exits at once on a CPU (the tune scripts say there is none), so
+# `bash benchmarks/gpu_plan.sh fwd` runs here too (tests/test_tune_scripts.py does).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_out}"
+mkdir -p "$OUT"
+BUDGET="${STEP_BUDGET:-540}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+if command -v nvidia-smi > /dev/null && compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed" | tee -a "$OUT/plan.log"; exit 1; }
+  export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+START=$SECONDS
+
+# run NAME CMD...: CMD under what is left of the budget (SIGINT first, so pytest still prints its summary)
+run() {
+  local name=$1; shift
+  local left=$((BUDGET - (SECONDS - START)))
+  if ((left < 20)); then
+    echo "$name: not run (budget spent)" | tee -a "$OUT/plan.log"
+    return
+  fi
+  local t0=$SECONDS
+  timeout -s INT -k 15 "$left" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $((SECONDS - t0)) s: $*" | tee -a "$OUT/plan.log"
+  tail -n 3 "$OUT/$name.log"
+}
+
+half() {  # the tests/ files of one half, in name order
+  local f
+  for f in tests/test_*.py; do
+    if [[ $1 == 1 && "$f" < "tests/test_grading_part3" ]] || [[ $1 == 2 && ! "$f" < "tests/test_grading_part3" ]]; then
+      echo "$f"
+    fi
+  done
+}
+
+PY="${PYTHON:-python3}"
+PYTEST=("$PY" -m pytest -rfE -p no:cacheprovider)
+for step in "$@"; do
+  case $step in
+    tests0)
+      run tests0 "${PYTEST[@]}" -n 8 --timeout 120 tests/test_gpu_fast.py tests/test_gpu_fast_window.py \
+        tests/test_gpu_fast_backward.py tests/test_gpu_fast_decode.py tests/test_kernels_fp8.py \
+        -k "warp_specialised or flat or decode" ;;
+    suite1)
+      run suite1 "${PYTEST[@]}" -n 15 --dist loadfile $(half 1) ;;
+    suite2)
+      run suite2 "${PYTEST[@]}" -n 15 --dist loadfile $(half 2) --nbval-lax --nbval-current-env solutions/ ;;
+    fwd)
+      run fwd_causal "$PY" benchmarks/tune_fast.py --variants-only --ns 4096 16384 --out "$OUT/tune_fast_variants.json"
+      run fwd_noncausal "$PY" benchmarks/tune_fast.py --variants-only --case noncausal --ns 4096 16384 \
+        --out "$OUT/tune_fast_variants_noncausal.json" ;;
+    bwd)
+      run bwd_flat "$PY" benchmarks/tune_backward.py --flat --ns 4096 16384 --causal both \
+        --out "$OUT/tune_backward_flat.json"
+      run bwd_pair "$PY" benchmarks/tune_backward.py --pair --ns 4096 16384 --out "$OUT/tune_backward_pair.json" ;;
+    window)
+      run window_backward "$PY" benchmarks/tune_window.py --backward --windows 1024 4096 \
+        --out "$OUT/tune_window_backward.json"
+      run window_fast "$PY" benchmarks/tune_window.py --fast --windows 4096 --out "$OUT/tune_window_fast_ws.json" ;;
+    misc)
+      run fp8_ws "$PY" benchmarks/tune_fp8.py --hopper --ws --out "$OUT/tune_fp8_ws.json"
+      run fp8_maxnreg "$PY" benchmarks/tune_fp8.py --hopper --maxnreg --head-dims 128 --out "$OUT/tune_fp8_maxnreg.json"
+      run decode_lean "$PY" benchmarks/tune_decode.py --lean --points 1:65536 1:131072 \
+        --out "$OUT/tune_decode_lean.json" ;;
+    halves)
+      echo "half 1: $(half 1 | tr '\n' ' ')"
+      echo "half 2: $(half 2 | tr '\n' ' ')" ;;
+    *)
+      echo "unknown step: $step (tests0 suite1 suite2 fwd bwd window misc)" | tee -a "$OUT/plan.log"
+      exit 2 ;;
+  esac
+done
