@@ -14,7 +14,8 @@ This script records, for bf16 and D = 128:
   with and without it: warps per program, registers, spills, shared memory, and
   the ``setmaxnreg`` values Triton wrote into the PTX;
 - ``ws_window_forward``: lesson 08's window on that machinery
-  (:mod:`course_utils.kernels.fast_window`), warp-specialised, no sinks;
+  (:mod:`course_utils.kernels.fast_window`), warp-specialised, without and
+  with 4 sinks;
 - ``backward_pair``: lesson 07's dK/dV and dQ kernels at every launch that
   ``benchmarks/tune_backward.py --pair`` times;
 - ``flat_backward``: :mod:`course_utils.kernels.fast_backward`'s flat dK/dV
@@ -113,18 +114,20 @@ def lesson05_forward() -> list[dict]:
 
 
 def ws_window_forward() -> list[dict]:
-    """fast_window's warp-specialised launches (tune_window.py's ``FAST_WS_CANDIDATES``), W = 1024 and 4096."""
+    """fast_window's warp-specialised launches (tune_window.py's ``FAST_WS_CANDIDATES``), W = 1024 and 4096, without
+    and with 4 sinks."""
     from course_utils.kernels import fast_window, targets
 
     q, k, _ = _inputs(32, 8)
     rows = []
     for bm, bn, w, s in _tuning_script("tune_window").FAST_WS_CANDIDATES:
         for window_size in (1024, 4096):
-            with targets._captured_launches() as launches:
-                fast_window.launch(q, k, k, window_size=window_size, block_m=bm, block_n=bn, num_warps=w,
-                                   num_stages=s, warp_specialize=True)
-            rows.append(dict(block_m=bm, block_n=bn, num_stages=s, window_size=window_size, warp_specialize=True,
-                             **_compiled(*launches[0])))
+            for sink_size in (0, 4):
+                with targets._captured_launches() as launches:
+                    fast_window.launch(q, k, k, window_size=window_size, sink_size=sink_size, block_m=bm, block_n=bn,
+                                       num_warps=w, num_stages=s, warp_specialize=True)
+                rows.append(dict(block_m=bm, block_n=bn, num_stages=s, window_size=window_size, sink_size=sink_size,
+                                 warp_specialize=True, **_compiled(*launches[0])))
     return rows
 
 
@@ -237,7 +240,8 @@ def main(argv=None) -> int:
         for r in record[section]:
             what = r.get("error") or (f"{r['warps']} warps, {r['registers']} registers, {r['spills']} spilled, "
                                       f"{r['shared'] // 1024} KiB")
-            key = {k: v for k, v in r.items() if k in ("name", "case", "config", "window_size", "head_dim", "block_m",
+            key = {k: v for k, v in r.items() if k in ("name", "case", "config", "window_size", "sink_size", "head_dim",
+                                                        "block_m",
                                                         "block_n", "num_stages", "causal", "maxnreg",
                                                         "warp_specialize") and v is not None}
             print(f"  {r['kernel']:<22} {key}: {what}")

@@ -11,8 +11,8 @@ float32 reference first. TFLOP/s count visible (query, key) pairs only.
 
 With ``--fast`` it times the window forward on lesson 06's machinery instead
 (``course_utils.kernels.fast_window``: TMA, one warpgroup per program, GQA
-groups side by side) at the ``FAST_CANDIDATES`` launches (and, without sinks,
-the warp-specialised ``FAST_WS_CANDIDATES``), beside the lesson kernel's
+groups side by side) at the ``FAST_CANDIDATES`` launches and the warp-specialised
+``FAST_WS_CANDIDATES``, beside the lesson kernel's
 shipped launch and FlexAttention.
 
 With ``--backward`` it times the window backward instead: lesson 08's kernels
@@ -46,9 +46,10 @@ FAST_CANDIDATES = [
     (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 32, 4, 2),
 ]
 
-# fast_window.launch's warp-specialised one-warpgroup launches (twenty-sixth session, not yet timed; no sinks, so
-# S = 0 only): the band in one masked loop, compiled for sm_90 with triton 3.6 into a producer and two consumer
-# warpgroups, 12 warps of 168 registers, no spills (results/sm90_compiles.json).
+# fast_window.launch's warp-specialised one-warpgroup launches (twenty-sixth session, not yet timed; with sinks since
+# the twenty-seventh, the sink tiles and the band in one loop): every tile masked in one loop, compiled for sm_90
+# with triton 3.6 into a producer and two consumer warpgroups, 12 warps of 168 registers, no spills
+# (results/sm90_compiles.json's ws_window_forward, S = 0 and 4).
 FAST_WS_CANDIDATES = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2)]
 
 # BackwardConfig(dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages)
@@ -130,10 +131,10 @@ def _forward_rows(n, windows, sinks, fast=False) -> list[dict]:
                         else dict(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3]))
                 label = "fast, hopper_config" if c is None else f"fast {c[0]}x{c[1]} w{c[2]} s{c[3]}"
                 fns.append((label, lambda opts=opts: fast_window.launch(q, k, v, window_size=w, sink_size=s, **opts)))
-            for c in (FAST_WS_CANDIDATES if fast and s == 0 else []):
+            for c in (FAST_WS_CANDIDATES if fast else []):
                 opts = dict(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3], warp_specialize=True)
                 fns.append((f"fast {c[0]}x{c[1]} w{c[2]} s{c[3]} ws", lambda opts=opts: fast_window.launch(
-                    q, k, v, window_size=w, **opts)))
+                    q, k, v, window_size=w, sink_size=s, **opts)))
             rows += _time_all(fns, lambda got: wb.forward_error(got, ref)[0], wb.window_flops(n, w, s),
                               f"forward, W={w} S={s} N={n}", mode="forward", n=n, W=w, S=s)
     return rows

@@ -57,14 +57,15 @@ def test_the_shipped_launch_matches_the_reference(b, hq, hkv, n, d, window_size,
 @pytest.mark.skipif(not triton.__version__.startswith("3.6"),
                     reason="compiled into the producer/consumer form with triton 3.6; triton 3.8 refuses it")
 @pytest.mark.parametrize("launch", [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2)], ids=str)
-@pytest.mark.parametrize("window_size", [256, 1000])
-def test_the_warp_specialised_window_launch_is_fa3s_shape_and_correct(launch, window_size):
-    """tune_window.py --fast's warp-specialised launches (no sinks): 12 warps, the reference's output."""
+@pytest.mark.parametrize("window_size, sink_size", [(256, 0), (1000, 0), (256, 4), (1000, 130)])
+def test_the_warp_specialised_window_launch_is_fa3s_shape_and_correct(launch, window_size, sink_size):
+    """tune_window.py --fast's warp-specialised launches, without and with sinks (then the sink tiles and the band
+    in one loop): the reference's output."""
     bm, bn, w, s = launch
-    q, k, v = _inputs(1, 8, 2, 2048, 128, torch.bfloat16, seed=window_size + bn)
-    o, lse = fast_window.launch(q, k, v, window_size=window_size, block_m=bm, block_n=bn, num_warps=w,
-                                num_stages=s, warp_specialize=True)
-    _assert_close(o, lse, q, k, v, window_size, 0)
+    q, k, v = _inputs(1, 8, 2, 2048, 128, torch.bfloat16, seed=window_size + bn + sink_size)
+    o, lse = fast_window.launch(q, k, v, window_size=window_size, sink_size=sink_size, block_m=bm, block_n=bn,
+                                num_warps=w, num_stages=s, warp_specialize=True)
+    _assert_close(o, lse, q, k, v, window_size, sink_size)
 
 
 LAUNCHES = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3),

@@ -550,6 +550,9 @@ def test_the_warp_specialised_window_launches_are_the_recorded_compiles():
     assert {(r["block_m"], r["block_n"], 4, r["num_stages"]) for r in rows} == set(tune_window.FAST_WS_CANDIDATES)
     regs = {r["registers"] for r in rows}
     assert all(r["warps"] == 12 and r["spills"] == 0 for r in rows) and len(regs) == 1
+    assert {r["sink_size"] for r in rows} == {0, 4}  # the sink tiles and the band in one loop specialise too
+    assert "(results/sm90_compiles.json's ws_window_forward, S = 0 and 4)" in " ".join(
+        line.lstrip("# ") for line in (ROOT / "benchmarks" / "tune_window.py").read_text().splitlines())
     text = " ".join((ROOT / "benchmarks" / "tune_window.py").read_text().split())
     assert f"warpgroups, 12 warps of {regs.pop()} registers, no spills" in text
 

@@ -147,19 +147,20 @@ def test_every_fast_window_candidate_is_a_correct_launch(candidate):
 
 @pytest.mark.parametrize("candidate", tune_window.FAST_WS_CANDIDATES, ids=str)
 def test_every_warp_specialised_window_candidate_is_a_correct_launch(candidate):
-    """tune_window.py --fast times these without sinks: the band in one masked loop, the output by pointers."""
+    """tune_window.py --fast times these without and with sinks: the sink tiles and the band in one masked loop,
+    the output by pointers."""
     from course_utils.kernels import fast_window
 
     _skip_unless_specialisable(True, candidate[2])
 
     q, k, v, _ = _inputs(2, 1, 256, 32, torch.float16, seed=7)
     opts = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), candidate))
-    o, lse = fast_window.launch(q, k, v, window_size=48, warp_specialize=True, **opts)
-    ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True, window_size=48)
-    assert abs(o.double().cpu().numpy() - ro).max() < (1e-2 if ON_GPU else 2e-3)
-    assert abs(lse.double().cpu().numpy() - rl).max() < 1e-2
-    with pytest.raises(ValueError, match="takes no sinks"):
-        fast_window.launch(q, k, v, window_size=48, sink_size=4, warp_specialize=True, **opts)
+    for sink_size in (0, 4):
+        o, lse = fast_window.launch(q, k, v, window_size=48, sink_size=sink_size, warp_specialize=True, **opts)
+        ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True, window_size=48,
+                                          sink_size=sink_size)
+        assert abs(o.double().cpu().numpy() - ro).max() < (1e-2 if ON_GPU else 2e-3)
+        assert abs(lse.double().cpu().numpy() - rl).max() < 1e-2
 
 
 @pytest.mark.parametrize("candidate", tune_window.BACKWARD_CANDIDATES, ids=str)

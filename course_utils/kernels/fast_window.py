@@ -79,6 +79,37 @@ def _window_tiles(
 
 
 @triton.jit
+def _sink_and_band_tiles(
+    acc, l_i, m_i, q,
+    desc_k, desc_v, K, V,
+    kv_row0, sink_end, band_start, band_end, qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE,
+    offs_m, offs_n, offs_d,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """The sink tiles ``[0, sink_end)`` and then the band ``[band_start, band_end)`` in ONE loop, every tile masked.
+
+    Triton specialises one loop per kernel, so the two ranges become one: step ``t`` reads tile ``t`` while
+    ``t`` is below the sink tiles' count, and the band's tile ``t - n_sink`` after (``sink_end <= band_start``:
+    the ranges never overlap). The tile's offset is a scalar computed from ``t``, not a branch.
+    """
+    n_sink = sink_end // BLOCK_N
+    n_tiles = n_sink + (band_end - band_start + BLOCK_N - 1) // BLOCK_N
+    for t in tl.range(0, n_tiles, warp_specialize=WARP_SPECIALIZE):
+        in_band = (t >= n_sink).to(tl.int32)
+        start_n = t * BLOCK_N + in_band * (band_start - n_sink * BLOCK_N)
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        k = _load_k_transposed(desc_k, K, kv_row0 + start_n, offs_n, offs_d, HEAD_DIM, USE_TMA)
+        qk = tl.dot(q, k)
+        keep = _window_keep(offs_m[:, None], start_n + offs_n[None, :], N_CTX, WINDOW_SIZE, SINK_SIZE, True)
+        qk = qk * qk_scale + tl.where(keep, 0.0, -1.0e6)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        qk = qk - m_new[:, None]
+        acc, l_i, m_i = _online_update(acc, l_i, m_i, qk, m_new, desc_v, V, kv_row0 + start_n,
+                                       offs_n, offs_d, HEAD_DIM, USE_TMA, True)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_fwd_fast_window_kernel(
     Q, K, V, O, Lse,
     desc_q, desc_k, desc_v, desc_o,
@@ -123,7 +154,11 @@ def _attn_fwd_fast_window_kernel(
 
     sink_full, sink_end, band_start, full_start, band_end = _window_bounds(
         q_first, N_CTX, WINDOW_SIZE, SINK_SIZE, BLOCK_M, BLOCK_N)
-    if WARP_SPECIALIZE:  # no sinks: the band in one loop, every tile masked (Triton specialises one loop only)
+    if WARP_SPECIALIZE and HAS_SINKS:  # sinks and band in one loop, every tile masked (one loop specialises)
+        acc, l_i, m_i = _sink_and_band_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, sink_end, band_start,
+                                             band_end, qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n,
+                                             offs_d, BLOCK_N, HEAD_DIM, USE_TMA, True)
+    elif WARP_SPECIALIZE:  # the band in one loop, every tile masked (Triton specialises one loop only)
         acc, l_i, m_i = _window_tiles(acc, l_i, m_i, q, desc_k, desc_v, K, V, kv_row0, band_start, band_end,
                                       qk_scale, N_CTX, WINDOW_SIZE, SINK_SIZE, offs_m, offs_n, offs_d,
                                       BLOCK_N, HEAD_DIM, USE_TMA, True, False, True)
@@ -205,18 +240,16 @@ def launch(q, k, v, *, window_size, sink_size=0, sm_scale=None, block_m=128, blo
     ``window_size`` and ``sink_size`` are clipped to ``N`` as the lesson's
     launcher does. No fallback and no validation (the dispatch validated the
     call): ``N`` must be a multiple of both blocks and ``block_m`` of
-    ``block_n``, else ``ValueError``. ``warp_specialize`` (no sinks): the
-    band in one masked loop, which Triton 3.6 splits on 4 warps into a
-    producer and two consumer warpgroups (:func:`.fast.launch` says more);
-    not measured yet (``benchmarks/tune_window.py --fast``).
+    ``block_n``, else ``ValueError``. ``warp_specialize``: the band (and
+    the sink tiles before it) in one masked loop, which Triton 3.6 splits on
+    4 warps into a producer and two consumer warpgroups (:func:`.fast.launch`
+    says more); not measured yet (``benchmarks/tune_window.py --fast``).
     """
     q, k, v, o, lse, scale = fast._prepare(q, k, v, sm_scale)
     b, hq, n, d = q.shape
     if n % block_m or n % block_n or block_m % block_n:
         raise ValueError(f"N={n} must be a multiple of BLOCK_M={block_m} and BLOCK_N={block_n}, "
                          f"and BLOCK_M of BLOCK_N")
-    if warp_specialize and sink_size:
-        raise ValueError("the warp-specialised window launch takes no sinks (one loop over the band)")
     if o.numel() == 0:
         return o, lse
     descs = fast._descriptors(q, k, v, o, block_m, block_n) if use_tma else (None,) * 4
