@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: tests0 suite1 suite2 fwd bwd window misc ncu halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: tests0 suite1 suite2 fwd bwd window misc train ncu halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -19,6 +19,8 @@
 #   bwd     tune_backward.py --flat and --pair: the flat backward (flat_dq too) and the spill-free pair launches
 #   window  tune_window.py --backward (W = 1024, 4096) and --fast (W = 4096)
 #   misc    tune_fp8.py --hopper --ws and --maxnreg, tune_decode.py --lean at the two long points
+#   train   python -m course_utils.bench --training --fast-backward: forward + backward with lesson 07's pair and with
+#           the flat backward (and its flat dQ) behind autograd, beside SDPA flash and cuDNN, in one run
 #   ncu     Nsight Compute's counters of the two warp-specialised forwards (ncu_forward.py's fast_ws and
 #           fp8_hopper_ws), added to a copy of results/ncu_forward.json in $OUT
 #
@@ -94,6 +96,8 @@ for step in "$@"; do
       run fp8_maxnreg "$PY" benchmarks/tune_fp8.py --hopper --maxnreg --head-dims 128 --out "$OUT/tune_fp8_maxnreg.json"
       run decode_lean "$PY" benchmarks/tune_decode.py --lean --points 1:65536 1:131072 \
         --out "$OUT/tune_decode_lean.json" ;;
+    train)
+      run train "$PY" -m course_utils.bench --training --fast-backward --out "$OUT/train" ;;
     ncu)
       cp results/ncu_forward.json "$OUT/" && mkdir -p "$OUT/ncu"
       run ncu_ws "$PY" benchmarks/ncu_forward.py --all "$OUT" --kernels fast_ws fp8_hopper_ws ;;
@@ -101,7 +105,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (tests0 suite1 suite2 fwd bwd window misc ncu halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (tests0 suite1 suite2 fwd bwd window misc train ncu halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done

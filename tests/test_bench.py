@@ -287,3 +287,38 @@ def test_a_training_step_is_its_provider_s_forward_then_the_backward():
         torch.testing.assert_close(got, w)
     with pytest.raises(ValueError, match="unknown training provider"):
         training.make_training_forward("sdpa_math", q, k, v, True)
+
+
+def test_the_fast_backward_providers_run_their_configuration_and_are_tabled(monkeypatch):
+    """--training --fast-backward: the course's forward with fast_backward's flat layout behind autograd (FLAT_DEFAULT,
+    and with flat_dq), the gradients of float64 math; the table adds their columns and ratios to cuDNN."""
+    import torch
+
+    from course_utils import references
+    from course_utils.bench import training
+    from course_utils.kernels import fast_backward as fb
+
+    calls = []
+    real = fb.attention_backward_fast
+    monkeypatch.setattr(fb, "attention_backward_fast", lambda *a, **kw: calls.append(kw["config"]) or real(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float16 if course_utils.DEVICE == "cpu" else torch.bfloat16
+    q, k, v = (torch.randn(1, h, 128, 64, generator=g).to(course_utils.DEVICE, dtype).requires_grad_() for h in (4, 2, 2))
+    do = torch.randn(1, 4, 128, 64, generator=g).to(course_utils.DEVICE, dtype)
+    want = references.attention_backward(*(t.detach().double().cpu().numpy() for t in (q, k, v, do)), causal=True)
+    for name in training.FAST_BACKWARD_PROVIDERS:
+        _, *grads = training.make_training_step(name, q, k, v, do, True)()
+        for got, w in zip(grads, want):
+            w = torch.from_numpy(w)
+            assert (torch.linalg.vector_norm(got.double().cpu() - w) / torch.linalg.vector_norm(w)).item() < 1e-2
+    assert [c.flat_dq for c in calls] == [False, True] and all(c.mode == "flat" for c in calls)
+    from course_utils import bench
+
+    case = bench.Case("main", ns=(4096,))
+    rows = [dict(n=4096, provider=p, ms=ms, tflops=1.0, status="ok")
+            for p, ms in (("sdpa_flash", 3.0), ("sdpa_cudnn", 2.0), ("course", 2.5), ("course_flat", 2.2),
+                          ("course_flat_dq", 1.6))]
+    md = training.training_markdown(rows, case)
+    assert "course, flat backward + flat dQ / cuDNN" in md
+    assert next(line for line in md.splitlines() if line.startswith("| 4096 |")).endswith(
+        "| 1.20x | 0.80x | 0.91x | 1.25x |")

@@ -9,7 +9,20 @@ from .providers import _sdpa_backend
 
 TRAIN_STEM = "training_bench"
 TRAIN_PROVIDERS = ("sdpa_flash", "sdpa_cudnn", "course")
-TRAIN_LABELS = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "course": "course (kernels.flash_attention)"}
+# With --fast-backward: the course's forward with fast_backward's flat layout behind autograd (FLAT_DEFAULT, and the
+# same with its own dQ kernel), timed beside lesson 07's pair in the same run before either becomes the default.
+FAST_BACKWARD_PROVIDERS = ("course_flat", "course_flat_dq")
+TRAIN_LABELS = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "course": "course (kernels.flash_attention)",
+                "course_flat": "course, flat backward", "course_flat_dq": "course, flat backward + flat dQ"}
+
+
+def fast_backward_config(name: str):
+    """The ``fast_backward`` configuration behind provider ``name`` of :data:`FAST_BACKWARD_PROVIDERS`."""
+    import dataclasses
+
+    from ..kernels import fast_backward
+
+    return dataclasses.replace(fast_backward.FLAT_DEFAULT, flat_dq=name == "course_flat_dq")
 BACKWARD_FLOP_FACTOR = 2.5  # a convention: the one-pass backward does 5 matmuls to the forward's 2
 # (the course's two-pass backward does 7, about 3.5 forwards; every provider is counted alike)
 
@@ -28,6 +41,13 @@ def make_training_forward(name: str, q, k, v, causal: bool):
 
         def forward():
             return flash_attention(q, k, v, causal=causal)
+    elif name in FAST_BACKWARD_PROVIDERS:
+        from ..kernels.fast_backward import flash_attention_fast_backward
+
+        config = fast_backward_config(name)
+
+        def forward():
+            return flash_attention_fast_backward(q, k, v, causal, config=config)
     elif name in ("sdpa_flash", "sdpa_cudnn"):
         from torch.nn.attention import sdpa_kernel
 
@@ -104,8 +124,10 @@ def run_training_case(case: Case, providers=TRAIN_PROVIDERS, log=print) -> list[
 
 
 def training_markdown(rows: list[dict], case: Case, info: dict | None = None) -> str:
-    """The forward + backward table: ms, TFLOP/s and the ratios against SDPA."""
+    """The forward + backward table: ms, TFLOP/s and the ratios against SDPA (and, where the rows hold them, the
+    :data:`FAST_BACKWARD_PROVIDERS` and their ratios to cuDNN)."""
     info = info or {}
+    extra = tuple(p for p in FAST_BACKWARD_PROVIDERS if any(r["provider"] == p for r in rows))
     lines = [
         f"### Forward + backward: {case.title()}",
         "",
@@ -115,20 +137,21 @@ def training_markdown(rows: list[dict], case: Case, info: dict | None = None) ->
         "algorithm's 5 matmuls to the forward's 2; the course's two-pass backward does 7), halved when causal. Outputs and "
         "gradients checked against SDPA flash's before timing.",
         "",
-        "| N | B | " + " | ".join(f"{TRAIN_LABELS[p]} ms (TFLOP/s)" for p in TRAIN_PROVIDERS)
-        + " | course / flash | course / cuDNN |",
-        "|---:|---:|" + "---:|" * (len(TRAIN_PROVIDERS) + 2),
+        "| N | B | " + " | ".join(f"{TRAIN_LABELS[p]} ms (TFLOP/s)" for p in TRAIN_PROVIDERS + extra)
+        + " | course / flash | course / cuDNN |" + "".join(f" {TRAIN_LABELS[p]} / cuDNN |" for p in extra),
+        "|---:|---:|" + "---:|" * (len(TRAIN_PROVIDERS) + 2 + 2 * len(extra)),
     ]
     by = {(r["n"], r["provider"]): r for r in rows}
     for n in sorted({r["n"] for r in rows}):
         cells = []
-        for p in TRAIN_PROVIDERS:
+        for p in TRAIN_PROVIDERS + extra:
             r = by.get((n, p))
             cells.append(f"{r['ms']:.2f} ({r['tflops']:.0f})" if r and r["ms"] else (r["status"] if r else "-"))
 
-        def ratio(other):
-            a, o = by.get((n, "course")), by.get((n, other))
+        def ratio(other, mine="course"):
+            a, o = by.get((n, mine)), by.get((n, other))
             return f"{o['ms'] / a['ms']:.2f}x" if a and o and a["ms"] and o["ms"] else "-"
 
-        lines.append(f"| {n} | {case.batch(n)} | " + " | ".join(cells) + f" | {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} |")
+        lines.append(f"| {n} | {case.batch(n)} | " + " | ".join(cells) + f" | {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} |"
+                     + "".join(f" {ratio('sdpa_cudnn', p)} |" for p in extra))
     return "\n".join(lines) + "\n"

@@ -84,7 +84,8 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 __all__ = ["FastBackwardConfig", "CONFIGS", "default_config", "supports", "unsupported_reason",
-           "attention_backward_fast", "MODES", "AUTOGRAD_CONFIG", "autograd_config", "FastBackwardFunction"]
+           "attention_backward_fast", "MODES", "AUTOGRAD_CONFIG", "autograd_config", "FastBackwardFunction",
+           "flash_attention_fast_backward"]
 
 MODES = ("fused", "atomic", "flat")
 
@@ -585,15 +586,15 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
 AUTOGRAD_CONFIG: FastBackwardConfig | None = None
 
 
-def autograd_config(q, k, v, causal, window_size=None, sink_size=0, **mods) -> FastBackwardConfig | None:
+def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=None, **mods) -> FastBackwardConfig | None:
     """The configuration autograd's backward runs for this call, or ``None`` for lesson 07's pair.
 
-    :data:`AUTOGRAD_CONFIG` where it applies: no lesson 12 keyword (``mods``: ``cu_seqlens``, ``softcap``,
-    ``alibi_slopes``, ``sink_logits``, all ``None``), no sinks, a window only in the flat mode with
-    ``causal``, inputs :func:`supports` takes, and on a GPU a Hopper one (the CPU's interpreter runs it too,
-    which is how the tests check the route).
+    ``config`` (default :data:`AUTOGRAD_CONFIG`) where it applies: no lesson 12 keyword (``mods``:
+    ``cu_seqlens``, ``softcap``, ``alibi_slopes``, ``sink_logits``, all ``None``), no sinks, a window only in
+    the flat mode with ``causal``, inputs :func:`supports` takes, and on a GPU a Hopper one (the CPU's
+    interpreter runs it too, which is how the tests check the route).
     """
-    cfg = AUTOGRAD_CONFIG
+    cfg = AUTOGRAD_CONFIG if config is None else config
     if cfg is None or sink_size or any(m is not None for m in mods.values()):
         return None
     if window_size is not None and (cfg.mode != "flat" or not causal):
@@ -606,16 +607,32 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, **mods) -> F
 class FastBackwardFunction(FlashAttentionFunction):
     """:class:`.backward.FlashAttentionFunction` with the backward of :func:`attention_backward_fast` at
     :func:`autograd_config`'s configuration (lesson 07's pair where that is ``None``); the forward, and what
-    it saves, are the parent's."""
+    it saves, are the parent's. One more argument after the parent's: ``config`` (``None``:
+    :data:`AUTOGRAD_CONFIG`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal=False, window_size=None, sink_size=0, validated=False,
+                cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None, config=None):
+        ctx.fast_config = config
+        return FlashAttentionFunction.forward(ctx, q, k, v, causal, window_size, sink_size, validated,
+                                              cu_seqlens, softcap, alibi_slopes, sink_logits)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, cu_seqlens, alibi_slopes, sink_logits = ctx.saved_tensors
         window_size, sink_size = ctx.window
-        cfg = autograd_config(q, k, v, ctx.causal, window_size, sink_size, cu_seqlens=cu_seqlens,
-                              softcap=ctx.softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
+        cfg = autograd_config(q, k, v, ctx.causal, window_size, sink_size, config=ctx.fast_config,
+                              cu_seqlens=cu_seqlens, softcap=ctx.softcap, alibi_slopes=alibi_slopes,
+                              sink_logits=sink_logits)
         if cfg is None:
-            return FlashAttentionFunction.backward(ctx, do)
+            return (*FlashAttentionFunction.backward(ctx, do), None)
         dq, dk, dv = attention_backward_fast(q, k, v, o, lse, do, ctx.causal, config=cfg, window_size=window_size)
-        return (dq, dk, dv) + (None,) * 8
+        return (dq, dk, dv) + (None,) * 9
 
+
+def flash_attention_fast_backward(q, k, v, causal=False, *, window_size=None, config=None):
+    """``kernels.flash_attention(q, k, v, causal, window_size=...)``, differentiable with this module's backward at
+    ``config`` (default :data:`AUTOGRAD_CONFIG`) where :func:`autograd_config` says it applies, lesson 07's
+    elsewhere: how ``python -m course_utils.bench --training --fast-backward`` times a configuration beside
+    lesson 07's pair before one becomes the default."""
+    return FastBackwardFunction.apply(q, k, v, bool(causal), window_size, 0, False, None, None, None, None, config)
