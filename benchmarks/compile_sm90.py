@@ -69,7 +69,8 @@ def _compiled(kernel, args, kwargs) -> dict:
         lines = [line for line in str(exc).splitlines() if "error:" in line] or str(exc).splitlines() or [""]
         return dict(kernel=kernel.__name__, error=f"{type(exc).__name__}: {lines[0].strip()[:200]}")
     return dict(kernel=c.kernel, warps=c.num_warps, registers=c.registers, spills=c.spill_bytes // 4,
-                shared=c.shared_bytes, setmaxnreg=[list(pair) for pair in c.setmaxnreg])
+                shared=c.shared_bytes, setmaxnreg=[list(pair) for pair in c.setmaxnreg],
+                partitions=[list(p) for p in c.partitions])
 
 
 def _inputs(hq, hkv, n=N, d=D):

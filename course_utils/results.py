@@ -97,6 +97,7 @@ COLUMNS = {
         ("warp_specialize", "warp_specialize", "", ""), ("warps", "warps", "d", ""),
         ("registers", "registers per thread", "d", ""), ("setmaxnreg", "consumers raised to", "", ""),
         ("spills", "spilled per thread", "d", ""), ("shared_kib", "shared memory KiB", ".0f", ""),
+        ("partitions", "partitions: (TMA loads, products)", "", ""),
     ],
 }
 
@@ -315,7 +316,9 @@ def _sm90(d):
             out.append(dict(kernel=kernel, causal=r["causal"], launch=launch, warp_specialize=r["warp_specialize"],
                             warps=r["warps"], registers=r["registers"],
                             setmaxnreg=str(max(raised)) if raised else None, spills=r["spills"],
-                            shared_kib=r["shared"] / 1024))
+                            shared_kib=r["shared"] / 1024,
+                            partitions=" ".join(f"({loads}, {dots})" for _, dots, loads in r.get("partitions", []))
+                            or None))
     return out
 
 

@@ -594,3 +594,20 @@ def test_the_compile_table_renders_the_recorded_forward_compiles():
     assert any("at most 128 registers" in r["launch"] for r in rows)
     md = results.markdown("sm90_compiles")
     assert md.startswith(f"Recorded on sm_90, compiled without a GPU by triton {doc['info']['triton']}")
+
+
+def test_lesson_11s_reading_of_the_partitions_is_the_recorded_one():
+    """Lesson 11: in every specialised forward (bf16 and FP8) the producer issues the TMA copies and no product,
+    and each of two consumers runs the tile's two products and no copy (results/sm90_compiles.json's partitions)."""
+    doc = results.load("sm90_compiles")
+    rows = [r for section in ("ws_forward", "fp8_ws", "ws_window_forward") for r in doc[section]
+            if r["warp_specialize"]]
+    assert rows and all(r["warps"] == 12 for r in rows)
+    for r in rows:
+        (producer, dots, loads), *consumers = r["partitions"]
+        assert producer == "default" and dots == 0 and loads >= 3, r
+        assert [(d, n) for _, d, n in consumers] == [(2, 0), (2, 0)], r
+    assert all(not r["partitions"] for r in doc["ws_forward"] if not r["warp_specialize"])
+    text = " ".join(markdown_text("11_hopper_and_fp8").split())
+    assert ("The producer issues every TMA copy and no matrix product; each consumer runs the tile's two products, "
+            "`Q Kᵀ` and `P V`, on its 64 rows") in text

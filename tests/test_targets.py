@@ -162,3 +162,28 @@ def test_the_sm_90_record_script_reads_a_compile_and_keeps_a_refusal():
     assert good["kernel"] == "_attn_fwd_fast_kernel" and good["warps"] == 4 and 0 < good["registers"] <= 255
     assert good["spills"] == 0 and good["shared"] > 0 and good["setmaxnreg"] == []
     assert bad["kernel"] == "_attn_fwd_fast_kernel" and "error" in bad and "registers" not in bad
+
+
+def test_the_partitions_of_a_warp_specialised_kernel_are_read_from_its_ttgir():
+    """targets.ws_partitions: each partition's warpgroup products and TMA loads, in order; nothing for a plain kernel."""
+    from course_utils.kernels import targets
+
+    ttgir = """
+    ttg.warp_specialize(%a) attributes {requestedRegisters = array<i32: 232, 232>}
+    default {
+      ttng.async_tma_copy_global_to_local %desc_q[%r, %c0] %1, %2, %true
+      scf.for {
+        ttng.async_tma_copy_global_to_local %desc_k[%k, %c0] %3, %4, %true
+        ttng.async_tma_copy_global_to_local %desc_v[%k, %c0] %5, %6, %true
+      }
+    }
+    partition0(%x: i32) num_warps(4) {
+      %qk = ttng.warp_group_dot %q, %k, %cst
+      %acc = ttng.warp_group_dot %p, %v, %acc0
+    }
+    partition1(%x: i32) num_warps(4) {
+      %qk = ttng.warp_group_dot %q, %k, %cst
+    }
+    """
+    assert targets.ws_partitions(ttgir) == (("default", 0, 3), ("partition0", 2, 0), ("partition1", 1, 0))
+    assert targets.ws_partitions("tt.func @k() { %0 = ttng.warp_group_dot %a, %b, %c }") == ()

@@ -60,6 +60,9 @@ class Compiled:
     num_warps: int
     num_stages: int
     setmaxnreg: tuple = ()  # ("inc" | "dec", registers) of each setmaxnreg in the PTX (warp-specialised kernels)
+    # (name, warpgroup matrix products, TMA copies into shared memory) of each partition of a warp-specialised
+    # kernel's TTGIR ("default", "partition0", ...); () when the kernel is not specialised
+    partitions: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -258,7 +261,23 @@ def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool 
     shared = max(int(compiled.metadata.shared), static_shared)
     setmaxnreg = tuple(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]))
     return Compiled(kernel.__name__, case, sm, shared, n_regs, spills,
-                    compiled.metadata.num_warps, compiled.metadata.num_stages, setmaxnreg)
+                    compiled.metadata.num_warps, compiled.metadata.num_stages, setmaxnreg,
+                    ws_partitions(compiled.asm.get("ttgir", "")))
+
+
+def ws_partitions(ttgir: str) -> tuple:
+    """``(name, warpgroup products, TMA loads)`` of each partition of a ``ttg.warp_specialize`` in ``ttgir``.
+
+    A partition runs from its header (``default {``, ``partitionN(``) to the next one; the last one to the end
+    of the text (what follows the region holds neither operation in the course's kernels).
+    """
+    heads = list(re.finditer(r"^\s*(default) \{|^\s*(partition\d+)\(", ttgir, flags=re.M))
+    out = []
+    for i, m in enumerate(heads):
+        body = ttgir[m.end():heads[i + 1].start() if i + 1 < len(heads) else len(ttgir)]
+        out.append((m.group(1) or m.group(2), len(re.findall(r"ttng\.warp_group_dot ", body)),
+                    len(re.findall(r"ttng\.async_tma_copy_global_to_local ", body))))
+    return tuple(out)
 
 
 def lesson_launches(sm: int, head_dim: int, causal: bool = True, dtype: torch.dtype | None = None):
