@@ -47,10 +47,12 @@ def test_the_shipped_search_space_is_among_the_candidates():
 def test_every_candidate_is_a_correct_launch(candidate, extra):
     # N = 256 is a multiple of every tile; two query heads share one kv head.
     g = torch.Generator().manual_seed(7)
-    q, k, v = (torch.randn(1, h, 256, 16, generator=g).to(DEVICE) for h in (2, 1, 1))
+    split = candidate[5] and candidate[2] == 4  # a one-warpgroup specialised launch takes 16-bit inputs only
+    dtype = torch.float16 if split else torch.float32
+    q, k, v = (torch.randn(1, h, 256, 16, generator=g).to(DEVICE, dtype) for h in (2, 1, 1))
     o, lse = fast.launch(q, k, v, True, **tune_fast.launch_options(candidate, extra))
     ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True)
-    tol = 1e-2 if ON_GPU else 1e-5  # fp32 dots are tf32 on a GPU
+    tol = 1e-2 if ON_GPU else (2e-3 if split else 1e-5)  # fp32 dots are tf32 on a GPU
     if (extra or {}).get("exp_poly"):  # half the p's from the cubic: 7.5e-5 relative each (fast.EXP2_POLY)
         tol = max(tol, 2e-4)
     np.testing.assert_allclose(o.double().cpu().numpy(), ro, atol=tol, rtol=0)

@@ -100,7 +100,8 @@ def test_every_fast_forward_candidate_and_variant_is_a_correct_launch(candidate,
     """tune_fast.py times fast.launch at these launches: causal (the benchmark's main case) and not."""
     from course_utils.kernels import fast
 
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    split = candidate[5] and candidate[2] == 4  # a one-warpgroup specialised launch takes 16-bit inputs only
+    dtype = torch.bfloat16 if ON_GPU else (torch.float16 if split else torch.float32)
     q, k, v, _ = _inputs(4, 2, 256, 64, dtype, seed=5)
     _skip_unless_specialisable(candidate[5], candidate[2])
     for causal in (True, False):
@@ -114,6 +115,8 @@ def test_every_fast_forward_candidate_and_variant_is_a_correct_launch(candidate,
         o, lse = fast.launch(q, k, v, causal, **opts)
         ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=causal)
         tol = 2e-2 if ON_GPU else (3e-4 if opts.get("exp_poly") else 1e-5)  # the cubic exp2: 7.5e-5 relative
+        if dtype == torch.float16:
+            tol = max(tol, 2e-3)
         assert abs(o.double().cpu().numpy() - ro).max() < tol
         assert abs(lse.double().cpu().numpy() - rl).max() < max(tol, 1e-4)
 

@@ -626,6 +626,19 @@ def _descriptors(q, k, v, o, block_m: int, block_n: int):
     return desc(q, block_m), desc(k, block_n), desc(v, block_n), desc(o, block_m)
 
 
+def _validate_warp_specialize(dtype, use_tma: bool) -> None:
+    """A one-warpgroup warp-specialised launch: 16-bit inputs and TMA loads, else ``ValueError``.
+
+    Compiled for sm_90 with Triton 3.6 (``course_utils.kernels.targets``), the specialised loop stops the
+    compiler with float32 inputs (their tf32 products: "WGMMA type or shape is not supported") and with
+    pointer loads (the warp-specialisation pass's assertion), so such a launch is refused on every machine,
+    the interpreter included, instead of failing on a GPU only.
+    """
+    if dtype not in (torch.float16, torch.bfloat16) or not use_tma:
+        raise ValueError(f"a warp-specialised one-warpgroup launch needs 16-bit inputs and TMA loads (got {dtype}, "
+                         f"use_tma={use_tma}): Triton does not specialise a loop of tf32 products or pointer loads")
+
+
 def _prepare(q, k, v, sm_scale):
     q, k, v = (t.contiguous() for t in (q, k, v))
     b, hq, n, d = q.shape
@@ -665,6 +678,8 @@ def launch(
     if split_rows and causal and two_phase:
         raise ValueError("a 4-warp warp-specialised causal launch needs two_phase=False (Triton 3.6 specialises "
                          "only one loop)")
+    if split_rows:
+        _validate_warp_specialize(q.dtype, use_tma)
     q, k, v, o, lse, scale = _prepare(q, k, v, sm_scale)
     b, hq, n, d = q.shape
     if n % block_m or n % block_n or (causal and block_m % block_n):

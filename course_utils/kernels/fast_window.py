@@ -250,6 +250,8 @@ def launch(q, k, v, *, window_size, sink_size=0, sm_scale=None, block_m=128, blo
     if n % block_m or n % block_n or block_m % block_n:
         raise ValueError(f"N={n} must be a multiple of BLOCK_M={block_m} and BLOCK_N={block_n}, "
                          f"and BLOCK_M of BLOCK_N")
+    if warp_specialize:
+        fast._validate_warp_specialize(q.dtype, use_tma)
     if o.numel() == 0:
         return o, lse
     descs = fast._descriptors(q, k, v, o, block_m, block_n) if use_tma else (None,) * 4
