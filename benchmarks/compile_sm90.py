@@ -13,6 +13,9 @@ This script records, for bf16 and D = 128:
   ``warp_specialize=True`` (the output stored by pointers, causal in one loop),
   with and without it: warps per program, registers, spills, shared memory, and
   the ``setmaxnreg`` values Triton wrote into the PTX;
+- ``ws_persistent_forward``: that kernel persistent (132 programs walk the
+  tiles) with its tile loop warp-specialised, ``tune_fast.py``'s persistent
+  VARIANTS, causal and not;
 - ``ws_window_forward``: lesson 08's window on that machinery
   (:mod:`course_utils.kernels.fast_window`), warp-specialised, without and
   with 4 sinks;
@@ -94,6 +97,25 @@ def ws_forward() -> list[dict]:
                 with targets._captured_launches() as launches:
                     fast.launch(q, k, k, causal, **opts)
                 rows.append(dict(opts, causal=causal, **_compiled(*launches[0])))
+    return rows
+
+
+def ws_persistent_forward() -> list[dict]:
+    """Lesson 06's kernel persistent (one program per SM of the H200's 132 walks the tiles), its tile loop
+    warp-specialised: tune_fast.py's persistent VARIANTS, causal (one masked key loop) and not."""
+    from course_utils.kernels import fast, targets
+
+    q, k, _ = _inputs(32, 8)
+    rows = []
+    for c, extra in _tuning_script("tune_fast").VARIANTS:
+        if not extra.get("persistent"):
+            continue
+        for causal in (True, False):
+            opts = dict(_tuning_script("tune_fast").launch_options(c, extra), n_programs=132)
+            with targets._captured_launches() as launches:
+                fast.launch(q, k, k, causal, **opts)
+            rows.append(dict(block_m=c[0], block_n=c[1], num_warps=c[2], num_stages=c[3], warp_specialize=c[5],
+                             persistent=True, causal=causal, **_compiled(*launches[0])))
     return rows
 
 
@@ -232,10 +254,12 @@ def main(argv=None) -> int:
     record = dict(info=dict(triton=triton.__version__, target=f"sm_{SM}", dtype="bf16", head_dim=D,
                             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                             command="python benchmarks/compile_sm90.py"),
-                  lesson05_forward=lesson05_forward(), ws_forward=ws_forward(), ws_window_forward=ws_window_forward(),
+                  lesson05_forward=lesson05_forward(), ws_forward=ws_forward(),
+                  ws_persistent_forward=ws_persistent_forward(), ws_window_forward=ws_window_forward(),
                   backward_pair=backward_pair(), flat_backward=flat_backward(), window_backward=window_backward(),
                   fp8_ws=fp8_ws(), t4_lessons=t4_lessons())
-    for section in ("lesson05_forward", "ws_forward", "ws_window_forward", "backward_pair", "flat_backward",
+    for section in ("lesson05_forward", "ws_forward", "ws_persistent_forward", "ws_window_forward", "backward_pair",
+                    "flat_backward",
                     "window_backward", "fp8_ws", "t4_lessons"):
         print(f"== {section}")
         for r in record[section]:

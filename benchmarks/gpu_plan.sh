@@ -21,8 +21,8 @@
 #   misc    tune_fp8.py --hopper --ws and --maxnreg, tune_decode.py --lean at the two long points
 #   train   python -m course_utils.bench --training --fast-backward: forward + backward with lesson 07's pair and with
 #           the flat backward (and its flat dQ) behind autograd, beside SDPA flash and cuDNN, in one run
-#   ncu     Nsight Compute's counters of the two warp-specialised forwards (ncu_forward.py's fast_ws and
-#           fp8_hopper_ws), added to a copy of results/ncu_forward.json in $OUT
+#   ncu     Nsight Compute's counters of the warp-specialised forwards (ncu_forward.py's fast_ws, fp8_hopper_ws
+#           and fast_persistent_ws), added to a copy of results/ncu_forward.json in $OUT
 #
 # A command that needs no GPU exits at once on a CPU (the tune scripts say there is none), so
 # `bash benchmarks/gpu_plan.sh fwd` runs here too (tests/test_tune_scripts.py does).
@@ -100,7 +100,7 @@ for step in "$@"; do
       run train "$PY" -m course_utils.bench --training --fast-backward --out "$OUT/train" ;;
     ncu)
       cp results/ncu_forward.json "$OUT/" && mkdir -p "$OUT/ncu"
-      run ncu_ws "$PY" benchmarks/ncu_forward.py --all "$OUT" --kernels fast_ws fp8_hopper_ws ;;
+      run ncu_ws "$PY" benchmarks/ncu_forward.py --all "$OUT" --kernels fast_ws fp8_hopper_ws fast_persistent_ws ;;
     halves)
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;

@@ -15,7 +15,8 @@ Kernels (bf16 unless said, GQA 32/8, D = 128, N = 4096, batch 4, not causal):
 - ``fast_2_per_sm_poly``, ``fp8_hopper_poly``: the same two launches with half of each tile's exponentials
   computed on the FMA units (``fast._exp_scores``);
 - ``fast_ws``, ``fp8_hopper_ws``: lesson 06's kernel and the FP8 Hopper kernel warp-specialised on one warpgroup
-  (128 x 64 tiles, 2 stages: a producer and two consumer warpgroups, 12 warps; Triton 3.6).
+  (128 x 64 tiles, 2 stages: a producer and two consumer warpgroups, 12 warps; Triton 3.6);
+- ``fast_persistent_ws``: lesson 06's kernel persistent (one program per SM), its tile loop warp-specialised.
 
 ``--kernels`` profiles only some of them and keeps the other kernels' rows of an earlier run.
 
@@ -38,7 +39,7 @@ import sys
 from pathlib import Path
 
 KERNELS = ("lesson05", "fast_1_per_sm", "fast_2_per_sm", "fp8", "fp8_hopper", "fast_2_per_sm_poly", "fp8_hopper_poly",
-           "fast_ws", "fp8_hopper_ws")
+           "fast_ws", "fp8_hopper_ws", "fast_persistent_ws")
 B, HQ, HKV, N, D = 4, 32, 8, 4096, 128
 # Counters kept in the summary: (label, exact raw-metric name).
 NAMED = [
@@ -82,10 +83,10 @@ def one_launch(name: str) -> None:
     elif name == "fast_2_per_sm_poly":
         def run():
             return fast.launch(q, k, v, False, block_m=128, block_n=64, num_warps=4, num_stages=2, exp_poly=True)
-    elif name == "fast_ws":
+    elif name in ("fast_ws", "fast_persistent_ws"):
         def run():
             return fast.launch(q, k, v, False, block_m=128, block_n=64, num_warps=4, num_stages=2,
-                               warp_specialize=True)
+                               warp_specialize=True, persistent=name == "fast_persistent_ws")
     elif name.startswith("fp8"):
         (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
         vt8 = v8.transpose(2, 3).contiguous()

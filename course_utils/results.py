@@ -302,15 +302,19 @@ def _tune_window_fast(d):
 
 
 def _sm90(d):
-    """Lesson 06's fast forward (bf16) and lesson 11's FP8 Hopper kernel (D = 128) as compiled for sm_90, with and
-    without warp specialisation: ``ws_forward`` and ``fp8_ws`` of ``benchmarks/compile_sm90.py``."""
+    """Lesson 06's fast forward (bf16; also persistent) and lesson 11's FP8 Hopper kernel (D = 128) as compiled for
+    sm_90, with and without warp specialisation: ``ws_forward``, ``ws_persistent_forward`` and ``fp8_ws`` of
+    ``benchmarks/compile_sm90.py``."""
     out = []
-    for section, kernel in (("ws_forward", "bf16 forward (lesson 06)"), ("fp8_ws", "FP8 forward (lesson 11)")):
+    for section, kernel in (("ws_forward", "bf16 forward (lesson 06)"), ("ws_persistent_forward", "bf16 forward (lesson 06)"),
+                            ("fp8_ws", "FP8 forward (lesson 11)")):
         for r in d.get(section, []):
             if r.get("error") or r.get("head_dim", 128) != 128:
                 continue
             raised = [int(v) for op, v in r["setmaxnreg"] if op == "inc" and int(v) < 256]
             launch = f"{r['block_m']} x {r['block_n']}, {r['num_stages']} stages"
+            if r.get("persistent"):
+                launch += ", persistent"
             if r.get("maxnreg"):
                 launch += f", at most {r['maxnreg']} registers"
             out.append(dict(kernel=kernel, causal=r["causal"], launch=launch, warp_specialize=r["warp_specialize"],

@@ -99,6 +99,20 @@ def test_the_warp_specialised_one_warpgroup_launch_is_fa3s_shape_and_correct(cau
     _assert_close(o, lse, _reference(q, k, v, causal))
 
 
+@pytest.mark.skipif(not triton.__version__.startswith("3.6"),
+                    reason="compiled into the producer/consumer form with triton 3.6; triton 3.8 refuses it")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_the_persistent_warp_specialised_launch_is_fa3s_layout_and_correct(causal, block_n):
+    """``persistent=True`` with ``warp_specialize``: one program per SM walks the tiles, its tile loop split into a
+    producer and two consumers (12 warps); fewer programs than tiles, so each walks several."""
+    q, k, v = _inputs(2, 8, 2, 1024, 128, torch.bfloat16, seed=block_n + causal + 1)
+    o, lse = fast.launch(q, k, v, causal, block_m=128, block_n=block_n, num_warps=4, num_stages=2,
+                         warp_specialize=True, two_phase=False, persistent=True, n_programs=37)
+    assert fast.LAST_LAUNCH["compiled"].metadata.num_warps == 12
+    _assert_close(o, lse, _reference(q, k, v, causal))
+
+
 def test_public_functions_and_gradients_through_the_fast_forward():
     q, k, v = _inputs(1, 8, 2, 512, 128, torch.bfloat16, seed=11)
     o, lse = flash_attention_with_lse(q, k, v, causal=True)

@@ -12,6 +12,7 @@ import course_utils  # noqa: F401  (before triton: switches the interpreter on)
 import numpy as np
 import pytest
 import torch
+import triton
 
 from course_utils import references
 from course_utils.kernels import fast, forward
@@ -214,6 +215,37 @@ def test_launch_matches_the_reference(b, hq, hkv, n, d, causal, dtype, opts):
     o, lse = fast.launch(q, k, v, causal, block_m=64, block_n=32, **opts)
     assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32
     _assert_close(o, lse, _ref(q, k, v, causal), 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+PERSISTENT = [
+    # b, hq, hkv, n, d, causal, dtype, options: fewer programs than tiles, so each walks several
+    (1, 4, 2, 256, 32, False, torch.float16, dict(warp_specialize=True, n_programs=3)),
+    (2, 4, 1, 256, 64, True, torch.float16, dict(warp_specialize=True, two_phase=False, n_programs=5)),
+    (1, 2, 2, 256, 32, True, torch.float32, dict(warp_specialize=False, n_programs=4)),  # two phases
+    (1, 6, 2, 128, 32, False, torch.float32, dict(warp_specialize=False, order=0, n_programs=100)),  # > tiles
+]
+
+
+@pytest.mark.parametrize("b, hq, hkv, n, d, causal, dtype, opts", PERSISTENT)
+def test_the_persistent_launch_matches_the_reference(b, hq, hkv, n, d, causal, dtype, opts):
+    """persistent=True: n_programs programs walk the grid's tiles (fast.launch_persistent); warp_specialize
+    specialises that tile loop (FlashAttention-3's layout on Hopper), causal then in one masked key loop."""
+    if ON_GPU and opts["warp_specialize"] and not triton.__version__.startswith("3.6"):
+        pytest.skip("compiled warp-specialised with triton 3.6; triton 3.8 refuses the form")
+    q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=hq + n + 1)
+    o, lse = fast.launch(q, k, v, causal, block_m=64, block_n=32, num_warps=4, persistent=True, **opts)
+    assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32
+    _assert_close(o, lse, _ref(q, k, v, causal), 1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def test_a_persistent_launch_refuses_what_it_does_not_run():
+    q, k, v = _inputs(1, 2, 1, 128, 32, torch.float16, seed=7)
+    with pytest.raises(ValueError, match="two_phase=False"):
+        fast.launch(q, k, v, True, block_m=64, block_n=32, persistent=True, warp_specialize=True)
+    with pytest.raises(ValueError, match="TMA loads and exp2 only"):
+        fast.launch(q, k, v, False, block_m=64, block_n=32, persistent=True, use_tma=False)
+    with pytest.raises(ValueError, match="16-bit inputs"):
+        fast.launch_persistent(q.float(), k.float(), v.float(), False, block_m=64, block_n=32)
 
 
 def test_a_warp_specialised_one_warpgroup_causal_launch_needs_one_loop():

@@ -588,7 +588,7 @@ def test_the_compile_table_renders_the_recorded_forward_compiles():
     setmaxnreg only where specialised, and a header that says the figures were compiled, not measured on a GPU."""
     doc = results.load("sm90_compiles")
     rows = results.rows("sm90_compiles")
-    want = len(doc["ws_forward"]) + sum(r["head_dim"] == 128 for r in doc["fp8_ws"])
+    want = len(doc["ws_forward"]) + len(doc["ws_persistent_forward"]) + sum(r["head_dim"] == 128 for r in doc["fp8_ws"])
     assert len(rows) == want and {r["kernel"] for r in rows} == {"bf16 forward (lesson 06)", "FP8 forward (lesson 11)"}
     assert all((r["setmaxnreg"] == "232") == r["warp_specialize"] for r in rows)
     assert any("at most 128 registers" in r["launch"] for r in rows)
@@ -600,7 +600,7 @@ def test_lesson_11s_reading_of_the_partitions_is_the_recorded_one():
     """Lesson 11: in every specialised forward (bf16 and FP8) the producer issues the TMA copies and no product,
     and each of two consumers runs the tile's two products and no copy (results/sm90_compiles.json's partitions)."""
     doc = results.load("sm90_compiles")
-    rows = [r for section in ("ws_forward", "fp8_ws", "ws_window_forward") for r in doc[section]
+    rows = [r for section in ("ws_forward", "ws_persistent_forward", "fp8_ws", "ws_window_forward") for r in doc[section]
             if r["warp_specialize"]]
     assert rows and all(r["warps"] == 12 for r in rows)
     for r in rows:
@@ -611,3 +611,19 @@ def test_lesson_11s_reading_of_the_partitions_is_the_recorded_one():
     text = " ".join(markdown_text("11_hopper_and_fp8").split())
     assert ("The producer issues every TMA copy and no matrix product; each consumer runs the tile's two products, "
             "`Q Kᵀ` and `P V`, on its 64 rows") in text
+
+
+def test_the_persistent_specialised_forwards_are_the_recorded_compiles():
+    """tune_fast.py's persistent VARIANTS, as its comment says (sm_90, triton 3.6): 12 warps of 168 registers, no
+    spills, 144 / 208 KiB for 128 x 64 / 128 x 128, causal and not."""
+    rows = results.load("sm90_compiles")["ws_persistent_forward"]
+    tune_fast = _benchmark("tune_fast")
+    want = {(c[0], c[1], c[3]) for c, extra in tune_fast.VARIANTS if extra.get("persistent")}
+    assert {(r["block_m"], r["block_n"], r["num_stages"]) for r in rows} == want and len(rows) == 2 * len(want)
+    assert all(r["warps"] == 12 and r["registers"] == 168 and r["spills"] == 0 for r in rows)
+    kib = sorted({r["shared"] // 1024 for r in rows})
+    text = " ".join(line.lstrip("# ") for line in (ROOT / "benchmarks" / "tune_fast.py").read_text().splitlines())
+    assert f"12 warps of 168 registers, no spills, {kib[0]} / {kib[1]} KiB" in text
+    lesson = " ".join(markdown_text("11_hopper_and_fp8").split())
+    assert f"(12 warps again, {kib[0]} KiB at `128 x 64`; not measured yet)" in lesson
+

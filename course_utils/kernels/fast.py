@@ -100,30 +100,38 @@ def grid_shape(order: int, batch: int, n_q_heads: int, n_kv_heads: int, n_m: int
 # The kernel
 # --------------------------------------------------------------------------- #
 @triton.jit
-def _program_tile(N_CTX, N_Q_HEADS, BLOCK_M: tl.constexpr, ORDER: tl.constexpr, CAUSAL: tl.constexpr,
-                  GROUP_SIZE: tl.constexpr):
-    """Which (batch*head, query block) this program computes."""
+def _tile_at(pid0, pid1, num0, num1, N_Q_HEADS, ORDER: tl.constexpr, CAUSAL: tl.constexpr,
+             GROUP_SIZE: tl.constexpr):
+    """Which (batch*head, query block) grid position ``(pid0, pid1)`` of a ``num0 x num1`` grid computes."""
     if ORDER == 2:
-        # program_id(0) = member of the GQA group (fastest), then query block;
-        # program_id(1) = (batch, kv_head). Neighbours read the same K/V tiles.
-        n_m = tl.num_programs(0) // GROUP_SIZE
-        start_m = tl.program_id(0) // GROUP_SIZE
+        # pid0 = member of the GQA group (fastest), then query block;
+        # pid1 = (batch, kv_head). Neighbours read the same K/V tiles.
+        n_m = num0 // GROUP_SIZE
+        start_m = pid0 // GROUP_SIZE
         if CAUSAL:
             start_m = n_m - 1 - start_m  # longest rows first
         n_kv_heads = N_Q_HEADS // GROUP_SIZE
-        batch = tl.program_id(1) // n_kv_heads
-        q_head = (tl.program_id(1) % n_kv_heads) * GROUP_SIZE + tl.program_id(0) % GROUP_SIZE
+        batch = pid1 // n_kv_heads
+        q_head = (pid1 % n_kv_heads) * GROUP_SIZE + pid0 % GROUP_SIZE
         bh = batch * N_Q_HEADS + q_head
     elif ORDER == 1:
-        bh = tl.program_id(0)
-        start_m = tl.program_id(1)
+        bh = pid0
+        start_m = pid1
         if CAUSAL:
             # Reverse: the first programs launched get the last (longest) rows.
-            start_m = tl.num_programs(1) - 1 - start_m
+            start_m = num1 - 1 - start_m
     else:
-        start_m = tl.program_id(0)
-        bh = tl.program_id(1)
+        start_m = pid0
+        bh = pid1
     return bh, start_m
+
+
+@triton.jit
+def _program_tile(N_CTX, N_Q_HEADS, BLOCK_M: tl.constexpr, ORDER: tl.constexpr, CAUSAL: tl.constexpr,
+                  GROUP_SIZE: tl.constexpr):
+    """Which (batch*head, query block) this program computes (its place in the grid of :func:`grid_shape`)."""
+    return _tile_at(tl.program_id(0), tl.program_id(1), tl.num_programs(0), tl.num_programs(1), N_Q_HEADS, ORDER,
+                    CAUSAL, GROUP_SIZE)
 
 
 @triton.jit
@@ -330,7 +338,8 @@ def _attn_fwd_inner_pipelined(
 
 
 @triton.jit
-def _attn_fwd_fast_kernel(
+def _attn_fwd_tile(
+    bh, start_m,
     Q, K, V, O, Lse,
     desc_q, desc_k, desc_v, desc_o,
     sm_scale, N_CTX, N_Q_HEADS,
@@ -346,21 +355,11 @@ def _attn_fwd_fast_kernel(
     TWO_PHASE: tl.constexpr,
     EXP2: tl.constexpr,
     PIPELINE_QK: tl.constexpr,
-    O_BY_POINTER: tl.constexpr = False,
+    O_BY_POINTER: tl.constexpr,
 ):
-    """One program: one query block of one (batch, query head).
-
-    Tensors are contiguous ``[B, H, N, D]``, viewed as 2-D ``[B*H*N, D]``
-    matrices (that is what the descriptors describe). ``N_CTX`` is a multiple
-    of ``BLOCK_M`` and ``BLOCK_N`` (the wrapper guarantees it), so no tile
-    crosses from one head into the next and no bounds masks are needed.
-    ``O_BY_POINTER`` stores the output tile by pointers even with TMA: Triton
-    3.6's warp-specialisation pass refuses the descriptor store of a 4-warp
-    program (see :func:`launch`).
-    """
-    if CAUSAL:
-        tl.static_assert(BLOCK_M % BLOCK_N == 0)
-    bh, start_m = _program_tile(N_CTX, N_Q_HEADS, BLOCK_M, ORDER, CAUSAL, GROUP_SIZE)
+    """Query block ``start_m`` of (batch, query head) ``bh``: the online softmax over its key blocks, then
+    ``O`` and ``lse`` stored (the body of :func:`_attn_fwd_fast_kernel` and of each step of
+    :func:`_attn_fwd_persistent_kernel`)."""
     batch = bh // N_Q_HEADS
     q_head = bh % N_Q_HEADS
     kv_head = q_head // GROUP_SIZE
@@ -441,6 +440,76 @@ def _attn_fwd_fast_kernel(
     else:
         o_rows = (q_row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         tl.store(O + o_rows[:, None] * HEAD_DIM + offs_d[None, :], out)
+
+
+
+
+@triton.jit
+def _attn_fwd_fast_kernel(
+    Q, K, V, O, Lse,
+    desc_q, desc_k, desc_v, desc_o,
+    sm_scale, N_CTX, N_Q_HEADS,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    ORDER: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    TWO_PHASE: tl.constexpr,
+    EXP2: tl.constexpr,
+    PIPELINE_QK: tl.constexpr,
+    O_BY_POINTER: tl.constexpr = False,
+):
+    """One program: one query block of one (batch, query head).
+
+    Tensors are contiguous ``[B, H, N, D]``, viewed as 2-D ``[B*H*N, D]``
+    matrices (that is what the descriptors describe). ``N_CTX`` is a multiple
+    of ``BLOCK_M`` and ``BLOCK_N`` (the wrapper guarantees it), so no tile
+    crosses from one head into the next and no bounds masks are needed.
+    ``O_BY_POINTER`` stores the output tile by pointers even with TMA: Triton
+    3.6's warp-specialisation pass refuses the descriptor store of a 4-warp
+    program (see :func:`launch`).
+    """
+    if CAUSAL:
+        tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    bh, start_m = _program_tile(N_CTX, N_Q_HEADS, BLOCK_M, ORDER, CAUSAL, GROUP_SIZE)
+    _attn_fwd_tile(bh, start_m, Q, K, V, O, Lse, desc_q, desc_k, desc_v, desc_o, sm_scale, N_CTX, N_Q_HEADS,
+                   GROUP_SIZE, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, USE_TMA, ORDER, LAZY_RESCALE, WARP_SPECIALIZE,
+                   TWO_PHASE, EXP2, PIPELINE_QK, O_BY_POINTER)
+
+
+@triton.jit
+def _attn_fwd_persistent_kernel(
+    Q, K, V, O, Lse,
+    desc_q, desc_k, desc_v, desc_o,
+    sm_scale, N_CTX, N_Q_HEADS, GRID0, GRID1,
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ORDER: tl.constexpr,
+    TWO_PHASE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Persistent: each program walks the tiles ``program_id, program_id + programs, ...`` of the ``GRID0 x
+    GRID1`` grid :func:`grid_shape` gives (in its order: a GQA group's heads side by side, longest rows first),
+    each as one program of :func:`_attn_fwd_fast_kernel` would (TMA loads, the output by pointers).
+
+    ``WARP_SPECIALIZE`` specialises this tile loop, not the key loop inside it, as FlashAttention-3 does: the
+    producer partition can load the next tile's ``Q`` and first K/V tiles while the consumers finish the last
+    tile's epilogue.
+    """
+    if CAUSAL:
+        tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    for t in tl.range(tl.program_id(0), GRID0 * GRID1, tl.num_programs(0), warp_specialize=WARP_SPECIALIZE):
+        bh, start_m = _tile_at(t % GRID0, t // GRID0, GRID0, GRID1, N_Q_HEADS, ORDER, CAUSAL, GROUP_SIZE)
+        _attn_fwd_tile(bh, start_m, Q, K, V, O, Lse, desc_q, desc_k, desc_v, desc_o, sm_scale, N_CTX, N_Q_HEADS,
+                       GROUP_SIZE, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, True, ORDER, False, False,
+                       TWO_PHASE, True, False, True)
 
 
 # --------------------------------------------------------------------------- #
@@ -656,7 +725,7 @@ LAST_LAUNCH = {"compiled": None}
 def launch(
     q, k, v, causal=False, sm_scale=None, *, block_m=128, block_n=64, num_warps=4, num_stages=2,
     use_tma=True, order=ORDER_KV_GROUPED, lazy_rescale=False, warp_specialize=False,
-    two_phase=True, exp2=True, pipeline_qk=False, maxnreg=None, exp_poly=False,
+    two_phase=True, exp2=True, pipeline_qk=False, maxnreg=None, exp_poly=False, persistent=False, n_programs=None,
 ):
     """Run the kernel with one fixed configuration (no autotuning): ``(o, lse)``.
 
@@ -671,13 +740,23 @@ def launch(
     with the output stored by pointers, so the output goes by pointers here,
     and a causal launch needs ``two_phase=False`` (one loop, every block
     masked); triton 3.8 refuses the form (its split of the ``Q`` load).
+
+    ``persistent``: :func:`launch_persistent` (``n_programs`` programs over the
+    same tiles; TMA loads, exp2, none of the other options above).
     """
-    if exp_poly and not exp2:
-        raise ValueError("exp_poly=True computes exp2: it needs exp2=True")
     split_rows = warp_specialize and num_warps == 4  # the producer + two 64-row consumers form
     if split_rows and causal and two_phase:
         raise ValueError("a 4-warp warp-specialised causal launch needs two_phase=False (Triton 3.6 specialises "
                          "only one loop)")
+    if persistent:
+        if not use_tma or lazy_rescale or not exp2 or pipeline_qk or maxnreg is not None or exp_poly:
+            raise ValueError("a persistent launch takes TMA loads and exp2 only (no lazy_rescale, pipeline_qk, "
+                             "maxnreg or exp_poly)")
+        return launch_persistent(q, k, v, causal, sm_scale, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                                 num_stages=num_stages, order=order, warp_specialize=warp_specialize,
+                                 two_phase=two_phase, n_programs=n_programs)
+    if exp_poly and not exp2:
+        raise ValueError("exp_poly=True computes exp2: it needs exp2=True")
     if split_rows:
         _validate_warp_specialize(q.dtype, use_tma)
     q, k, v, o, lse, scale = _prepare(q, k, v, sm_scale)
@@ -697,6 +776,40 @@ def launch(
         LAZY_RESCALE=lazy_rescale, WARP_SPECIALIZE=warp_specialize,
         TWO_PHASE=two_phase, EXP2=2 if exp_poly else exp2, PIPELINE_QK=pipeline_qk, O_BY_POINTER=split_rows,
         num_warps=num_warps, num_stages=num_stages, **extra,
+    )
+    LAST_LAUNCH["compiled"] = compiled
+    return o, lse
+
+
+def launch_persistent(q, k, v, causal=False, sm_scale=None, *, block_m=128, block_n=64, num_warps=4, num_stages=2,
+                      order=ORDER_KV_GROUPED, warp_specialize=True, two_phase=True, n_programs=None):
+    """:func:`launch`'s ``(o, lse)`` from :func:`_attn_fwd_persistent_kernel`: ``n_programs`` programs (default: one
+    per SM on a GPU, 4 in the interpreter) walk the tiles of :func:`launch`'s grid, TMA loads, the output by
+    pointers.
+
+    ``warp_specialize`` (4 warps, 16-bit inputs): Triton 3.6 compiles the tile loop for Hopper into a producer
+    and two consumer warpgroups (12 warps), FlashAttention-3's persistent layout; not measured yet
+    (``benchmarks/tune_fast.py`` times it).
+    """
+    if warp_specialize and num_warps == 4:
+        if causal and two_phase:  # compiled for sm_90, the two inner loops stop the pass (a dominance assertion)
+            raise ValueError("a 4-warp warp-specialised causal launch needs two_phase=False (the tile loop holds "
+                             "one key loop, every block masked)")
+        _validate_warp_specialize(q.dtype, True)
+    q, k, v, o, lse, scale = _prepare(q, k, v, sm_scale)
+    b, hq, n, d = q.shape
+    if n % block_m or n % block_n or (causal and block_m % block_n):
+        raise ValueError(f"N={n} must be a multiple of BLOCK_M={block_m} and BLOCK_N={block_n}")
+    if o.numel() == 0:
+        return o, lse
+    grid0, grid1 = grid_shape(order, b, hq, k.shape[1], n // block_m)
+    if n_programs is None:
+        n_programs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    compiled = _attn_fwd_persistent_kernel[(min(int(n_programs), grid0 * grid1),)](
+        q, k, v, o, lse, *_descriptors(q, k, v, o, block_m, block_n), scale, n, hq, grid0, grid1,
+        GROUP_SIZE=hq // k.shape[1], HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_M=block_m, BLOCK_N=block_n,
+        ORDER=order, TWO_PHASE=two_phase, WARP_SPECIALIZE=warp_specialize,
+        num_warps=num_warps, num_stages=num_stages,
     )
     LAST_LAUNCH["compiled"] = compiled
     return o, lse
