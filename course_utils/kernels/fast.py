@@ -442,8 +442,6 @@ def _attn_fwd_tile(
         tl.store(O + o_rows[:, None] * HEAD_DIM + offs_d[None, :], out)
 
 
-
-
 @triton.jit
 def _attn_fwd_fast_kernel(
     Q, K, V, O, Lse,
