@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: tests0 suite1 suite2 fwd bwd window misc train ncu halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: speed tests0 suite1 suite2 fwd bwd window misc train ncu halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -12,6 +12,10 @@
 # ../shared/device/fetch-wheels.sh in .whl/ (carried there) are installed to /tmp/site first, as the device
 # README asks. `halves` prints the two halves' test files (every tests/test_*.py once).
 #
+#   speed   the three measurements that decide this session's candidates, most decisive first: the
+#           specialised and persistent forwards (tune_fast.py --variants-only, causal, N = 4k and 16k), forward +
+#           backward with the flat backward (bench --training --fast-backward), the FP8 kernel specialised
+#           (tune_fp8.py --hopper --ws, D = 128)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
@@ -79,6 +83,10 @@ for step in "$@"; do
       run suite1 "${PYTEST[@]}" -n 15 --dist loadfile $(half 1) ;;
     suite2)
       run suite2 "${PYTEST[@]}" -n 15 --dist loadfile $(half 2) --nbval-lax --nbval-current-env solutions/ ;;
+    speed)
+      run speed_fwd "$PY" benchmarks/tune_fast.py --variants-only --ns 4096 16384 --out "$OUT/tune_fast_variants.json"
+      run speed_train "$PY" -m course_utils.bench --training --fast-backward --n 4096,8192,16384 --out "$OUT/train"
+      run speed_fp8 "$PY" benchmarks/tune_fp8.py --hopper --ws --head-dims 128 --out "$OUT/tune_fp8_ws.json" ;;
     fwd)
       run fwd_causal "$PY" benchmarks/tune_fast.py --variants-only --ns 4096 16384 --out "$OUT/tune_fast_variants.json"
       run fwd_noncausal "$PY" benchmarks/tune_fast.py --variants-only --case noncausal --ns 4096 16384 \
@@ -105,7 +113,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (tests0 suite1 suite2 fwd bwd window misc train ncu halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (speed tests0 suite1 suite2 fwd bwd window misc train ncu halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done
