@@ -226,13 +226,15 @@ def fp8_ws() -> list[dict]:
         qs, ks = torch.ones(1, 32, N // 128), torch.ones(1, 8, N // 128)
         for causal in (True, False):
             for cfg in _tuning_script("tune_fp8").hopper_candidates(options, d, causal):
-                with targets._captured_launches() as launches:
-                    fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, ks, causal, 128, torch.bfloat16, config=cfg)
+                with targets._captured_launches() as launches:  # persistent: the H200's 132 programs
+                    fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, ks, causal, 128, torch.bfloat16,
+                                          config=dict(cfg, N_PROGRAMS=132) if cfg.get("PERSISTENT") else cfg)
                 kernel, args, kwargs = launches[0]
                 kwargs = dict(kwargs, INTERPRETED=False)  # captured from CPU tensors: compile the GPU's branch
                 rows.append(dict(head_dim=d, causal=causal, block_m=cfg["BLOCK_M"], block_n=cfg["BLOCK_N"],
                                  num_stages=cfg["num_stages"], maxnreg=cfg.get("maxnreg"),
-                                 warp_specialize=bool(cfg.get("WARP_SPECIALIZE")), **_compiled(kernel, args, kwargs)))
+                                 warp_specialize=bool(cfg.get("WARP_SPECIALIZE")),
+                                 persistent=bool(cfg.get("PERSISTENT")), **_compiled(kernel, args, kwargs)))
     return rows
 
 
@@ -268,7 +270,7 @@ def main(argv=None) -> int:
             key = {k: v for k, v in r.items() if k in ("name", "case", "config", "window_size", "sink_size", "head_dim",
                                                         "block_m",
                                                         "block_n", "num_stages", "causal", "maxnreg",
-                                                        "warp_specialize") and v is not None}
+                                                        "warp_specialize", "persistent") and v is not None}
             print(f"  {r['kernel']:<22} {key}: {what}")
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -17,7 +17,8 @@ at each candidate, at D = 128 and 64, beside the lesson kernel's launch, the cou
 ``--exp-poly`` times POLY_SHAPES with and without half the exponentials as a cubic on the FMA units;
 ``--maxnreg`` times MAXNREG_SHAPES, hopper_config's tiles with caps on registers per thread (D = 128).
 ``--ws`` times WS_SHAPES warp-specialised (``WARP_SPECIALIZE=True``: a producer and two consumer warpgroups,
-Triton 3.6 only; compiled for sm_90 in ``results/sm90_compiles.json``'s ``fp8_ws``) beside hopper_config's launch.
+Triton 3.6 only; compiled for sm_90 in ``results/sm90_compiles.json``'s ``fp8_ws``) and WS_PERSISTENT_SHAPES
+persistent with their tile loop specialised, beside hopper_config's launch.
 
 Needs a CUDA GPU with FP8 (sm_89 or sm_90).
 """
@@ -184,6 +185,9 @@ MAXNREG_SHAPES = {True: [(64, 64, 4, 3, 2, None), (64, 64, 4, 2, 2, None), (64, 
 # each makes 12 warps of 168 registers raised to 232 by setmaxnreg, with no spills.
 WS_SHAPES = {128: [(128, 64, 4, 2, 2), (128, 64, 4, 3, 2), (128, 128, 4, 2, 2), (128, 128, 4, 3, 2), (64, 128, 4, 2, 2)],
              64: [(128, 64, 4, 2, 2), (128, 128, 4, 2, 2), (128, 128, 4, 3, 2)]}
+# ... and persistent (PERSISTENT=True: one program per SM walks the tiles, the tile loop specialised), as
+# fast.launch_persistent does for bf16; the same compile record, the same 12 warps.
+WS_PERSISTENT_SHAPES = {128: [(128, 64, 4, 2, 2), (128, 128, 4, 2, 2)], 64: [(128, 64, 4, 2, 2), (128, 128, 4, 2, 2)]}
 
 
 def hopper_candidates(args, d: int, causal: bool) -> list[dict]:
@@ -202,7 +206,8 @@ def hopper_candidates(args, d: int, causal: bool) -> list[dict]:
         first = cfg(shipped["BLOCK_M"], shipped["BLOCK_N"], shipped["num_warps"], shipped["num_stages"], 2,
                     maxnreg=shipped.get("maxnreg"))
         return [first] + [dict(cfg(*shape), maxnreg=None, WARP_SPECIALIZE=True) for shape in WS_SHAPES[d]
-                          if not (causal and shape[0] % shape[1])]
+                          if not (causal and shape[0] % shape[1])] + [
+            dict(cfg(*shape), maxnreg=None, WARP_SPECIALIZE=True, PERSISTENT=True) for shape in WS_PERSISTENT_SHAPES[d]]
     if args.exp_poly:  # the causal loop needs BLOCK_M % BLOCK_N == 0
         return [cfg(*shape, exp_poly=poly) for shape in POLY_SHAPES[d] for poly in (0, 1)
                 if not (causal and shape[0] % shape[1])]

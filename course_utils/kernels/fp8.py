@@ -67,7 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
-from course_utils.kernels.fast import ORDER_KV_GROUPED, _exp_scores, _program_tile, grid_shape  # absolute: the graders load a copy of this file
+from course_utils.kernels.fast import ORDER_KV_GROUPED, _exp_scores, _program_tile, _tile_at, grid_shape  # absolute: the graders load a copy of this file
 
 try:  # host-side TMA descriptors (Triton >= 3.3); without them the Hopper launch is off
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -641,6 +641,62 @@ def _fp8_hopper_inner(acc, l_i, m_i, v_prev, q, row_scale_q,
 
 
 @triton.jit
+def _fp8_hopper_tile(bh, start_m, desc_q, desc_k, desc_vt, desc_o, O, QS, KS, VS,
+                     sm_scale, N_CTX, N_Q_HEADS, N_BLOCKS_SCALE,
+                     GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                     EXP_F16: tl.constexpr, EXP_POLY: tl.constexpr, INTERPRETED: tl.constexpr,
+                     SPECIALISED_FORM: tl.constexpr, WS_KEY_LOOP: tl.constexpr):
+    """Query block ``start_m`` of (batch, query head) ``bh``: the body of :func:`_fp8_hopper_kernel` and of each
+    step of :func:`_fp8_hopper_persistent_kernel`. ``SPECIALISED_FORM``: the form a specialised loop needs (one
+    query scale per tile, causal in one masked loop, the output by pointers); ``WS_KEY_LOOP``: the key loop is
+    the one specialised."""
+    batch = bh // N_Q_HEADS
+    kv_bh = batch * (N_Q_HEADS // GROUP_SIZE) + (bh % N_Q_HEADS) // GROUP_SIZE
+    q_row0 = bh * N_CTX + start_m * BLOCK_M
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = desc_q.load([q_row0, 0])
+    if SPECIALISED_FORM:  # one scale for the whole tile, as a row vector
+        tile_scale = tl.load(QS + bh * N_BLOCKS_SCALE + (start_m * BLOCK_M) // SCALE_BLOCK)
+        row_scale_q = tl.full([BLOCK_M], 1.0, tl.float32) * (tile_scale * (sm_scale * 1.4426950408889634))
+    else:
+        row_scale_q = tl.load(QS + bh * N_BLOCKS_SCALE + offs_m // SCALE_BLOCK) * (sm_scale * 1.4426950408889634)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    v_prev = 1.0
+    kv_row0 = kv_bh * N_CTX
+    ks_base = kv_bh * N_BLOCKS_SCALE
+    if CAUSAL and SPECIALISED_FORM:  # one loop, every block masked: only one loop specialises
+        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
+            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
+            0, (start_m + 1) * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, True, EXP_F16, EXP_POLY, INTERPRETED,
+            WS_KEY_LOOP)
+    elif CAUSAL:  # two phases: the blocks left of the diagonal unmasked, then the diagonal masked
+        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
+            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
+            0, start_m * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, False, EXP_F16, EXP_POLY, INTERPRETED)
+        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
+            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
+            start_m * BLOCK_M, (start_m + 1) * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, True, EXP_F16, EXP_POLY, INTERPRETED)
+    else:
+        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
+            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
+            0, N_CTX, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, False, EXP_F16, EXP_POLY, INTERPRETED,
+            WS_KEY_LOOP)
+    out = acc * (v_prev / l_i)[:, None]
+    if SPECIALISED_FORM:  # by pointers: the 4-warp specialised form refuses the descriptor store
+        o_rows = (q_row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        tl.store(O + o_rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], out.to(O.dtype.element_ty))
+    else:
+        desc_o.store([q_row0, 0], out.to(desc_o.dtype))
+
+
+
+
+@triton.jit
 def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, O, QS, KS, VS,
                        sm_scale, N_CTX, N_Q_HEADS, N_BLOCKS_SCALE,
                        GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
@@ -664,47 +720,30 @@ def _fp8_hopper_kernel(desc_q, desc_k, desc_vt, desc_o, O, QS, KS, VS,
     if WARP_SPECIALIZE:
         tl.static_assert(SCALE_BLOCK % BLOCK_M == 0)
     bh, start_m = _program_tile(N_CTX, N_Q_HEADS, BLOCK_M, ORDER, CAUSAL, GROUP_SIZE)
-    batch = bh // N_Q_HEADS
-    kv_bh = batch * (N_Q_HEADS // GROUP_SIZE) + (bh % N_Q_HEADS) // GROUP_SIZE
-    q_row0 = bh * N_CTX + start_m * BLOCK_M
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    q = desc_q.load([q_row0, 0])
-    if WARP_SPECIALIZE:  # one scale for the whole tile, as a row vector
-        tile_scale = tl.load(QS + bh * N_BLOCKS_SCALE + (start_m * BLOCK_M) // SCALE_BLOCK)
-        row_scale_q = tl.full([BLOCK_M], 1.0, tl.float32) * (tile_scale * (sm_scale * 1.4426950408889634))
-    else:
-        row_scale_q = tl.load(QS + bh * N_BLOCKS_SCALE + offs_m // SCALE_BLOCK) * (sm_scale * 1.4426950408889634)
+    _fp8_hopper_tile(bh, start_m, desc_q, desc_k, desc_vt, desc_o, O, QS, KS, VS, sm_scale, N_CTX, N_Q_HEADS,
+                     N_BLOCKS_SCALE, GROUP_SIZE, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, SCALE_BLOCK, EXP_F16, EXP_POLY,
+                     INTERPRETED, WARP_SPECIALIZE, WARP_SPECIALIZE)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    v_prev = 1.0
-    kv_row0 = kv_bh * N_CTX
-    ks_base = kv_bh * N_BLOCKS_SCALE
-    if CAUSAL and WARP_SPECIALIZE:  # one loop, every block masked: only one loop specialises
-        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
-            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
-            0, (start_m + 1) * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, True, EXP_F16, EXP_POLY, INTERPRETED,
-            WARP_SPECIALIZE)
-    elif CAUSAL:  # two phases: the blocks left of the diagonal unmasked, then the diagonal masked
-        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
-            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
-            0, start_m * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, False, EXP_F16, EXP_POLY, INTERPRETED)
-        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
-            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
-            start_m * BLOCK_M, (start_m + 1) * BLOCK_M, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, True, EXP_F16, EXP_POLY, INTERPRETED)
-    else:
-        acc, l_i, m_i, v_prev = _fp8_hopper_inner(
-            acc, l_i, m_i, v_prev, q, row_scale_q, desc_k, desc_vt, KS, VS, kv_row0, kv_bh * HEAD_DIM, ks_base,
-            0, N_CTX, offs_m, offs_n, BLOCK_N, SCALE_BLOCK, False, EXP_F16, EXP_POLY, INTERPRETED,
-            WARP_SPECIALIZE)
-    out = acc * (v_prev / l_i)[:, None]
-    if WARP_SPECIALIZE:  # by pointers: the 4-warp specialised form refuses the descriptor store
-        o_rows = (q_row0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        tl.store(O + o_rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], out.to(O.dtype.element_ty))
-    else:
-        desc_o.store([q_row0, 0], out.to(desc_o.dtype))
+
+@triton.jit
+def _fp8_hopper_persistent_kernel(desc_q, desc_k, desc_vt, desc_o, O, QS, KS, VS,
+                                  sm_scale, N_CTX, N_Q_HEADS, N_BLOCKS_SCALE, GRID0, GRID1,
+                                  GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                                  ORDER: tl.constexpr, EXP_F16: tl.constexpr, EXP_POLY: tl.constexpr,
+                                  INTERPRETED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Persistent: each program walks the tiles ``program_id, program_id + programs, ...`` of the ``GRID0 x GRID1``
+    grid of :func:`_fp8_hopper_kernel`'s launch, in the specialised form; ``WARP_SPECIALIZE`` specialises this
+    tile loop (as :func:`.fast._attn_fwd_persistent_kernel` does), not the key loop inside it."""
+    tl.static_assert(SCALE_BLOCK % BLOCK_N == 0)
+    tl.static_assert(SCALE_BLOCK % BLOCK_M == 0)
+    if CAUSAL:
+        tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    for t in tl.range(tl.program_id(0), GRID0 * GRID1, tl.num_programs(0), warp_specialize=WARP_SPECIALIZE):
+        bh, start_m = _tile_at(t % GRID0, t // GRID0, GRID0, GRID1, N_Q_HEADS, ORDER, CAUSAL, GROUP_SIZE)
+        _fp8_hopper_tile(bh, start_m, desc_q, desc_k, desc_vt, desc_o, O, QS, KS, VS, sm_scale, N_CTX, N_Q_HEADS,
+                         N_BLOCKS_SCALE, GROUP_SIZE, HEAD_DIM, CAUSAL, BLOCK_M, BLOCK_N, SCALE_BLOCK, EXP_F16,
+                         EXP_POLY, INTERPRETED, True, False)
 
 
 def hopper_config(head_dim: int, block_size: int, causal: bool = False) -> dict:
@@ -755,7 +794,9 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
     """:func:`launch_fp8`'s output from :func:`_fp8_hopper_kernel` (``N`` a multiple of ``BLOCK_M``, D of 64 or 128).
 
     Runs in the interpreter too (the CPU tests call it directly); ``config``'s keys replace
-    :func:`hopper_config`'s (``maxnreg=None``: no register cap).
+    :func:`hopper_config`'s (``maxnreg=None``: no register cap). ``WARP_SPECIALIZE``: the key loop specialised
+    (a producer and two consumer warpgroups); ``PERSISTENT`` (with ``N_PROGRAMS``, default one per SM):
+    :func:`_fp8_hopper_persistent_kernel`, whose tile loop ``WARP_SPECIALIZE`` then specialises instead.
     """
     b, hq, n, d = q8.shape
     hkv = k8.shape[1]
@@ -765,9 +806,11 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
     exp_f16 = cfg.pop("EXP_F16", 0)
     exp_poly = cfg.pop("EXP_POLY", 0)
     warp_specialize = bool(cfg.pop("WARP_SPECIALIZE", False))
-    if warp_specialize and block_size % bm:
-        raise ValueError(f"a warp-specialised launch needs BLOCK_M = {bm} to divide block_size = {block_size} "
-                         "(one query scale per tile)")
+    persistent = bool(cfg.pop("PERSISTENT", False))
+    n_programs = cfg.pop("N_PROGRAMS", None)
+    if (warp_specialize or persistent) and block_size % bm:
+        raise ValueError(f"a warp-specialised or persistent launch needs BLOCK_M = {bm} to divide block_size = "
+                         f"{block_size} (one query scale per tile)")
     if cfg.get("maxnreg") is None:  # a config's maxnreg=None: no cap on registers per thread
         cfg.pop("maxnreg", None)
     q8, k8, vt8 = q8.contiguous(), k8.contiguous(), vt8.contiguous()
@@ -780,6 +823,16 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
     descs = (desc(q8, b * hq * n, d, [bm, d]), desc(k8, b * hkv * n, d, [bn, d]),
              desc(vt8, b * hkv * d, n, [d, bn]), desc(o, b * hq * n, d, [bm, d]))
     grid = grid_shape(order, b, hq, hkv, n // bm)
+    if persistent:  # n_programs (default one per SM; 4 in the interpreter) walk the grid's tiles
+        if n_programs is None:
+            n_programs = torch.cuda.get_device_properties(q8.device).multi_processor_count if q8.is_cuda else 4
+        HOPPER_LAST["compiled"] = _fp8_hopper_persistent_kernel[(min(int(n_programs), grid[0] * grid[1]),)](
+            *descs, o, *scales, 1.0 / math.sqrt(d), n, hq, triton.cdiv(n, block_size), grid[0], grid[1],
+            GROUP_SIZE=hq // hkv, HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, SCALE_BLOCK=block_size,
+            ORDER=order, EXP_F16=exp_f16, EXP_POLY=exp_poly, INTERPRETED=q8.device.type == "cpu",
+            WARP_SPECIALIZE=warp_specialize, **cfg,
+        )
+        return o
     HOPPER_LAST["compiled"] = _fp8_hopper_kernel[grid](
         *descs, o, *scales, 1.0 / math.sqrt(d), n, hq, triton.cdiv(n, block_size),
         GROUP_SIZE=hq // hkv, HEAD_DIM=d, CAUSAL=bool(causal), BLOCK_M=bm, BLOCK_N=bn, SCALE_BLOCK=block_size,
