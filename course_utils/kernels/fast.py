@@ -43,6 +43,13 @@ overlap written by hand) and ``exp_poly`` (half of each tile's exponentials
 as a cubic on the FMA units, FlashAttention-4's trick). All three lost on an
 H200 (results/NOTES.md).
 
+Two forms compiled for sm_90 with Triton 3.6 but not yet timed are options
+too: ``warp_specialize`` on 4 warps (a producer partition and two 64-row
+consumer warpgroups, FlashAttention-3's split) and ``persistent``
+(:func:`launch_persistent`: one program per SM walks the tiles, the tile
+loop specialised). Both run :func:`_attn_fwd_tile`, the body of the
+one-tile kernel.
+
 Public API (the lead routes :func:`course_utils.kernels.flash_attention` here
 on capable GPUs):
 
