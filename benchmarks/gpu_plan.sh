@@ -78,7 +78,8 @@ for step in "$@"; do
     tests0)
       run tests0 "${PYTEST[@]}" -n 8 --timeout 120 tests/test_gpu_fast.py tests/test_gpu_fast_window.py \
         tests/test_gpu_fast_backward.py tests/test_gpu_fast_decode.py tests/test_kernels_fp8.py \
-        -k "warp_specialised or flat or decode" ;;
+        tests/test_kernels_fast.py tests/test_kernels_fast_window.py tests/test_kernels_fast_backward.py \
+        -k "warp_specialised or flat or decode or persistent or one_loop or autograd" ;;
     suite1)
       run suite1 "${PYTEST[@]}" -n 15 --dist loadfile $(half 1) ;;
     suite2)
