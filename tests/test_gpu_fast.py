@@ -15,6 +15,8 @@ import pytest
 import torch
 import triton
 
+from conftest import skip_if_specialised_on_gpu
+
 from course_utils import references
 from course_utils.kernels import fast, flash_attention, flash_attention_with_lse
 
@@ -92,6 +94,7 @@ def test_every_configuration_of_the_search_space(config, d):
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_the_warp_specialised_one_warpgroup_launch_is_fa3s_shape_and_correct(causal, block_n):
     """``warp_specialize`` on 4 warps: a producer warpgroup and two 64-row consumers (12 warps in all)."""
+    skip_if_specialised_on_gpu(True)
     q, k, v = _inputs(2, 8, 2, 1024, 128, torch.bfloat16, seed=block_n + causal)
     o, lse = fast.launch(q, k, v, causal, block_m=128, block_n=block_n, num_warps=4, num_stages=2,
                          warp_specialize=True, two_phase=False)
@@ -106,6 +109,7 @@ def test_the_warp_specialised_one_warpgroup_launch_is_fa3s_shape_and_correct(cau
 def test_the_persistent_warp_specialised_launch_is_fa3s_layout_and_correct(causal, block_n):
     """``persistent=True`` with ``warp_specialize``: one program per SM walks the tiles, its tile loop split into a
     producer and two consumers (12 warps); fewer programs than tiles, so each walks several."""
+    skip_if_specialised_on_gpu(True)
     q, k, v = _inputs(2, 8, 2, 1024, 128, torch.bfloat16, seed=block_n + causal + 1)
     o, lse = fast.launch(q, k, v, causal, block_m=128, block_n=block_n, num_warps=4, num_stages=2,
                          warp_specialize=True, two_phase=False, persistent=True, n_programs=37)
@@ -125,3 +129,25 @@ def test_public_functions_and_gradients_through_the_fast_forward():
     for got, want in zip((qb.grad, kb.grad, vb.grad), expected):
         rel = (torch.linalg.vector_norm(got.float() - want) / torch.linalg.vector_norm(want)).item()
         assert rel < 2e-2, f"relative gradient error {rel:.2e}"
+
+
+def test_a_specialised_launch_is_refused_on_a_gpu():
+    """The one-warpgroup warp-specialised kernels deadlock on the H200 with Triton 3.6 (results/ws_smoke_h200.txt):
+    every launcher refuses them on a GPU, in one sentence, before anything is compiled or launched."""
+    from course_utils.kernels import fast_backward as fb
+    from course_utils.kernels import fast_window, fp8
+
+    q, k, v = _inputs(1, 4, 2, 256, 128, torch.bfloat16, seed=3)
+    calls = [lambda: fast.launch(q, k, v, False, num_warps=4, warp_specialize=True),
+             lambda: fast.launch(q, k, v, False, num_warps=4, warp_specialize=True, persistent=True),
+             lambda: fast_window.launch(q, k, v, window_size=64, warp_specialize=True)]
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+    calls.append(lambda: fp8.launch_fp8_hopper(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, False, 128,
+                                               torch.bfloat16, config=dict(BLOCK_M=128, WARP_SPECIALIZE=True)))
+    cfg = fb.FastBackwardConfig("flat", 32, 128, 128, 32, 4, 2, True, True)
+    calls.append(lambda: fb.attention_backward_fast(q, k, v, q, torch.zeros(1, 4, 256, device="cuda"), q, True,
+                                                    config=cfg))
+    for call in calls:
+        with pytest.raises(ValueError, match="deadlock on the H200"):
+            call()
+

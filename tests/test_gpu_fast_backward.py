@@ -15,6 +15,8 @@ import pytest
 import torch
 import triton
 
+from conftest import skip_if_specialised_on_gpu
+
 from course_utils import references
 from course_utils.kernels import fast_backward as fb
 from course_utils.kernels import flash_attention, flash_attention_with_lse
@@ -82,8 +84,7 @@ FLAT = [fb.FastBackwardConfig(*c) for c in _tuning_script("tune_backward").FLAT]
 def test_every_flat_configuration_matches_float64_and_specialises(config, b, hq, hkv, n, d, causal, dtype):
     """The flat mode's launches that tune_backward.py --flat times: float64 math's gradients, and a warp-specialised
     one-warpgroup launch compiled into a producer and two consumer warpgroups (12 warps)."""
-    if config.warp_specialize and not triton.__version__.startswith("3.6"):
-        pytest.skip("compiled warp-specialised with triton 3.6; triton 3.8 refuses the form")
+    skip_if_specialised_on_gpu(config.warp_specialize, config.num_warps)
     q, k, v, do = _inputs(b, hq, hkv, n, d, dtype, seed=n + hq + 1)
     if not fb.supports(q, k, v, config):
         pytest.skip(fb.unsupported_reason(q, k, v, config))
@@ -105,8 +106,7 @@ FLAT_WINDOW = [fb.FastBackwardConfig(*c) for c in _tuning_script("tune_window").
 @pytest.mark.parametrize("window_size", [100, 256, 1000])
 def test_the_flat_mode_with_a_window_matches_float64(config, window_size):
     """tune_window.py --backward's flat launches: lesson 08's window, no sinks, GQA 8/2, D = 128."""
-    if config.warp_specialize and not triton.__version__.startswith("3.6"):
-        pytest.skip("compiled warp-specialised with triton 3.6; triton 3.8 refuses the form")
+    skip_if_specialised_on_gpu(config.warp_specialize, config.num_warps)
     q, k, v, do = _inputs(1, 8, 2, 1024, 128, torch.bfloat16, seed=window_size)
     o, lse = flash_attention_with_lse(q, k, v, True, window_size=window_size)
     got = fb.attention_backward_fast(q, k, v, o, lse, do, True, config=config, window_size=window_size)

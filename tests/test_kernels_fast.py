@@ -17,7 +17,7 @@ import triton
 from course_utils import references
 from course_utils.kernels import fast, forward
 
-from conftest import DEVICE, ON_GPU, tolerance
+from conftest import DEVICE, ON_GPU, tolerance, skip_if_specialised_on_gpu
 
 
 def _inputs(b, hq, hkv, n, d, dtype=torch.float32, seed=0):
@@ -211,6 +211,7 @@ CASES = [
 
 @pytest.mark.parametrize("b, hq, hkv, n, d, causal, dtype, opts", CASES)
 def test_launch_matches_the_reference(b, hq, hkv, n, d, causal, dtype, opts):
+    skip_if_specialised_on_gpu(opts.get("warp_specialize"), opts.get("num_warps", 4))
     q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=hq + n)
     o, lse = fast.launch(q, k, v, causal, block_m=64, block_n=32, **opts)
     assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32
@@ -230,8 +231,7 @@ PERSISTENT = [
 def test_the_persistent_launch_matches_the_reference(b, hq, hkv, n, d, causal, dtype, opts):
     """persistent=True: n_programs programs walk the grid's tiles (fast.launch_persistent); warp_specialize
     specialises that tile loop (FlashAttention-3's layout on Hopper), causal then in one masked key loop."""
-    if ON_GPU and opts["warp_specialize"] and not triton.__version__.startswith("3.6"):
-        pytest.skip("compiled warp-specialised with triton 3.6; triton 3.8 refuses the form")
+    skip_if_specialised_on_gpu(opts["warp_specialize"])
     q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=hq + n + 1)
     o, lse = fast.launch(q, k, v, causal, block_m=64, block_n=32, num_warps=4, persistent=True, **opts)
     assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32
@@ -252,7 +252,8 @@ def test_a_warp_specialised_one_warpgroup_causal_launch_needs_one_loop():
     q, k, v = _inputs(1, 2, 1, 128, 32, torch.float16, seed=5)
     with pytest.raises(ValueError, match="two_phase=False"):
         fast.launch(q, k, v, True, block_m=64, block_n=32, num_warps=4, warp_specialize=True)
-    fast.launch(q, k, v, False, block_m=64, block_n=32, num_warps=4, warp_specialize=True)  # no loop to split
+    if not ON_GPU:  # on a GPU the specialised launch is refused (it deadlocks there)
+        fast.launch(q, k, v, False, block_m=64, block_n=32, num_warps=4, warp_specialize=True)  # one loop
 
 
 def test_a_warp_specialised_launch_needs_16_bit_inputs_and_tma_on_every_machine():

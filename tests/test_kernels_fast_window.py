@@ -13,7 +13,7 @@ import torch
 from course_utils import references
 from course_utils.kernels import fast_window, forward
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, skip_if_specialised_on_gpu
 
 
 def _inputs(b, hq, hkv, n, d, dtype=torch.float32, seed=0):
@@ -65,8 +65,7 @@ ONE_LOOP_CASES = [
 def test_the_one_loop_launch_matches_the_float64_reference(b, hq, hkv, n, d, window_size, sink_size, dtype, opts):
     """warp_specialize=True: the sink tiles and the band in one loop, every tile masked (the form Triton 3.6
     specialises; the interpreter runs the same loop unspecialised)."""
-    if ON_GPU and not __import__("triton").__version__.startswith("3.6"):
-        pytest.skip("compiled warp-specialised with triton 3.6; triton 3.8 refuses the form")
+    skip_if_specialised_on_gpu(True)
     q, k, v = _inputs(b, hq, hkv, n, d, dtype, seed=n + window_size + 1)
     o, lse = fast_window.launch(q, k, v, window_size=window_size, sink_size=sink_size, warp_specialize=True, **opts)
     ro, rl = _reference(q, k, v, window_size, sink_size)

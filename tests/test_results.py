@@ -483,7 +483,11 @@ def test_the_flat_backward_figures_are_the_recorded_compiles():
             f"40 at the same launch), 32 x 128 on 8 warps {narrow['registers']}") in tune_text
     ws = flat["flat dkdv 32x128 w4 s2 ws dq 128x32", True]
     assert ws["spills"] == 0 and ws["warps"] == 12 and f"12 warps of {ws['registers']} registers" in tune_text
-    assert fb.FLAT_DEFAULT.short() == "flat dkdv 32x128 w4 s2 ws dq 128x32"
+    # the default is the unspecialised 32 x 128 launch (the specialised ones deadlock on the H200), as its comment says
+    assert fb.FLAT_DEFAULT.short() == "flat dkdv 32x128 w8 s2 dq 128x32" and narrow["registers"] == 209
+    fb_text = " ".join(line.lstrip("# ") for line in (ROOT / "course_utils" / "kernels" / "fast_backward.py")
+                       .read_text().splitlines())
+    assert f"32 x 128 on 8 warps, not specialised ({narrow['registers']} registers, no spills" in fb_text
     # flat_dq: the dQ kernel of every such launch recorded (with and without the window), specialised where asked
     dq_rows = [r for r in doc["flat_backward"] if r["kernel"] == "_attn_bwd_dq_flat"]
     plain = [c for c in configs if c.flat_dq]  # recorded causal and not
@@ -625,5 +629,21 @@ def test_the_persistent_specialised_forwards_are_the_recorded_compiles():
     text = " ".join(line.lstrip("# ") for line in (ROOT / "benchmarks" / "tune_fast.py").read_text().splitlines())
     assert f"12 warps of 168 registers, no spills, {kib[0]} / {kib[1]} KiB" in text
     lesson = " ".join(markdown_text("11_hopper_and_fp8").split())
-    assert f"(12 warps again, {kib[0]} KiB at `128 x 64`; not measured yet)" in lesson
+    assert f"(12 warps again, {kib[0]} KiB at `128 x 64`; on the H200 it hangs too)" in lesson
+
+
+def test_the_hang_the_lesson_reports_is_the_recorded_one():
+    """results/ws_smoke_h200.txt (benchmarks/ws_smoke.py on the H200): the unspecialised launch ran, every specialised
+    one was killed; lesson 11 says so, and the kernels refuse such launches on a GPU."""
+    import importlib.util
+
+    lines = (ROOT / "results" / "ws_smoke_h200.txt").read_text().splitlines()
+    verdicts = {line.split()[0]: line.split()[1] for line in lines if line.strip()}
+    spec = importlib.util.spec_from_file_location("ws_smoke", ROOT / "benchmarks" / "ws_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    assert set(verdicts) == set(smoke.CASES)
+    assert verdicts.pop("plain") == "ran" and set(verdicts.values()) == {"HUNG"}
+    text = " ".join(markdown_text("11_hopper_and_fp8").split())
+    assert "**Then it ran on the H200, and never finished.**" in text and "results/ws_smoke_h200.txt" in text
 

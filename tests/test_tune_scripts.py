@@ -20,7 +20,7 @@ from course_utils.kernels import flash_attention_with_lse
 from course_utils.kernels.backward import BackwardConfig, attention_backward
 from course_utils.kernels.forward import flash_attention_window_forward
 
-from conftest import DEVICE, ON_GPU
+from conftest import DEVICE, ON_GPU, skip_if_specialised_on_gpu
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -53,8 +53,7 @@ def _skip_unless_specialisable(warp_specialize, num_warps=4):
     """A warp-specialised one-warpgroup launch compiles with triton 3.6 only (3.8 refuses it); the interpreter runs it."""
     import triton
 
-    if ON_GPU and warp_specialize and num_warps == 4 and not triton.__version__.startswith("3.6"):
-        pytest.skip("compiled warp-specialised with triton 3.6; this Triton refuses the form")
+    skip_if_specialised_on_gpu(warp_specialize, num_warps)
 
 
 def _rel(a, b):

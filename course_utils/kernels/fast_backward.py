@@ -77,6 +77,7 @@ import triton
 import triton.language as tl
 
 from .backward import BackwardConfig, FlashAttentionFunction, launch_dq, launch_preprocess
+from .fast import refuse_specialised_on_gpu
 
 try:  # host-side TMA descriptors (Triton >= 3.3); without them use_tma is refused
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -171,9 +172,10 @@ CONFIGS = (
 _DEFAULT = {"fused": CONFIGS[0], "atomic": CONFIGS[3]}
 
 
-# The flat mode's launch until one is measured: 32 x 128 on 4 warps, warp-specialised (12 warps, no spills when
-# compiled for sm_90 with triton 3.6: results/sm90_compiles.json), with lesson 07's dQ launch.
-FLAT_DEFAULT = FastBackwardConfig("flat", 32, 128, 128, 32, 4, 2, True, True)
+# The flat mode's launch until one is measured: 32 x 128 on 8 warps, not specialised (209 registers, no spills when
+# compiled for sm_90 with triton 3.6: results/sm90_compiles.json), with lesson 07's dQ launch. The specialised
+# 4-warp launches deadlock on the H200 (results/ws_smoke_h200.txt): fast.refuse_specialised_on_gpu.
+FLAT_DEFAULT = FastBackwardConfig("flat", 32, 128, 128, 32, 8, 2, True)
 
 
 def default_config(mode: str = "fused") -> FastBackwardConfig:
@@ -475,6 +477,8 @@ def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_siz
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if config.warp_specialize and config.num_warps == 4:
+        refuse_specialised_on_gpu(q.device)
     m1, n1 = config.block_m1, config.block_n1
     compiled = _attn_bwd_dkdv_flat[(N // n1, B * n_kv_heads)](
         _desc_2d(q, m1), _desc_2d(do, m1), _desc_2d(k, n1), _desc_2d(v, n1),

@@ -252,6 +252,7 @@ def launch(q, k, v, *, window_size, sink_size=0, sm_scale=None, block_m=128, blo
                          f"and BLOCK_M of BLOCK_N")
     if warp_specialize:
         fast._validate_warp_specialize(q.dtype, use_tma)
+        fast.refuse_specialised_on_gpu(q.device)
     if o.numel() == 0:
         return o, lse
     descs = fast._descriptors(q, k, v, o, block_m, block_n) if use_tma else (None,) * 4

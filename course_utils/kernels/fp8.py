@@ -67,7 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
-from course_utils.kernels.fast import ORDER_KV_GROUPED, _exp_scores, _program_tile, _tile_at, grid_shape  # absolute: the graders load a copy of this file
+from course_utils.kernels.fast import (ORDER_KV_GROUPED, _exp_scores, _program_tile, _tile_at, grid_shape,
+                                       refuse_specialised_on_gpu)  # absolute: the graders load a copy of this file
 
 try:  # host-side TMA descriptors (Triton >= 3.3); without them the Hopper launch is off
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -811,6 +812,8 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
     if (warp_specialize or persistent) and block_size % bm:
         raise ValueError(f"a warp-specialised or persistent launch needs BLOCK_M = {bm} to divide block_size = "
                          f"{block_size} (one query scale per tile)")
+    if warp_specialize and cfg.get("num_warps", 4) == 4:
+        refuse_specialised_on_gpu(q8.device)
     if cfg.get("maxnreg") is None:  # a config's maxnreg=None: no cap on registers per thread
         cfg.pop("maxnreg", None)
     q8, k8, vt8 = q8.contiguous(), k8.contiguous(), vt8.contiguous()
