@@ -14,9 +14,6 @@ Kernels (bf16 unless said, GQA 32/8, D = 128, N = 4096, batch 4, not causal):
 - ``fp8_hopper``: the FP8 forward's Hopper launch (``fp8.launch_fp8_hopper``, ``hopper_config``'s tiles);
 - ``fast_2_per_sm_poly``, ``fp8_hopper_poly``: the same two launches with half of each tile's exponentials
   computed on the FMA units (``fast._exp_scores``);
-- ``fast_ws``, ``fp8_hopper_ws``: lesson 06's kernel and the FP8 Hopper kernel warp-specialised on one warpgroup
-  (128 x 64 tiles, 2 stages: a producer and two consumer warpgroups, 12 warps; Triton 3.6);
-- ``fast_persistent_ws``: lesson 06's kernel persistent (one program per SM), its tile loop warp-specialised.
 
 ``--kernels`` profiles only some of them and keeps the other kernels' rows of an earlier run.
 
@@ -38,8 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELS = ("lesson05", "fast_1_per_sm", "fast_2_per_sm", "fp8", "fp8_hopper", "fast_2_per_sm_poly", "fp8_hopper_poly",
-           "fast_ws", "fp8_hopper_ws", "fast_persistent_ws")
+KERNELS = ("lesson05", "fast_1_per_sm", "fast_2_per_sm", "fp8", "fp8_hopper", "fast_2_per_sm_poly", "fp8_hopper_poly")
 B, HQ, HKV, N, D = 4, 32, 8, 4096, 128
 # Counters kept in the summary: (label, exact raw-metric name).
 NAMED = [
@@ -83,10 +79,6 @@ def one_launch(name: str) -> None:
     elif name == "fast_2_per_sm_poly":
         def run():
             return fast.launch(q, k, v, False, block_m=128, block_n=64, num_warps=4, num_stages=2, exp_poly=True)
-    elif name in ("fast_ws", "fast_persistent_ws"):
-        def run():
-            return fast.launch(q, k, v, False, block_m=128, block_n=64, num_warps=4, num_stages=2,
-                               warp_specialize=True, persistent=name == "fast_persistent_ws")
     elif name.startswith("fp8"):
         (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
         vt8 = v8.transpose(2, 3).contiguous()
@@ -94,8 +86,7 @@ def one_launch(name: str) -> None:
             def run():
                 return fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, False, 128, torch.bfloat16)
         else:
-            config = {"fp8_hopper_poly": dict(EXP_POLY=1), "fp8_hopper_ws": dict(
-                BLOCK_M=128, BLOCK_N=64, num_stages=2, maxnreg=None, WARP_SPECIALIZE=True)}.get(name)
+            config = dict(EXP_POLY=1) if name == "fp8_hopper_poly" else None
 
             def run():
                 return fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, False, 128, torch.bfloat16, config=config)

@@ -50,6 +50,7 @@ FAST_CANDIDATES = [
 # the twenty-seventh, the sink tiles and the band in one loop): every tile masked in one loop, compiled for sm_90
 # with triton 3.6 into a producer and two consumer warpgroups, 12 warps of 168 registers, no spills
 # (results/sm90_compiles.json's ws_window_forward, S = 0 and 4).
+# On the H200 they deadlock (results/ws_smoke_h200.txt): refused there, fast.refuse_specialised_on_gpu.
 FAST_WS_CANDIDATES = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2)]
 
 # BackwardConfig(dkdv_block_m, dkdv_block_n, dq_block_m, dq_block_n, dkdv_warps, dkdv_stages, dq_warps, dq_stages)
