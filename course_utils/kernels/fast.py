@@ -43,12 +43,14 @@ overlap written by hand) and ``exp_poly`` (half of each tile's exponentials
 as a cubic on the FMA units, FlashAttention-4's trick). All three lost on an
 H200 (results/NOTES.md).
 
-Two forms compiled for sm_90 with Triton 3.6 but not yet timed are options
-too: ``warp_specialize`` on 4 warps (a producer partition and two 64-row
+Two forms compile for sm_90 with Triton 3.6 and are options too:
+``warp_specialize`` on 4 warps (a producer partition and two 64-row
 consumer warpgroups, FlashAttention-3's split) and ``persistent``
-(:func:`launch_persistent`: one program per SM walks the tiles, the tile
-loop specialised). Both run :func:`_attn_fwd_tile`, the body of the
-one-tile kernel.
+(:func:`launch_persistent`: one program per SM walks the tiles). Both run
+:func:`_attn_fwd_tile`, the body of the one-tile kernel. The specialised
+ones deadlock on the H200 (results/ws_smoke_h200.txt), so
+:func:`refuse_specialised_on_gpu` refuses them on a GPU; the interpreter
+runs them.
 
 Public API (the lead routes :func:`course_utils.kernels.flash_attention` here
 on capable GPUs):
@@ -761,7 +763,9 @@ def launch(
     registers raised to 232 by ``setmaxnreg``). It does so only for one loop
     with the output stored by pointers, so the output goes by pointers here,
     and a causal launch needs ``two_phase=False`` (one loop, every block
-    masked); triton 3.8 refuses the form (its split of the ``Q`` load).
+    masked); triton 3.8 refuses the form (its split of the ``Q`` load). On
+    the H200 the compiled kernel deadlocks, so a GPU launch is refused
+    (:func:`refuse_specialised_on_gpu`).
 
     ``persistent``: :func:`launch_persistent` (``n_programs`` programs over the
     same tiles; TMA loads, exp2, none of the other options above).
