@@ -99,6 +99,13 @@ COLUMNS = {
         ("spills", "spilled per thread", "d", ""), ("shared_kib", "shared memory KiB", ".0f", ""),
         ("partitions", "partitions: (TMA loads, products)", "", ""),
     ],
+    "hopper_ws_probe": [
+        ("run", "run", "d", ""), ("loop", "consumer loop", "", ""), ("num_buffers", "K/V slots", "d", ""),
+        ("causal", "causal", "", ""), ("N", "N", "d", ""), ("B", "B", "d", ""),
+        ("hopper_ws", "Gluon, specialised TFLOP/s", ".0f", ""), ("cudnn", "cuDNN TFLOP/s", ".0f", ""),
+        ("course", "course TFLOP/s", ".0f", ""), ("over_cudnn", "specialised / cuDNN", ".2f", "×"),
+        ("over_course", "specialised / course", ".2f", "×"),
+    ],
 }
 
 
@@ -326,11 +333,20 @@ def _sm90(d):
     return out
 
 
+def _hopper_ws(d):
+    """The timed rows of ``benchmarks/hopper_ws_probe.py`` (lesson 11's Gluon kernel, ``kernels.hopper_ws``)."""
+    return [dict(run=r.get("run", 1), loop="pipelined" if r["pipeline"] else "serial", num_buffers=r["num_buffers"],
+                 causal=r["causal"], N=r["n"], B=r["b"], hopper_ws=r["hopper_ws"], cudnn=r["cudnn"],
+                 course=r["course"], over_cudnn=_ratio(r["hopper_ws"], r["cudnn"]),
+                 over_course=_ratio(r["hopper_ws"], r["course"]))
+            for r in d["rows"] if r["mode"] == "speed" and "hopper_ws" in r]
+
+
 _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, "decode_splits": _decode_splits,
          "decode_variants": _decode_variants,
          "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training,
          "tune_backward": _tune_backward, "tune_window": _tune_window, "tune_window_fast": _tune_window_fast,
-         "sm90_compiles": _sm90}
+         "sm90_compiles": _sm90, "hopper_ws_probe": _hopper_ws}
 
 
 def rows(name: str, *, doc: dict | None = None, **where) -> list[dict]:

@@ -174,3 +174,26 @@ def test_lesson_06_quotes_the_recorded_counters():
             "with one 8-warp program") in text
     assert f"**{two['stalls']['barrier']:.2f}** cycles per issued instruction against **{one['stalls']['barrier']:.2f}**" \
         in text
+
+
+def test_the_hand_specialised_kernel_was_right_wherever_it_was_timed():
+    """results/hopper_ws_probe.json: each timed variant passed its checks in the same run, and each timed output
+    was right too, so lesson 11's table times only a correct kernel; and the lesson's claims about it hold."""
+    rows = results.load("hopper_ws_probe")["rows"]
+    timed = {(r["run"], r["num_buffers"], r["pipeline"]) for r in rows if r["mode"] == "speed"}
+    assert timed
+    for variant in timed:
+        checks = [r for r in rows if r["mode"] == "check" and (r["run"], r["num_buffers"], r["pipeline"]) == variant]
+        speed = [r for r in rows if r["mode"] == "speed" and (r["run"], r["num_buffers"], r["pipeline"]) == variant]
+        assert all(r["err"] < 2e-2 and r["lse_err"] < 1e-2 for r in checks + speed), variant
+        # checks of run 2's variant ran on the smallest case only: at least one check per timed variant
+        assert checks, variant
+    table = results.rows("hopper_ws_probe")
+    serial, pipelined = ([r for r in table if r["loop"] == loop] for loop in ("serial", "pipelined"))
+    text = _markdown()
+    assert "faster than the course's forward, still below cuDNN" in text
+    assert all(r["over_course"] > 1 and r["over_cudnn"] < 1 for r in serial)
+    assert "and was slower" in text
+    for p in pipelined:
+        same = [r for r in serial if (r["causal"], r["N"], r["run"]) == (p["causal"], p["N"], p["run"])]
+        assert same and all(p["hopper_ws"] < r["hopper_ws"] for r in same)

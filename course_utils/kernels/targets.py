@@ -152,6 +152,8 @@ def _specialised_source(kernel, args, kwargs, target):
         signature, constexprs = _signature(kernel, args, kwargs)
         options = {key: kwargs[key] for key in ("num_warps", "num_stages") if key in kwargs}
         return ASTSource(kernel, signature, constexprs), options
+    if getattr(kernel, "is_gluon", lambda: False)():  # a Gluon kernel (hopper_ws.py): its own source kind
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     return ASTSource(kernel, signature, constexprs, attrs), {k: v for k, v in vars(options).items() if v is not None}
 
 

@@ -1,0 +1,106 @@
+"""Lesson 11's hand-specialised Gluon forward (course_utils.kernels.hopper_ws) on a Hopper GPU: does it run, is it
+right, how fast is it beside cuDNN and the course's own forward, in one run.
+
+    python benchmarks/hopper_ws_probe.py [--out results/hopper_ws_probe.json] [--limit 60]
+
+Each case runs in its own process under a wall-clock limit, as ``ws_smoke.py`` does: Triton's automatic
+warp specialisation deadlocked on the H200, and a kernel that deadlocks cannot be interrupted from Python.
+Correctness first (max |o - o_ref| against float32 SDPA on the repeated heads, max |lse - lse_ref|); a
+variant is timed only if its checks passed. Speed: TFLOP/s by ``triton.testing.do_bench`` (causal halved),
+bf16, GQA 32/8, D = 128, beside SDPA's cuDNN backend and ``kernels.flash_attention`` in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECKS = [(1, 4, 2, 256, True), (2, 8, 2, 1024, False), (1, 32, 8, 2048, True)]  # B, H, H_kv, N, causal
+SPEED = [(1, 32, 8, 16384, True), (1, 32, 8, 16384, False), (4, 32, 8, 4096, True)]
+VARIANTS = [dict(num_buffers=2, pipeline=False), dict(num_buffers=2, pipeline=True), dict(num_buffers=3, pipeline=False)]
+
+
+def run_case(mode: str, b: int, h: int, h_kv: int, n: int, causal: bool, num_buffers: int, pipeline: bool) -> dict:
+    """One case in this process: the errors, and for ``speed`` the TFLOP/s of the three forwards."""
+    import math
+
+    import torch
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from course_utils import kernels
+    from course_utils.kernels import hopper_ws
+
+    torch.manual_seed(0)
+    q = torch.randn(b, h, n, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, h_kv, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    run = lambda: hopper_ws.attention(q, k, v, causal, num_buffers=num_buffers, pipeline=pipeline)  # noqa: E731
+    o, lse = run()
+    torch.cuda.synchronize()
+    kr, vr = (t.float().repeat_interleave(h // h_kv, 1) for t in (k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kr, vr, is_causal=causal)
+    s = (q.float() @ kr.transpose(-1, -2)) / math.sqrt(128)
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, device="cuda", dtype=torch.bool).triu(1), -float("inf"))
+    out = dict(err=(o.float() - ref).abs().max().item(), lse_err=(lse - torch.logsumexp(s, -1)).abs().max().item())
+    if mode == "speed":
+        flops = 4 * b * h * n * n * 128 / (2 if causal else 1)
+        tflops = lambda fn: flops / triton.testing.do_bench(fn, warmup=50, rep=300) * 1e-9  # noqa: E731
+        out["hopper_ws"] = tflops(run)
+        kk, vv = k.repeat_interleave(h // h_kv, 1), v.repeat_interleave(h // h_kv, 1)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out["cudnn"] = tflops(lambda: torch.nn.functional.scaled_dot_product_attention(q, kk, vv, is_causal=causal))
+        out["course"] = tflops(lambda: kernels.flash_attention(q, k, v, causal))
+        out["hopper_ws"] = max(out["hopper_ws"], tflops(run))  # the best of two, as the GPU warms
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "results" / "hopper_ws_probe.json"))
+    parser.add_argument("--limit", type=int, default=60, help="seconds per case before it counts as hung")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case, as JSON, in this process
+    args = parser.parse_args(argv)
+    if args.case:
+        print("RESULT", json.dumps(run_case(*json.loads(args.case))))
+        return 0
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        print("hopper_ws_probe: needs a Hopper GPU (H100/H200); nothing measured")
+        return 0
+    rows = []
+    for variant in VARIANTS:
+        passed = True
+        for mode, cases in (("check", CHECKS), ("speed", SPEED)):
+            for case in cases:
+                if mode == "speed" and not passed:
+                    break
+                spec = [mode, *case, variant["num_buffers"], variant["pipeline"]]
+                try:
+                    p = subprocess.run([sys.executable, __file__, "--case", json.dumps(spec)], capture_output=True,
+                                       text=True, timeout=args.limit, cwd=ROOT)
+                    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+                    row = json.loads(line[0][7:]) if line else {"error": (p.stderr or p.stdout)[-600:]}
+                except subprocess.TimeoutExpired:
+                    row = {"error": f"hung: killed after {args.limit} s"}
+                row.update(mode=mode, b=case[0], h=case[1], h_kv=case[2], n=case[3], causal=case[4], **variant)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                if mode == "check":
+                    passed = passed and "error" not in row and row["err"] < 2e-2 and row["lse_err"] < 1e-2
+    info = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=__import__("triton").__version__,
+                command="python benchmarks/hopper_ws_probe.py")
+    Path(args.out).write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""A Hopper forward with warp specialisation written by hand, in Gluon (lesson 11).
+
+Triton 3.6's ``tl.range(..., warp_specialize=True)`` builds FA3's shape of kernel for Hopper, and every such
+kernel of the course deadlocked on the H200 (``results/ws_smoke_h200.txt``). Gluon, Triton's lower-level
+language (``triton.experimental.gluon``), lets the same kernel be written with its partitions, buffers and
+barriers spelled out, and that one runs (``results/hopper_ws_probe.json``, ``benchmarks/hopper_ws_probe.py``).
+
+One program computes 128 query rows of one head, in three partitions (``gl.warp_specialize``):
+
+* **the loader** (1 warp, 24 registers): TMA copies of the program's two 64-row halves of ``Q``, then of each
+  K/V tile into a ring of ``num_buffers`` slots, each slot waited for on its *empty* barrier and announced on
+  its *ready* barriers (one for K, one for V, so ``Q Kᵀ`` can start before V lands);
+* **two consumers** (a warpgroup of 4 warps each, 240 registers): each owns 64 of the rows and runs the online
+  softmax with both products on ``wgmma`` (``warpgroup_mma``); a tile's slot is released when both have used
+  it (its empty barrier counts two arrivals). While one consumer's softmax runs on the ALUs, the warp
+  schedulers give the tensor cores to the other's products: FA3's overlap of two warpgroups, left to the
+  hardware instead of ordered by named barriers.
+
+``pipeline=True`` adds FA3's other overlap inside a warpgroup: tile ``j + 1``'s ``Q Kᵀ`` is issued before
+tile ``j``'s softmax. Measured on the H200 it was slower (each iteration waits for both products).
+
+On a CPU there is nothing to run (Gluon has no interpreter); ``tests/test_hopper_ws.py`` compiles it for
+sm_90 there and runs it on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+BLOCK_M = 128  # query rows per program: two consumers of 64 (wgmma's M per warpgroup)
+BLOCK_N = 128  # keys per K/V tile
+HEAD_DIMS = (64, 128)
+CONSUMER_REGS, LOADER_REGS, MAXNREG = 240, 24, 168  # 3 warpgroups x 168 = 240 + 240 + 24: one program per SM
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """This program's query block, its first row of q (and o) and of its kv head in k and v, and its tile count."""
+    n_m = N // BLOCK_M
+    start_m = n_m - 1 - gl.program_id(0)  # the longest rows first under the causal mask
+    off_hz = gl.program_id(1)
+    kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N  # q_head -> kv_head
+    q_row = off_hz * N + start_m * BLOCK_M
+    if CAUSAL:
+        n_tiles = start_m + 1  # BLOCK_M == BLOCK_N: the last tile holds the diagonal
+    else:
+        n_tiles = n_m
+    return start_m, q_row, kv_row, n_tiles
+
+
+@gluon.jit
+def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
+                    H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr):
+    """The producer: Q's two halves once, then K and V tile by tile into the ring's free slots."""
+    start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    HALF: gl.constexpr = BLOCK_M // 2
+    NB: gl.constexpr = k_smem.type.shape[0]
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bars.index(half), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + half * HALF, 0], q_bars.index(half), q_smem.index(half))
+    for j in range(n_tiles):
+        idx = j % NB
+        phase = (j // NB) & 1
+        mbarrier.wait(empty_bars.index(idx), phase ^ 1)  # a fresh barrier counts as released: the first pass waits not
+        mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_bars.index(idx), k_smem.index(idx))
+        mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_bars.index(idx), v_smem.index(idx))
+
+
+@gluon.jit
+def _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr):
+    """One tile's online softmax on the scores ``s``: the new max and sum, ``acc`` rescaled, and P for ``P V``."""
+    s = s * qk_scale
+    if MASK:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(rows[:, None] >= cols[None, :], s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    p = gl.exp2(s - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    # P stays in registers as wgmma's A operand (k_width 2: two 16-bit values per 32-bit register)
+    p16 = gl.convert_layout(p.to(P_DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    return m_new, l_i, acc, p16
+
+
+@gluon.jit
+def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N: gl.constexpr,
+          MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Tile ``j``: wait for K, ``S = Q Kᵀ``, the softmax, wait for V, ``acc += P V``, release the slot."""
+    NB: gl.constexpr = k_smem.type.shape[0]
+    M: gl.constexpr = q.type.shape[0]
+    idx = j % NB
+    phase = (j // NB) & 1
+    mbarrier.wait(k_bars.index(idx), phase)
+    s = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q, k_smem.index(idx).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
+                                       v_smem.dtype)
+    mbarrier.wait(v_bars.index(idx), phase)
+    acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty_bars.index(idx), count=1)  # counts once per partition; the slot needs both consumers
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc, qk_scale, rows,
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Tile ``j``'s softmax while the tensor cores compute tile ``j + 1``'s ``Q Kᵀ`` (FA3's overlap inside a
+    warpgroup); each step then waits for both products."""
+    NB: gl.constexpr = k_smem.type.shape[0]
+    M: gl.constexpr = q.type.shape[0]
+    zeros = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(k_bars.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    for j in range(n_tiles - 1):
+        idx = j % NB
+        phase = (j // NB) & 1
+        mbarrier.wait(k_bars.index((j + 1) % NB), ((j + 1) // NB) & 1)
+        s_next = warpgroup_mma(q, k_smem.index((j + 1) % NB).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N, False, s_layout,
+                                           o_layout, v_smem.dtype)
+        mbarrier.wait(v_bars.index(idx), phase)
+        acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
+        mbarrier.arrive(empty_bars.index(idx), count=1)
+    j = n_tiles - 1
+    idx = j % NB
+    phase = (j // NB) & 1
+    m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout,
+                                       v_smem.dtype)
+    mbarrier.wait(v_bars.index(idx), phase)
+    acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty_bars.index(idx), count=1)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr,
+              qk_scale, N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+    """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, then its part of ``o`` and ``lse``."""
+    start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    HALF: gl.constexpr = BLOCK_M // 2
+    ROW0: gl.constexpr = HALF_IDX * HALF
+    # wgmma's accumulator layouts: 4 warps down the rows, instructions 16 rows x (the tile's width) x 16
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    rows = start_m * BLOCK_M + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([HALF], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+    q = q_smem.index(HALF_IDX)
+    mbarrier.wait(q_bars.index(HALF_IDX), 0)
+    if PIPELINE:
+        m_i, l_i, acc = _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc,
+                                        qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout)
+    else:
+        n_full = n_tiles
+        if CAUSAL:
+            n_full = n_tiles - 1  # the diagonal tile, masked, after the loop
+        for j in range(n_full):
+            m_i, l_i, acc = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, m_i, l_i, acc, qk_scale, rows,
+                                  BLOCK_N, False, s_layout, o_layout)
+        if CAUSAL:
+            m_i, l_i, acc = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_full, m_i, l_i, acc, qk_scale,
+                                  rows, BLOCK_N, True, s_layout, o_layout)
+    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    o_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(o_ptr + o_rows[:, None].to(gl.int64) * HEAD_DIM + cols[None, :], acc.to(o_ptr.dtype.element_ty))
+    lse_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + lse_rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)  # natural log, as the course's lse
+
+
+@gluon.jit
+def _consumer0(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N,
+               H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+    _consumer(0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N, H,
+              GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, PIPELINE)
+
+
+@gluon.jit
+def _consumer1(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N,
+               H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+    _consumer(1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N, H,
+              GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, PIPELINE)
+
+
+@gluon.jit
+def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, H: gl.constexpr, GROUP: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
+                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                PIPELINE: gl.constexpr):
+    """The buffers and barriers the partitions share, then the three partitions (the first is the default)."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
+    # the tuples are written out in the call: a tuple held in a variable would turn its constexprs into tensors
+    gl.warp_specialize([
+        (_consumer0, (q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N, H,
+                      GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, PIPELINE)),
+        (_consumer1, (q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N, H,
+                      GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, PIPELINE)),
+        (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
+                           H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def _validate_inputs(q, k, v) -> None:
+    """What this kernel covers, else ``ValueError`` in one sentence."""
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, H, N, D] with k and v alike (got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)})")
+    b, h, n, d = q.shape
+    if k.shape[0] != b or k.shape[2] != n or k.shape[3] != d or h % k.shape[1]:
+        raise ValueError(f"k and v must be [B, H_kv, N, D] with H a multiple of H_kv (q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)})")
+    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"this kernel takes bf16 or fp16 q, k, v of one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d} is not supported: {HEAD_DIMS} only")
+    if n % BLOCK_M:
+        raise ValueError(f"N = {n} must be a multiple of {BLOCK_M} (a program's rows; no masked edge tiles here)")
+
+
+def _validate_device(q) -> None:
+    """A Hopper GPU, else ``ValueError``: Gluon compiles for one and has no interpreter."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError("the hand-specialised kernel runs on a Hopper GPU (sm_90) only: Gluon has no interpreter "
+                         f"and wgmma is Hopper's (got a {q.device.type} tensor)")
+
+
+def _launch(q, k, v, causal, sm_scale, num_buffers, pipeline):
+    """Descriptors, outputs and the launch, for inputs already validated (``tests/`` compile it from CPU tensors)."""
+    b, h, n, d = q.shape
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
+    dtype = _GL_DTYPES[q.dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, d], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
+    # rows of all heads in one 2-D view: N is a multiple of the boxes, so no box crosses into the next head
+    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [BLOCK_M // 2, d], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [BLOCK_N, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N, d], kv_layout)
+    grid = (n // BLOCK_M, b * h)
+    attn_fwd_ws[grid](q_desc, k_desc, v_desc, o, lse, sm_scale * LOG2E, n, h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
+                      num_buffers, causal, CONSUMER_REGS, LOADER_REGS, pipeline, num_warps=4, maxnreg=MAXNREG)
+    return o, lse
+
+
+def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, num_buffers: int = 2,
+              pipeline: bool = False):
+    """``(o, lse)`` of attention over ``q`` ``[B, H, N, D]`` and ``k``, ``v`` ``[B, H_kv, N, D]`` on a Hopper GPU.
+
+    bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA; ``lse`` float32 ``[B, H, N]`` (natural log).
+    ``num_buffers``: K/V tiles in flight (2 or 3 at D = 128: 160 or 224 KiB of shared memory).
+    """
+    _validate_inputs(q, k, v)
+    _validate_device(q)
+    if num_buffers not in (2, 3):
+        raise ValueError(f"num_buffers must be 2 or 3 (got {num_buffers})")
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    return _launch(q, k, v, causal, sm_scale, num_buffers, pipeline)
