@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -16,6 +16,8 @@
 #           (causal, N = 4k and 16k), forward + backward with the flat backward (bench --training --fast-backward),
 #           tune_fp8.py --hopper --ws (D = 128); the one-warpgroup specialised launches among them are refused on
 #           the H200, where they deadlock (results/ws_smoke_h200.txt), and recorded as errors
+#   gluon   lesson 11's Gluon kernel (kernels.hopper_ws): its tests and lesson 11 under nbval, then
+#           benchmarks/hopper_ws_probe.py (every loop variant checked, then timed beside cuDNN and the course's forward)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
@@ -73,6 +75,10 @@ PY="${PYTHON:-python3}"
 PYTEST=("$PY" -m pytest -rfE -p no:cacheprovider)
 for step in "$@"; do
   case $step in
+    gluon)
+      run gluon_tests "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py tests/test_results_hopper.py --nbval-lax \
+        --nbval-current-env solutions/11_hopper_and_fp8.ipynb
+      run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
     tests0)
       run tests0 "${PYTEST[@]}" -n 8 --timeout 120 tests/test_gpu_fast.py tests/test_gpu_fast_window.py \
         tests/test_gpu_fast_backward.py tests/test_gpu_fast_decode.py tests/test_kernels_fp8.py \
@@ -109,7 +115,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (gluon speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done

@@ -22,10 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHECKS = [(1, 4, 2, 256, True), (2, 8, 2, 1024, False), (1, 32, 8, 2048, True)]  # B, H, H_kv, N, causal
 SPEED = [(1, 32, 8, 16384, True), (1, 32, 8, 16384, False), (4, 32, 8, 4096, True)]
-VARIANTS = [dict(num_buffers=2, pipeline=False), dict(num_buffers=2, pipeline=True), dict(num_buffers=3, pipeline=False)]
+VARIANTS = [dict(num_buffers=2, loop="serial", fma=False), dict(num_buffers=2, loop="pingpong", fma=False),
+            dict(num_buffers=2, loop="serial", fma=True), dict(num_buffers=2, loop="pingpong", fma=True),
+            dict(num_buffers=2, loop="pipelined", fma=False)]
 
 
-def run_case(mode: str, b: int, h: int, h_kv: int, n: int, causal: bool, num_buffers: int, pipeline: bool) -> dict:
+def run_case(mode: str, b: int, h: int, h_kv: int, n: int, causal: bool, num_buffers: int, loop: str,
+             fma: bool) -> dict:
     """One case in this process: the errors, and for ``speed`` the TFLOP/s of the three forwards."""
     import math
 
@@ -39,7 +42,7 @@ def run_case(mode: str, b: int, h: int, h_kv: int, n: int, causal: bool, num_buf
     torch.manual_seed(0)
     q = torch.randn(b, h, n, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, h_kv, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    run = lambda: hopper_ws.attention(q, k, v, causal, num_buffers=num_buffers, pipeline=pipeline)  # noqa: E731
+    run = lambda: hopper_ws.attention(q, k, v, causal, num_buffers=num_buffers, loop=loop, fma=fma)  # noqa: E731
     o, lse = run()
     torch.cuda.synchronize()
     kr, vr = (t.float().repeat_interleave(h // h_kv, 1) for t in (k, v))
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
             for case in cases:
                 if mode == "speed" and not passed:
                     break
-                spec = [mode, *case, variant["num_buffers"], variant["pipeline"]]
+                spec = [mode, *case, variant["num_buffers"], variant["loop"], variant["fma"]]
                 try:
                     p = subprocess.run([sys.executable, __file__, "--case", json.dumps(spec)], capture_output=True,
                                        text=True, timeout=args.limit, cwd=ROOT)

@@ -100,7 +100,8 @@ COLUMNS = {
         ("partitions", "partitions: (TMA loads, products)", "", ""),
     ],
     "hopper_ws_probe": [
-        ("run", "run", "d", ""), ("loop", "consumer loop", "", ""), ("num_buffers", "K/V slots", "d", ""),
+        ("run", "run", "d", ""), ("loop", "consumer loop", "", ""), ("fma", "FMA softmax", "", ""),
+        ("num_buffers", "K/V slots", "d", ""),
         ("causal", "causal", "", ""), ("N", "N", "d", ""), ("B", "B", "d", ""),
         ("hopper_ws", "Gluon, specialised TFLOP/s", ".0f", ""), ("cudnn", "cuDNN TFLOP/s", ".0f", ""),
         ("course", "course TFLOP/s", ".0f", ""), ("over_cudnn", "specialised / cuDNN", ".2f", "×"),
@@ -333,9 +334,14 @@ def _sm90(d):
     return out
 
 
+def _loop_of(row) -> str:
+    """A probe row's consumer loop: ``loop`` as the kept probe writes it, or the first runs' ``pipeline`` flag."""
+    return row.get("loop") or ("pipelined" if row.get("pipeline") else "serial")
+
+
 def _hopper_ws(d):
     """The timed rows of ``benchmarks/hopper_ws_probe.py`` (lesson 11's Gluon kernel, ``kernels.hopper_ws``)."""
-    return [dict(run=r.get("run", 1), loop="pipelined" if r["pipeline"] else "serial", num_buffers=r["num_buffers"],
+    return [dict(run=r.get("run", 1), loop=_loop_of(r), fma=r.get("fma", False), num_buffers=r["num_buffers"],
                  causal=r["causal"], N=r["n"], B=r["b"], hopper_ws=r["hopper_ws"], cudnn=r["cudnn"],
                  course=r["course"], over_cudnn=_ratio(r["hopper_ws"], r["cudnn"]),
                  over_course=_ratio(r["hopper_ws"], r["course"]))

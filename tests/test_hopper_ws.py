@@ -19,20 +19,21 @@ from course_utils.kernels import hopper_ws, targets
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
-CASES = [(True, 128, False, 2), (False, 128, False, 2), (True, 64, False, 2), (True, 128, True, 2),
-         (True, 128, False, 3)]  # causal, D, pipeline, buffers
+CASES = [(True, 128, "serial", False, 2), (False, 128, "serial", False, 2), (True, 64, "serial", False, 2),
+         (True, 128, "pipelined", False, 2), (True, 128, "serial", False, 3), (True, 128, "pingpong", False, 2),
+         (False, 128, "serial", True, 2), (True, 128, "pingpong", True, 2)]  # causal, D, loop, fma, buffers
 
 SCRIPT = r"""
 import json, sys, torch
 from course_utils.kernels import hopper_ws, targets
 out = []
-for causal, d, pipeline, buffers in json.loads(sys.argv[1]):
+for causal, d, loop, fma, buffers in json.loads(sys.argv[1]):
     q = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16)
     k = torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
     with targets._captured_launches() as launches:
-        hopper_ws._launch(q, k, k, causal, 0.1, buffers, pipeline)
+        hopper_ws._launch(q, k, k, causal, 0.1, buffers, loop, fma)
     (kernel, args, kwargs), = launches
-    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"{causal} {d} {pipeline} {buffers}")))
+    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"{causal} {d} {loop} {fma} {buffers}")))
 print(json.dumps(out))
 """
 
@@ -74,7 +75,7 @@ def test_shared_memory_fits_the_h200(compiled):
         assert 0 < r["shared_bytes"] <= limit, r
     by_case = {r["case"]: r["shared_bytes"] for r in compiled}
     # a third K/V slot costs one more 128 x 128 bf16 tile of K and one of V, and its three 8-byte barriers
-    extra = by_case["True 128 False 3"] - by_case["True 128 False 2"]
+    extra = by_case["True 128 serial False 3"] - by_case["True 128 serial False 2"]
     assert 2 * 128 * 128 * 2 <= extra <= 2 * 128 * 128 * 2 + 64, extra
 
 
@@ -100,6 +101,15 @@ def test_without_a_hopper_gpu_it_says_why():
         hopper_ws.attention(q, k, k)
 
 
+@pytest.mark.parametrize("options,message", [(dict(loop="pingpongpong"), "loop must be one of"),
+                                             (dict(num_buffers=4), "num_buffers must be 2 or 3")])
+def test_unknown_options_are_refused_on_every_machine(options, message):
+    q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        hopper_ws.attention(q, k, k, **options)
+
+
 def _reference(q, k, v, causal):
     o, lse = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=causal)
     return torch.from_numpy(o).float().cuda(), torch.from_numpy(lse).float().cuda()
@@ -107,19 +117,22 @@ def _reference(q, k, v, causal):
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
                                        "tests above stand in on a CPU")
-@pytest.mark.parametrize("b,hq,hkv,n,d,causal,dtype,pipeline,buffers", [
-    (1, 4, 2, 256, 128, True, torch.bfloat16, False, 2),
-    (2, 8, 2, 1024, 128, False, torch.bfloat16, False, 2),
-    (1, 32, 8, 2048, 128, True, torch.bfloat16, False, 2),
-    (1, 4, 4, 512, 64, True, torch.bfloat16, False, 2),  # MHA, D = 64
-    (1, 4, 1, 384, 128, False, torch.float16, False, 3),  # MQA, fp16, three slots
-    (1, 8, 2, 1024, 128, True, torch.bfloat16, True, 2),  # the pipelined loop
-    (1, 8, 2, 128, 128, True, torch.bfloat16, True, 2),  # one tile: the pipelined loop's epilogue alone
+@pytest.mark.parametrize("b,hq,hkv,n,d,causal,dtype,loop,fma,buffers", [
+    (1, 4, 2, 256, 128, True, torch.bfloat16, "serial", False, 2),
+    (2, 8, 2, 1024, 128, False, torch.bfloat16, "serial", False, 2),
+    (1, 32, 8, 2048, 128, True, torch.bfloat16, "serial", False, 2),
+    (1, 4, 4, 512, 64, True, torch.bfloat16, "serial", False, 2),  # MHA, D = 64
+    (1, 4, 1, 384, 128, False, torch.float16, "serial", False, 3),  # MQA, fp16, three slots
+    (1, 8, 2, 1024, 128, True, torch.bfloat16, "pipelined", False, 2),
+    (1, 8, 2, 128, 128, True, torch.bfloat16, "pipelined", False, 2),  # one tile: the epilogue alone
+    (1, 8, 2, 1152, 128, True, torch.bfloat16, "pingpong", False, 2),  # an odd tile count: turns end unmatched
+    (2, 8, 2, 1024, 128, False, torch.bfloat16, "pingpong", True, 3),
+    (1, 8, 2, 1024, 64, True, torch.float16, "serial", True, 2),
 ])
-def test_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal, dtype, pipeline, buffers):
+def test_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal, dtype, loop, fma, buffers):
     g = torch.Generator(device="cuda").manual_seed(n + d)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype, generator=g) for h in (hq, hkv, hkv))
-    o, lse = hopper_ws.attention(q, k, v, causal, pipeline=pipeline, num_buffers=buffers)
+    o, lse = hopper_ws.attention(q, k, v, causal, loop=loop, fma=fma, num_buffers=buffers)
     ro, rl = _reference(q, k, v, causal)
     rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
     assert o.dtype == dtype and rel < 1e-2, f"relative error of o: {rel:.2e}"

@@ -180,11 +180,12 @@ def test_the_hand_specialised_kernel_was_right_wherever_it_was_timed():
     """results/hopper_ws_probe.json: each timed variant passed its checks in the same run, and each timed output
     was right too, so lesson 11's table times only a correct kernel; and the lesson's claims about it hold."""
     rows = results.load("hopper_ws_probe")["rows"]
-    timed = {(r["run"], r["num_buffers"], r["pipeline"]) for r in rows if r["mode"] == "speed"}
+    variant_of = lambda r: (r.get("run", 1), r["num_buffers"], results._loop_of(r), r.get("fma", False))  # noqa: E731
+    timed = {variant_of(r) for r in rows if r["mode"] == "speed"}
     assert timed
     for variant in timed:
-        checks = [r for r in rows if r["mode"] == "check" and (r["run"], r["num_buffers"], r["pipeline"]) == variant]
-        speed = [r for r in rows if r["mode"] == "speed" and (r["run"], r["num_buffers"], r["pipeline"]) == variant]
+        checks = [r for r in rows if r["mode"] == "check" and variant_of(r) == variant]
+        speed = [r for r in rows if r["mode"] == "speed" and variant_of(r) == variant]
         assert all(r["err"] < 2e-2 and r["lse_err"] < 1e-2 for r in checks + speed), variant
         # checks of run 2's variant ran on the smallest case only: at least one check per timed variant
         assert checks, variant
@@ -195,5 +196,5 @@ def test_the_hand_specialised_kernel_was_right_wherever_it_was_timed():
     assert all(r["over_course"] > 1 and r["over_cudnn"] < 1 for r in serial)
     assert "and was slower" in text
     for p in pipelined:
-        same = [r for r in serial if (r["causal"], r["N"], r["run"]) == (p["causal"], p["N"], p["run"])]
+        same = [r for r in serial if (r["causal"], r["N"], r["run"], r["fma"]) == (p["causal"], p["N"], p["run"], p["fma"])]
         assert same and all(p["hopper_ws"] < r["hopper_ws"] for r in same)

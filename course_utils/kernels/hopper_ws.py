@@ -16,8 +16,11 @@ One program computes 128 query rows of one head, in three partitions (``gl.warp_
   schedulers give the tensor cores to the other's products: FA3's overlap of two warpgroups, left to the
   hardware instead of ordered by named barriers.
 
-``pipeline=True`` adds FA3's other overlap inside a warpgroup: tile ``j + 1``'s ``Q Kᵀ`` is issued before
+``loop="pipelined"`` adds FA3's other overlap inside a warpgroup: tile ``j + 1``'s ``Q Kᵀ`` is issued before
 tile ``j``'s softmax. Measured on the H200 it was slower (each iteration waits for both products).
+``loop="pingpong"`` orders the two consumers as FA3 does (each issues its ``Q Kᵀ`` on its turn, two mbarriers
+passing the turn), and ``fma=True`` folds the softmax's scale into one fused multiply-add: both compiled here,
+not yet run on a GPU.
 
 On a CPU there is nothing to run (Gluon has no interpreter); ``tests/test_hopper_ws.py`` compiles it for
 sm_90 there and runs it on a Hopper GPU.
@@ -79,14 +82,22 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ba
 
 @gluon.jit
 def _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr):
-    """One tile's online softmax on the scores ``s``: the new max and sum, ``acc`` rescaled, and P for ``P V``."""
-    s = s * qk_scale
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr, FMA: gl.constexpr):
+    """One tile's online softmax on the scores ``s``: the new max and sum, ``acc`` rescaled, and P for ``P V``.
+
+    ``FMA``: the max is taken on the raw scores (the scale is positive) and ``s * scale - m`` is one fused
+    multiply-add per score, instead of a multiply over the tile and then a subtraction."""
+    if not FMA:
+        s = s * qk_scale
     if MASK:
         cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(rows[:, None] >= cols[None, :], s, -float("inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    p = gl.exp2(s - m_new[:, None])
+    if FMA:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        p = gl.exp2(gl.fma(s, qk_scale, -m_new[:, None]))
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        p = gl.exp2(s - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -96,19 +107,29 @@ def _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N: gl.constexpr, MA
 
 
 @gluon.jit
-def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N: gl.constexpr,
-          MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Tile ``j``: wait for K, ``S = Q Kᵀ``, the softmax, wait for V, ``acc += P V``, release the slot."""
+def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i, acc, qk_scale, rows,
+          BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+          ME: gl.constexpr, PINGPONG: gl.constexpr, FMA: gl.constexpr):
+    """Tile ``j``: wait for K, ``S = Q Kᵀ``, the softmax, wait for V, ``acc += P V``, release the slot.
+
+    ``PINGPONG`` (FA3's ordering of two warpgroups): consumer ``ME`` issues its ``Q Kᵀ`` only on its turn and
+    then hands the turn to the other, so the two take the tensor cores in alternation and one's softmax runs
+    under the other's product. A turn is an mbarrier of one arrival per consumer; consumer 0 goes first (a
+    fresh barrier counts as completed for the phase before 0)."""
     NB: gl.constexpr = k_smem.type.shape[0]
     M: gl.constexpr = q.type.shape[0]
     idx = j % NB
     phase = (j // NB) & 1
     mbarrier.wait(k_bars.index(idx), phase)
     s = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
+    if PINGPONG:
+        mbarrier.wait(turn_bars.index(ME), (j & 1) ^ (1 - ME))
     s = warpgroup_mma(q, k_smem.index(idx).permute((1, 0)), s, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - ME), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
-                                       v_smem.dtype)
+                                       v_smem.dtype, FMA)
     mbarrier.wait(v_bars.index(idx), phase)
     acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -118,7 +139,8 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, m_i, l_i, acc, qk_sc
 
 @gluon.jit
 def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc, qk_scale, rows,
-                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                    FMA: gl.constexpr):
     """Tile ``j``'s softmax while the tensor cores compute tile ``j + 1``'s ``Q Kᵀ`` (FA3's overlap inside a
     warpgroup); each step then waits for both products."""
     NB: gl.constexpr = k_smem.type.shape[0]
@@ -133,7 +155,7 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
         mbarrier.wait(k_bars.index((j + 1) % NB), ((j + 1) // NB) & 1)
         s_next = warpgroup_mma(q, k_smem.index((j + 1) % NB).permute((1, 0)), zeros, use_acc=False, is_async=True)
         m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N, False, s_layout,
-                                           o_layout, v_smem.dtype)
+                                           o_layout, v_smem.dtype, FMA)
         mbarrier.wait(v_bars.index(idx), phase)
         acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
@@ -142,7 +164,7 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
     idx = j % NB
     phase = (j // NB) & 1
     m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout,
-                                       v_smem.dtype)
+                                       v_smem.dtype, FMA)
     mbarrier.wait(v_bars.index(idx), phase)
     acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -151,9 +173,10 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
 
 
 @gluon.jit
-def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr,
-              qk_scale, N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
+def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr,
+              lse_ptr, qk_scale, N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr,
+              FMA: gl.constexpr):
     """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, then its part of ``o`` and ``lse``."""
     start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)
     HALF: gl.constexpr = BLOCK_M // 2
@@ -169,19 +192,21 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     q = q_smem.index(HALF_IDX)
     mbarrier.wait(q_bars.index(HALF_IDX), 0)
-    if PIPELINE:
+    if LOOP == "pipelined":
         m_i, l_i, acc = _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc,
-                                        qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout)
+                                        qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout, FMA)
     else:
         n_full = n_tiles
         if CAUSAL:
             n_full = n_tiles - 1  # the diagonal tile, masked, after the loop
         for j in range(n_full):
-            m_i, l_i, acc = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, m_i, l_i, acc, qk_scale, rows,
-                                  BLOCK_N, False, s_layout, o_layout)
+            m_i, l_i, acc = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i, acc,
+                                  qk_scale, rows, BLOCK_N, False, s_layout, o_layout, HALF_IDX, LOOP == "pingpong",
+                                  FMA)
         if CAUSAL:
-            m_i, l_i, acc = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_full, m_i, l_i, acc, qk_scale,
-                                  rows, BLOCK_N, True, s_layout, o_layout)
+            m_i, l_i, acc = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n_full, m_i, l_i, acc,
+                                  qk_scale, rows, BLOCK_N, True, s_layout, o_layout, HALF_IDX, LOOP == "pingpong",
+                                  FMA)
     acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     o_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
@@ -191,26 +216,26 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
 
 
 @gluon.jit
-def _consumer0(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N,
-               H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
-    _consumer(0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N, H,
-              GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, PIPELINE)
+def _consumer0(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr, qk_scale,
+               N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
+    _consumer(0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr, qk_scale,
+              N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)
 
 
 @gluon.jit
-def _consumer1(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N,
-               H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, PIPELINE: gl.constexpr):
-    _consumer(1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N, H,
-              GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, PIPELINE)
+def _consumer1(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr, qk_scale,
+               N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
+    _consumer(1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr, qk_scale,
+              N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)
 
 
 @gluon.jit
 def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, H: gl.constexpr, GROUP: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
                 CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                PIPELINE: gl.constexpr):
+                LOOP: gl.constexpr, FMA: gl.constexpr):
     """The buffers and barriers the partitions share, then the three partitions (the first is the default)."""
     HALF: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
@@ -220,18 +245,20 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, H: gl.const
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # LOOP == "pingpong"
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(turn_bars.index(i), count=1)
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
     # the tuples are written out in the call: a tuple held in a variable would turn its constexprs into tensors
     gl.warp_specialize([
-        (_consumer0, (q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N, H,
-                      GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, PIPELINE)),
-        (_consumer1, (q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, o_ptr, lse_ptr, qk_scale, N, H,
-                      GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, PIPELINE)),
+        (_consumer0, (q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
+                      qk_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)),
+        (_consumer1, (q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
+                      qk_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
                            H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -264,7 +291,7 @@ def _validate_device(q) -> None:
                          f"and wgmma is Hopper's (got a {q.device.type} tensor)")
 
 
-def _launch(q, k, v, causal, sm_scale, num_buffers, pipeline):
+def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False):
     """Descriptors, outputs and the launch, for inputs already validated (``tests/`` compile it from CPU tensors)."""
     b, h, n, d = q.shape
     q, k, v = (t.contiguous() for t in (q, k, v))
@@ -279,20 +306,28 @@ def _launch(q, k, v, causal, sm_scale, num_buffers, pipeline):
     v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N, d], kv_layout)
     grid = (n // BLOCK_M, b * h)
     attn_fwd_ws[grid](q_desc, k_desc, v_desc, o, lse, sm_scale * LOG2E, n, h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
-                      num_buffers, causal, CONSUMER_REGS, LOADER_REGS, pipeline, num_warps=4, maxnreg=MAXNREG)
+                      num_buffers, causal, CONSUMER_REGS, LOADER_REGS, loop, fma, num_warps=4, maxnreg=MAXNREG)
     return o, lse
 
 
+LOOPS = ("serial", "pipelined", "pingpong")
+
+
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, num_buffers: int = 2,
-              pipeline: bool = False):
+              loop: str = "serial", fma: bool = False):
     """``(o, lse)`` of attention over ``q`` ``[B, H, N, D]`` and ``k``, ``v`` ``[B, H_kv, N, D]`` on a Hopper GPU.
 
     bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA; ``lse`` float32 ``[B, H, N]`` (natural log).
-    ``num_buffers``: K/V tiles in flight (2 or 3 at D = 128: 160 or 224 KiB of shared memory).
+    ``num_buffers``: K/V tiles in flight (2 or 3 at D = 128: 160 or 224 KiB of shared memory). ``loop``: how
+    each consumer runs its tiles, ``"serial"`` (measured fastest), ``"pipelined"`` (the next tile's ``Q Kᵀ``
+    before this one's softmax; measured slower) or ``"pingpong"`` (the consumers take turns at ``Q Kᵀ``; not
+    yet run on a GPU). ``fma``: the softmax's scale in one fused multiply-add (not yet run on a GPU).
     """
     _validate_inputs(q, k, v)
-    _validate_device(q)
     if num_buffers not in (2, 3):
         raise ValueError(f"num_buffers must be 2 or 3 (got {num_buffers})")
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS} (got {loop!r})")
+    _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    return _launch(q, k, v, causal, sm_scale, num_buffers, pipeline)
+    return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma)
