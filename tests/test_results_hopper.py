@@ -198,3 +198,10 @@ def test_the_hand_specialised_kernel_was_right_wherever_it_was_timed():
     for p in pipelined:
         same = [r for r in serial if (r["causal"], r["N"], r["run"], r["fma"]) == (p["causal"], p["N"], p["run"], p["fma"])]
         assert same and all(p["hopper_ws"] < r["hopper_ws"] for r in same)
+
+
+def test_the_readme_quotes_the_hand_specialised_kernels_ratios_as_recorded():
+    readme = " ".join((LESSON.parent.parent / "README.md").read_text().split())
+    over_cudnn = results.figure("hopper_ws_probe", "over_cudnn", loop="serial", fma=False)
+    over_course = results.figure("hopper_ws_probe", "over_course", loop="serial", fma=False)
+    assert f"**{over_cudnn} cuDNN and {over_course} the course's forward**" in readme
