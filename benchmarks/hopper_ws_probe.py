@@ -24,6 +24,7 @@ CHECKS = [(1, 4, 2, 256, True), (2, 8, 2, 1024, False), (1, 32, 8, 2048, True)] 
 SPEED = [(1, 32, 8, 16384, True), (1, 32, 8, 16384, False), (4, 32, 8, 4096, True)]
 VARIANTS = [dict(num_buffers=2, loop="serial", fma=False), dict(num_buffers=2, loop="pingpong", fma=False),
             dict(num_buffers=2, loop="serial", fma=True), dict(num_buffers=2, loop="pingpong", fma=True),
+            dict(num_buffers=2, loop="overlap", fma=False), dict(num_buffers=2, loop="overlap", fma=True),
             dict(num_buffers=2, loop="pipelined", fma=False)]
 
 

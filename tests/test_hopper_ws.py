@@ -21,7 +21,8 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 
 CASES = [(True, 128, "serial", False, 2), (False, 128, "serial", False, 2), (True, 64, "serial", False, 2),
          (True, 128, "pipelined", False, 2), (True, 128, "serial", False, 3), (True, 128, "pingpong", False, 2),
-         (False, 128, "serial", True, 2), (True, 128, "pingpong", True, 2)]  # causal, D, loop, fma, buffers
+         (False, 128, "serial", True, 2), (True, 128, "pingpong", True, 2), (True, 128, "overlap", False, 2),
+         (False, 64, "overlap", True, 3)]  # causal, D, loop, fma, buffers
 
 SCRIPT = r"""
 import json, sys, torch
@@ -128,6 +129,8 @@ def _reference(q, k, v, causal):
     (1, 8, 2, 1152, 128, True, torch.bfloat16, "pingpong", False, 2),  # an odd tile count: turns end unmatched
     (2, 8, 2, 1024, 128, False, torch.bfloat16, "pingpong", True, 3),
     (1, 8, 2, 1024, 64, True, torch.float16, "serial", True, 2),
+    (1, 8, 2, 1152, 128, True, torch.bfloat16, "overlap", False, 2),  # tiles 1 to 9: the prologue alone at 1
+    (2, 8, 2, 640, 64, False, torch.bfloat16, "overlap", True, 3),
 ])
 def test_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal, dtype, loop, fma, buffers):
     g = torch.Generator(device="cuda").manual_seed(n + d)

@@ -18,9 +18,10 @@ One program computes 128 query rows of one head, in three partitions (``gl.warp_
 
 ``loop="pipelined"`` adds FA3's other overlap inside a warpgroup: tile ``j + 1``'s ``Q Kᵀ`` is issued before
 tile ``j``'s softmax. Measured on the H200 it was slower (each iteration waits for both products).
-``loop="pingpong"`` orders the two consumers as FA3 does (each issues its ``Q Kᵀ`` on its turn, two mbarriers
-passing the turn), and ``fma=True`` folds the softmax's scale into one fused multiply-add: both compiled here,
-not yet run on a GPU.
+``loop="overlap"`` is FA3's form of it: tile ``j``'s ``Q Kᵀ`` and tile ``j - 1``'s ``P V`` issued together, the
+softmax run while ``P V`` is still on the tensor cores. ``loop="pingpong"`` orders the two consumers as FA3 does
+(each issues its ``Q Kᵀ`` on its turn, two mbarriers passing the turn), and ``fma=True`` folds the softmax's
+scale into one fused multiply-add: these three compiled here, not yet run on a GPU.
 
 On a CPU there is nothing to run (Gluon has no interpreter); ``tests/test_hopper_ws.py`` compiles it for
 sm_90 there and runs it on a Hopper GPU.
@@ -81,9 +82,10 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ba
 
 
 @gluon.jit
-def _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr, FMA: gl.constexpr):
-    """One tile's online softmax on the scores ``s``: the new max and sum, ``acc`` rescaled, and P for ``P V``.
+def _softmax_core(s, j, m_i, l_i, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr,
+                  o_layout: gl.constexpr, P_DTYPE: gl.constexpr, FMA: gl.constexpr):
+    """One tile's online softmax on the scores ``s``: the new max and sum, the factor ``alpha`` that rescales the
+    accumulator, and P for ``P V``.
 
     ``FMA``: the max is taken on the raw scores (the scale is positive) and ``s * scale - m`` is one fused
     multiply-add per score, instead of a multiply over the tile and then a subtraction."""
@@ -100,10 +102,18 @@ def _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N: gl.constexpr, MA
         p = gl.exp2(s - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     # P stays in registers as wgmma's A operand (k_width 2: two 16-bit values per 32-bit register)
     p16 = gl.convert_layout(p.to(P_DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    return m_new, l_i, acc, p16
+    return m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), p16
+
+
+@gluon.jit
+def _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr, FMA: gl.constexpr):
+    """:func:`_softmax_core` with the accumulator rescaled at once (every loop but ``"overlap"``)."""
+    m_new, l_i, alpha, p16 = _softmax_core(s, j, m_i, l_i, qk_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
+                                           P_DTYPE, FMA)
+    return m_new, l_i, acc * alpha[:, None], p16
 
 
 @gluon.jit
@@ -134,6 +144,56 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i,
     acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty_bars.index(idx), count=1)  # counts once per partition; the slot needs both consumers
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, p_prev, m_i, l_i, acc, qk_scale, rows,
+                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  FMA: gl.constexpr):
+    """Tile ``j``'s ``Q Kᵀ`` and tile ``j - 1``'s ``P V`` issued together; tile ``j``'s softmax runs while
+    ``P V`` is still on the tensor cores (``warpgroup_mma_wait(1)`` waits for the older product only)."""
+    NB: gl.constexpr = k_smem.type.shape[0]
+    M: gl.constexpr = q.type.shape[0]
+    prev = (j - 1) % NB
+    mbarrier.wait(k_bars.index(j % NB), (j // NB) & 1)
+    s = warpgroup_mma(q, k_smem.index(j % NB).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    mbarrier.wait(v_bars.index(prev), ((j - 1) // NB) & 1)
+    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # Q Kᵀ done; P V may still run
+    m_i, l_i, alpha, p = _softmax_core(s, j, m_i, l_i, qk_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
+                                       v_smem.dtype, FMA)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # rescaled only once P V has added into it
+    mbarrier.arrive(empty_bars.index(prev), count=1)
+    return p, m_i, l_i, acc * alpha[:, None]
+
+
+@gluon.jit
+def _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc, qk_scale, rows,
+                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                     FMA: gl.constexpr):
+    """FA3's overlap inside a warpgroup: each tile's softmax under the previous tile's ``P V``. The causal mask
+    on the first tile (a no-op unless it is also the last) and on the last."""
+    NB: gl.constexpr = k_smem.type.shape[0]
+    M: gl.constexpr = q.type.shape[0]
+    mbarrier.wait(k_bars.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    m_i, l_i, acc, p = _softmax_step(s, 0, m_i, l_i, acc, qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout,
+                                     v_smem.dtype, FMA)
+    for j in range(1, n_tiles - 1):
+        p, m_i, l_i, acc = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, p, m_i, l_i, acc,
+                                         qk_scale, rows, BLOCK_N, False, s_layout, o_layout, FMA)
+    if n_tiles > 1:
+        p, m_i, l_i, acc = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles - 1, p, m_i, l_i,
+                                         acc, qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout, FMA)
+    last = (n_tiles - 1) % NB
+    mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // NB) & 1)
+    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty_bars.index(last), count=1)
     return m_i, l_i, acc
 
 
@@ -195,6 +255,9 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     if LOOP == "pipelined":
         m_i, l_i, acc = _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc,
                                         qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout, FMA)
+    elif LOOP == "overlap":
+        m_i, l_i, acc = _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc,
+                                         qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout, FMA)
     else:
         n_full = n_tiles
         if CAUSAL:
@@ -310,7 +373,7 @@ def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False):
     return o, lse
 
 
-LOOPS = ("serial", "pipelined", "pingpong")
+LOOPS = ("serial", "pipelined", "pingpong", "overlap")
 
 
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, num_buffers: int = 2,
@@ -320,8 +383,8 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, n
     bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA; ``lse`` float32 ``[B, H, N]`` (natural log).
     ``num_buffers``: K/V tiles in flight (2 or 3 at D = 128: 160 or 224 KiB of shared memory). ``loop``: how
     each consumer runs its tiles, ``"serial"`` (measured fastest), ``"pipelined"`` (the next tile's ``Q Kᵀ``
-    before this one's softmax; measured slower) or ``"pingpong"`` (the consumers take turns at ``Q Kᵀ``; not
-    yet run on a GPU). ``fma``: the softmax's scale in one fused multiply-add (not yet run on a GPU).
+    before this one's softmax; measured slower), ``"pingpong"`` (the consumers take turns at ``Q Kᵀ``) or
+    ``"overlap"`` (each softmax under the previous tile's ``P V``, FA3's form); the last two not yet run on a GPU. ``fma``: the softmax's scale in one fused multiply-add (not yet run on a GPU).
     """
     _validate_inputs(q, k, v)
     if num_buffers not in (2, 3):
