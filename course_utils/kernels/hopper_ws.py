@@ -279,22 +279,6 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
 
 
 @gluon.jit
-def _consumer0(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr, qk_scale,
-               N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
-    _consumer(0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr, qk_scale,
-              N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)
-
-
-@gluon.jit
-def _consumer1(q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr, qk_scale,
-               N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
-    _consumer(1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr, qk_scale,
-              N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)
-
-
-@gluon.jit
 def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, H: gl.constexpr, GROUP: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
                 CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
@@ -316,12 +300,13 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, H: gl.const
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
-    # the tuples are written out in the call: a tuple held in a variable would turn its constexprs into tensors
+    # the tuples are written out in the call: a tuple held in a variable would turn its constexprs into tensors;
+    # the literal 0 / 1 stays a constexpr, so each consumer is its own specialisation of _consumer
     gl.warp_specialize([
-        (_consumer0, (q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                      qk_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)),
-        (_consumer1, (q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                      qk_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)),
+        (_consumer, (0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
+                     qk_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)),
+        (_consumer, (1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
+                     qk_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
                            H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
