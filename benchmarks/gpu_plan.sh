@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluon8 speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -18,6 +18,9 @@
 #           the H200, where they deadlock (results/ws_smoke_h200.txt), and recorded as errors
 #   gluon   lesson 11's Gluon kernel (kernels.hopper_ws): its tests and lesson 11 under nbval, then
 #           benchmarks/hopper_ws_probe.py (every loop variant checked, then timed beside cuDNN and the course's forward)
+#   gluon8  its FP8 entry (hopper_ws.attention_fp8): the module's FP8 tests, then hopper_ws_probe.py --dtype fp8
+#           (checked against float32 attention on the dequantised inputs, timed beside cuDNN's bf16 and the
+#           course's Triton FP8 kernel)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
@@ -79,6 +82,9 @@ for step in "$@"; do
       run gluon_tests "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py tests/test_results_hopper.py --nbval-lax \
         --nbval-current-env solutions/11_hopper_and_fp8.ipynb
       run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
+    gluon8)
+      run gluon8_tests "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py -k fp8
+      run gluon8_probe "$PY" benchmarks/hopper_ws_probe.py --dtype fp8 --out "$OUT/hopper_ws_fp8_probe.json" ;;
     tests0)
       run tests0 "${PYTEST[@]}" -n 8 --timeout 120 tests/test_gpu_fast.py tests/test_gpu_fast_window.py \
         tests/test_gpu_fast_backward.py tests/test_gpu_fast_decode.py tests/test_kernels_fp8.py \

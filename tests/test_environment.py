@@ -110,6 +110,49 @@ def test_known_bad_triton_numpy_combination_is_repaired_or_reported(monkeypatch,
     assert not any("range" in p for p in environment.known_problems(_env()))
 
 
+def test_the_interpreters_cast_to_e4m3_rounds_as_a_gpu_does():
+    """x.to(tl.float8e4nv) in the interpreter: nearest even with the carry into the exponent (126.24 -> 128, which
+    Triton's own interpreter makes 64), ties to even, saturation at 448, subnormals; from float32 and float16."""
+    out = _python(
+        "import course_utils, torch, triton, triton.language as tl\n"
+        "@triton.jit\n"
+        "def cast(X, Z, N: tl.constexpr):\n"
+        "    offs = tl.arange(0, N)\n"
+        "    tl.store(Z + offs, tl.load(X + offs).to(tl.float8e4nv))\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.tensor([126.2386, 31.6051, 1.97, -126.3, 1.0625, 1.1875, 500.0, 0.0029296875, 1e-4, 0.0])\n"
+        "x = torch.cat([x, torch.randn(1014, generator=g) * 40, torch.rand(1024, generator=g) * 256])\n"
+        "for t in (x, x.half()):\n"
+        "    z = torch.empty(2048, dtype=torch.float8_e4m3fn); cast[(1,)](t, z, N=2048)\n"
+        "    want = t.float().clamp(-448, 448).to(torch.float8_e4m3fn)\n"
+        "    print((z.view(torch.uint8) != want.view(torch.uint8)).sum().item(), z[:8].float().tolist())"
+    )
+    assert out.returncode == 0, out.stderr
+    for line in out.stdout.strip().splitlines():
+        wrong, first = line.split(" ", 1)
+        assert wrong == "0", line
+        assert first == "[128.0, 32.0, 2.0, -128.0, 1.0, 1.25, 448.0, 0.00390625]", line
+
+
+def test_the_e4m3_repair_wraps_only_a_broken_cast_and_only_once():
+    import triton.runtime.interpreter as interpreter
+
+    calls = []
+
+    def right(input, input_dtype, output_dtype, rounding_mode):  # a fixed interpreter: 126.24 -> 128, 1.97 -> 2
+        calls.append(output_dtype)
+        return np.array([0x77, 0x40], np.uint8)
+
+    fake = types.SimpleNamespace(_convert_float=right, tl=interpreter.tl, _ir=interpreter._ir)
+    environment._patch_interpreter_fp8_cast(fake)
+    environment._patch_interpreter_fp8_cast(fake)  # twice is once
+    assert fake._convert_float._course_fp8_fix
+    x = np.array([3.0, 5.0], dtype=np.float32)
+    got = fake._convert_float(x, interpreter.tl.float32, interpreter.tl.float8e4nv, None)
+    # the probe found the cast right, so the interpreter's own function answered (the probe, then the call)
+    assert len(calls) == 2 and list(got) == [0x77, 0x40]
+
+
 def test_interpreter_index_repair_turns_a_one_element_array_into_an_int():
     # triton 3.6's interpreter: `__index__` is int(data) on an array of shape (1,), refused by numpy >= 2.4.
     class Scope:

@@ -23,18 +23,31 @@ CASES = [(True, 128, "serial", False, 2), (False, 128, "serial", False, 2), (Tru
          (True, 128, "pipelined", False, 2), (True, 128, "serial", False, 3), (True, 128, "pingpong", False, 2),
          (False, 128, "serial", True, 2), (True, 128, "pingpong", True, 2), (True, 128, "overlap", False, 2),
          (False, 64, "overlap", True, 3)]  # causal, D, loop, fma, buffers
+# the FP8 entry (attention_fp8: e4m3 tiles, V transposed, the scales): causal, D, loop, buffers
+FP8_CASES = [(True, 128, "serial", 2), (False, 128, "pingpong", 3), (True, 128, "overlap", 4), (False, 64, "serial", 2)]
 
 SCRIPT = r"""
 import json, sys, torch
 from course_utils.kernels import hopper_ws, targets
-out = []
-for causal, d, loop, fma, buffers in json.loads(sys.argv[1]):
+cases, fp8_cases = json.loads(sys.argv[1])
+launches_of = []
+for causal, d, loop, fma, buffers in cases:
     q = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16)
     k = torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
+    launches_of.append(((q, k, k, causal, 0.1, buffers, loop, fma), f"{causal} {d} {loop} {fma} {buffers}"))
+for causal, d, loop, buffers in fp8_cases:
+    q8 = torch.empty(1, 32, 1024, d, dtype=torch.float8_e4m3fn)
+    k8 = torch.empty(1, 8, 1024, d, dtype=torch.float8_e4m3fn)
+    vt8 = torch.empty(1, 8, d, 1024, dtype=torch.float8_e4m3fn)
+    scales = (torch.ones(1, 32, 8), torch.ones(1, 8, 8), torch.ones(1, 8, 8))
+    launches_of.append(((q8, k8, vt8, causal, 0.1, buffers, loop, True, scales, 128),
+                        f"fp8 {causal} {d} {loop} {buffers}"))
+out = []
+for args, case in launches_of:
     with targets._captured_launches() as launches:
-        hopper_ws._launch(q, k, k, causal, 0.1, buffers, loop, fma)
+        hopper_ws._launch(*args)
     (kernel, args, kwargs), = launches
-    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"{causal} {d} {loop} {fma} {buffers}")))
+    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case)))
 print(json.dumps(out))
 """
 
@@ -43,14 +56,14 @@ print(json.dumps(out))
 def compiled():
     # Triton's compiler (not the interpreter), no GPU in sight: the machine code for sm_90
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, FP8_CASES])], capture_output=True, text=True, env=env,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_it_compiles_to_a_loader_and_two_consumers(compiled):
-    assert len(compiled) == len(CASES)
+    assert len(compiled) == len(CASES) + len(FP8_CASES)
     for r in compiled:
         assert r["num_warps"] == 12, r  # 4 + 4 + the loader's warp, in warpgroups
         names = [p[0] for p in r["partitions"]]
@@ -78,6 +91,20 @@ def test_shared_memory_fits_the_h200(compiled):
     # a third K/V slot costs one more 128 x 128 bf16 tile of K and one of V, and its three 8-byte barriers
     extra = by_case["True 128 serial False 3"] - by_case["True 128 serial False 2"]
     assert 2 * 128 * 128 * 2 <= extra <= 2 * 128 * 128 * 2 + 64, extra
+
+
+def test_the_fp8_entry_multiplies_e4m3_tiles_of_half_the_memory(compiled):
+    """Both products on FP8 wgmma (K = 32 per instruction), nothing in 16 bits; an e4m3 tile is half a bf16 one."""
+    by_case = {r["case"]: r for r in compiled}
+    for causal, d, loop, buffers in FP8_CASES:
+        r = by_case[f"fp8 {causal} {d} {loop} {buffers}"]
+        # Q K^T (N = 128 keys) and P V (N = D), e4m3 x e4m3 into float32
+        assert set(r["wgmma"]) == {"m64n128k32.f32.e4m3.e4m3", f"m64n{d}k32.f32.e4m3.e4m3"}, r["wgmma"]
+    for r in compiled:
+        if not r["case"].startswith("fp8"):
+            assert all(w.endswith(("bf16.bf16", "f16.f16")) for w in r["wgmma"]) and r["wgmma"], r
+    bf16, fp8 = by_case["True 128 serial False 2"]["shared_bytes"], by_case["fp8 True 128 serial 2"]["shared_bytes"]
+    assert 0 < 2 * fp8 - bf16 <= 512, (bf16, fp8)  # the tiles halve; only the barriers' bytes stay
 
 
 @pytest.mark.parametrize("shapes,dtype,message", [
@@ -111,6 +138,36 @@ def test_unknown_options_are_refused_on_every_machine(options, message):
         hopper_ws.attention(q, k, k, **options)
 
 
+def _fp8_inputs(b=1, hq=4, hkv=2, n=256, d=128, block_size=128, device="cpu"):
+    from course_utils.kernels import quantize_fp8
+    g = torch.Generator(device=device).manual_seed(n + d + hq)
+    q, k, v = (torch.randn(b, h, n, d, device=device, generator=g) for h in (hq, hkv, hkv))
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t, block_size) for t in (q, k, v))
+    return q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: (a[0].float(), *a[1:]), "float8_e4m3fn"),
+    (lambda a: (a[0], a[1], a[1], *a[3:]), "vt8 \\[B, H_kv, D, N\\]"),  # V not transposed
+    (lambda a: (*a[:3], a[3][:, :, :1], *a[4:]), "q_scale must be float32 \\[1, 4, 2\\]"),  # one scale per tensor
+    (lambda a: (*a[:4], None, a[5]), "k_scale must be"),  # a forgotten scale
+])
+def test_the_fp8_entry_refuses_inputs_not_made_by_quantize_fp8(change, message):
+    with pytest.raises(ValueError, match=message):
+        hopper_ws.attention_fp8(*change(_fp8_inputs()))
+
+
+@pytest.mark.parametrize("options,message", [(dict(block_size=64), "block_size must be a power of two of at least 128"),
+                                             (dict(num_buffers=5), "num_buffers must be 2, 3 or 4 with FP8"),
+                                             (dict(loop="pipelined"), "bf16/fp16 only")])
+def test_the_fp8_entrys_options_are_checked(options, message):
+    q8, k8, vt8, qs, ks, vs = _fp8_inputs()
+    if "block_size" in options:
+        qs, ks, vs = (s.repeat_interleave(2, -1) for s in (qs, ks, vs))  # as quantize_fp8(.., 64) would shape them
+    with pytest.raises(ValueError, match=message):
+        hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, **options)
+
+
 def _reference(q, k, v, causal):
     o, lse = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=causal)
     return torch.from_numpy(o).float().cuda(), torch.from_numpy(lse).float().cuda()
@@ -140,3 +197,32 @@ def test_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal,
     rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
     assert o.dtype == dtype and rel < 1e-2, f"relative error of o: {rel:.2e}"
     assert (lse - rl).abs().max().item() < 1e-2
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
+                                       "tests above stand in on a CPU")
+@pytest.mark.parametrize("b,hq,hkv,n,d,causal,loop,buffers,block_size", [
+    (1, 4, 2, 256, 128, True, "serial", 2, 128),
+    (2, 8, 2, 1024, 128, False, "serial", 3, 128),
+    (1, 32, 8, 2048, 128, True, "pingpong", 2, 256),  # two key tiles to a scale block
+    (1, 8, 2, 1152, 128, True, "overlap", 4, 128),  # tiles 1 to 9: the prologue alone at 1
+    (1, 4, 4, 640, 64, False, "overlap", 2, 128),  # MHA, D = 64
+    (1, 4, 1, 384, 64, True, "serial", 3, 128),  # MQA
+])
+def test_the_fp8_entry_matches_the_courses_fp8_kernel_on_a_hopper_gpu(b, hq, hkv, n, d, causal, loop, buffers,
+                                                                      block_size):
+    """Against lesson 11's Triton FP8 kernel on the same e4m3 inputs (the same arithmetic: P as 256 p in e4m3),
+    and against float64 attention over the dequantised inputs (the error FP8's P and accumulation add)."""
+    from course_utils.bench.fp8 import rel_rms
+    from course_utils.kernels import fp8
+
+    q8, k8, vt8, qs, ks, vs = _fp8_inputs(b, hq, hkv, n, d, block_size, "cuda")
+    o, lse = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, block_size=block_size, loop=loop,
+                                     num_buffers=buffers)
+    lesson = fp8.launch_fp8_hopper(q8, k8, vt8, qs, ks, vs, causal, block_size, torch.bfloat16)
+    deq = (fp8.dequantize_fp8(x, s, block_size) for x, s in ((q8, qs), (k8, ks), (vt8.transpose(2, 3), vs)))
+    ro, rl = _reference(*deq, causal)
+    assert o.dtype == torch.bfloat16 and o.shape == q8.shape
+    torch.testing.assert_close(o.float(), lesson.float(), atol=3e-2, rtol=3e-2)
+    assert rel_rms(o, ro) < 0.05, rel_rms(o, ro)
+    assert (lse - rl).abs().max().item() < 2e-2

@@ -40,8 +40,10 @@ In Triton's interpreter (no GPU) ``tl.dot`` takes e4m3 tensors too: torch
 rounds to e4m3 on the CPU (``.to(torch.float8_e4m3fn)``), and the
 interpreter computes the product of the rounded values exactly (numpy has no
 FP8; it holds them in float32). So the same kernel runs on both machines,
-with one difference: the interpreter's float32 -> e4m3 cast inside a kernel
-loses the carry into the exponent (:func:`to_e4m3` works around it there).
+with one difference: Triton's interpreter's float32 -> e4m3 cast inside a
+kernel loses the carry into the exponent (``import course_utils`` repairs it,
+``environment._patch_interpreter_fp8_cast``; :func:`to_e4m3` works around it
+without the repair).
 On a GPU it is written for sm_89/sm_90 (``tl.float8e4nv``).
 
 On a Hopper GPU, for D of 64 or 128 and N a multiple of the tile,
@@ -165,9 +167,10 @@ def to_e4m3(x, INTERPRETED: tl.constexpr):
     """``x`` (float32, ``0 <= x <= 448``) rounded to e4m3: ``x.to(tl.float8e4nv)``.
 
     Triton's interpreter drops the carry when a value rounds up to the next
-    power of two (124.5 becomes 64, not 128), so there ``x`` is first rounded
-    to e4m3's grid in float32 (3 mantissa bits; below 2**-6 the subnormals'
-    fixed step of 2**-9), after which the cast is exact. On a GPU it is the
+    power of two (124.5 becomes 64, not 128; ``import course_utils`` repairs
+    that cast), so there ``x`` is first rounded to e4m3's grid in float32 (3
+    mantissa bits; below 2**-6 the subnormals' fixed step of 2**-9), after
+    which the cast is exact with or without the repair. On a GPU it is the
     plain cast (the branch is not compiled).
     """
     if INTERPRETED:
@@ -628,7 +631,7 @@ def _fp8_hopper_inner(acc, l_i, m_i, v_prev, q, row_scale_q,
                 l_i = l_i * alpha + tl.sum(p16.to(tl.float32), 1)
             else:
                 l_i = l_i * alpha + tl.sum(p16, 1).to(tl.float32)
-            if INTERPRETED:  # the interpreter's casts to e4m3 drop the carry (see to_e4m3)
+            if INTERPRETED:  # Triton's interpreter's casts to e4m3 drop the carry unrepaired (see to_e4m3)
                 p8 = to_e4m3(p16.to(tl.float32), INTERPRETED)
             else:
                 p8 = p16.to(tl.float8e4nv)  # cvt.rn.satfinite.e4m3x2.f16x2: two per instruction

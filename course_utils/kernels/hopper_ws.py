@@ -23,6 +23,11 @@ softmax run while ``P V`` is still on the tensor cores. ``loop="pingpong"`` orde
 (each issues its ``Q Kᵀ`` on its turn, two mbarriers passing the turn), and ``fma=True`` folds the softmax's
 scale into one fused multiply-add: these three compiled here, not yet run on a GPU.
 
+:func:`attention_fp8` runs the same partitions on e4m3 tiles (FA3's FP8 forward; FP8 ``wgmma`` at twice bf16's
+rate, the tiles half the shared memory): V handed over transposed (FP8 ``wgmma`` reads B K-major), the scales of
+``kernels.quantize_fp8`` folded as in ``fp8.launch_fp8_hopper`` (one FMA per score, P as ``256 p`` in e4m3, the
+accumulator in units of the tile's ``v_scale``). Compiled here, not yet run on a GPU.
+
 On a CPU there is nothing to run (Gluon has no interpreter); ``tests/test_hopper_ws.py`` compiles it for
 sm_90 there and runs it on a Hopper GPU.
 """
@@ -63,9 +68,13 @@ def _coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUS
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
                     H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr):
-    """The producer: Q's two halves once, then K and V tile by tile into the ring's free slots."""
+                    CAUSAL: gl.constexpr, V_T: gl.constexpr):
+    """The producer: Q's two halves once, then K and V tile by tile into the ring's free slots.
+
+    ``V_T`` (FP8): V comes transposed, ``[B * H_kv * D, N]``, and a tile is the ``[D, BLOCK_N]`` box at the
+    tile's keys."""
     start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    vt_row = kv_row // N * v_smem.type.shape[1]  # kv_head's first row of V^T (used with V_T only)
     HALF: gl.constexpr = BLOCK_M // 2
     NB: gl.constexpr = k_smem.type.shape[0]
     for half in gl.static_range(2):
@@ -78,7 +87,46 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ba
         mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_bars.index(idx), k_smem.index(idx))
         mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_bars.index(idx), v_smem.index(idx))
+        if V_T:
+            tma.async_copy_global_to_shared(v_desc, [vt_row, j * BLOCK_N], v_bars.index(idx), v_smem.index(idx))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_bars.index(idx), v_smem.index(idx))
+
+
+@gluon.jit
+def _tile_scales(j, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+                 FP8: gl.constexpr):
+    """Tile ``j``'s score scale and V scale. FP8: ``qk_scale`` (the program's ``q_scale * sm_scale * log2(e)``)
+    times the tile's ``k_scale``, and its ``v_scale`` (a tile never straddles two scale blocks); else
+    ``qk_scale`` and ``v_prev`` as they are."""
+    tile_scale = qk_scale
+    v_scale = v_prev
+    if FP8:
+        blk = j * BLOCK_N // SCALE_BLOCK
+        tile_scale = qk_scale * gl.load(ks_ptr + scale_base + blk)
+        v_scale = gl.load(vs_ptr + scale_base + blk)
+    return tile_scale, v_scale
+
+
+@gluon.jit
+def _rescale(acc, alpha, v_prev, v_scale, FP8: gl.constexpr):
+    """The accumulator moved onto the new max; with FP8 also into the units of the tile's ``v_scale`` (``acc``
+    holds ``O / v_scale`` so that ``P8 V8`` adds into it inside the tensor cores)."""
+    if FP8:
+        acc = acc * (alpha * (v_prev / v_scale))[:, None]
+    else:
+        acc = acc * alpha[:, None]
+    return acc
+
+
+@gluon.jit
+def _v_operand(v_smem, idx):
+    """Slot ``idx`` of V as ``P V``'s B operand ``[BLOCK_N, D]``. FP8 keeps V transposed, ``[D, BLOCK_N]``, and
+    reads it through a transposed view: Hopper's FP8 ``wgmma`` takes B only K-major (the keys contiguous)."""
+    v = v_smem.index(idx)
+    if v_smem.dtype.is_fp8():
+        v = v.permute((1, 0))
+    return v
 
 
 @gluon.jit
@@ -88,7 +136,10 @@ def _softmax_core(s, j, m_i, l_i, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: g
     accumulator, and P for ``P V``.
 
     ``FMA``: the max is taken on the raw scores (the scale is positive) and ``s * scale - m`` is one fused
-    multiply-add per score, instead of a multiply over the tile and then a subtraction."""
+    multiply-add per score, instead of a multiply over the tile and then a subtraction. FP8 (``P_DTYPE`` e4m3,
+    always ``FMA``): P is made in ``[0, 256]`` (``fp8.P_SCALE``) by subtracting 8 less,
+    ``exp2(x - (m - 8)) = 256 exp2(x - m)``, exact and free; ``l_i`` counts in the same units."""
+    FP8: gl.constexpr = P_DTYPE.is_fp8()
     if not FMA:
         s = s * qk_scale
     if MASK:
@@ -96,30 +147,35 @@ def _softmax_core(s, j, m_i, l_i, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: g
         s = gl.where(rows[:, None] >= cols[None, :], s, -float("inf"))
     if FMA:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        p = gl.exp2(gl.fma(s, qk_scale, -m_new[:, None]))
+        if FP8:
+            p = gl.exp2(gl.fma(s, qk_scale, -(m_new - 8.0)[:, None]))
+        else:
+            p = gl.exp2(gl.fma(s, qk_scale, -m_new[:, None]))
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         p = gl.exp2(s - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    # P stays in registers as wgmma's A operand (k_width 2: two 16-bit values per 32-bit register)
-    p16 = gl.convert_layout(p.to(P_DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    return m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), p16
+    # P stays in registers as wgmma's A operand (k_width: 32 bits of values per register, two 16-bit or four 8-bit)
+    K_WIDTH: gl.constexpr = 4 if FP8 else 2
+    p_op = gl.convert_layout(p.to(P_DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH))
+    return m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), p_op
 
 
 @gluon.jit
-def _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
+def _softmax_step(s, j, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr, FMA: gl.constexpr):
     """:func:`_softmax_core` with the accumulator rescaled at once (every loop but ``"overlap"``)."""
-    m_new, l_i, alpha, p16 = _softmax_core(s, j, m_i, l_i, qk_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
-                                           P_DTYPE, FMA)
-    return m_new, l_i, acc * alpha[:, None], p16
+    m_new, l_i, alpha, p_op = _softmax_core(s, j, m_i, l_i, tile_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
+                                            P_DTYPE, FMA)
+    return m_new, l_i, _rescale(acc, alpha, v_prev, v_scale, P_DTYPE.is_fp8()), p_op
 
 
 @gluon.jit
-def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i, acc, qk_scale, rows,
-          BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-          ME: gl.constexpr, PINGPONG: gl.constexpr, FMA: gl.constexpr):
+def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i, acc, v_prev, qk_scale, ks_ptr,
+          vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr, MASK: gl.constexpr,
+          s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr,
+          FMA: gl.constexpr):
     """Tile ``j``: wait for K, ``S = Q Kᵀ``, the softmax, wait for V, ``acc += P V``, release the slot.
 
     ``PINGPONG`` (FA3's ordering of two warpgroups): consumer ``ME`` issues its ``Q Kᵀ`` only on its turn and
@@ -130,6 +186,9 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i,
     M: gl.constexpr = q.type.shape[0]
     idx = j % NB
     phase = (j // NB) & 1
+    # FP8's two scales for the tile, loaded while the loader's copy and then Q Kᵀ are in flight
+    tile_scale, v_scale = _tile_scales(j, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N, SCALE_BLOCK,
+                                       v_smem.dtype.is_fp8())
     mbarrier.wait(k_bars.index(idx), phase)
     s = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
     if PINGPONG:
@@ -138,63 +197,71 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i,
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(1 - ME), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
-                                       v_smem.dtype, FMA)
+    m_i, l_i, acc, p_op = _softmax_step(s, j, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, BLOCK_N, MASK,
+                                        s_layout, o_layout, v_smem.dtype, FMA)
     mbarrier.wait(v_bars.index(idx), phase)
-    acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
+    acc = warpgroup_mma(p_op, _v_operand(v_smem, idx), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty_bars.index(idx), count=1)  # counts once per partition; the slot needs both consumers
-    return m_i, l_i, acc
+    return m_i, l_i, acc, v_scale
 
 
 @gluon.jit
-def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, p_prev, m_i, l_i, acc, qk_scale, rows,
-                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  FMA: gl.constexpr):
+def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, p_prev, m_i, l_i, acc, v_prev, qk_scale, ks_ptr,
+                  vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr, MASK: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, FMA: gl.constexpr):
     """Tile ``j``'s ``Q Kᵀ`` and tile ``j - 1``'s ``P V`` issued together; tile ``j``'s softmax runs while
-    ``P V`` is still on the tensor cores (``warpgroup_mma_wait(1)`` waits for the older product only)."""
+    ``P V`` is still on the tensor cores (``warpgroup_mma_wait(1)`` waits for the older product only).
+    ``v_prev`` is tile ``j - 1``'s V scale (FP8)."""
     NB: gl.constexpr = k_smem.type.shape[0]
     M: gl.constexpr = q.type.shape[0]
+    FP8: gl.constexpr = v_smem.dtype.is_fp8()
     prev = (j - 1) % NB
+    tile_scale, v_scale = _tile_scales(j, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N, SCALE_BLOCK, FP8)
     mbarrier.wait(k_bars.index(j % NB), (j // NB) & 1)
     s = warpgroup_mma(q, k_smem.index(j % NB).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
     mbarrier.wait(v_bars.index(prev), ((j - 1) // NB) & 1)
-    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    acc = warpgroup_mma(p_prev, _v_operand(v_smem, prev), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # Q Kᵀ done; P V may still run
-    m_i, l_i, alpha, p = _softmax_core(s, j, m_i, l_i, qk_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
+    m_i, l_i, alpha, p = _softmax_core(s, j, m_i, l_i, tile_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
                                        v_smem.dtype, FMA)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # rescaled only once P V has added into it
     mbarrier.arrive(empty_bars.index(prev), count=1)
-    return p, m_i, l_i, acc * alpha[:, None]
+    return p, m_i, l_i, _rescale(acc, alpha, v_prev, v_scale, FP8), v_scale
 
 
 @gluon.jit
-def _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc, qk_scale, rows,
-                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                     FMA: gl.constexpr):
+def _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc, v_prev, qk_scale,
+                     ks_ptr, vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+                     CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, FMA: gl.constexpr):
     """FA3's overlap inside a warpgroup: each tile's softmax under the previous tile's ``P V``. The causal mask
     on the first tile (a no-op unless it is also the last) and on the last."""
     NB: gl.constexpr = k_smem.type.shape[0]
     M: gl.constexpr = q.type.shape[0]
+    tile_scale, v_scale = _tile_scales(0, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N, SCALE_BLOCK,
+                                       v_smem.dtype.is_fp8())
     mbarrier.wait(k_bars.index(0), 0)
     s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    m_i, l_i, acc, p = _softmax_step(s, 0, m_i, l_i, acc, qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout,
-                                     v_smem.dtype, FMA)
+    m_i, l_i, acc, p = _softmax_step(s, 0, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, BLOCK_N, CAUSAL,
+                                     s_layout, o_layout, v_smem.dtype, FMA)
+    v_prev = v_scale
     for j in range(1, n_tiles - 1):
-        p, m_i, l_i, acc = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, p, m_i, l_i, acc,
-                                         qk_scale, rows, BLOCK_N, False, s_layout, o_layout, FMA)
+        p, m_i, l_i, acc, v_prev = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, p, m_i, l_i, acc,
+                                                 v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N,
+                                                 SCALE_BLOCK, False, s_layout, o_layout, FMA)
     if n_tiles > 1:
-        p, m_i, l_i, acc = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles - 1, p, m_i, l_i,
-                                         acc, qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout, FMA)
+        p, m_i, l_i, acc, v_prev = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles - 1, p, m_i,
+                                                 l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                                 BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout, FMA)
     last = (n_tiles - 1) % NB
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // NB) & 1)
-    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma(p, _v_operand(v_smem, last), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty_bars.index(last), count=1)
-    return m_i, l_i, acc
+    return m_i, l_i, acc, v_prev
 
 
 @gluon.jit
@@ -202,9 +269,10 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                     FMA: gl.constexpr):
     """Tile ``j``'s softmax while the tensor cores compute tile ``j + 1``'s ``Q Kᵀ`` (FA3's overlap inside a
-    warpgroup); each step then waits for both products."""
+    warpgroup); each step then waits for both products. bf16/fp16 only."""
     NB: gl.constexpr = k_smem.type.shape[0]
     M: gl.constexpr = q.type.shape[0]
+    one = gl.to_tensor(1.0)  # no V scales here
     zeros = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(k_bars.index(0), 0)
     s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zeros, use_acc=False, is_async=True)
@@ -214,7 +282,7 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
         phase = (j // NB) & 1
         mbarrier.wait(k_bars.index((j + 1) % NB), ((j + 1) // NB) & 1)
         s_next = warpgroup_mma(q, k_smem.index((j + 1) % NB).permute((1, 0)), zeros, use_acc=False, is_async=True)
-        m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N, False, s_layout,
+        m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, one, one, rows, BLOCK_N, False, s_layout,
                                            o_layout, v_smem.dtype, FMA)
         mbarrier.wait(v_bars.index(idx), phase)
         acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
@@ -223,8 +291,8 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
     j = n_tiles - 1
     idx = j % NB
     phase = (j // NB) & 1
-    m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout,
-                                       v_smem.dtype, FMA)
+    m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, one, one, rows, BLOCK_N, CAUSAL, s_layout,
+                                       o_layout, v_smem.dtype, FMA)
     mbarrier.wait(v_bars.index(idx), phase)
     acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -234,60 +302,82 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
 
 @gluon.jit
 def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr,
-              lse_ptr, qk_scale, N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr,
-              FMA: gl.constexpr):
-    """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, then its part of ``o`` and ``lse``."""
+              lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, H: gl.constexpr, GROUP: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+              CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
+    """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, then its part of ``o`` and ``lse``.
+
+    FP8 (e4m3 tiles): the program's query rows lie in one scale block, so ``q_scale`` is one number folded into
+    ``qk_scale``; ``acc`` is carried in units of the last tile's ``v_scale`` (``v_prev``) and ``l_i`` in P's
+    units of 1/256, both undone at the end."""
+    FP8: gl.constexpr = v_smem.dtype.is_fp8()
     start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)
     HALF: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = HALF_IDX * HALF
-    # wgmma's accumulator layouts: 4 warps down the rows, instructions 16 rows x (the tile's width) x 16
+    # wgmma's accumulator layouts: 4 warps down the rows, instructions 16 rows x (the tile's width) x 32 bytes
+    # of the reduction (16 values in 16 bits, 32 in FP8)
+    K_INSTR: gl.constexpr = 32 if FP8 else 16
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_INSTR])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, HEAD_DIM, K_INSTR])
     rows = start_m * BLOCK_M + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([HALF], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+    v_prev = gl.to_tensor(1.0)
+    scale_base = kv_row // N * N_SB  # the kv head's first k_scale / v_scale
+    if FP8:
+        qk_scale = qk_scale * gl.load(qs_ptr + gl.program_id(1) * N_SB + start_m * BLOCK_M // SCALE_BLOCK)
     q = q_smem.index(HALF_IDX)
     mbarrier.wait(q_bars.index(HALF_IDX), 0)
     if LOOP == "pipelined":
         m_i, l_i, acc = _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc,
                                         qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout, FMA)
     elif LOOP == "overlap":
-        m_i, l_i, acc = _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc,
-                                         qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout, FMA)
+        m_i, l_i, acc, v_prev = _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i,
+                                                 acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N,
+                                                 SCALE_BLOCK, CAUSAL, s_layout, o_layout, FMA)
     else:
         n_full = n_tiles
         if CAUSAL:
             n_full = n_tiles - 1  # the diagonal tile, masked, after the loop
         for j in range(n_full):
-            m_i, l_i, acc = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i, acc,
-                                  qk_scale, rows, BLOCK_N, False, s_layout, o_layout, HALF_IDX, LOOP == "pingpong",
-                                  FMA)
+            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i, acc,
+                                          v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N, SCALE_BLOCK,
+                                          False, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
         if CAUSAL:
-            m_i, l_i, acc = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n_full, m_i, l_i, acc,
-                                  qk_scale, rows, BLOCK_N, True, s_layout, o_layout, HALF_IDX, LOOP == "pingpong",
-                                  FMA)
-    acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n_full, m_i, l_i,
+                                          acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N,
+                                          SCALE_BLOCK, True, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
+    if FP8:
+        acc = acc * gl.convert_layout(v_prev / l_i, gl.SliceLayout(1, o_layout))[:, None]
+        lse2 = m_i + gl.log2(l_i) - 8.0  # l_i counted P in units of 1/256
+    else:
+        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        lse2 = m_i + gl.log2(l_i)
     o_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     gl.store(o_ptr + o_rows[:, None].to(gl.int64) * HEAD_DIM + cols[None, :], acc.to(o_ptr.dtype.element_ty))
     lse_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + lse_rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)  # natural log, as the course's lse
+    gl.store(lse_ptr + lse_rows, lse2 * 0.6931471805599453)  # natural log, as the course's lse
 
 
 @gluon.jit
-def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, H: gl.constexpr, GROUP: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
-                CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                LOOP: gl.constexpr, FMA: gl.constexpr):
-    """The buffers and barriers the partitions share, then the three partitions (the first is the default)."""
+def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, H: gl.constexpr,
+                GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                NUM_BUF: gl.constexpr, SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
+                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
+    """The buffers and barriers the partitions share, then the three partitions (the first is the default).
+
+    FP8 (e4m3 descriptors): ``v_desc`` is over V transposed and ``qs_ptr``, ``ks_ptr``, ``vs_ptr`` are the
+    scales ``[B, H, N_SB]`` of ``SCALE_BLOCK`` tokens; otherwise they are not read."""
     HALF: gl.constexpr = BLOCK_M // 2
+    V_T: gl.constexpr = v_desc.dtype.is_fp8()
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, v_desc.block_type.shape[0],
+                                                      v_desc.block_type.shape[1]], v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -304,15 +394,18 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, H: gl.const
     # the literal 0 / 1 stays a constexpr, so each consumer is its own specialisation of _consumer
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                     qk_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)),
+                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK,
+                     CAUSAL, LOOP, FMA)),
         (_consumer, (1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                     qk_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP, FMA)),
+                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK,
+                     CAUSAL, LOOP, FMA)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
-                           H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
+                           H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
+_FP8 = torch.float8_e4m3fn
 
 
 def _validate_inputs(q, k, v) -> None:
@@ -324,12 +417,39 @@ def _validate_inputs(q, k, v) -> None:
     if k.shape[0] != b or k.shape[2] != n or k.shape[3] != d or h % k.shape[1]:
         raise ValueError(f"k and v must be [B, H_kv, N, D] with H a multiple of H_kv (q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)})")
-    if q.dtype not in _GL_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"this kernel takes bf16 or fp16 q, k, v of one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
     if d not in HEAD_DIMS:
         raise ValueError(f"head dim {d} is not supported: {HEAD_DIMS} only")
     if n % BLOCK_M:
         raise ValueError(f"N = {n} must be a multiple of {BLOCK_M} (a program's rows; no masked edge tiles here)")
+
+
+def _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size) -> None:
+    """The FP8 entry's inputs as ``fp8.quantize_fp8`` makes them (V transposed), else ``ValueError``."""
+    if q8.dim() != 4 or k8.dim() != 4 or vt8.dim() != 4:
+        raise ValueError("q8, k8 must be [B, H, N, D] and vt8 [B, H_kv, D, N]")
+    if any(t.dtype != _FP8 for t in (q8, k8, vt8)):
+        raise ValueError(f"q8, k8, vt8 must be torch.float8_e4m3fn (got {q8.dtype}, {k8.dtype}, {vt8.dtype}): "
+                         "quantise them with kernels.quantize_fp8")
+    b, h, n, d = q8.shape
+    if k8.shape[0] != b or k8.shape[2:] != (n, d) or h % k8.shape[1] or vt8.shape != (b, k8.shape[1], d, n):
+        raise ValueError(f"k8 must be [B, H_kv, N, D] with H a multiple of H_kv and vt8 [B, H_kv, D, N] (q8 "
+                         f"{tuple(q8.shape)}, k8 {tuple(k8.shape)}, vt8 {tuple(vt8.shape)})")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head dim {d} is not supported: {HEAD_DIMS} only")
+    if n % BLOCK_M:
+        raise ValueError(f"N = {n} must be a multiple of {BLOCK_M} (a program's rows; no masked edge tiles here)")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < BLOCK_M \
+            or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two of at least {BLOCK_M} (a program's rows share one "
+                         f"q_scale), not {block_size!r}")
+    n_sb = -(-n // block_size)
+    for name, s, heads in (("q_scale", q_scale, h), ("k_scale", k_scale, k8.shape[1]),
+                           ("v_scale", v_scale, k8.shape[1])):
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (b, heads, n_sb):
+            raise ValueError(f"{name} must be float32 [{b}, {heads}, {n_sb}] (one per {block_size} tokens of each "
+                             f"head, as quantize_fp8 makes it), not {getattr(s, 'shape', s)}")
 
 
 def _validate_device(q) -> None:
@@ -339,11 +459,25 @@ def _validate_device(q) -> None:
                          f"and wgmma is Hopper's (got a {q.device.type} tensor)")
 
 
-def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False):
-    """Descriptors, outputs and the launch, for inputs already validated (``tests/`` compile it from CPU tensors)."""
+def _validate_options(num_buffers, loop, fp8: bool) -> None:
+    """``num_buffers`` and ``loop``, else ``ValueError``: three K/V slots at most in 16 bits (shared memory)."""
+    if num_buffers not in ((2, 3, 4) if fp8 else (2, 3)):
+        raise ValueError(f"num_buffers must be {'2, 3 or 4 with FP8' if fp8 else '2 or 3'} (got {num_buffers})")
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS} (got {loop!r})")
+    if fp8 and loop == "pipelined":
+        raise ValueError("loop='pipelined' is bf16/fp16 only (it was measured slower than 'serial')")
+
+
+def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, scales=None, block_size=BLOCK_M):
+    """Descriptors, outputs and the launch, for inputs already validated (``tests/`` compile it from CPU tensors).
+
+    FP8: ``q, k`` e4m3, ``v`` the transposed ``vt8`` ``[B, H_kv, D, N]``, ``scales`` ``(q_scale, k_scale,
+    v_scale)``; ``o`` is bf16 and ``fma`` is implied."""
     b, h, n, d = q.shape
+    fp8 = q.dtype == _FP8
     q, k, v = (t.contiguous() for t in (q, k, v))
-    o = torch.empty_like(q)
+    o = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if fp8 else q.dtype)
     lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
     dtype = _GL_DTYPES[q.dtype]
     q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, d], dtype)
@@ -351,10 +485,19 @@ def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False):
     # rows of all heads in one 2-D view: N is a multiple of the boxes, so no box crosses into the next head
     q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [BLOCK_M // 2, d], q_layout)
     k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [BLOCK_N, d], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N, d], kv_layout)
+    if fp8:  # V^T [B * H_kv * D, N]: a tile is D rows of BLOCK_N keys, the keys contiguous
+        vt_layout = gl.NVMMASharedLayout.get_default_for([d, BLOCK_N], dtype)
+        v_desc = TensorDescriptor.from_tensor(v.view(-1, n), [d, BLOCK_N], vt_layout)
+        qs, ks, vs = (s.contiguous() for s in scales)
+        n_sb = qs.shape[-1]
+    else:
+        v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N, d], kv_layout)
+        qs = ks = vs = lse  # not read
+        n_sb = 1
     grid = (n // BLOCK_M, b * h)
-    attn_fwd_ws[grid](q_desc, k_desc, v_desc, o, lse, sm_scale * LOG2E, n, h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
-                      num_buffers, causal, CONSUMER_REGS, LOADER_REGS, loop, fma, num_warps=4, maxnreg=MAXNREG)
+    attn_fwd_ws[grid](q_desc, k_desc, v_desc, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb, h, h // k.shape[1],
+                      BLOCK_M, BLOCK_N, d, num_buffers, block_size, causal, CONSUMER_REGS, LOADER_REGS, loop,
+                      fma or fp8, num_warps=4, maxnreg=MAXNREG)
     return o, lse
 
 
@@ -369,13 +512,30 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, n
     ``num_buffers``: K/V tiles in flight (2 or 3 at D = 128: 160 or 224 KiB of shared memory). ``loop``: how
     each consumer runs its tiles, ``"serial"`` (measured fastest), ``"pipelined"`` (the next tile's ``Q Kᵀ``
     before this one's softmax; measured slower), ``"pingpong"`` (the consumers take turns at ``Q Kᵀ``) or
-    ``"overlap"`` (each softmax under the previous tile's ``P V``, FA3's form); the last two not yet run on a GPU. ``fma``: the softmax's scale in one fused multiply-add (not yet run on a GPU).
+    ``"overlap"`` (each softmax under the previous tile's ``P V``, FA3's form); the last two not yet run on a
+    GPU. ``fma``: the softmax's scale in one fused multiply-add (not yet run on a GPU).
     """
     _validate_inputs(q, k, v)
-    if num_buffers not in (2, 3):
-        raise ValueError(f"num_buffers must be 2 or 3 (got {num_buffers})")
-    if loop not in LOOPS:
-        raise ValueError(f"loop must be one of {LOOPS} (got {loop!r})")
+    _validate_options(num_buffers, loop, False)
     _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma)
+
+
+def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
+                  num_buffers: int = 2, loop: str = "serial"):
+    """``(o, lse)`` of attention over e4m3 inputs on a Hopper GPU: the same three partitions with both products
+    in FP8 (``wgmma`` at twice bf16's rate), ``o`` bf16.
+
+    ``q8`` ``[B, H, N, D]``, ``k8`` ``[B, H_kv, N, D]``, ``vt8`` V transposed ``[B, H_kv, D, N]`` (FP8 ``wgmma``
+    reads ``P V``'s B operand K-major), each with its float32 scale ``[B, heads, N / block_size]`` as
+    ``kernels.quantize_fp8`` makes them; ``block_size`` a power of two of at least 128. The arithmetic is
+    ``fp8.launch_fp8_hopper``'s: the scales folded into one FMA per score, P quantised as ``256 p``
+    (``fp8.P_SCALE``), the accumulator carried in units of the tile's ``v_scale``. ``num_buffers`` 2-4 (an FP8
+    tile is half a bf16 one); ``loop`` ``"serial"``, ``"pingpong"`` or ``"overlap"``. Not yet run on a GPU.
+    """
+    _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
+    _validate_options(num_buffers, loop, True)
+    _validate_device(q8)
+    return _launch(q8, k8, vt8, causal, 1.0 / math.sqrt(q8.shape[-1]), num_buffers, loop, True,
+                   (q_scale, k_scale, v_scale), block_size)

@@ -63,6 +63,8 @@ class Compiled:
     # (name, warpgroup matrix products, TMA copies into shared memory) of each partition of a warp-specialised
     # kernel's TTGIR ("default", "partition0", ...); () when the kernel is not specialised
     partitions: tuple = ()
+    # the distinct wgmma instructions of the PTX, shape and types ("m64n128k32.f32.e4m3.e4m3"); () when none
+    wgmma: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -262,9 +264,10 @@ def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool 
     # Triton's dynamic shared memory (tiles, pipeline buffers) is in its metadata.
     shared = max(int(compiled.metadata.shared), static_shared)
     setmaxnreg = tuple(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"]))
+    wgmma = tuple(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.([a-z0-9.]+)", compiled.asm["ptx"]))))
     return Compiled(kernel.__name__, case, sm, shared, n_regs, spills,
                     compiled.metadata.num_warps, compiled.metadata.num_stages, setmaxnreg,
-                    ws_partitions(compiled.asm.get("ttgir", "")))
+                    ws_partitions(compiled.asm.get("ttgir", "")), wgmma)
 
 
 def ws_partitions(ttgir: str) -> tuple:
