@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluon8 speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluon8 gluonbwd speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -16,11 +16,13 @@
 #           (causal, N = 4k and 16k), forward + backward with the flat backward (bench --training --fast-backward),
 #           tune_fp8.py --hopper --ws (D = 128); the one-warpgroup specialised launches among them are refused on
 #           the H200, where they deadlock (results/ws_smoke_h200.txt), and recorded as errors
-#   gluon   lesson 11's Gluon kernel (kernels.hopper_ws): its tests and lesson 11 under nbval, then
-#           benchmarks/hopper_ws_probe.py (every loop variant checked, then timed beside cuDNN and the course's forward)
-#   gluon8  its FP8 entry (hopper_ws.attention_fp8): the module's FP8 tests, then hopper_ws_probe.py --dtype fp8
-#           (checked against float32 attention on the dequantised inputs, timed beside cuDNN's bf16 and the
-#           course's Triton FP8 kernel)
+#   gluon   lesson 11's Gluon kernels (kernels.hopper_ws, hopper_ws_bwd): their tests and lesson 11 under nbval,
+#           then benchmarks/hopper_ws_probe.py (every forward loop checked, then timed beside cuDNN and the
+#           course's forward); the probes write after every case, so a step stopped by its budget keeps its rows
+#   gluon8  hopper_ws_probe.py --kind fp8: the FP8 entry (hopper_ws.attention_fp8) checked against float32
+#           attention on the dequantised inputs, timed beside cuDNN's bf16 and the course's Triton FP8 kernel
+#   gluonbwd hopper_ws_probe.py --kind bwd: the Gluon dK/dV kernel (hopper_ws_bwd) with lesson 07's dQ, gradients
+#           against float32 autograd, the backward beside lesson 07's pair and cuDNN's
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
@@ -79,12 +81,13 @@ PYTEST=("$PY" -m pytest -rfE -p no:cacheprovider)
 for step in "$@"; do
   case $step in
     gluon)
-      run gluon_tests "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py tests/test_results_hopper.py --nbval-lax \
-        --nbval-current-env solutions/11_hopper_and_fp8.ipynb
+      run gluon_tests "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py tests/test_hopper_ws_bwd.py \
+        tests/test_results_hopper.py --nbval-lax --nbval-current-env solutions/11_hopper_and_fp8.ipynb
       run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
     gluon8)
-      run gluon8_tests "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py -k fp8
-      run gluon8_probe "$PY" benchmarks/hopper_ws_probe.py --dtype fp8 --out "$OUT/hopper_ws_fp8_probe.json" ;;
+      run gluon8_probe "$PY" benchmarks/hopper_ws_probe.py --kind fp8 --out "$OUT/hopper_ws_fp8_probe.json" ;;
+    gluonbwd)
+      run gluonbwd_probe "$PY" benchmarks/hopper_ws_probe.py --kind bwd --out "$OUT/hopper_ws_bwd_probe.json" ;;
     tests0)
       run tests0 "${PYTEST[@]}" -n 8 --timeout 120 tests/test_gpu_fast.py tests/test_gpu_fast_window.py \
         tests/test_gpu_fast_backward.py tests/test_gpu_fast_decode.py tests/test_kernels_fp8.py \

@@ -1,0 +1,233 @@
+"""The backward's dK, dV with warp specialisation written by hand, in Gluon (lessons 07 and 11).
+
+Lesson 07's backward runs two kernels after the ``delta`` preprocess: one program per key block for ``dK, dV``
+and one per query block for ``dQ``. Its dK/dV kernel holds two ``[BLOCK_N, D]`` fp32 accumulators and, at its
+8-warp launch, spills about 40 values per thread (``kernels.fast_backward``'s docstring); Triton 3.6's automatic
+warp specialisation of the same loop deadlocked on the H200. This module writes that kernel the way
+FlashAttention-3's backward is laid out, with :mod:`.hopper_ws`'s machinery (``gl.warp_specialize``, TMA into a
+ring of slots, mbarriers, ``wgmma``); ``dQ`` stays lesson 07's kernel (:func:`.backward.launch_dq`).
+
+One program owns 128 keys of one (batch, kv head), in three partitions:
+
+* **the loader** (1 warp, 24 registers): the program's K and V, as two 64-key halves, once; then, for every query
+  head of the GQA group and every query block that sees the keys (causal: from the key block's own rows on),
+  the block's Q and dO tiles into a ring of ``num_buffers`` slots (each waited for on its *empty* barrier,
+  announced on its own *ready* barriers, one for Q and one for dO);
+* **two consumers** (a warpgroup of 4 warps each, 240 registers): each owns 64 of the keys and accumulates
+  their ``dK`` and ``dV`` in registers, transposed so that every product has the keys as its rows
+  (``wgmma``'s M): ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` issued together, ``Pᵀ = exp2(Sᵀ scale - lse)`` computed
+  under ``dPᵀ``, ``dSᵀ = Pᵀ (dPᵀ - delta)``, then ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` issued together; the
+  slot is released when both consumers have used it. While one consumer computes, the other's products run.
+
+Compiled here for sm_90 and checked (``tests/test_hopper_ws_bwd.py``); not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .backward import default_config, launch_dq, launch_preprocess
+from .hopper_ws import _GL_DTYPES, _validate_device, _validate_inputs
+
+BLOCK_N = 128  # keys per program: two consumers of 64 (wgmma's M per warpgroup)
+BLOCK_MS = (32, 64)  # query rows per tile (a product's N and, for dK and dV, its reduction)
+CONSUMER_REGS, LOADER_REGS, MAXNREG = 240, 24, 168  # 3 warpgroups x 168 = 240 + 240 + 24: one program per SM
+LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _query_tile(i, n_m, lo, kv_head, N, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Step ``i`` of the loop: query head ``g`` of the group, its block ``m``; the block's first row (in the 2-D
+    views of q, do, lse and delta) and its first query position."""
+    g = i // n_m
+    start_m = lo + (i - g * n_m) * BLOCK_M
+    return (kv_head * GROUP + g) * N + start_m, start_m
+
+
+@gluon.jit
+def _loop_bounds(N, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The key block's first key, its (batch, kv head), the first query that sees it, query blocks per head and
+    steps in all."""
+    start_n = gl.program_id(0) * BLOCK_N
+    kv_head = gl.program_id(1)
+    if CAUSAL:
+        lo = start_n  # queries before the key block see none of it
+    else:
+        lo = start_n * 0
+    n_m = (N - lo) // BLOCK_M
+    return start_n, kv_head, lo, n_m, GROUP * n_m
+
+
+@gluon.jit
+def _load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars,
+                    empty_bars, N, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr):
+    """The producer: each half's K and V once, then Q and dO tile by tile into the ring's free slots."""
+    start_n, kv_head, lo, n_m, n_steps = _loop_bounds(N, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    HALF: gl.constexpr = BLOCK_N // 2
+    NB: gl.constexpr = q_smem.type.shape[0]
+    for half in gl.static_range(2):
+        row = kv_head * N + start_n + half * HALF
+        mbarrier.expect(kv_bars.index(half), 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, 0], kv_bars.index(half), k_smem.index(half))
+        tma.async_copy_global_to_shared(v_desc, [row, 0], kv_bars.index(half), v_smem.index(half))
+    for i in range(n_steps):
+        row, start_m = _query_tile(i, n_m, lo, kv_head, N, GROUP, BLOCK_M)
+        idx = i % NB
+        mbarrier.wait(empty_bars.index(idx), ((i // NB) & 1) ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(q_bars.index(idx), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, 0], q_bars.index(idx), q_smem.index(idx))
+        mbarrier.expect(do_bars.index(idx), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row, 0], do_bars.index(idx), do_smem.index(idx))
+
+
+@gluon.jit
+def _consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars, empty_bars,
+              lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale, N, GROUP: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+    """A consumer warpgroup: keys ``HALF_IDX * 64 ...`` of the block, their ``dK`` and ``dV``."""
+    start_n, kv_head, lo, n_m, n_steps = _loop_bounds(N, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    HALF: gl.constexpr = BLOCK_N // 2
+    NB: gl.constexpr = q_smem.type.shape[0]
+    # wgmma's accumulator layouts, the keys down the rows: Sᵀ and dPᵀ [64 keys, BLOCK_M queries], dK and dV
+    # [64 keys, D]
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    keys = start_n + HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, st_layout))
+    cols = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    dk = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+    dv = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+    k = k_smem.index(HALF_IDX)
+    v = v_smem.index(HALF_IDX)
+    mbarrier.wait(kv_bars.index(HALF_IDX), 0)
+    for i in range(n_steps):
+        row, start_m = _query_tile(i, n_m, lo, kv_head, N, GROUP, BLOCK_M)
+        idx = i % NB
+        phase = (i // NB) & 1
+        lse2 = gl.load(lse_ptr + row + cols) * 1.4426950408889634  # natural log -> base 2
+        mbarrier.wait(q_bars.index(idx), phase)
+        # (the zero accumulators made here, not before the loop: one held across it would cost 32 registers)
+        s_t = warpgroup_mma(k, q_smem.index(idx).permute((1, 0)), gl.zeros([HALF, BLOCK_M], gl.float32, st_layout),
+                            use_acc=False, is_async=True)
+        mbarrier.wait(do_bars.index(idx), phase)
+        dp_t = warpgroup_mma(v, do_smem.index(idx).permute((1, 0)), gl.zeros([HALF, BLOCK_M], gl.float32, st_layout),
+                             use_acc=False, is_async=True)
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))  # Sᵀ done; dPᵀ may still run
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+        if CAUSAL:
+            if start_m < start_n + BLOCK_N:  # the blocks that cross the diagonal: query i sees key j iff i >= j
+                p_t = gl.where(start_m + cols[None, :] >= keys[:, None], p_t, 0.0)
+        delta = gl.load(delta_ptr + row + cols)
+        dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+        # dSᵀ before dV's product is issued: Pᵀ in fp32 and dPᵀ are then dead by the time the two 16-bit
+        # operands are made (issuing dV first, under dSᵀ's arithmetic, spilled 8-14 values at D = 128)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(k_smem.dtype), op_layout), do_smem.index(idx), dv,
+                           is_async=True)
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(k_smem.dtype), op_layout), q_smem.index(idx), dk,
+                           is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(empty_bars.index(idx), count=1)  # counts once per partition; the slot needs both consumers
+    rows = kv_head * N + start_n + HALF_IDX * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    offs = rows[:, None].to(gl.int64) * HEAD_DIM + d[None, :]
+    gl.store(dk_ptr + offs, (dk * sm_scale).to(dk_ptr.dtype.element_ty))
+    gl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def attn_bwd_dkdv_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale, N,
+                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     LOADER_REGS: gl.constexpr):
+    """The buffers and barriers the partitions share, then the three partitions (the first is the default)."""
+    HALF: gl.constexpr = BLOCK_N // 2
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2, HALF, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2, HALF, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    do_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    kv_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bars.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(do_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
+    # the tuples are written out in the call (see hopper_ws.attn_fwd_ws)
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars, empty_bars, lse_ptr, delta_ptr,
+                     dk_ptr, dv_ptr, qk_scale, sm_scale, N, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
+        (_consumer, (1, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars, empty_bars, lse_ptr, delta_ptr,
+                     dk_ptr, dv_ptr, qk_scale, sm_scale, N, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
+        (_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars,
+                           kv_bars, empty_bars, N, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def _validate_options(num_buffers, block_m) -> None:
+    if num_buffers not in (2, 3):
+        raise ValueError(f"num_buffers must be 2 or 3 (got {num_buffers})")
+    if block_m not in BLOCK_MS:
+        raise ValueError(f"block_m must be one of {BLOCK_MS} (got {block_m})")
+
+
+def _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_m=64):
+    """``(dk, dv)`` by :func:`attn_bwd_dkdv_ws` for validated inputs (``tests/`` compile it from CPU tensors).
+
+    ``lse`` (natural log) and ``delta`` float32 ``[B, H, N]``."""
+    b, h, n, d = q.shape
+    h_kv = k.shape[1]
+    q, k, v, do = (t.contiguous() for t in (q, k, v, do))
+    lse, delta = lse.float().contiguous(), delta.float().contiguous()
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dtype = _GL_DTYPES[q.dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, d], dtype)
+    # rows of all heads in one 2-D view: N is a multiple of the boxes, so no box crosses into the next head
+    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [block_m, d], q_layout)
+    do_desc = TensorDescriptor.from_tensor(do.view(-1, d), [block_m, d], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [BLOCK_N // 2, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N // 2, d], kv_layout)
+    attn_bwd_dkdv_ws[(n // BLOCK_N, b * h_kv)](
+        q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, n, h // h_kv, block_m,
+        BLOCK_N, d, num_buffers, causal, CONSUMER_REGS, LOADER_REGS, num_warps=4, maxnreg=MAXNREG)
+    return dk, dv
+
+
+def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: float | None = None, *,
+                       num_buffers: int = 2, block_m: int = 64):
+    """``(dq, dk, dv)`` of attention on a Hopper GPU: lesson 07's ``delta`` and ``dQ`` kernels, ``dK, dV`` by
+    :func:`attn_bwd_dkdv_ws`. The arguments are :func:`.backward.attention_backward`'s (``o`` and ``lse`` from
+    the forward, ``lse`` in natural log).
+
+    bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA. ``num_buffers``: Q/dO tiles in flight (2 or
+    3); ``block_m``: query rows per tile (32 or 64). Not yet run on a GPU.
+    """
+    _validate_inputs(q, k, v)
+    if do.shape != q.shape or o.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"o and do must be q's shape {tuple(q.shape)} and lse [B, H, N] (got o {tuple(o.shape)}, "
+                         f"do {tuple(do.shape)}, lse {tuple(lse.shape)})")
+    _validate_options(num_buffers, block_m)
+    _validate_device(q)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    b, h, n, d = q.shape
+    delta = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
+    launch_preprocess(o, do, delta, 64)
+    lse = lse.float().contiguous()
+    dk, dv = _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, block_m)
+    dq = torch.empty_like(q)
+    launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
+              default_config(d, "cuda", torch.cuda.get_device_capability(q.device), q.dtype))
+    return dq, dk, dv

@@ -1,0 +1,147 @@
+"""The hand-specialised Gluon dK/dV kernel of the backward (course_utils.kernels.hopper_ws_bwd).
+
+On a CPU (CI) it is compiled for sm_90 and what it became is checked: three partitions (two consumers running
+the four products of each step, a loader issuing every TMA copy), registers moved by ``setmaxnreg``, shared
+memory inside the H200's, and fewer spills than lesson 07's dK/dV kernel at its Hopper launch. On a Hopper GPU
+the gradients are checked against float64 math.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from course_utils import references, results
+from course_utils.kernels import hopper_ws_bwd, targets
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+CASES = [(True, 128, 64, 2), (False, 128, 64, 2), (True, 128, 32, 2), (False, 128, 32, 3), (True, 64, 64, 2),
+         (False, 64, 64, 3)]  # causal, D, block_m, buffers
+
+SCRIPT = r"""
+import json, sys, torch
+from course_utils.kernels import hopper_ws_bwd, targets
+out = []
+for causal, d, block_m, buffers in json.loads(sys.argv[1]):
+    q = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16)
+    k = torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
+    lse = torch.empty(1, 32, 1024)
+    with targets._captured_launches() as launches:
+        hopper_ws_bwd._launch_dkdv(q, k, k, q, lse, lse, causal, 0.1, buffers, block_m)
+    (kernel, args, kwargs), = launches
+    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"{causal} {d} {block_m} {buffers}")))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {r["case"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def test_it_compiles_to_a_loader_and_two_consumers_of_four_products(compiled):
+    assert len(compiled) == len(CASES)
+    for r in compiled.values():
+        assert r["num_warps"] == 12, r
+        consumers = [p for p in r["partitions"] if p[1] > 0]
+        loaders = [p for p in r["partitions"] if p[2] > 0]
+        assert len(r["partitions"]) == 3 and len(consumers) == 2, r
+        assert all(p[1] == 4 and p[2] == 0 for p in consumers), r  # Sᵀ, dPᵀ, dV, dK; no copies
+        assert len(loaders) == 1 and loaders[0][1] == 0 and loaders[0][2] == 6, r  # K, V twice; Q, dO each step
+        moves = {tuple(m) for m in r["setmaxnreg"]}
+        assert ("inc", str(hopper_ws_bwd.CONSUMER_REGS)) in moves and ("dec", str(hopper_ws_bwd.LOADER_REGS)) in moves
+
+
+def test_the_products_are_64_keys_by_the_query_tile_and_by_the_head_dim(compiled):
+    for (causal, d, block_m, buffers) in CASES:
+        r = compiled[f"{causal} {d} {block_m} {buffers}"]
+        assert set(r["wgmma"]) == {f"m64n{block_m}k16.f32.bf16.bf16", f"m64n{d}k16.f32.bf16.bf16"}, r["wgmma"]
+
+
+def test_shared_memory_fits_and_registers_spill_less_than_lesson_07s_kernel(compiled):
+    limit = targets.TARGETS[90][1]
+    pair = [r for r in results.load("sm90_compiles")["backward_pair"]
+            if r["kernel"] == "_attn_bwd_dkdv" and r["config"] == [64, 128, 128, 32, 8, 3, 8, 3]]
+    assert pair, "lesson 07's Hopper launch (64 x 128, 8 warps, 3 stages) is in results/sm90_compiles.json"
+    for r in compiled.values():
+        assert 0 < r["shared_bytes"] <= limit, r
+        assert r["spill_bytes"] // 4 < pair[0]["spills"], r  # values per thread, as compile_sm90.py counts them
+    for case, r in compiled.items():
+        if " 32 " in case or case.split()[1] == "64":  # 32-query tiles, or D = 64: every value in a register
+            assert r["spill_bytes"] == 0, r
+    # each extra slot holds one Q and one dO tile
+    extra = compiled["False 128 32 3"]["shared_bytes"] - compiled["True 128 32 2"]["shared_bytes"]
+    assert 2 * 32 * 128 * 2 <= extra <= 2 * 32 * 128 * 2 + 64, extra
+
+
+def _inputs(b=1, hq=4, hkv=2, n=256, d=128, dtype=torch.bfloat16, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(n + d + hq)
+    q, do = (torch.randn(b, hq, n, d, device=device, dtype=dtype, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, hkv, n, d, device=device, dtype=dtype, generator=g) for _ in range(2))
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(dtype=torch.float32), "bf16 or fp16"),
+    (dict(d=96), "head dim 96"),
+    (dict(n=200), "multiple of 128"),
+    (dict(hkv=3), "multiple of H_kv"),
+])
+def test_unsupported_inputs_are_refused_in_one_sentence(change, message):
+    q, k, v, do = _inputs(**change)
+    lse = torch.zeros(q.shape[:3])
+    with pytest.raises(ValueError, match=message):
+        hopper_ws_bwd.attention_backward(q, k, v, q, lse, do)
+
+
+@pytest.mark.parametrize("options,message", [(dict(num_buffers=4), "num_buffers must be 2 or 3"),
+                                             (dict(block_m=128), "block_m must be one of")])
+def test_unknown_options_are_refused_on_every_machine(options, message):
+    q, k, v, do = _inputs()
+    with pytest.raises(ValueError, match=message):
+        hopper_ws_bwd.attention_backward(q, k, v, q, torch.zeros(q.shape[:3]), do, **options)
+
+
+def test_a_wrong_lse_or_do_shape_is_refused():
+    q, k, v, do = _inputs()
+    with pytest.raises(ValueError, match="lse \\[B, H, N\\]"):
+        hopper_ws_bwd.attention_backward(q, k, v, q, torch.zeros(1, 4, 128), do)
+
+
+@pytest.mark.skipif(HOPPER, reason="on a Hopper GPU the kernel runs (the GPU tests below)")
+def test_without_a_hopper_gpu_it_says_why():
+    q, k, v, do = _inputs()
+    with pytest.raises(ValueError, match="Hopper GPU"):
+        hopper_ws_bwd.attention_backward(q, k, v, q, torch.zeros(q.shape[:3]), do)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
+                                       "tests above stand in on a CPU")
+@pytest.mark.parametrize("b,hq,hkv,n,d,causal,dtype,block_m,buffers", [
+    (1, 4, 2, 256, 128, True, torch.bfloat16, 64, 2),
+    (2, 8, 2, 512, 128, False, torch.bfloat16, 64, 2),
+    (1, 8, 2, 640, 128, True, torch.bfloat16, 32, 3),  # five key blocks: the diagonal's masks in each
+    (1, 4, 4, 384, 64, True, torch.float16, 64, 3),  # MHA, D = 64, fp16
+    (1, 4, 1, 256, 64, False, torch.bfloat16, 32, 2),  # MQA
+])
+def test_the_gradients_match_float64_math_on_a_hopper_gpu(b, hq, hkv, n, d, causal, dtype, block_m, buffers):
+    from course_utils.kernels import flash_attention_with_lse
+
+    q, k, v, do = _inputs(b, hq, hkv, n, d, dtype, "cuda")
+    o, lse = flash_attention_with_lse(q, k, v, causal)
+    dq, dk, dv = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, block_m=block_m,
+                                                  num_buffers=buffers)
+    want = references.attention_backward(*(t.double().cpu().numpy() for t in (q, k, v, do)), causal=causal)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        ref = torch.from_numpy(ref).float().cuda()
+        assert got.dtype == dtype and got.shape == ref.shape, name
+        rel = (torch.linalg.vector_norm(got.float() - ref) / torch.linalg.vector_norm(ref)).item()
+        assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
