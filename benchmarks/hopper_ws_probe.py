@@ -16,7 +16,8 @@ process. By ``--kind`` (each written to its own file in results/):
   attention over the dequantised inputs (``rel_rms``, as ``bench fp8`` checks) and ``lse`` against the same;
   timed beside cuDNN's bf16 and the course's Triton FP8 kernel (``fp8.launch_fp8_hopper``) on the same e4m3
   inputs (``course`` in those rows).
-* ``bwd`` (``hopper_ws_bwd_probe.json``): ``hopper_ws_bwd.attention_backward``; the relative error of dq, dk,
+* ``bwd`` (``hopper_ws_bwd_probe.json``): ``hopper_ws_bwd.attention_backward`` (its dQ in Gluon or lesson
+  07's); the relative error of dq, dk,
   dv against float32 autograd through SDPA's math; the backward's time beside lesson 07's pair
   (``backward.attention_backward``, ``course``) and cuDNN's (its forward + backward less its forward), as
   TFLOP/s of the backward's five products (2.5 times the forward's); and ``train_over_cudnn``: cuDNN's forward
@@ -41,8 +42,10 @@ VARIANTS = [dict(num_buffers=2, loop="serial", fma=False), dict(num_buffers=2, l
             dict(num_buffers=2, loop="pipelined", fma=False),  # the most promising first: a run may be cut short
             dict(kind="fp8", num_buffers=2, loop="serial"), dict(kind="fp8", num_buffers=2, loop="overlap"),
             dict(kind="fp8", num_buffers=3, loop="serial"), dict(kind="fp8", num_buffers=2, loop="pingpong"),
-            dict(kind="bwd", num_buffers=2, block_m=64), dict(kind="bwd", num_buffers=2, block_m=32),
-            dict(kind="bwd", num_buffers=3, block_m=32)]
+            dict(kind="bwd", num_buffers=2, block_m=64, dq_kernel="gluon", dq_block_n=64),
+            dict(kind="bwd", num_buffers=2, block_m=64, dq_kernel="lesson07", dq_block_n=64),  # dK/dV's share alone
+            dict(kind="bwd", num_buffers=2, block_m=32, dq_kernel="gluon", dq_block_n=128),
+            dict(kind="bwd", num_buffers=3, block_m=32, dq_kernel="gluon", dq_block_n=64)]
 OUT = {"fwd": "hopper_ws_probe.json", "fp8": "hopper_ws_fp8_probe.json", "bwd": "hopper_ws_bwd_probe.json"}
 FP8_REL_RMS = 0.05  # bench fp8's tolerance for the course's FP8 kernel (FP8_TOLERANCE)
 
@@ -82,7 +85,7 @@ def _cudnn(q, k, v, causal):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     h, h_kv = q.shape[1], k.shape[1]
-    kk, vv = k.repeat_interleave(h // h_kv, 1), v.repeat_interleave(h // h_kv, 1)
+    kk, vv = (k, v) if h == h_kv else (k.repeat_interleave(h // h_kv, 1), v.repeat_interleave(h // h_kv, 1))
 
     def run():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -134,8 +137,8 @@ def _backward_case(mode, b, h, h_kv, n, causal, variant) -> dict:
     q, k, v = _inputs(b, h, h_kv, n)
     do = torch.randn_like(q)
     o, lse = kernels.flash_attention_with_lse(q, k, v, causal)
-    run = lambda: hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal,  # noqa: E731
-                                                   num_buffers=variant["num_buffers"], block_m=variant["block_m"])
+    options = {key: variant[key] for key in ("num_buffers", "block_m", "dq_kernel", "dq_block_n")}
+    run = lambda: hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, **options)  # noqa: E731
     grads = run()
     torch.cuda.synchronize()
     out = {}
@@ -152,10 +155,12 @@ def _backward_case(mode, b, h, h_kv, n, causal, variant) -> dict:
         bwd = _timer(2.5 * fwd_flops)
         out["hopper_ws"] = bwd(run)
         out["course"] = bwd(lambda: backward.attention_backward(q, k, v, o, lse, do, causal))
-        qc, kc, vc = (t.detach().requires_grad_() for t in (q, k, v))
+        # cuDNN on the kv heads repeated once, outside the timing, as leaves of their own (as _cudnn does)
+        qc, kc, vc = (t.detach().requires_grad_() for t in (q, k.repeat_interleave(h // h_kv, 1),
+                                                            v.repeat_interleave(h // h_kv, 1)))
         cudnn = _cudnn(qc, kc, vc, causal)
         ms = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=300)  # noqa: E731
-        t_fwd = ms(lambda: cudnn())
+        t_fwd = ms(cudnn)
         t_fb = ms(lambda: torch.autograd.grad(cudnn(), (qc, kc, vc), do))
         out["cudnn"] = 2.5 * fwd_flops / (t_fb - t_fwd) * 1e-9
         t_course_fwd = ms(lambda: kernels.flash_attention_with_lse(q, k, v, causal))

@@ -1,9 +1,9 @@
-"""The hand-specialised Gluon dK/dV kernel of the backward (course_utils.kernels.hopper_ws_bwd).
+"""The hand-specialised Gluon kernels of the backward (course_utils.kernels.hopper_ws_bwd): dK/dV and dQ.
 
-On a CPU (CI) it is compiled for sm_90 and what it became is checked: three partitions (two consumers running
-the four products of each step, a loader issuing every TMA copy), registers moved by ``setmaxnreg``, shared
-memory inside the H200's, and fewer spills than lesson 07's dK/dV kernel at its Hopper launch. On a Hopper GPU
-the gradients are checked against float64 math.
+On a CPU (CI) they are compiled for sm_90 and what they became is checked: three partitions (two consumers running
+the products of each step, a loader issuing every TMA copy), registers moved by ``setmaxnreg``, shared memory
+inside the H200's, and fewer spills than lesson 07's dK/dV kernel at its Hopper launch (none in dQ). On a Hopper
+GPU the gradients are checked against float64 math.
 """
 
 import json
@@ -20,20 +20,23 @@ from course_utils.kernels import hopper_ws_bwd, targets
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 CASES = [(True, 128, 64, 2), (False, 128, 64, 2), (True, 128, 32, 2), (False, 128, 32, 3), (True, 64, 64, 2),
-         (False, 64, 64, 3)]  # causal, D, block_m, buffers
+         (False, 64, 64, 3)]  # dK/dV: causal, D, block_m, buffers
+DQ_CASES = [(True, 128, 64, 2), (False, 128, 128, 2), (True, 128, 64, 3), (True, 64, 128, 3)]  # dQ: ..., dq_block_n, ..
 
 SCRIPT = r"""
 import json, sys, torch
 from course_utils.kernels import hopper_ws_bwd, targets
+cases, dq_cases = json.loads(sys.argv[1])
 out = []
-for causal, d, block_m, buffers in json.loads(sys.argv[1]):
-    q = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16)
-    k = torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
-    lse = torch.empty(1, 32, 1024)
-    with targets._captured_launches() as launches:
-        hopper_ws_bwd._launch_dkdv(q, k, k, q, lse, lse, causal, 0.1, buffers, block_m)
-    (kernel, args, kwargs), = launches
-    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"{causal} {d} {block_m} {buffers}")))
+for launch, kind, table in ((hopper_ws_bwd._launch_dkdv, "dkdv", cases), (hopper_ws_bwd._launch_dq, "dq", dq_cases)):
+    for causal, d, block, buffers in table:
+        q = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16)
+        k = torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
+        lse = torch.empty(1, 32, 1024)
+        with targets._captured_launches() as launches:
+            launch(q, k, k, q, lse, lse, causal, 0.1, buffers, block)
+        (kernel, args, kwargs), = launches
+        out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"{kind} {causal} {d} {block} {buffers}")))
 print(json.dumps(out))
 """
 
@@ -41,29 +44,33 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def compiled():
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], capture_output=True, text=True, env=env,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, DQ_CASES])], capture_output=True,
+                         text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return {r["case"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
 
 
-def test_it_compiles_to_a_loader_and_two_consumers_of_four_products(compiled):
-    assert len(compiled) == len(CASES)
-    for r in compiled.values():
+def test_it_compiles_to_a_loader_and_two_consumers(compiled):
+    assert len(compiled) == len(CASES) + len(DQ_CASES)
+    for case, r in compiled.items():
+        causal = case.split()[1] == "True"
+        # dK/dV: Sᵀ, dPᵀ, dV, dK a step; dQ: S, dP, dQ a step, in two loops (unmasked, the diagonal's) if causal
+        products = 4 if case.startswith("dkdv") else 3 * (2 if causal else 1)
         assert r["num_warps"] == 12, r
         consumers = [p for p in r["partitions"] if p[1] > 0]
         loaders = [p for p in r["partitions"] if p[2] > 0]
         assert len(r["partitions"]) == 3 and len(consumers) == 2, r
-        assert all(p[1] == 4 and p[2] == 0 for p in consumers), r  # Sᵀ, dPᵀ, dV, dK; no copies
-        assert len(loaders) == 1 and loaders[0][1] == 0 and loaders[0][2] == 6, r  # K, V twice; Q, dO each step
+        assert all(p[1] == products and p[2] == 0 for p in consumers), r  # no copies in a consumer
+        assert len(loaders) == 1 and loaders[0][1] == 0 and loaders[0][2] == 6, r  # 2 x 2 once, 2 a step
         moves = {tuple(m) for m in r["setmaxnreg"]}
         assert ("inc", str(hopper_ws_bwd.CONSUMER_REGS)) in moves and ("dec", str(hopper_ws_bwd.LOADER_REGS)) in moves
 
 
-def test_the_products_are_64_keys_by_the_query_tile_and_by_the_head_dim(compiled):
-    for (causal, d, block_m, buffers) in CASES:
-        r = compiled[f"{causal} {d} {block_m} {buffers}"]
-        assert set(r["wgmma"]) == {f"m64n{block_m}k16.f32.bf16.bf16", f"m64n{d}k16.f32.bf16.bf16"}, r["wgmma"]
+def test_the_products_are_64_rows_by_the_tile_and_by_the_head_dim(compiled):
+    for kind, table in (("dkdv", CASES), ("dq", DQ_CASES)):
+        for (causal, d, block, buffers) in table:
+            r = compiled[f"{kind} {causal} {d} {block} {buffers}"]
+            assert set(r["wgmma"]) == {f"m64n{block}k16.f32.bf16.bf16", f"m64n{d}k16.f32.bf16.bf16"}, r["wgmma"]
 
 
 def test_shared_memory_fits_and_registers_spill_less_than_lesson_07s_kernel(compiled):
@@ -71,15 +78,26 @@ def test_shared_memory_fits_and_registers_spill_less_than_lesson_07s_kernel(comp
     pair = [r for r in results.load("sm90_compiles")["backward_pair"]
             if r["kernel"] == "_attn_bwd_dkdv" and r["config"] == [64, 128, 128, 32, 8, 3, 8, 3]]
     assert pair, "lesson 07's Hopper launch (64 x 128, 8 warps, 3 stages) is in results/sm90_compiles.json"
-    for r in compiled.values():
+    for case, r in compiled.items():
         assert 0 < r["shared_bytes"] <= limit, r
         assert r["spill_bytes"] // 4 < pair[0]["spills"], r  # values per thread, as compile_sm90.py counts them
-    for case, r in compiled.items():
-        if " 32 " in case or case.split()[1] == "64":  # 32-query tiles, or D = 64: every value in a register
+        # dQ, 32-query dK/dV tiles and D = 64: every value in a register
+        if case.startswith("dq") or case.split()[3] == "32" or case.split()[2] == "64":
             assert r["spill_bytes"] == 0, r
-    # each extra slot holds one Q and one dO tile
-    extra = compiled["False 128 32 3"]["shared_bytes"] - compiled["True 128 32 2"]["shared_bytes"]
+    # each extra dK/dV slot holds one Q and one dO tile, each extra dQ slot one K and one V tile
+    extra = compiled["dkdv False 128 32 3"]["shared_bytes"] - compiled["dkdv True 128 32 2"]["shared_bytes"]
     assert 2 * 32 * 128 * 2 <= extra <= 2 * 32 * 128 * 2 + 64, extra
+    extra = compiled["dq True 128 64 3"]["shared_bytes"] - compiled["dq True 128 64 2"]["shared_bytes"]
+    assert 2 * 64 * 128 * 2 <= extra <= 2 * 64 * 128 * 2 + 64, extra
+
+
+def test_the_dq_kernels_shared_memory_is_checked_before_it_is_compiled(compiled):
+    """_validate_dq_shared's count of the tiles against what the compiler laid out, and its refusal."""
+    for causal, d, block, buffers in DQ_CASES:
+        tiles = 2 * (2 * hopper_ws_bwd.DQ_BLOCK_M * d + 2 * buffers * block * d)
+        assert tiles <= compiled[f"dq {causal} {d} {block} {buffers}"]["shared_bytes"] <= tiles + 512  # and the barriers
+    with pytest.raises(ValueError, match="take 2 buffers or 64-key tiles"):
+        hopper_ws_bwd._validate_dq_shared(128, 3, 128)
 
 
 def _inputs(b=1, hq=4, hkv=2, n=256, d=128, dtype=torch.bfloat16, device="cpu"):
@@ -103,7 +121,10 @@ def test_unsupported_inputs_are_refused_in_one_sentence(change, message):
 
 
 @pytest.mark.parametrize("options,message", [(dict(num_buffers=4), "num_buffers must be 2 or 3"),
-                                             (dict(block_m=128), "block_m must be one of")])
+                                             (dict(block_m=128), "block_m must be one of"),
+                                             (dict(dq_kernel="atomic"), "dq_kernel must be one of"),
+                                             (dict(dq_block_n=32), "dq_block_n must be one of"),
+                                             (dict(num_buffers=3, dq_block_n=128), "more than Hopper's")])
 def test_unknown_options_are_refused_on_every_machine(options, message):
     q, k, v, do = _inputs()
     with pytest.raises(ValueError, match=message):
@@ -125,20 +146,22 @@ def test_without_a_hopper_gpu_it_says_why():
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
                                        "tests above stand in on a CPU")
-@pytest.mark.parametrize("b,hq,hkv,n,d,causal,dtype,block_m,buffers", [
-    (1, 4, 2, 256, 128, True, torch.bfloat16, 64, 2),
-    (2, 8, 2, 512, 128, False, torch.bfloat16, 64, 2),
-    (1, 8, 2, 640, 128, True, torch.bfloat16, 32, 3),  # five key blocks: the diagonal's masks in each
-    (1, 4, 4, 384, 64, True, torch.float16, 64, 3),  # MHA, D = 64, fp16
-    (1, 4, 1, 256, 64, False, torch.bfloat16, 32, 2),  # MQA
+@pytest.mark.parametrize("b,hq,hkv,n,d,causal,dtype,block_m,buffers,dq_kernel,dq_block_n", [
+    (1, 4, 2, 256, 128, True, torch.bfloat16, 64, 2, "gluon", 64),
+    (2, 8, 2, 512, 128, False, torch.bfloat16, 64, 2, "gluon", 128),
+    (1, 8, 2, 640, 128, True, torch.bfloat16, 32, 3, "gluon", 64),  # five key blocks: the diagonal's masks in each
+    (1, 8, 2, 640, 128, True, torch.bfloat16, 64, 2, "lesson07", 64),
+    (1, 4, 4, 384, 64, True, torch.float16, 64, 3, "gluon", 128),  # MHA, D = 64, fp16
+    (1, 4, 1, 256, 64, False, torch.bfloat16, 32, 2, "gluon", 64),  # MQA
 ])
-def test_the_gradients_match_float64_math_on_a_hopper_gpu(b, hq, hkv, n, d, causal, dtype, block_m, buffers):
+def test_the_gradients_match_float64_math_on_a_hopper_gpu(b, hq, hkv, n, d, causal, dtype, block_m, buffers,
+                                                          dq_kernel, dq_block_n):
     from course_utils.kernels import flash_attention_with_lse
 
     q, k, v, do = _inputs(b, hq, hkv, n, d, dtype, "cuda")
     o, lse = flash_attention_with_lse(q, k, v, causal)
-    dq, dk, dv = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, block_m=block_m,
-                                                  num_buffers=buffers)
+    dq, dk, dv = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, block_m=block_m, num_buffers=buffers,
+                                                  dq_kernel=dq_kernel, dq_block_n=dq_block_n)
     want = references.attention_backward(*(t.double().cpu().numpy() for t in (q, k, v, do)), causal=causal)
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         ref = torch.from_numpy(ref).float().cuda()

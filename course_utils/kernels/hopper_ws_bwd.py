@@ -5,7 +5,10 @@ and one per query block for ``dQ``. Its dK/dV kernel holds two ``[BLOCK_N, D]`` 
 8-warp launch, spills about 40 values per thread (``kernels.fast_backward``'s docstring); Triton 3.6's automatic
 warp specialisation of the same loop deadlocked on the H200. This module writes that kernel the way
 FlashAttention-3's backward is laid out, with :mod:`.hopper_ws`'s machinery (``gl.warp_specialize``, TMA into a
-ring of slots, mbarriers, ``wgmma``); ``dQ`` stays lesson 07's kernel (:func:`.backward.launch_dq`).
+ring of slots, mbarriers, ``wgmma``); ``dQ`` by the mirror image of it, :func:`attn_bwd_dq_ws` (the forward's
+shape: 128 query rows a program, two consumers of 64, key tiles streamed past them; ``dQ += dS K``), or lesson
+07's kernel (:func:`.backward.launch_dq`). FA3 adds ``dS K`` into dQ with atomics inside the dK/dV loop; two
+deterministic kernels are kept here, as lesson 07 does.
 
 One program owns 128 keys of one (batch, kv head), in three partitions:
 
@@ -19,7 +22,7 @@ One program owns 128 keys of one (batch, kv head), in three partitions:
   under ``dPᵀ``, ``dSᵀ = Pᵀ (dPᵀ - delta)``, then ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` issued together; the
   slot is released when both consumers have used it. While one consumer computes, the other's products run.
 
-Compiled here for sm_90 and checked (``tests/test_hopper_ws_bwd.py``); not yet run on a GPU.
+Both compiled here for sm_90 and checked (``tests/test_hopper_ws_bwd.py``); not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -34,9 +37,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .backward import default_config, launch_dq, launch_preprocess
 from .hopper_ws import _GL_DTYPES, _validate_device, _validate_inputs
+from .targets import TARGETS
 
 BLOCK_N = 128  # keys per program: two consumers of 64 (wgmma's M per warpgroup)
-BLOCK_MS = (32, 64)  # query rows per tile (a product's N and, for dK and dV, its reduction)
+BLOCK_MS = (32, 64)  # dK/dV: query rows per tile (a product's N and, for dK and dV, its reduction)
+DQ_BLOCK_M = 128  # dQ: query rows per program, two consumers of 64
+DQ_BLOCK_NS = (64, 128)  # dQ: keys per tile
+DQ_KERNELS = ("gluon", "lesson07")
 CONSUMER_REGS, LOADER_REGS, MAXNREG = 240, 24, 168  # 3 warpgroups x 168 = 240 + 240 + 24: one program per SM
 LOG2E = 1.4426950408889634
 
@@ -176,11 +183,178 @@ def attn_bwd_dkdv_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _validate_options(num_buffers, block_m) -> None:
+# -----------------------------------------------------------------------------
+# dQ: one program per 128 query rows, the key tiles streamed past them
+# -----------------------------------------------------------------------------
+@gluon.jit
+def _dq_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    """This program's query block, its first row of q (do, lse, delta, dq) and of its kv head, its key tiles,
+    and how many of them (the last ones) cross the diagonal under the causal mask."""
+    n_m = N // BLOCK_M
+    start_m = n_m - 1 - gl.program_id(0)  # the longest rows first under the causal mask
+    off_hz = gl.program_id(1)
+    kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N  # q_head -> kv_head
+    q_row = off_hz * N + start_m * BLOCK_M
+    if CAUSAL:
+        n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N)
+        n_masked = BLOCK_M // BLOCK_N
+    else:
+        n_tiles = N // BLOCK_N
+        n_masked = 0
+    return start_m, q_row, kv_row, n_tiles, n_masked
+
+
+@gluon.jit
+def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars,
+                       empty_bars, N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """The producer: each half's Q and dO once (one barrier per half), then K and V tile by tile."""
+    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    HALF: gl.constexpr = BLOCK_M // 2
+    NB: gl.constexpr = k_smem.type.shape[0]
+    for half in gl.static_range(2):
+        mbarrier.expect(q_bars.index(half), 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + half * HALF, 0], q_bars.index(half), q_smem.index(half))
+        tma.async_copy_global_to_shared(do_desc, [q_row + half * HALF, 0], q_bars.index(half), do_smem.index(half))
+    for j in range(n_tiles):
+        idx = j % NB
+        mbarrier.wait(empty_bars.index(idx), ((j // NB) & 1) ^ 1)  # a fresh barrier counts as released
+        mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_bars.index(idx), k_smem.index(idx))
+        mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_bars.index(idx), v_smem.index(idx))
+
+
+@gluon.jit
+def _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, dq, lse2, delta, qk_scale, rows,
+             BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+    """Key tile ``j``: ``S = Q Kᵀ`` and ``dP = dO Vᵀ`` issued together, ``P`` under ``dP``, ``dS``, then
+    ``dQ += dS K``; the slot released."""
+    NB: gl.constexpr = k_smem.type.shape[0]
+    M: gl.constexpr = q.type.shape[0]
+    idx = j % NB
+    phase = (j // NB) & 1
+    mbarrier.wait(k_bars.index(idx), phase)
+    s = warpgroup_mma(q, k_smem.index(idx).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    mbarrier.wait(v_bars.index(idx), phase)
+    dp = warpgroup_mma(do, v_smem.index(idx).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S done; dP may still run
+    p = gl.exp2(s * qk_scale - lse2[:, None])
+    if MASK:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p = gl.where(rows[:, None] >= cols[None, :], p, 0.0)
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+    ds = gl.convert_layout((p * (dp - delta[:, None])).to(k_smem.dtype), op_layout)
+    dq = warpgroup_mma(ds, k_smem.index(idx), dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+    mbarrier.arrive(empty_bars.index(idx), count=1)  # counts once per partition; the slot needs both consumers
+    return dq
+
+
+@gluon.jit
+def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars,
+                 lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, N, H: gl.constexpr, GROUP: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+    """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, their ``dQ``."""
+    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    HALF: gl.constexpr = BLOCK_M // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row0 = q_row + HALF_IDX * HALF
+    offs = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    rows = start_m * BLOCK_M + HALF_IDX * HALF + offs  # query positions, for the mask
+    lse2 = gl.load(lse_ptr + row0 + offs) * 1.4426950408889634  # natural log -> base 2
+    delta = gl.load(delta_ptr + row0 + offs)
+    dq = gl.zeros([HALF, HEAD_DIM], gl.float32, acc_layout)
+    q = q_smem.index(HALF_IDX)
+    do = do_smem.index(HALF_IDX)
+    mbarrier.wait(q_bars.index(HALF_IDX), 0)
+    for j in range(n_tiles - n_masked):
+        dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, dq, lse2, delta, qk_scale, rows,
+                      BLOCK_N, False, s_layout, op_layout)
+    for j in range(n_tiles - n_masked, n_tiles):  # the diagonal's tiles (causal only)
+        dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, dq, lse2, delta, qk_scale, rows,
+                      BLOCK_N, True, s_layout, op_layout)
+    out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    gl.store(dq_ptr + out_rows[:, None].to(gl.int64) * HEAD_DIM + d[None, :],
+             (dq * sm_scale).to(dq_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, N,
+                   H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """dQ's buffers and barriers, then its three partitions (the forward's shape: :func:`.hopper_ws.attn_fwd_ws`)."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF, HEAD_DIM], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
+    gl.warp_specialize([
+        (_dq_consumer, (0, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, lse_ptr, delta_ptr,
+                        dq_ptr, qk_scale, sm_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
+        (_dq_consumer, (1, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, lse_ptr, delta_ptr,
+                        dq_ptr, qk_scale, sm_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
+        (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars,
+                              v_bars, empty_bars, N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n=64):
+    """``dq`` by :func:`attn_bwd_dq_ws` for validated inputs (``tests/`` compile it from CPU tensors)."""
+    b, h, n, d = q.shape
+    q, k, v, do = (t.contiguous() for t in (q, k, v, do))
+    lse, delta = lse.float().contiguous(), delta.float().contiguous()
+    dq = torch.empty_like(q)
+    dtype = _GL_DTYPES[q.dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([DQ_BLOCK_M // 2, d], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], dtype)
+    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [DQ_BLOCK_M // 2, d], q_layout)
+    do_desc = TensorDescriptor.from_tensor(do.view(-1, d), [DQ_BLOCK_M // 2, d], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d], kv_layout)
+    attn_bwd_dq_ws[(n // DQ_BLOCK_M, b * h)](
+        q_desc, do_desc, k_desc, v_desc, lse, delta, dq, sm_scale * LOG2E, sm_scale, n, h, h // k.shape[1],
+        DQ_BLOCK_M, block_n, d, num_buffers, causal, CONSUMER_REGS, LOADER_REGS, num_warps=4, maxnreg=MAXNREG)
+    return dq
+
+
+def _validate_options(num_buffers, block_m, dq_kernel="gluon", dq_block_n=64) -> None:
     if num_buffers not in (2, 3):
         raise ValueError(f"num_buffers must be 2 or 3 (got {num_buffers})")
     if block_m not in BLOCK_MS:
         raise ValueError(f"block_m must be one of {BLOCK_MS} (got {block_m})")
+    if dq_kernel not in DQ_KERNELS:
+        raise ValueError(f"dq_kernel must be one of {DQ_KERNELS} (got {dq_kernel!r})")
+    if dq_block_n not in DQ_BLOCK_NS:
+        raise ValueError(f"dq_block_n must be one of {DQ_BLOCK_NS} (got {dq_block_n})")
+
+
+def _validate_dq_shared(head_dim, num_buffers, dq_block_n) -> None:
+    """The Gluon dQ kernel's tiles (Q and dO once, ``num_buffers`` K/V tiles, 16-bit) in Hopper's shared memory."""
+    tiles = 2 * (2 * DQ_BLOCK_M * head_dim + 2 * num_buffers * dq_block_n * head_dim)
+    if tiles > TARGETS[90][1]:
+        raise ValueError(f"dQ's tiles need {tiles // 1024} KiB of shared memory at D = {head_dim} with "
+                         f"num_buffers={num_buffers} and dq_block_n={dq_block_n}, more than Hopper's "
+                         f"{TARGETS[90][1] // 1024} KiB: take 2 buffers or 64-key tiles")
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_m=64):
@@ -207,19 +381,23 @@ def _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block
 
 
 def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: float | None = None, *,
-                       num_buffers: int = 2, block_m: int = 64):
-    """``(dq, dk, dv)`` of attention on a Hopper GPU: lesson 07's ``delta`` and ``dQ`` kernels, ``dK, dV`` by
-    :func:`attn_bwd_dkdv_ws`. The arguments are :func:`.backward.attention_backward`'s (``o`` and ``lse`` from
-    the forward, ``lse`` in natural log).
+                       num_buffers: int = 2, block_m: int = 64, dq_kernel: str = "gluon", dq_block_n: int = 64):
+    """``(dq, dk, dv)`` of attention on a Hopper GPU: lesson 07's ``delta`` kernel, ``dK, dV`` by
+    :func:`attn_bwd_dkdv_ws`, ``dQ`` by :func:`attn_bwd_dq_ws` (``dq_kernel="gluon"``) or lesson 07's kernel
+    (``"lesson07"``). The arguments are :func:`.backward.attention_backward`'s (``o`` and ``lse`` from the
+    forward, ``lse`` in natural log).
 
-    bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA. ``num_buffers``: Q/dO tiles in flight (2 or
-    3); ``block_m``: query rows per tile (32 or 64). Not yet run on a GPU.
+    bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA. ``num_buffers``: tiles in flight in either
+    kernel (2 or 3); ``block_m``: dK/dV's query rows per tile (32 or 64); ``dq_block_n``: dQ's keys per tile (64
+    or 128). Not yet run on a GPU.
     """
     _validate_inputs(q, k, v)
     if do.shape != q.shape or o.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"o and do must be q's shape {tuple(q.shape)} and lse [B, H, N] (got o {tuple(o.shape)}, "
                          f"do {tuple(do.shape)}, lse {tuple(lse.shape)})")
-    _validate_options(num_buffers, block_m)
+    _validate_options(num_buffers, block_m, dq_kernel, dq_block_n)
+    if dq_kernel == "gluon":
+        _validate_dq_shared(q.shape[-1], num_buffers, dq_block_n)
     _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     b, h, n, d = q.shape
@@ -227,6 +405,8 @@ def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: floa
     launch_preprocess(o, do, delta, 64)
     lse = lse.float().contiguous()
     dk, dv = _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, block_m)
+    if dq_kernel == "gluon":
+        return _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, dq_block_n), dk, dv
     dq = torch.empty_like(q)
     launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
               default_config(d, "cuda", torch.cuda.get_device_capability(q.device), q.dtype))
