@@ -28,8 +28,9 @@ rate, the tiles half the shared memory): V handed over transposed (FP8 ``wgmma``
 ``kernels.quantize_fp8`` folded as in ``fp8.launch_fp8_hopper`` (one FMA per score, P as ``256 p`` in e4m3, the
 accumulator in units of the tile's ``v_scale``). Compiled here, not yet run on a GPU.
 
-On a CPU there is nothing to run (Gluon has no interpreter); ``tests/test_hopper_ws.py`` compiles it for
-sm_90 there and runs it on a Hopper GPU.
+On a CPU Triton cannot run it (Gluon has no interpreter): ``tests/test_hopper_ws.py`` compiles it for sm_90
+there, and :mod:`.gluon_cpu` runs its Python with a model of the barriers, copies and products
+(``tests/test_gluon_cpu.py``); on a Hopper GPU ``tests/test_hopper_ws.py`` runs it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from . import gluon_cpu  # imports nothing of this module at import time
 
 BLOCK_M = 128  # query rows per program: two consumers of 64 (wgmma's M per warpgroup)
 BLOCK_N = 128  # keys per K/V tile
@@ -453,9 +456,13 @@ def _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size) -> 
 
 
 def _validate_device(q) -> None:
-    """A Hopper GPU, else ``ValueError``: Gluon compiles for one and has no interpreter."""
+    """A Hopper GPU, else ``ValueError``: Gluon compiles for one and has no interpreter (CPU tensors pass inside
+    :func:`.gluon_cpu.running`, which runs the kernels' Python with a model of the machine)."""
+    if q.device.type == "cpu" and gluon_cpu.active():
+        return
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise ValueError("the hand-specialised kernel runs on a Hopper GPU (sm_90) only: Gluon has no interpreter "
+        raise ValueError("the hand-specialised kernel runs on a Hopper GPU (sm_90) only (or on the CPU inside "
+                         "gluon_cpu.running(), a model of one): Gluon has no interpreter "
                          f"and wgmma is Hopper's (got a {q.device.type} tensor)")
 
 

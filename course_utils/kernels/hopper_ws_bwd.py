@@ -22,7 +22,8 @@ One program owns 128 keys of one (batch, kv head), in three partitions:
   under ``dPᵀ``, ``dSᵀ = Pᵀ (dPᵀ - delta)``, then ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` issued together; the
   slot is released when both consumers have used it. While one consumer computes, the other's products run.
 
-Both compiled here for sm_90 and checked (``tests/test_hopper_ws_bwd.py``); not yet run on a GPU.
+Both compiled here for sm_90 and checked (``tests/test_hopper_ws_bwd.py``), and run on the CPU by
+:mod:`.gluon_cpu`'s model (``tests/test_gluon_cpu.py``); not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -408,6 +409,6 @@ def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: floa
     if dq_kernel == "gluon":
         return _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, dq_block_n), dk, dv
     dq = torch.empty_like(q)
-    launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
-              default_config(d, "cuda", torch.cuda.get_device_capability(q.device), q.dtype))
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, default_config(d, q.device.type, capability, q.dtype))
     return dq, dk, dv

@@ -1,0 +1,560 @@
+"""Run the course's Gluon kernels on the CPU: their own Python, with a model of Hopper's machinery (lesson 11).
+
+Gluon has no interpreter, so the hand-specialised kernels (:mod:`.hopper_ws`, :mod:`.hopper_ws_bwd`) could only be
+compiled on a CPU, never run. This module runs them: it takes a ``@gluon.jit`` function's Python (``.fn``) and
+executes it with the names it uses bound to small models instead of Triton's builders:
+
+* **partitions** (``gl.warp_specialize``): one Python thread each, for every program of the grid in turn;
+* **mbarriers**: a count of arrivals per phase and, with ``expect``, of bytes still to land; ``wait(bar,
+  parity)`` returns once the phase of that parity has completed, tested on the phase bit alone as the hardware
+  does (so a wait two phases behind deadlocks or passes early, as it would on a GPU);
+* **TMA copies**: queued, and landed at random later moments, in random order, by whichever thread waits
+  (a ``seed`` picks the order), each landing counted on its barrier;
+* **tensors**: torch tensors on the CPU, in the kernel's dtypes (bf16, fp16 and e4m3 rounded as torch rounds
+  them); ``warpgroup_mma`` multiplies in float32 when it is issued (the model reads shared memory then: a
+  kernel that released a slot before waiting for the product reading it would not be caught), ``wait`` is a
+  no-op; layouts are ignored.
+
+What it checks is what the kernels' GPU tests check: the outputs against float64 references, in every
+interleaving the seed produces, with a deadlock (every thread waiting, no copy in flight) raised as
+:class:`Deadlock`. What it cannot check: speed, registers, layouts, and anything about how the compiler lowers
+the code (``tests/test_hopper_ws*.py`` compile it for sm_90 for those).
+
+    with gluon_cpu.running(seed=0):
+        o, lse = hopper_ws.attention(q, k, v, causal=True)   # CPU tensors: the kernel's Python runs
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import types
+
+import torch
+
+__all__ = ["running", "active", "Deadlock", "run_kernel"]
+
+_ACTIVE = []  # one entry per `running` block in force
+
+
+def active() -> bool:
+    """Whether Gluon launches run on the CPU now (inside :func:`running`): the kernels' entries then take CPU
+    tensors."""
+    return bool(_ACTIVE)
+
+
+class Deadlock(RuntimeError):
+    """Every partition waits on a barrier and no copy is in flight."""
+
+
+# -----------------------------------------------------------------------------
+# dtypes, layouts, tensors, pointers
+# -----------------------------------------------------------------------------
+class _DType:
+    def __init__(self, name, torch_dtype):
+        self.name, self.torch = name, torch_dtype
+
+    def is_fp8(self) -> bool:
+        return self.torch == torch.float8_e4m3fn
+
+    @property
+    def primitive_bitwidth(self) -> int:
+        return torch.finfo(self.torch).bits if self.torch.is_floating_point else torch.iinfo(self.torch).bits
+
+    @property
+    def element_ty(self):  # a pointer's element type: the model's pointers carry their element dtype
+        return self
+
+    def __repr__(self):
+        return self.name
+
+
+_DTYPES = {name: _DType(name, t) for name, t in (("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                                   ("float16", torch.float16), ("float8e4nv", torch.float8_e4m3fn),
+                                                   ("int64", torch.int64), ("int32", torch.int32))}
+_OF_TORCH = {d.torch: d for d in _DTYPES.values()}
+
+
+class _Layout:
+    """Any Gluon layout: the model keeps none."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @classmethod
+    def get_default_for(cls, *args, **kwargs):
+        return cls()
+
+
+def _data(x):
+    return x.data if isinstance(x, _Tensor) else x
+
+
+class _Type:
+    def __init__(self, shape):
+        self.shape = list(shape)
+
+
+class _Tensor:
+    """A Gluon tensor: a torch tensor on the CPU with the operators the kernels use."""
+
+    __slots__ = ("data", )
+
+    def __init__(self, data):
+        self.data = data
+
+    @property
+    def dtype(self):
+        return _OF_TORCH[self.data.dtype]
+
+    @property
+    def type(self):
+        return _Type(self.data.shape)
+
+    @property
+    def shape(self):
+        return list(self.data.shape)
+
+    def to(self, dtype):
+        dtype = dtype.torch if isinstance(dtype, _DType) else dtype
+        if dtype == torch.float8_e4m3fn:  # the GPU's cvt.rn.satfinite: nearest even, clamped to +-448
+            return _Tensor(self.data.float().clamp(-448.0, 448.0).to(dtype))
+        return _Tensor(self.data.to(dtype))
+
+    def __getitem__(self, index):
+        return _Tensor(self.data[index])
+
+    def _binary(self, other, op):
+        a, b = self.data, _data(other)
+        if a.dtype == torch.float8_e4m3fn or (isinstance(b, torch.Tensor) and b.dtype == torch.float8_e4m3fn):
+            raise TypeError("arithmetic on e4m3 values: convert them first, as Gluon requires")
+        return _Tensor(op(a, b))
+
+    def __add__(self, o): return self._binary(o, lambda a, b: a + b)  # noqa: E704
+    def __radd__(self, o): return self._binary(o, lambda a, b: b + a)  # noqa: E704
+    def __sub__(self, o): return self._binary(o, lambda a, b: a - b)  # noqa: E704
+    def __rsub__(self, o): return self._binary(o, lambda a, b: b - a)  # noqa: E704
+    def __mul__(self, o): return self._binary(o, lambda a, b: a * b)  # noqa: E704
+    def __rmul__(self, o): return self._binary(o, lambda a, b: b * a)  # noqa: E704
+    def __truediv__(self, o): return self._binary(o, lambda a, b: a / b)  # noqa: E704
+    def __rtruediv__(self, o): return self._binary(o, lambda a, b: b / a)  # noqa: E704
+    def __floordiv__(self, o): return self._binary(o, lambda a, b: a // b)  # noqa: E704
+    def __mod__(self, o): return self._binary(o, lambda a, b: a % b)  # noqa: E704
+    def __ge__(self, o): return self._binary(o, lambda a, b: a >= b)  # noqa: E704
+    def __gt__(self, o): return self._binary(o, lambda a, b: a > b)  # noqa: E704
+    def __le__(self, o): return self._binary(o, lambda a, b: a <= b)  # noqa: E704
+    def __lt__(self, o): return self._binary(o, lambda a, b: a < b)  # noqa: E704
+    def __and__(self, o): return self._binary(o, lambda a, b: a & b)  # noqa: E704
+    def __or__(self, o): return self._binary(o, lambda a, b: a | b)  # noqa: E704
+    def __neg__(self): return _Tensor(-self.data)  # noqa: E704
+
+
+class _Pointer:
+    """A pointer into a flat CPU tensor, plus offsets (an int or a tensor of them)."""
+
+    def __init__(self, flat, offset=0):
+        self.flat, self.offset = flat, offset
+
+    @property
+    def dtype(self):
+        return _OF_TORCH[self.flat.dtype]
+
+    def __add__(self, other):
+        return _Pointer(self.flat, self.offset + _data(other))
+
+    __radd__ = __add__
+
+
+def _as_index(offset):
+    if isinstance(offset, torch.Tensor):
+        return offset.long()
+    return torch.tensor(int(offset))
+
+
+# -----------------------------------------------------------------------------
+# shared memory, barriers, the machine
+# -----------------------------------------------------------------------------
+class _Machine:
+    """One program's partitions: their threads, its barriers and its copies in flight."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.cond = threading.Condition()
+        self.copies = []  # (barrier, destination view, source tensor, nbytes)
+        self.threads = 0
+        self.waiters = {}  # thread -> (barrier, parity) it waits on
+        self.error = None
+
+    def land_one(self) -> bool:
+        """Land a random copy in flight (the caller holds ``cond``)."""
+        if not self.copies:
+            return False
+        bar, view, source, nbytes = self.copies.pop(self.rng.randrange(len(self.copies)))
+        view.write(source)
+        bar.transferred(nbytes)
+        self.cond.notify_all()
+        return True
+
+    def maybe_land(self):
+        with self.cond:
+            while self.copies and self.rng.random() < 0.5:
+                self.land_one()
+
+
+class _Barrier:
+    def __init__(self, machine):
+        self.machine = machine
+        self.count = self.pending = None
+        self.tx = 0
+        self.completed = 0  # phases completed; the current phase's parity is completed & 1
+
+    def init(self, count):
+        self.count = self.pending = count
+
+    def _check_phase(self):
+        if self.pending == 0 and self.tx == 0:
+            self.completed += 1
+            self.pending = self.count
+            self.machine.cond.notify_all()
+
+    def arrive(self, count=1):
+        with self.machine.cond:
+            if self.count is None:
+                raise RuntimeError("an mbarrier was used before mbarrier.init")
+            self.pending -= count
+            if self.pending < 0:
+                raise RuntimeError("more arrivals than the mbarrier's count in one phase")
+            self._check_phase()
+
+    def expect(self, nbytes):
+        with self.machine.cond:
+            self.tx += nbytes
+            self.pending -= 1
+            if self.pending < 0:
+                raise RuntimeError("more arrivals than the mbarrier's count in one phase")
+            self._check_phase()
+
+    def transferred(self, nbytes):  # under cond
+        self.tx -= nbytes
+        if self.tx < 0:
+            raise RuntimeError("a copy landed more bytes than its barrier expected")
+        self._check_phase()
+
+    def done(self, parity) -> bool:
+        """Whether the phase of this parity has completed: the current phase's parity is the other one."""
+        return (self.completed & 1) != (parity & 1)
+
+    def wait(self, parity):
+        m = self.machine
+        parity = int(parity)
+        m.maybe_land()
+        me = threading.get_ident()
+        with m.cond:
+            while not self.done(parity):
+                if m.error is not None:
+                    raise m.error
+                m.waiters[me] = (self, parity)
+                try:
+                    # a deadlock: every live partition waits, none of their phases has completed, nothing in flight
+                    if len(m.waiters) >= m.threads and not m.copies \
+                            and not any(bar.done(p) for bar, p in m.waiters.values()):
+                        m.error = Deadlock("every partition waits on a barrier and no copy is in flight")
+                        m.cond.notify_all()
+                        raise m.error
+                    if m.copies and m.rng.random() < 0.7:
+                        m.land_one()
+                    else:
+                        m.cond.wait(timeout=0.05)
+                finally:
+                    m.waiters.pop(me, None)
+
+
+class _SmemView:
+    """A slot (or the whole buffer) of shared memory, possibly viewed transposed."""
+
+    def __init__(self, storage, index, transposed=False):
+        self.storage, self.index_, self.transposed = storage, index, transposed
+
+    @property
+    def dtype(self):
+        return _OF_TORCH[self.storage.dtype]
+
+    @property
+    def type(self):
+        shape = list(self.storage[self.index_].shape)
+        return _Type(shape[::-1] if self.transposed else shape)
+
+    def permute(self, order):
+        assert tuple(order) == (1, 0)
+        return _SmemView(self.storage, self.index_, not self.transposed)
+
+    def read(self):
+        t = self.storage[self.index_]
+        return t.t() if self.transposed else t
+
+    def write(self, source):
+        self.storage[self.index_] = source.to(self.storage.dtype)
+
+    def index(self, i):
+        return _SmemView(self.storage[self.index_], int(i))
+
+
+class _Smem:
+    def __init__(self, machine, dtype, shape):
+        if dtype is _DTYPES["int64"] or (isinstance(dtype, _DType) and dtype.name == "int64"):
+            self.barriers = [_Barrier(machine) for _ in range(shape[0])]
+            self.storage = None
+        else:
+            self.barriers = None
+            # NaN until a copy lands: a product that reads a slot too early poisons the output
+            self.storage = torch.full(list(shape), float("nan"), dtype=dtype.torch)
+
+    @property
+    def dtype(self):
+        return _OF_TORCH[self.storage.dtype]
+
+    @property
+    def type(self):
+        return _Type(self.storage.shape)
+
+    def index(self, i):
+        if self.barriers is not None:
+            return self.barriers[int(i)]
+        return _SmemView(self.storage, int(i))
+
+
+# -----------------------------------------------------------------------------
+# the names a kernel uses
+# -----------------------------------------------------------------------------
+class _State(threading.local):
+    machine = None
+    program = (0, 0, 0)
+
+
+_STATE = _State()
+_CURRENT = {}  # the launch's machine, shared by its threads (thread-local state is per thread)
+
+
+def _machine():
+    return _CURRENT["machine"]
+
+
+def _gl_namespace():
+    gl = types.SimpleNamespace(**_DTYPES)
+    gl.constexpr = object
+    for name in ("NVMMADistributedLayout", "SliceLayout", "DotOperandLayout", "NVMMASharedLayout",
+                 "BlockedLayout", "SwizzledSharedLayout"):
+        setattr(gl, name, _Layout)
+    gl.program_id = lambda axis: _STATE.program[axis]
+    gl.static_range = range
+    gl.zeros = lambda shape, dtype, layout=None: _Tensor(torch.zeros(list(shape), dtype=dtype.torch))
+    gl.full = lambda shape, value, dtype, layout=None: _Tensor(torch.full(list(shape), value, dtype=dtype.torch))
+    gl.arange = lambda start, end, layout=None: _Tensor(torch.arange(start, end, dtype=torch.int32))
+    gl.to_tensor = lambda x: _Tensor(torch.tensor(x, dtype=torch.float32))
+    gl.convert_layout = lambda x, layout: x
+    gl.where = lambda c, a, b: _Tensor(torch.where(_data(c), _data(a), _data(b)))
+    gl.maximum = lambda a, b: _Tensor(torch.maximum(_data(a), torch.as_tensor(_data(b))))
+    gl.max = lambda x, axis: _Tensor(x.data.max(dim=axis).values)
+    gl.sum = lambda x, axis: _Tensor(x.data.sum(dim=axis))
+    gl.exp2 = lambda x: _Tensor(torch.exp2(x.data))
+    gl.log2 = lambda x: _Tensor(torch.log2(x.data))
+    gl.fma = lambda a, b, c: _Tensor(_data(a) * _data(b) + _data(c))
+
+    def load(ptr):
+        if isinstance(ptr.offset, int):
+            return _Tensor(ptr.flat[ptr.offset].clone())
+        return _Tensor(ptr.flat[_as_index(ptr.offset)])
+
+    def store(ptr, value):
+        ptr.flat[_as_index(ptr.offset)] = _data(value).to(ptr.flat.dtype)
+
+    gl.load, gl.store = load, store
+    gl.allocate_shared_memory = lambda dtype, shape, layout: _Smem(_machine(), dtype, shape)
+    gl.warp_specialize = _warp_specialize
+    return gl
+
+
+def _mbarrier_namespace():
+    mb = types.SimpleNamespace()
+    mb.MBarrierLayout = _Layout
+    mb.init = lambda bar, count: bar.init(count)
+    mb.expect = lambda bar, nbytes: bar.expect(int(nbytes))
+    mb.arrive = lambda bar, count=1: bar.arrive(count)
+    mb.wait = lambda bar, phase: bar.wait(int(_data(phase)) if isinstance(phase, _Tensor) else int(phase))
+    return mb
+
+
+def _copy(desc, coords, bar, view):
+    rows, cols = desc.block_shape
+    r, c = (int(_data(x)) for x in coords)
+    source = desc.base[r:r + rows, c:c + cols].clone()
+    m = _machine()
+    with m.cond:
+        m.copies.append((bar, view, source, source.numel() * source.element_size()))
+    m.maybe_land()
+
+
+def _tma_namespace():
+    return types.SimpleNamespace(async_copy_global_to_shared=_copy)
+
+
+def _warpgroup_mma(a, b, acc, *, use_acc=True, is_async=False, **_):
+    a = a.read() if isinstance(a, _SmemView) else a.data
+    b = b.read()
+    out = a.float() @ b.float()
+    if use_acc:
+        out = out + acc.data
+    return _Tensor(out)
+
+
+def _warpgroup_mma_wait(num_outstanding=0, deps=None):
+    return deps[0] if len(deps) == 1 else tuple(deps)
+
+
+class _Descriptor:
+    """``TensorDescriptor.from_tensor``: the 2-D tensor and the box."""
+
+    def __init__(self, base, block_shape, layout=None):
+        self.base, self.block_shape = base, list(block_shape)
+        self.layout = layout
+
+    @classmethod
+    def from_tensor(cls, tensor, block_shape, layout=None):
+        return cls(tensor, block_shape, layout)
+
+    @property
+    def dtype(self):
+        return _OF_TORCH[self.base.dtype]
+
+    @property
+    def block_type(self):
+        rows, cols = self.block_shape
+        return types.SimpleNamespace(nbytes=rows * cols * self.base.element_size(), shape=[rows, cols])
+
+
+# -----------------------------------------------------------------------------
+# converting a kernel, running a launch
+# -----------------------------------------------------------------------------
+_NAMES = None
+
+
+def _names():
+    global _NAMES
+    if _NAMES is None:
+        _NAMES = dict(gl=_gl_namespace(), mbarrier=_mbarrier_namespace(), tma=_tma_namespace(),
+                      warpgroup_mma=_warpgroup_mma, warpgroup_mma_wait=_warpgroup_mma_wait)
+    return _NAMES
+
+
+def _is_gluon(obj) -> bool:
+    return type(obj).__name__ == "GluonJITFunction"
+
+
+def _convert(jit_fn, memo):
+    """The Python function behind ``jit_fn`` with its names bound to the model (and its Gluon callees converted)."""
+    if id(jit_fn) in memo:  # by identity: hashing a JITFunction walks its dependencies
+        return memo[id(jit_fn)]
+    fn = jit_fn.fn
+    scope = dict(fn.__globals__)
+    memo[id(jit_fn)] = converted = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    scope.update(_names())
+    for name in fn.__code__.co_names:
+        value = scope.get(name)
+        if _is_gluon(value):
+            scope[name] = _convert(value, memo)
+    return converted
+
+
+def _warp_specialize(partitions, warps, regs):
+    """Each partition in a thread of its own; the first (the default partition) too."""
+    machine = _machine()
+    program = _STATE.program
+    machine.threads = len(partitions)
+    errors = []
+
+    def run(fn, args):
+        _STATE.program = program
+        try:
+            fn(*args)
+            with machine.cond:  # a partition that has ended waits for nothing
+                machine.threads -= 1
+                machine.cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the launching thread)
+            errors.append(exc)
+            with machine.cond:
+                if machine.error is None:
+                    machine.error = exc if isinstance(exc, Deadlock) else Deadlock(f"a partition failed: {exc!r}")
+                machine.cond.notify_all()
+
+    threads = [threading.Thread(target=run, args=p, daemon=True) for p in partitions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        if t.is_alive():
+            raise Deadlock("a partition did not finish in 120 s")
+    real = [e for e in errors if not isinstance(e, Deadlock)]
+    if real:
+        raise real[0]
+    if errors:
+        raise errors[0]
+    if machine.copies:
+        raise RuntimeError("the kernel ended with TMA copies still in flight")
+
+
+def run_kernel(jit_fn, grid, args, seed=0):
+    """Run ``jit_fn``'s Python over ``grid`` with the model (programs one after another, each a new machine)."""
+    fn = _convert(jit_fn, {})
+    rng = random.Random(seed)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    args = [_wrap(a) for a in args]
+    for z in range(grid[2]):
+        for y in range(grid[1]):
+            for x in range(grid[0]):
+                _CURRENT["machine"] = _Machine(rng)
+                _STATE.program = (x, y, z)
+                fn(*args)
+
+
+def _wrap(a):
+    if isinstance(a, torch.Tensor):
+        return _Pointer(a.view(-1))
+    return a
+
+
+@contextlib.contextmanager
+def running(seed: int = 0, host_modules=None):
+    """Within the block, Gluon launches run their Python on the CPU with the model (other launches as usual).
+
+    ``host_modules`` (default :mod:`.hopper_ws` and :mod:`.hopper_ws_bwd`): the modules whose host code builds
+    descriptors and layouts; their ``TensorDescriptor`` and ``gl`` are the model's within the block. ``seed``
+    orders the copies' landings (the threads' own interleaving varies from run to run as well)."""
+    from triton.runtime.jit import JITFunction
+
+    if host_modules is None:
+        from . import hopper_ws, hopper_ws_bwd
+
+        host_modules = (hopper_ws, hopper_ws_bwd)
+    original = JITFunction.run
+    saved = [(m, m.TensorDescriptor, m.gl) for m in host_modules]
+    host_gl = types.SimpleNamespace(**vars(_names()["gl"]))
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if not _is_gluon(self):
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        run_kernel(self, grid(kwargs) if callable(grid) else grid, args, seed=seed)
+        return None
+
+    JITFunction.run = run
+    for m, _, _ in saved:
+        m.TensorDescriptor = _Descriptor
+        m.gl = host_gl  # the host code's layouts and dtypes (the kernels' own names are bound in _convert)
+    _ACTIVE.append(seed)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+        JITFunction.run = original
+        for m, descriptor, gl in saved:
+            m.TensorDescriptor, m.gl = descriptor, gl

@@ -1,0 +1,145 @@
+"""course_utils.kernels.gluon_cpu: the Gluon kernels' own Python run on the CPU with a model of Hopper's barriers,
+TMA copies and products, against float64 references, in CI.
+
+The GPU tests (tests/test_hopper_ws*.py) run the compiled kernels on a Hopper GPU; these run every loop, the FP8
+entry and the backward's two kernels where no GPU is, and show that the model catches what it is for: a wait on
+the wrong phase (a deadlock), a copy its barrier was not told of, a slot released too early, a forgotten scale.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import module_from_source
+from course_utils import references
+from course_utils.kernels import fp8, gluon_cpu, hopper_ws, hopper_ws_bwd
+
+
+def _rel(got, want) -> float:
+    want = torch.as_tensor(want).double()
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def _forward(module, causal, d, loop="serial", fma=False, buffers=2, n=384, seed=0):
+    g = torch.Generator().manual_seed(n + d)
+    q, k, v = (torch.randn(1, h, n, d, generator=g).bfloat16() for h in (4, 2, 2))
+    with gluon_cpu.running(seed=seed, host_modules=(module, )):
+        o, lse = module._launch(q, k, v, causal, 1 / math.sqrt(d), buffers, loop, fma)
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=causal)
+    return o, lse, ro, rl
+
+
+@pytest.mark.parametrize("causal,d,loop,fma,buffers", [
+    (True, 128, "serial", False, 2), (False, 128, "serial", True, 3), (True, 64, "pipelined", False, 2),
+    (True, 128, "pingpong", False, 2), (False, 64, "pingpong", True, 3), (True, 128, "overlap", False, 2),
+    (False, 128, "overlap", True, 2), (True, 64, "overlap", True, 3)])
+def test_every_forward_loop_computes_attention(causal, d, loop, fma, buffers):
+    o, lse, ro, rl = _forward(hopper_ws, causal, d, loop, fma, buffers)
+    assert o.dtype == torch.bfloat16 and _rel(o, ro) < 1e-2, _rel(o, ro)  # P in bf16: about 2e-3
+    assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("causal,d,loop,buffers,block_size", [
+    (True, 128, "serial", 2, 128), (False, 64, "overlap", 4, 256), (True, 128, "pingpong", 3, 128),
+    (True, 64, "overlap", 2, 128)])
+def test_the_fp8_entry_computes_attention_on_e4m3_tiles(causal, d, loop, buffers, block_size):
+    g = torch.Generator().manual_seed(d + buffers)
+    q, k, v = (torch.randn(1, h, 512, d, generator=g) for h in (4, 2, 2))
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t, block_size) for t in (q, k, v))
+    vt8 = v8.transpose(2, 3).contiguous()
+    hopper_ws._validate_fp8_inputs(q8, k8, vt8, qs, ks, vs, block_size)  # attention_fp8's checks but the device's
+    with gluon_cpu.running(seed=buffers):
+        o, lse = hopper_ws._launch(q8, k8, vt8, causal, 1 / math.sqrt(d), buffers, loop, True, (qs, ks, vs),
+                                   block_size)
+    deq = [fp8.dequantize_fp8(x, s, block_size).double().numpy() for x, s in ((q8, qs), (k8, ks), (v8, vs))]
+    ro, rl = references.attention_lse(*deq, causal=causal)
+    # P in e4m3 costs about 2e-2 (the course's FP8 kernel's own error; check_fp8_forward allows 0.12)
+    assert o.dtype == torch.bfloat16 and _rel(o, ro) < 0.035, _rel(o, ro)
+    assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
+def _backward(module, causal, d, block_m, buffers, dq_block_n, n=384, seed=0):
+    g = torch.Generator().manual_seed(n + d + block_m)
+    q, do = (torch.randn(1, 4, n, d, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, 2, n, d, generator=g).bfloat16() for _ in range(2))
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=causal)
+    o, lse = torch.from_numpy(ro).bfloat16(), torch.from_numpy(rl).float()
+    delta = (o.float() * do.float()).sum(-1)  # lesson 07's preprocess
+    with gluon_cpu.running(seed=seed, host_modules=(module, )):
+        dk, dv = module._launch_dkdv(q, k, v, do, lse, delta, causal, 1 / math.sqrt(d), buffers, block_m)
+        dq = module._launch_dq(q, k, v, do, lse, delta, causal, 1 / math.sqrt(d), buffers, dq_block_n)
+    want = references.attention_backward(*(t.double().numpy() for t in (q, k, v, do)), causal=causal)
+    return (dq, dk, dv), want
+
+
+@pytest.mark.parametrize("causal,d,block_m,buffers,dq_block_n", [
+    (True, 128, 64, 2, 64), (False, 128, 32, 3, 128), (True, 64, 32, 2, 128), (False, 64, 64, 3, 64)])
+def test_the_backwards_kernels_compute_the_gradients(causal, d, block_m, buffers, dq_block_n):
+    grads, want = _backward(hopper_ws_bwd, causal, d, block_m, buffers, dq_block_n)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2, (name, _rel(got, ref))
+
+
+# -- what the model catches: planted mistakes in copies of the kernels' source ------------------------------------
+def _planted(tmp_path, module, old, new, name):
+    src = open(module.__file__).read()
+    assert src.count(old) >= 1, old
+    return module_from_source(tmp_path / f"{name}.py", src.replace(old, new), name=f"course_utils.kernels.{name}")
+
+
+def test_a_loader_that_waits_for_the_phase_itself_deadlocks(tmp_path):
+    """A fresh barrier counts as completed for the phase *before* 0: waiting with the slot's own phase (not
+    ``phase ^ 1``) blocks the loader before its first copy, and the consumers wait for that copy."""
+    planted = _planted(tmp_path, hopper_ws, "mbarrier.wait(empty_bars.index(idx), phase ^ 1)",
+                       "mbarrier.wait(empty_bars.index(idx), phase)", "planted_ws_phase")
+    with pytest.raises(gluon_cpu.Deadlock, match="every partition waits"):
+        _forward(planted, True, 64)
+
+
+def test_a_copy_its_barrier_was_not_told_of_is_refused(tmp_path):
+    planted = _planted(tmp_path, hopper_ws, "        mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)\n",
+                       "", "planted_ws_expect")
+    with pytest.raises(RuntimeError, match="more bytes than its barrier expected"):
+        _forward(planted, False, 64)
+
+
+def test_an_overlapped_loop_that_releases_the_wrong_slot_deadlocks(tmp_path):
+    """``loop="overlap"`` holds two slots at a time (tile j's K, tile j - 1's V): releasing slot j instead of
+    j - 1 leaves slot 0 taken for ever, and the loader waits for it."""
+    planted = _planted(tmp_path, hopper_ws, "    mbarrier.arrive(empty_bars.index(prev), count=1)\n    return p,",
+                       "    mbarrier.arrive(empty_bars.index(j % NB), count=1)\n    return p,", "planted_ws_release")
+    with pytest.raises(gluon_cpu.Deadlock):
+        _forward(planted, False, 64, loop="overlap", n=512)
+
+
+def test_an_fp8_epilogue_without_the_last_v_scale_is_wrong(tmp_path):
+    planted = _planted(tmp_path, hopper_ws, "acc = acc * gl.convert_layout(v_prev / l_i,",
+                       "acc = acc * gl.convert_layout(1.0 / l_i,", "planted_ws_vscale")
+    q, k, v = (torch.randn(1, h, 256, 64) * 3 for h in (2, 1, 1))
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+    with gluon_cpu.running(host_modules=(planted, )):
+        o, _ = planted._launch(q8, k8, v8.transpose(2, 3).contiguous(), False, 0.125, 2, "serial", True,
+                               (qs, ks, vs), 128)
+    deq = [fp8.dequantize_fp8(x, s).double().numpy() for x, s in ((q8, qs), (k8, ks), (v8, vs))]
+    assert _rel(o, references.attention(*deq)) > 0.5
+
+
+def test_a_dk_without_the_softmax_scale_is_wrong(tmp_path):
+    planted = _planted(tmp_path, hopper_ws_bwd, "(dk * sm_scale).to(", "dk.to(", "planted_bwd_scale")
+    (dq, dk, dv), (rdq, rdk, rdv) = _backward(planted, True, 64, 64, 2, 64, n=256)
+    assert _rel(dq, rdq) < 1e-2 and _rel(dv, rdv) < 1e-2 and _rel(dk, rdk) > 1.0
+
+
+def test_the_public_entries_take_cpu_tensors_inside_the_model_only():
+    q, k, v = (torch.randn(1, h, 256, 64).bfloat16() for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="Hopper GPU"):
+        hopper_ws.attention(q, k, v, causal=True)
+    with gluon_cpu.running():
+        assert gluon_cpu.active()
+        o, _ = hopper_ws.attention(q, k, v, causal=True)
+        (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t.float()) for t in (q, k, v))
+        o8, _ = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, causal=True)
+    assert not gluon_cpu.active()
+    want = references.attention(*(t.double().numpy() for t in (q, k, v)), causal=True)
+    assert _rel(o, want) < 1e-2 and _rel(o8, want) < 0.05
