@@ -36,11 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CHECKS = [(1, 4, 2, 256, True), (2, 8, 2, 1024, False), (1, 32, 8, 2048, True)]  # B, H, H_kv, N, causal
 SPEED = [(1, 32, 8, 16384, True), (1, 32, 8, 16384, False), (4, 32, 8, 4096, True)]
-VARIANTS = [dict(num_buffers=2, loop="serial", fma=False), dict(num_buffers=2, loop="overlap", fma=False),
+VARIANTS = [dict(num_buffers=2, loop="serial", fma=False), dict(num_buffers=2, loop="overlap_pingpong", fma=True),
+            dict(num_buffers=2, loop="overlap", fma=False), dict(num_buffers=2, loop="overlap_pingpong", fma=False),
             dict(num_buffers=2, loop="overlap", fma=True), dict(num_buffers=2, loop="pingpong", fma=False),
             dict(num_buffers=2, loop="pingpong", fma=True), dict(num_buffers=2, loop="serial", fma=True),
             dict(num_buffers=2, loop="pipelined", fma=False),  # the most promising first: a run may be cut short
-            dict(kind="fp8", num_buffers=2, loop="serial"), dict(kind="fp8", num_buffers=2, loop="overlap"),
+            dict(kind="fp8", num_buffers=2, loop="serial"), dict(kind="fp8", num_buffers=2, loop="overlap_pingpong"),
+            dict(kind="fp8", num_buffers=2, loop="overlap"),
             dict(kind="fp8", num_buffers=3, loop="serial"), dict(kind="fp8", num_buffers=2, loop="pingpong"),
             dict(kind="bwd", num_buffers=2, block_m=64, dq_kernel="gluon", dq_block_n=64),
             dict(kind="bwd", num_buffers=2, block_m=64, dq_kernel="lesson07", dq_block_n=64),  # dK/dV's share alone

@@ -33,7 +33,8 @@ def _forward(module, causal, d, loop="serial", fma=False, buffers=2, n=384, seed
 @pytest.mark.parametrize("causal,d,loop,fma,buffers", [
     (True, 128, "serial", False, 2), (False, 128, "serial", True, 3), (True, 64, "pipelined", False, 2),
     (True, 128, "pingpong", False, 2), (False, 64, "pingpong", True, 3), (True, 128, "overlap", False, 2),
-    (False, 128, "overlap", True, 2), (True, 64, "overlap", True, 3)])
+    (False, 128, "overlap", True, 2), (True, 64, "overlap", True, 3), (True, 128, "overlap_pingpong", False, 2),
+    (False, 64, "overlap_pingpong", True, 3)])
 def test_every_forward_loop_computes_attention(causal, d, loop, fma, buffers):
     o, lse, ro, rl = _forward(hopper_ws, causal, d, loop, fma, buffers)
     assert o.dtype == torch.bfloat16 and _rel(o, ro) < 1e-2, _rel(o, ro)  # P in bf16: about 2e-3
@@ -42,7 +43,7 @@ def test_every_forward_loop_computes_attention(causal, d, loop, fma, buffers):
 
 @pytest.mark.parametrize("causal,d,loop,buffers,block_size", [
     (True, 128, "serial", 2, 128), (False, 64, "overlap", 4, 256), (True, 128, "pingpong", 3, 128),
-    (True, 64, "overlap", 2, 128)])
+    (True, 64, "overlap", 2, 128), (True, 128, "overlap_pingpong", 2, 128)])
 def test_the_fp8_entry_computes_attention_on_e4m3_tiles(causal, d, loop, buffers, block_size):
     g = torch.Generator().manual_seed(d + buffers)
     q, k, v = (torch.randn(1, h, 512, d, generator=g) for h in (4, 2, 2))

@@ -22,9 +22,10 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 CASES = [(True, 128, "serial", False, 2), (False, 128, "serial", False, 2), (True, 64, "serial", False, 2),
          (True, 128, "pipelined", False, 2), (True, 128, "serial", False, 3), (True, 128, "pingpong", False, 2),
          (False, 128, "serial", True, 2), (True, 128, "pingpong", True, 2), (True, 128, "overlap", False, 2),
-         (False, 64, "overlap", True, 3)]  # causal, D, loop, fma, buffers
+         (False, 64, "overlap", True, 3), (True, 128, "overlap_pingpong", True, 2)]  # causal, D, loop, fma, buffers
 # the FP8 entry (attention_fp8: e4m3 tiles, V transposed, the scales): causal, D, loop, buffers
-FP8_CASES = [(True, 128, "serial", 2), (False, 128, "pingpong", 3), (True, 128, "overlap", 4), (False, 64, "serial", 2)]
+FP8_CASES = [(True, 128, "serial", 2), (False, 128, "pingpong", 3), (True, 128, "overlap", 4), (False, 64, "serial", 2),
+             (True, 128, "overlap_pingpong", 2)]
 
 SCRIPT = r"""
 import json, sys, torch
@@ -188,6 +189,8 @@ def _reference(q, k, v, causal):
     (1, 8, 2, 1024, 64, True, torch.float16, "serial", True, 2),
     (1, 8, 2, 1152, 128, True, torch.bfloat16, "overlap", False, 2),  # tiles 1 to 9: the prologue alone at 1
     (2, 8, 2, 640, 64, False, torch.bfloat16, "overlap", True, 3),
+    (1, 8, 2, 1152, 128, True, torch.bfloat16, "overlap_pingpong", True, 2),
+    (2, 8, 2, 1024, 128, False, torch.float16, "overlap_pingpong", False, 3),
 ])
 def test_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal, dtype, loop, fma, buffers):
     g = torch.Generator(device="cuda").manual_seed(n + d)
@@ -208,6 +211,7 @@ def test_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal,
     (1, 8, 2, 1152, 128, True, "overlap", 4, 128),  # tiles 1 to 9: the prologue alone at 1
     (1, 4, 4, 640, 64, False, "overlap", 2, 128),  # MHA, D = 64
     (1, 4, 1, 384, 64, True, "serial", 3, 128),  # MQA
+    (1, 8, 2, 1152, 128, True, "overlap_pingpong", 2, 128),
 ])
 def test_the_fp8_entry_matches_the_courses_fp8_kernel_on_a_hopper_gpu(b, hq, hkv, n, d, causal, loop, buffers,
                                                                       block_size):

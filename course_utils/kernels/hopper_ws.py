@@ -20,8 +20,10 @@ One program computes 128 query rows of one head, in three partitions (``gl.warp_
 tile ``j``'s softmax. Measured on the H200 it was slower (each iteration waits for both products).
 ``loop="overlap"`` is FA3's form of it: tile ``j``'s ``Q Kᵀ`` and tile ``j - 1``'s ``P V`` issued together, the
 softmax run while ``P V`` is still on the tensor cores. ``loop="pingpong"`` orders the two consumers as FA3 does
-(each issues its ``Q Kᵀ`` on its turn, two mbarriers passing the turn), and ``fma=True`` folds the softmax's
-scale into one fused multiply-add: these three compiled here, not yet run on a GPU.
+(each issues its ``Q Kᵀ`` on its turn, two mbarriers passing the turn); ``loop="overlap_pingpong"`` is FA3's
+whole schedule, both (each step's two products issued on the consumer's turn); ``fma=True`` folds the softmax's
+scale into one fused multiply-add. These four compiled here and run on the CPU by :mod:`.gluon_cpu`, not yet
+on a GPU.
 
 :func:`attention_fp8` runs the same partitions on e4m3 tiles (FA3's FP8 forward; FP8 ``wgmma`` at twice bf16's
 rate, the tiles half the shared memory): V handed over transposed (FP8 ``wgmma`` reads B K-major), the scales of
@@ -210,22 +212,28 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i,
 
 
 @gluon.jit
-def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, p_prev, m_i, l_i, acc, v_prev, qk_scale, ks_ptr,
-                  vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr, MASK: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, FMA: gl.constexpr):
+def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, p_prev, m_i, l_i, acc, v_prev,
+                  qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+                  MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr,
+                  PINGPONG: gl.constexpr, FMA: gl.constexpr):
     """Tile ``j``'s ``Q Kᵀ`` and tile ``j - 1``'s ``P V`` issued together; tile ``j``'s softmax runs while
     ``P V`` is still on the tensor cores (``warpgroup_mma_wait(1)`` waits for the older product only).
-    ``v_prev`` is tile ``j - 1``'s V scale (FP8)."""
+    ``v_prev`` is tile ``j - 1``'s V scale (FP8). ``PINGPONG`` (FA3's whole schedule): the two products are
+    issued on this consumer's turn, which then passes to the other (turn ``j - 1`` of each, as in :func:`_tile`)."""
     NB: gl.constexpr = k_smem.type.shape[0]
     M: gl.constexpr = q.type.shape[0]
     FP8: gl.constexpr = v_smem.dtype.is_fp8()
     prev = (j - 1) % NB
     tile_scale, v_scale = _tile_scales(j, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N, SCALE_BLOCK, FP8)
     mbarrier.wait(k_bars.index(j % NB), (j // NB) & 1)
+    mbarrier.wait(v_bars.index(prev), ((j - 1) // NB) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn_bars.index(ME), ((j - 1) & 1) ^ (1 - ME))
     s = warpgroup_mma(q, k_smem.index(j % NB).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
-    mbarrier.wait(v_bars.index(prev), ((j - 1) // NB) & 1)
     acc = warpgroup_mma(p_prev, _v_operand(v_smem, prev), acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index(1 - ME), count=1)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # Q Kᵀ done; P V may still run
     m_i, l_i, alpha, p = _softmax_core(s, j, m_i, l_i, tile_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
                                        v_smem.dtype, FMA)
@@ -235,11 +243,13 @@ def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, p_prev, m_i,
 
 
 @gluon.jit
-def _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc, v_prev, qk_scale,
-                     ks_ptr, vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
-                     CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, FMA: gl.constexpr):
+def _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n_tiles, m_i, l_i, acc, v_prev,
+                     qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+                     CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr,
+                     PINGPONG: gl.constexpr, FMA: gl.constexpr):
     """FA3's overlap inside a warpgroup: each tile's softmax under the previous tile's ``P V``. The causal mask
-    on the first tile (a no-op unless it is also the last) and on the last."""
+    on the first tile (a no-op unless it is also the last) and on the last. ``PINGPONG``: each step's products
+    on the consumer's turn (the prologue's and the epilogue's take none: both consumers skip the same ones)."""
     NB: gl.constexpr = k_smem.type.shape[0]
     M: gl.constexpr = q.type.shape[0]
     tile_scale, v_scale = _tile_scales(0, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N, SCALE_BLOCK,
@@ -252,13 +262,14 @@ def _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i
                                      s_layout, o_layout, v_smem.dtype, FMA)
     v_prev = v_scale
     for j in range(1, n_tiles - 1):
-        p, m_i, l_i, acc, v_prev = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, j, p, m_i, l_i, acc,
-                                                 v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N,
-                                                 SCALE_BLOCK, False, s_layout, o_layout, FMA)
-    if n_tiles > 1:
-        p, m_i, l_i, acc, v_prev = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles - 1, p, m_i,
+        p, m_i, l_i, acc, v_prev = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, p, m_i,
                                                  l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
-                                                 BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout, FMA)
+                                                 BLOCK_N, SCALE_BLOCK, False, s_layout, o_layout, ME, PINGPONG, FMA)
+    if n_tiles > 1:
+        p, m_i, l_i, acc, v_prev = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars,
+                                                 n_tiles - 1, p, m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr,
+                                                 scale_base, rows, BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout,
+                                                 ME, PINGPONG, FMA)
     last = (n_tiles - 1) % NB
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // NB) & 1)
     acc = warpgroup_mma(p, _v_operand(v_smem, last), acc, is_async=True)
@@ -337,10 +348,11 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     if LOOP == "pipelined":
         m_i, l_i, acc = _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i, acc,
                                         qk_scale, rows, BLOCK_N, CAUSAL, s_layout, o_layout, FMA)
-    elif LOOP == "overlap":
-        m_i, l_i, acc, v_prev = _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i, l_i,
-                                                 acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N,
-                                                 SCALE_BLOCK, CAUSAL, s_layout, o_layout, FMA)
+    elif LOOP == "overlap" or LOOP == "overlap_pingpong":
+        m_i, l_i, acc, v_prev = _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n_tiles,
+                                                 m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                                 BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout, HALF_IDX,
+                                                 LOOP == "overlap_pingpong", FMA)
     else:
         n_full = n_tiles
         if CAUSAL:
@@ -385,7 +397,7 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, 
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # LOOP == "pingpong"
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # the ping-pong loops
     for i in gl.static_range(2):
         mbarrier.init(q_bars.index(i), count=1)
         mbarrier.init(turn_bars.index(i), count=1)
@@ -508,7 +520,7 @@ def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, sc
     return o, lse
 
 
-LOOPS = ("serial", "pipelined", "pingpong", "overlap")
+LOOPS = ("serial", "pipelined", "pingpong", "overlap", "overlap_pingpong")
 
 
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, num_buffers: int = 2,
@@ -518,9 +530,10 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, n
     bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA; ``lse`` float32 ``[B, H, N]`` (natural log).
     ``num_buffers``: K/V tiles in flight (2 or 3 at D = 128: 160 or 224 KiB of shared memory). ``loop``: how
     each consumer runs its tiles, ``"serial"`` (measured fastest), ``"pipelined"`` (the next tile's ``Q Kᵀ``
-    before this one's softmax; measured slower), ``"pingpong"`` (the consumers take turns at ``Q Kᵀ``) or
-    ``"overlap"`` (each softmax under the previous tile's ``P V``, FA3's form); the last two not yet run on a
-    GPU. ``fma``: the softmax's scale in one fused multiply-add (not yet run on a GPU).
+    before this one's softmax; measured slower), ``"pingpong"`` (the consumers take turns at ``Q Kᵀ``),
+    ``"overlap"`` (each softmax under the previous tile's ``P V``, FA3's form) or ``"overlap_pingpong"`` (both,
+    FA3's schedule); the last three not yet run on a GPU. ``fma``: the softmax's scale in one fused multiply-add
+    (not yet run on a GPU).
     """
     _validate_inputs(q, k, v)
     _validate_options(num_buffers, loop, False)
@@ -539,7 +552,7 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     ``kernels.quantize_fp8`` makes them; ``block_size`` a power of two of at least 128. The arithmetic is
     ``fp8.launch_fp8_hopper``'s: the scales folded into one FMA per score, P quantised as ``256 p``
     (``fp8.P_SCALE``), the accumulator carried in units of the tile's ``v_scale``. ``num_buffers`` 2-4 (an FP8
-    tile is half a bf16 one); ``loop`` ``"serial"``, ``"pingpong"`` or ``"overlap"``. Not yet run on a GPU.
+    tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``. Not yet run on a GPU.
     """
     _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
     _validate_options(num_buffers, loop, True)
