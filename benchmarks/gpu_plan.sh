@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluon8 gluonbwd speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluon8 gluonbwd gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -23,6 +23,8 @@
 #           attention on the dequantised inputs, timed beside cuDNN's bf16 and the course's Triton FP8 kernel
 #   gluonbwd hopper_ws_probe.py --kind bwd: the Gluon dK/dV kernel (hopper_ws_bwd) with lesson 07's dQ, gradients
 #           against float32 autograd, the backward beside lesson 07's pair and cuDNN's
+#   gluonwin hopper_ws_probe.py --kind window: the Gluon forward with lesson 08's window and sinks beside the
+#           course's window forward and FlexAttention (180 s a case: Flex compiles in each process)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
@@ -88,6 +90,9 @@ for step in "$@"; do
       run gluon8_probe "$PY" benchmarks/hopper_ws_probe.py --kind fp8 --out "$OUT/hopper_ws_fp8_probe.json" ;;
     gluonbwd)
       run gluonbwd_probe "$PY" benchmarks/hopper_ws_probe.py --kind bwd --out "$OUT/hopper_ws_bwd_probe.json" ;;
+    gluonwin)
+      run gluonwin_probe "$PY" benchmarks/hopper_ws_probe.py --kind window --limit 180 \
+        --out "$OUT/hopper_ws_window_probe.json" ;;
     tests0)
       run tests0 "${PYTEST[@]}" -n 8 --timeout 120 tests/test_gpu_fast.py tests/test_gpu_fast_window.py \
         tests/test_gpu_fast_backward.py tests/test_gpu_fast_decode.py tests/test_kernels_fp8.py \

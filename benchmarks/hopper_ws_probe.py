@@ -1,7 +1,7 @@
 """Lesson 11's hand-specialised Gluon kernels (course_utils.kernels.hopper_ws, hopper_ws_bwd) on a Hopper GPU:
 do they run, are they right, how fast are they beside cuDNN and the course's own kernels, in one run.
 
-    python benchmarks/hopper_ws_probe.py [--kind fwd|fp8|bwd] [--out FILE] [--limit 60]
+    python benchmarks/hopper_ws_probe.py [--kind fwd|fp8|bwd|window] [--out FILE] [--limit 60]
 
 Each case runs in its own process under a wall-clock limit, as ``ws_smoke.py`` does: Triton's automatic
 warp specialisation deadlocked on the H200, and a kernel that deadlocks cannot be interrupted from Python.
@@ -16,6 +16,9 @@ process. By ``--kind`` (each written to its own file in results/):
   attention over the dequantised inputs (``rel_rms``, as ``bench fp8`` checks) and ``lse`` against the same;
   timed beside cuDNN's bf16 and the course's Triton FP8 kernel (``fp8.launch_fp8_hopper``) on the same e4m3
   inputs (``course`` in those rows).
+* ``window`` (``hopper_ws_window_probe.json``): ``hopper_ws.attention`` with lesson 08's window and sinks
+  (bench window's inputs, float32 reference rows and tolerance), TFLOP/s of the visible pairs beside the
+  course's window forward (``kernels.flash_attention_with_lse``) and FlexAttention, ``over_flex`` the ratio.
 * ``bwd`` (``hopper_ws_bwd_probe.json``): ``hopper_ws_bwd.attention_backward`` (its dQ in Gluon or lesson
   07's); the relative error of dq, dk,
   dv against float32 autograd through SDPA's math; the backward's time beside lesson 07's pair
@@ -48,7 +51,19 @@ VARIANTS = [dict(num_buffers=2, loop="serial", fma=False), dict(num_buffers=2, l
             dict(kind="bwd", num_buffers=2, block_m=64, dq_kernel="lesson07", dq_block_n=64),  # dK/dV's share alone
             dict(kind="bwd", num_buffers=2, block_m=32, dq_kernel="gluon", dq_block_n=128),
             dict(kind="bwd", num_buffers=3, block_m=32, dq_kernel="gluon", dq_block_n=64)]
-OUT = {"fwd": "hopper_ws_probe.json", "fp8": "hopper_ws_fp8_probe.json", "bwd": "hopper_ws_bwd_probe.json"}
+VARIANTS += [dict(kind="window", num_buffers=2, loop="serial"), dict(kind="window", num_buffers=2, loop="pingpong")]
+OUT = {"fwd": "hopper_ws_probe.json", "fp8": "hopper_ws_fp8_probe.json", "bwd": "hopper_ws_bwd_probe.json",
+       "window": "hopper_ws_window_probe.json"}
+# lesson 08's window (bench window's shapes: B = 1, GQA 32/8, D = 128): window_size, sink_size, N
+WINDOW_CHECKS = [(256, 0, 2048), (200, 4, 2048), (1024, 4, 4096)]
+WINDOW_SPEED = [(1024, 0, 16384), (1024, 4, 16384), (256, 0, 16384), (4096, 4, 16384), (1024, 4, 65536)]
+
+
+def case_fields(kind: str, case) -> dict:
+    """A row's description of its case."""
+    if kind == "window":
+        return dict(window_size=case[0], sink_size=case[1], n=case[2])
+    return dict(b=case[0], h=case[1], h_kv=case[2], n=case[3], causal=case[4])
 FP8_REL_RMS = 0.05  # bench fp8's tolerance for the course's FP8 kernel (FP8_TOLERANCE)
 
 
@@ -173,10 +188,40 @@ def _backward_case(mode, b, h, h_kv, n, causal, variant) -> dict:
     return out
 
 
-def run_case(mode: str, b: int, h: int, h_kv: int, n: int, causal: bool, variant: dict) -> dict:
-    """One case in this process: the errors, and for ``speed`` the TFLOP/s beside cuDNN and the course."""
-    case = _backward_case if variant.get("kind") == "bwd" else _forward_case
-    return case(mode, b, h, h_kv, n, causal, variant)
+def _window_case(mode, window_size, sink_size, n, variant) -> dict:
+    """Lesson 08's window: ``hopper_ws.attention(..., window_size, sink_size)`` against bench window's float32
+    reference rows; TFLOP/s of the visible pairs beside the course's window forward and FlexAttention."""
+    import torch
+
+    from course_utils.bench import window
+    from course_utils.kernels import hopper_ws
+
+    q, k, v = window.make_inputs(n)
+    case = window.WindowCase(window_size, sink_size, n)
+    run = lambda: hopper_ws.attention(q, k, v, True, window_size=window_size, sink_size=sink_size,  # noqa: E731
+                                      num_buffers=variant["num_buffers"], loop=variant["loop"])
+    got = run()
+    torch.cuda.synchronize()
+    err, lse_err = window.forward_error(got, window.reference_forward(q, k, v, window_size, sink_size))
+    out = dict(err=err, lse_err=lse_err)
+    if mode == "speed":
+        tflops = _timer(window.window_flops(n, window_size, sink_size))
+        out["hopper_ws"] = tflops(run)
+        out["course"] = tflops(window.make_forward("course", q, k, v, case))
+        out["flex"] = tflops(window.make_forward("flex", q, k, v, case))
+        out["hopper_ws"] = max(out["hopper_ws"], tflops(run))
+        out["over_flex"] = out["hopper_ws"] / out["flex"]
+    return out
+
+
+def run_case(mode: str, *args) -> dict:
+    """One case in this process (``args``: the case's fields, then the variant): the errors, and for ``speed``
+    the speed beside the alternatives."""
+    *case, variant = args
+    kind = variant.get("kind", "fwd")
+    if kind == "window":
+        return _window_case(mode, *case, variant)
+    return (_backward_case if kind == "bwd" else _forward_case)(mode, *case, variant)
 
 
 def passed(row: dict) -> bool:
@@ -188,6 +233,8 @@ def passed(row: dict) -> bool:
         return row["rel_rms"] < FP8_REL_RMS and row["lse_err"] < 2e-2
     if row.get("kind") == "bwd":
         return all(row[f"{g}_rel"] < 2e-2 for g in ("dq", "dk", "dv"))
+    if row.get("kind") == "window":  # bench window's tolerance
+        return row["err"] < 2e-2 and row["lse_err"] < 1e-2
     return row["err"] < 2e-2 and row["lse_err"] < 1e-2
 
 
@@ -213,7 +260,8 @@ def main(argv=None) -> int:
     rows = []
     for variant in (v for v in VARIANTS if v.get("kind", "fwd") == args.kind):
         ok = True
-        for mode, cases in (("check", CHECKS), ("speed", SPEED)):
+        checks, speed = (WINDOW_CHECKS, WINDOW_SPEED) if args.kind == "window" else (CHECKS, SPEED)
+        for mode, cases in (("check", checks), ("speed", speed)):
             for case in cases:
                 if mode == "speed" and not ok:
                     break
@@ -225,7 +273,7 @@ def main(argv=None) -> int:
                     row = json.loads(line[0][7:]) if line else {"error": (p.stderr or p.stdout)[-600:]}
                 except subprocess.TimeoutExpired:
                     row = {"error": f"hung: killed after {args.limit} s"}
-                row.update(mode=mode, b=case[0], h=case[1], h_kv=case[2], n=case[3], causal=case[4], **variant)
+                row.update(mode=mode, **case_fields(args.kind, case), **variant)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 # written after every case: a run stopped by its time budget keeps what it measured

@@ -60,6 +60,28 @@ def test_the_fp8_entry_computes_attention_on_e4m3_tiles(causal, d, loop, buffers
     assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("window,sinks,n,d,loop,fp8_tiles", [
+    (256, 0, 768, 64, "serial", False), (200, 4, 768, 128, "serial", False), (128, 130, 1024, 64, "pingpong", False),
+    (64, 1, 512, 64, "serial", False), (300, 4, 768, 64, "serial", True)])
+def test_the_window_visits_its_tiles_and_masks_their_edges(window, sinks, n, d, loop, fp8_tiles):
+    """Lesson 08's window: the sink tiles, then the window's; a row may see nothing of its first tile."""
+    g = torch.Generator().manual_seed(window + sinks)
+    q, k, v = (torch.randn(1, h, n, d, generator=g) for h in (4, 2, 2))
+    with gluon_cpu.running(seed=window):
+        if fp8_tiles:
+            (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+            o, lse = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, True,
+                                             window_size=window, sink_size=sinks)
+            q, k, v = (fp8.dequantize_fp8(x, s) for x, s in ((q8, qs), (k8, ks), (v8, vs)))
+        else:
+            q, k, v = (t.bfloat16() for t in (q, k, v))
+            o, lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, loop=loop)
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=True, window_size=window,
+                                      sink_size=sinks)
+    assert _rel(o, ro) < (0.035 if fp8_tiles else 1e-2), _rel(o, ro)
+    assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
 def _backward(module, causal, d, block_m, buffers, dq_block_n, n=384, seed=0):
     g = torch.Generator().manual_seed(n + d + block_m)
     q, do = (torch.randn(1, 4, n, d, generator=g).bfloat16() for _ in range(2))

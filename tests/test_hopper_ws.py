@@ -26,11 +26,14 @@ CASES = [(True, 128, "serial", False, 2), (False, 128, "serial", False, 2), (Tru
 # the FP8 entry (attention_fp8: e4m3 tiles, V transposed, the scales): causal, D, loop, buffers
 FP8_CASES = [(True, 128, "serial", 2), (False, 128, "pingpong", 3), (True, 128, "overlap", 4), (False, 64, "serial", 2),
              (True, 128, "overlap_pingpong", 2)]
+# lesson 08's window (causal): D, loop, window_size, sink_size, FP8
+WINDOW_CASES = [(128, "serial", 1024, 4, False), (128, "pingpong", 256, 0, False), (64, "serial", 4096, 4, False),
+                (128, "serial", 1024, 4, True)]
 
 SCRIPT = r"""
 import json, sys, torch
 from course_utils.kernels import hopper_ws, targets
-cases, fp8_cases = json.loads(sys.argv[1])
+cases, fp8_cases, window_cases = json.loads(sys.argv[1])
 launches_of = []
 for causal, d, loop, fma, buffers in cases:
     q = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16)
@@ -43,6 +46,13 @@ for causal, d, loop, buffers in fp8_cases:
     scales = (torch.ones(1, 32, 8), torch.ones(1, 8, 8), torch.ones(1, 8, 8))
     launches_of.append(((q8, k8, vt8, causal, 0.1, buffers, loop, True, scales, 128),
                         f"fp8 {causal} {d} {loop} {buffers}"))
+for d, loop, window, sinks, fp8 in window_cases:
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    q, k = torch.empty(1, 32, 1024, d, dtype=dtype), torch.empty(1, 8, 1024, d, dtype=dtype)
+    v = torch.empty(1, 8, d, 1024, dtype=dtype) if fp8 else k
+    scales = (torch.ones(1, 32, 8), torch.ones(1, 8, 8), torch.ones(1, 8, 8)) if fp8 else None
+    launches_of.append(((q, k, v, True, 0.1, 2, loop, fp8, scales, 128, window, sinks),
+                        f"window {d} {loop} {window} {sinks} {fp8}"))
 out = []
 for args, case in launches_of:
     with targets._captured_launches() as launches:
@@ -57,14 +67,14 @@ print(json.dumps(out))
 def compiled():
     # Triton's compiler (not the interpreter), no GPU in sight: the machine code for sm_90
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, FP8_CASES])], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, FP8_CASES, WINDOW_CASES])], capture_output=True, text=True, env=env,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_it_compiles_to_a_loader_and_two_consumers(compiled):
-    assert len(compiled) == len(CASES) + len(FP8_CASES)
+    assert len(compiled) == len(CASES) + len(FP8_CASES) + len(WINDOW_CASES)
     for r in compiled:
         assert r["num_warps"] == 12, r  # 4 + 4 + the loader's warp, in warpgroups
         names = [p[0] for p in r["partitions"]]
@@ -102,7 +112,7 @@ def test_the_fp8_entry_multiplies_e4m3_tiles_of_half_the_memory(compiled):
         # Q K^T (N = 128 keys) and P V (N = D), e4m3 x e4m3 into float32
         assert set(r["wgmma"]) == {"m64n128k32.f32.e4m3.e4m3", f"m64n{d}k32.f32.e4m3.e4m3"}, r["wgmma"]
     for r in compiled:
-        if not r["case"].startswith("fp8"):
+        if not r["case"].startswith("fp8") and not r["case"].endswith("True"):
             assert all(w.endswith(("bf16.bf16", "f16.f16")) for w in r["wgmma"]) and r["wgmma"], r
     bf16, fp8 = by_case["True 128 serial False 2"]["shared_bytes"], by_case["fp8 True 128 serial 2"]["shared_bytes"]
     assert 0 < 2 * fp8 - bf16 <= 512, (bf16, fp8)  # the tiles halve; only the barriers' bytes stay
@@ -131,7 +141,13 @@ def test_without_a_hopper_gpu_it_says_why():
 
 
 @pytest.mark.parametrize("options,message", [(dict(loop="pingpongpong"), "loop must be one of"),
-                                             (dict(num_buffers=4), "num_buffers must be 2 or 3")])
+                                             (dict(num_buffers=4), "num_buffers must be 2 or 3"),
+                                             (dict(window_size=256), "needs causal=True"),
+                                             (dict(causal=True, window_size=0), "positive integer"),
+                                             (dict(causal=True, window_size=256, sink_size=-1), "non-negative"),
+                                             (dict(causal=True, sink_size=4), "needs a window_size"),
+                                             (dict(causal=True, window_size=256, loop="overlap"),
+                                              "a window runs with loop in")])
 def test_unknown_options_are_refused_on_every_machine(options, message):
     q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
@@ -230,3 +246,23 @@ def test_the_fp8_entry_matches_the_courses_fp8_kernel_on_a_hopper_gpu(b, hq, hkv
     torch.testing.assert_close(o.float(), lesson.float(), atol=3e-2, rtol=3e-2)
     assert rel_rms(o, ro) < 0.05, rel_rms(o, ro)
     assert (lse - rl).abs().max().item() < 2e-2
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
+                                       "tests above stand in on a CPU")
+@pytest.mark.parametrize("b,hq,hkv,n,d,window,sinks,loop", [
+    (1, 8, 2, 1024, 128, 256, 0, "serial"),
+    (1, 8, 2, 1152, 128, 200, 4, "serial"),  # a window that is no multiple of the tile
+    (2, 4, 4, 768, 64, 128, 130, "pingpong"),  # two sink tiles
+    (1, 8, 2, 512, 128, 1000, 0, "serial"),  # wider than most rows' past
+])
+def test_the_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, window, sinks, loop):
+    g = torch.Generator(device="cuda").manual_seed(n + window)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+    o, lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, loop=loop)
+    ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True,
+                                      window_size=window, sink_size=sinks)
+    ro, rl = torch.from_numpy(ro).float().cuda(), torch.from_numpy(rl).float().cuda()
+    rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
+    assert rel < 1e-2, f"relative error of o: {rel:.2e}"
+    assert (lse - rl).abs().max().item() < 1e-2

@@ -147,7 +147,10 @@ class _Tensor:
     def __lt__(self, o): return self._binary(o, lambda a, b: a < b)  # noqa: E704
     def __and__(self, o): return self._binary(o, lambda a, b: a & b)  # noqa: E704
     def __or__(self, o): return self._binary(o, lambda a, b: a | b)  # noqa: E704
+    def __eq__(self, o): return self._binary(o, lambda a, b: a == b)  # noqa: E704
+    def __ne__(self, o): return self._binary(o, lambda a, b: a != b)  # noqa: E704
     def __neg__(self): return _Tensor(-self.data)  # noqa: E704
+    __hash__ = None
 
 
 class _Pointer:

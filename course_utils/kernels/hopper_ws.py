@@ -25,6 +25,11 @@ whole schedule, both (each step's two products issued on the consumer's turn); `
 scale into one fused multiply-add. These four compiled here and run on the CPU by :mod:`.gluon_cpu`, not yet
 on a GPU.
 
+With ``window_size`` (and ``sink_size``), lesson 08's window: each program's loader and consumers walk the same
+list of key tiles (:func:`_window_plan`: the sink tiles, then the window's up to the diagonal), and only the
+tiles that cross the window's edge, the diagonal or the sinks are masked (the serial and ping-pong loops; run
+on the CPU by :mod:`.gluon_cpu`, not yet on a GPU).
+
 :func:`attention_fp8` runs the same partitions on e4m3 tiles (FA3's FP8 forward; FP8 ``wgmma`` at twice bf16's
 rate, the tiles half the shared memory): V handed over transposed (FP8 ``wgmma`` reads B K-major), the scales of
 ``kernels.quantize_fp8`` folded as in ``fp8.launch_fp8_hopper`` (one FMA per score, P as ``256 p`` in e4m3, the
@@ -71,14 +76,41 @@ def _coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUS
 
 
 @gluon.jit
+def _window_plan(start_m, window_size, sink_size, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Under lesson 08's window (causal; ``BLOCK_M == BLOCK_N``), query block ``start_m``'s key tiles: ``ns`` sink
+    tiles (0, 1, ...), then the window's from ``lo`` to the diagonal; ``(lo, ns, n_tiles)``."""
+    first = start_m * BLOCK_M - window_size + 1  # the oldest key the block's first row sees
+    if first < 0:
+        first = 0
+    lo = first // BLOCK_N
+    ns = (sink_size + BLOCK_N - 1) // BLOCK_N
+    if ns > lo:
+        ns = lo  # sink tiles the window reaches are the window's
+    return lo, ns, ns + start_m - lo + 1
+
+
+@gluon.jit
+def _kv_tile(j, lo, ns):
+    """Step ``j``'s key tile under a window: the sink tiles first, then the window's from ``lo``."""
+    kv_tile = j
+    if j >= ns:
+        kv_tile = j + lo - ns
+    return kv_tile
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
-                    H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr, V_T: gl.constexpr):
+                    window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr, WINDOW: gl.constexpr):
     """The producer: Q's two halves once, then K and V tile by tile into the ring's free slots.
 
     ``V_T`` (FP8): V comes transposed, ``[B * H_kv * D, N]``, and a tile is the ``[D, BLOCK_N]`` box at the
-    tile's keys."""
+    tile's keys. ``WINDOW``: the tiles of :func:`_window_plan`, in its order."""
     start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    lo = 0
+    ns = 0
+    if WINDOW:
+        lo, ns, n_tiles = _window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
     vt_row = kv_row // N * v_smem.type.shape[1]  # kv_head's first row of V^T (used with V_T only)
     HALF: gl.constexpr = BLOCK_M // 2
     NB: gl.constexpr = k_smem.type.shape[0]
@@ -88,14 +120,19 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ba
     for j in range(n_tiles):
         idx = j % NB
         phase = (j // NB) & 1
+        kv_tile = j
+        if WINDOW:
+            kv_tile = _kv_tile(j, lo, ns)
         mbarrier.wait(empty_bars.index(idx), phase ^ 1)  # a fresh barrier counts as released: the first pass waits not
         mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_bars.index(idx), k_smem.index(idx))
+        tma.async_copy_global_to_shared(k_desc, [kv_row + kv_tile * BLOCK_N, 0], k_bars.index(idx),
+                                        k_smem.index(idx))
         mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
         if V_T:
-            tma.async_copy_global_to_shared(v_desc, [vt_row, j * BLOCK_N], v_bars.index(idx), v_smem.index(idx))
+            tma.async_copy_global_to_shared(v_desc, [vt_row, kv_tile * BLOCK_N], v_bars.index(idx), v_smem.index(idx))
         else:
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_bars.index(idx), v_smem.index(idx))
+            tma.async_copy_global_to_shared(v_desc, [kv_row + kv_tile * BLOCK_N, 0], v_bars.index(idx),
+                                            v_smem.index(idx))
 
 
 @gluon.jit
@@ -135,31 +172,45 @@ def _v_operand(v_smem, idx):
 
 
 @gluon.jit
-def _softmax_core(s, j, m_i, l_i, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr,
-                  o_layout: gl.constexpr, P_DTYPE: gl.constexpr, FMA: gl.constexpr):
+def _softmax_core(s, kv_tile, m_i, l_i, qk_scale, rows, window_size, sink_size, BLOCK_N: gl.constexpr,
+                  MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr,
+                  FMA: gl.constexpr):
     """One tile's online softmax on the scores ``s``: the new max and sum, the factor ``alpha`` that rescales the
     accumulator, and P for ``P V``.
 
     ``FMA``: the max is taken on the raw scores (the scale is positive) and ``s * scale - m`` is one fused
     multiply-add per score, instead of a multiply over the tile and then a subtraction. FP8 (``P_DTYPE`` e4m3,
     always ``FMA``): P is made in ``[0, 256]`` (``fp8.P_SCALE``) by subtracting 8 less,
-    ``exp2(x - (m - 8)) = 256 exp2(x - m)``, exact and free; ``l_i`` counts in the same units."""
+    ``exp2(x - (m - 8)) = 256 exp2(x - m)``, exact and free; ``l_i`` counts in the same units.
+
+    ``MASK``: 0 none, 1 causal (key ``j`` visible from query ``i`` iff ``j <= i``), 2 lesson 08's window (also
+    ``i - j < window_size`` or ``j < sink_size``), where a row may see none of a tile's keys before it has seen
+    any: its max is then taken as 0 in the exponentials, so that they give 0 and not ``-inf - (-inf)``."""
     FP8: gl.constexpr = P_DTYPE.is_fp8()
     if not FMA:
         s = s * qk_scale
-    if MASK:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if MASK == 2:
+        cols = kv_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        d = rows[:, None] - cols[None, :]
+        s = gl.where((d >= 0) & ((d < window_size) | (cols[None, :] < sink_size)), s, -float("inf"))
+    elif MASK:
+        cols = kv_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(rows[:, None] >= cols[None, :], s, -float("inf"))
     if FMA:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        if FP8:
-            p = gl.exp2(gl.fma(s, qk_scale, -(m_new - 8.0)[:, None]))
-        else:
-            p = gl.exp2(gl.fma(s, qk_scale, -m_new[:, None]))
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = gl.exp2(s - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
+    m_use = m_new
+    if MASK == 2:
+        m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
+    if FMA:
+        if FP8:
+            p = gl.exp2(gl.fma(s, qk_scale, -(m_use - 8.0)[:, None]))
+        else:
+            p = gl.exp2(gl.fma(s, qk_scale, -m_use[:, None]))
+    else:
+        p = gl.exp2(s - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     # P stays in registers as wgmma's A operand (k_width: 32 bits of values per register, two 16-bit or four 8-bit)
     K_WIDTH: gl.constexpr = 4 if FP8 else 2
@@ -168,20 +219,22 @@ def _softmax_core(s, j, m_i, l_i, qk_scale, rows, BLOCK_N: gl.constexpr, MASK: g
 
 
 @gluon.jit
-def _softmax_step(s, j, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr, FMA: gl.constexpr):
+def _softmax_step(s, kv_tile, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, window_size, sink_size,
+                  BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  P_DTYPE: gl.constexpr, FMA: gl.constexpr):
     """:func:`_softmax_core` with the accumulator rescaled at once (every loop but ``"overlap"``)."""
-    m_new, l_i, alpha, p_op = _softmax_core(s, j, m_i, l_i, tile_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
-                                            P_DTYPE, FMA)
+    m_new, l_i, alpha, p_op = _softmax_core(s, kv_tile, m_i, l_i, tile_scale, rows, window_size, sink_size, BLOCK_N,
+                                            MASK, s_layout, o_layout, P_DTYPE, FMA)
     return m_new, l_i, _rescale(acc, alpha, v_prev, v_scale, P_DTYPE.is_fp8()), p_op
 
 
 @gluon.jit
-def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i, acc, v_prev, qk_scale, ks_ptr,
-          vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr, MASK: gl.constexpr,
-          s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr, PINGPONG: gl.constexpr,
-          FMA: gl.constexpr):
-    """Tile ``j``: wait for K, ``S = Q Kᵀ``, the softmax, wait for V, ``acc += P V``, release the slot.
+def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile, m_i, l_i, acc, v_prev, qk_scale,
+          ks_ptr, vs_ptr, scale_base, rows, window_size, sink_size, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+          MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr,
+          PINGPONG: gl.constexpr, FMA: gl.constexpr):
+    """Step ``j`` of the ring, key tile ``kv_tile`` (the same but under a window): wait for K, ``S = Q Kᵀ``, the
+    softmax, wait for V, ``acc += P V``, release the slot.
 
     ``PINGPONG`` (FA3's ordering of two warpgroups): consumer ``ME`` issues its ``Q Kᵀ`` only on its turn and
     then hands the turn to the other, so the two take the tensor cores in alternation and one's softmax runs
@@ -192,7 +245,7 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i,
     idx = j % NB
     phase = (j // NB) & 1
     # FP8's two scales for the tile, loaded while the loader's copy and then Q Kᵀ are in flight
-    tile_scale, v_scale = _tile_scales(j, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N, SCALE_BLOCK,
+    tile_scale, v_scale = _tile_scales(kv_tile, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N, SCALE_BLOCK,
                                        v_smem.dtype.is_fp8())
     mbarrier.wait(k_bars.index(idx), phase)
     s = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
@@ -202,8 +255,8 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i,
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(1 - ME), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    m_i, l_i, acc, p_op = _softmax_step(s, j, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, BLOCK_N, MASK,
-                                        s_layout, o_layout, v_smem.dtype, FMA)
+    m_i, l_i, acc, p_op = _softmax_step(s, kv_tile, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, window_size,
+                                        sink_size, BLOCK_N, MASK, s_layout, o_layout, v_smem.dtype, FMA)
     mbarrier.wait(v_bars.index(idx), phase)
     acc = warpgroup_mma(p_op, _v_operand(v_smem, idx), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -235,7 +288,7 @@ def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, p
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(1 - ME), count=1)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # Q Kᵀ done; P V may still run
-    m_i, l_i, alpha, p = _softmax_core(s, j, m_i, l_i, tile_scale, rows, BLOCK_N, MASK, s_layout, o_layout,
+    m_i, l_i, alpha, p = _softmax_core(s, j, m_i, l_i, tile_scale, rows, 0, 0, BLOCK_N, MASK, s_layout, o_layout,
                                        v_smem.dtype, FMA)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # rescaled only once P V has added into it
     mbarrier.arrive(empty_bars.index(prev), count=1)
@@ -258,7 +311,7 @@ def _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n
     s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    m_i, l_i, acc, p = _softmax_step(s, 0, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, BLOCK_N, CAUSAL,
+    m_i, l_i, acc, p = _softmax_step(s, 0, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, 0, 0, BLOCK_N, CAUSAL,
                                      s_layout, o_layout, v_smem.dtype, FMA)
     v_prev = v_scale
     for j in range(1, n_tiles - 1):
@@ -296,8 +349,8 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
         phase = (j // NB) & 1
         mbarrier.wait(k_bars.index((j + 1) % NB), ((j + 1) // NB) & 1)
         s_next = warpgroup_mma(q, k_smem.index((j + 1) % NB).permute((1, 0)), zeros, use_acc=False, is_async=True)
-        m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, one, one, rows, BLOCK_N, False, s_layout,
-                                           o_layout, v_smem.dtype, FMA)
+        m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, one, one, rows, 0, 0, BLOCK_N, False,
+                                           s_layout, o_layout, v_smem.dtype, FMA)
         mbarrier.wait(v_bars.index(idx), phase)
         acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
         s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, acc))
@@ -305,8 +358,8 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
     j = n_tiles - 1
     idx = j % NB
     phase = (j // NB) & 1
-    m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, one, one, rows, BLOCK_N, CAUSAL, s_layout,
-                                       o_layout, v_smem.dtype, FMA)
+    m_i, l_i, acc, p16 = _softmax_step(s, j, m_i, l_i, acc, qk_scale, one, one, rows, 0, 0, BLOCK_N, CAUSAL,
+                                       s_layout, o_layout, v_smem.dtype, FMA)
     mbarrier.wait(v_bars.index(idx), phase)
     acc = warpgroup_mma(p16, v_smem.index(idx), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -316,9 +369,10 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
 
 @gluon.jit
 def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr,
-              lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, H: gl.constexpr, GROUP: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_BLOCK: gl.constexpr,
-              CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
+              lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H: gl.constexpr,
+              GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr,
+              WINDOW: gl.constexpr):
     """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, then its part of ``o`` and ``lse``.
 
     FP8 (e4m3 tiles): the program's query rows lie in one scale block, so ``q_scale`` is one number folded into
@@ -353,18 +407,34 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
                                                  m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
                                                  BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout, HALF_IDX,
                                                  LOOP == "overlap_pingpong", FMA)
+    elif WINDOW:  # the sink tiles, then the window's: masked where they cross its edge or the diagonal
+        lo, ns, n_tiles = _window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
+        whole_from = start_m * BLOCK_M + BLOCK_M - window_size  # a tile starting here or later lies in the window
+        for j in range(n_tiles):
+            kv_tile = _kv_tile(j, lo, ns)
+            if (j < ns) | (kv_tile == start_m) | (kv_tile * BLOCK_N < whole_from):
+                m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile,
+                                              m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                              window_size, sink_size, BLOCK_N, SCALE_BLOCK, 2, s_layout, o_layout,
+                                              HALF_IDX, LOOP == "pingpong", FMA)
+            else:
+                m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile,
+                                              m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                              window_size, sink_size, BLOCK_N, SCALE_BLOCK, 0, s_layout, o_layout,
+                                              HALF_IDX, LOOP == "pingpong", FMA)
     else:
         n_full = n_tiles
         if CAUSAL:
             n_full = n_tiles - 1  # the diagonal tile, masked, after the loop
         for j in range(n_full):
-            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, m_i, l_i, acc,
-                                          v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N, SCALE_BLOCK,
-                                          False, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
+            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, j, m_i, l_i,
+                                          acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, 0, 0, BLOCK_N,
+                                          SCALE_BLOCK, False, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
         if CAUSAL:
-            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n_full, m_i, l_i,
-                                          acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N,
-                                          SCALE_BLOCK, True, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
+            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n_full, n_full,
+                                          m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, 0, 0,
+                                          BLOCK_N, SCALE_BLOCK, True, s_layout, o_layout, HALF_IDX,
+                                          LOOP == "pingpong", FMA)
     if FP8:
         acc = acc * gl.convert_layout(v_prev / l_i, gl.SliceLayout(1, o_layout))[:, None]
         lse2 = m_i + gl.log2(l_i) - 8.0  # l_i counted P in units of 1/256
@@ -379,10 +449,11 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
 
 
 @gluon.jit
-def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, H: gl.constexpr,
-                GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                NUM_BUF: gl.constexpr, SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
+def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size,
+                sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
+                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr,
+                WINDOW: gl.constexpr):
     """The buffers and barriers the partitions share, then the three partitions (the first is the default).
 
     FP8 (e4m3 descriptors): ``v_desc`` is over V transposed and ``qs_ptr``, ``ks_ptr``, ``vs_ptr`` are the
@@ -409,13 +480,13 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, 
     # the literal 0 / 1 stays a constexpr, so each consumer is its own specialisation of _consumer
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK,
-                     CAUSAL, LOOP, FMA)),
+                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
+                     HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
         (_consumer, (1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK,
-                     CAUSAL, LOOP, FMA)),
+                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
+                     HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
-                           H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T)),
+                           window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T, WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -488,11 +559,32 @@ def _validate_options(num_buffers, loop, fp8: bool) -> None:
         raise ValueError("loop='pipelined' is bf16/fp16 only (it was measured slower than 'serial')")
 
 
-def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, scales=None, block_size=BLOCK_M):
+WINDOW_LOOPS = ("serial", "pingpong")  # the loops that take lesson 08's window
+
+
+def _validate_window(causal, window_size, sink_size, loop) -> None:
+    """Lesson 08's window and sinks (``kernels.forward.validate_window``'s rules), on the loops that take it."""
+    if window_size is None:
+        if sink_size:
+            raise ValueError("sink_size needs a window_size")
+        return
+    if not causal:
+        raise ValueError("a window_size needs causal=True (lesson 08's window looks back only)")
+    if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+        raise ValueError(f"window_size must be a positive integer, not {window_size!r}")
+    if isinstance(sink_size, bool) or not isinstance(sink_size, int) or sink_size < 0:
+        raise ValueError(f"sink_size must be a non-negative integer, not {sink_size!r}")
+    if loop not in WINDOW_LOOPS:
+        raise ValueError(f"a window runs with loop in {WINDOW_LOOPS} (got {loop!r})")
+
+
+def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, scales=None, block_size=BLOCK_M,
+            window_size=None, sink_size=0):
     """Descriptors, outputs and the launch, for inputs already validated (``tests/`` compile it from CPU tensors).
 
     FP8: ``q, k`` e4m3, ``v`` the transposed ``vt8`` ``[B, H_kv, D, N]``, ``scales`` ``(q_scale, k_scale,
-    v_scale)``; ``o`` is bf16 and ``fma`` is implied."""
+    v_scale)``; ``o`` is bf16 and ``fma`` is implied. ``window_size`` (causal): lesson 08's window, with
+    ``sink_size`` sinks."""
     b, h, n, d = q.shape
     fp8 = q.dtype == _FP8
     q, k, v = (t.contiguous() for t in (q, k, v))
@@ -514,17 +606,19 @@ def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, sc
         qs = ks = vs = lse  # not read
         n_sb = 1
     grid = (n // BLOCK_M, b * h)
-    attn_fwd_ws[grid](q_desc, k_desc, v_desc, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb, h, h // k.shape[1],
-                      BLOCK_M, BLOCK_N, d, num_buffers, block_size, causal, CONSUMER_REGS, LOADER_REGS, loop,
-                      fma or fp8, num_warps=4, maxnreg=MAXNREG)
+    window = window_size is not None
+    attn_fwd_ws[grid](q_desc, k_desc, v_desc, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb,
+                      int(window_size) if window else 0, int(sink_size), h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
+                      num_buffers, block_size, causal, CONSUMER_REGS, LOADER_REGS, loop, fma or fp8, window,
+                      num_warps=4, maxnreg=MAXNREG)
     return o, lse
 
 
 LOOPS = ("serial", "pipelined", "pingpong", "overlap", "overlap_pingpong")
 
 
-def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, num_buffers: int = 2,
-              loop: str = "serial", fma: bool = False):
+def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, window_size: int | None = None,
+              sink_size: int = 0, num_buffers: int = 2, loop: str = "serial", fma: bool = False):
     """``(o, lse)`` of attention over ``q`` ``[B, H, N, D]`` and ``k``, ``v`` ``[B, H_kv, N, D]`` on a Hopper GPU.
 
     bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA; ``lse`` float32 ``[B, H, N]`` (natural log).
@@ -533,17 +627,20 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, n
     before this one's softmax; measured slower), ``"pingpong"`` (the consumers take turns at ``Q Kᵀ``),
     ``"overlap"`` (each softmax under the previous tile's ``P V``, FA3's form) or ``"overlap_pingpong"`` (both,
     FA3's schedule); the last three not yet run on a GPU. ``fma``: the softmax's scale in one fused multiply-add
-    (not yet run on a GPU).
+    (not yet run on a GPU). ``window_size`` (with ``causal``, ``loop`` ``"serial"`` or ``"pingpong"``): lesson
+    08's window, key ``j`` visible from query ``i`` iff ``j <= i`` and (``i - j < window_size`` or ``j <
+    sink_size``); each program visits only its sink tiles and the window's (not yet run on a GPU).
     """
     _validate_inputs(q, k, v)
     _validate_options(num_buffers, loop, False)
+    _validate_window(causal, window_size, sink_size, loop)
     _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma)
+    return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size)
 
 
 def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
-                  num_buffers: int = 2, loop: str = "serial"):
+                  window_size: int | None = None, sink_size: int = 0, num_buffers: int = 2, loop: str = "serial"):
     """``(o, lse)`` of attention over e4m3 inputs on a Hopper GPU: the same three partitions with both products
     in FP8 (``wgmma`` at twice bf16's rate), ``o`` bf16.
 
@@ -552,10 +649,12 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     ``kernels.quantize_fp8`` makes them; ``block_size`` a power of two of at least 128. The arithmetic is
     ``fp8.launch_fp8_hopper``'s: the scales folded into one FMA per score, P quantised as ``256 p``
     (``fp8.P_SCALE``), the accumulator carried in units of the tile's ``v_scale``. ``num_buffers`` 2-4 (an FP8
-    tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``. Not yet run on a GPU.
+    tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``; ``window_size``, ``sink_size``
+    as in :func:`attention`. Not yet run on a GPU.
     """
     _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
     _validate_options(num_buffers, loop, True)
+    _validate_window(causal, window_size, sink_size, loop)
     _validate_device(q8)
     return _launch(q8, k8, vt8, causal, 1.0 / math.sqrt(q8.shape[-1]), num_buffers, loop, True,
-                   (q_scale, k_scale, v_scale), block_size)
+                   (q_scale, k_scale, v_scale), block_size, window_size, sink_size)
