@@ -166,3 +166,20 @@ def test_the_public_entries_take_cpu_tensors_inside_the_model_only():
     assert not gluon_cpu.active()
     want = references.attention(*(t.double().numpy() for t in (q, k, v)), causal=True)
     assert _rel(o, want) < 1e-2 and _rel(o8, want) < 0.05
+
+
+def test_a_slot_released_before_its_product_completes_is_a_race(tmp_path):
+    """``P V`` reads V's slot until ``warpgroup_mma_wait`` completes it: releasing the slot first lets the loader
+    refill it under the product. With ``linger`` the loader acts in that window, and the model says so."""
+    old = '''    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty_bars.index(idx), count=1)  # counts once per partition; the slot needs both consumers'''
+    new = '''    mbarrier.arrive(empty_bars.index(idx), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))'''
+    planted = _planted(tmp_path, hopper_ws, old, new, "planted_ws_early_release")
+    q, k, v = (torch.randn(1, h, 512, 64).bfloat16() for h in (2, 1, 1))
+    with pytest.raises(gluon_cpu.RaceError, match="still be reading"):
+        with gluon_cpu.running(host_modules=(planted, ), linger=0.01):
+            planted._launch(q, k, v, False, 0.125, 2)
+    with gluon_cpu.running(linger=0.01):  # the kernel as it is, under the same schedule
+        o, _ = hopper_ws._launch(q, k, v, False, 0.125, 2)
+    assert _rel(o, references.attention(*(t.double().numpy() for t in (q, k, v)))) < 1e-2

@@ -11,9 +11,9 @@ executes it with the names it uses bound to small models instead of Triton's bui
 * **TMA copies**: queued, and landed at random later moments, in random order, by whichever thread waits
   (a ``seed`` picks the order), each landing counted on its barrier;
 * **tensors**: torch tensors on the CPU, in the kernel's dtypes (bf16, fp16 and e4m3 rounded as torch rounds
-  them); ``warpgroup_mma`` multiplies in float32 when it is issued (the model reads shared memory then: a
-  kernel that released a slot before waiting for the product reading it would not be caught), ``wait`` is a
-  no-op; layouts are ignored.
+  them); an issued ``warpgroup_mma`` reads its shared-memory operands only when a ``warpgroup_mma_wait``
+  completes it (the latest moment the hardware may), multiplying in float32, and a TMA copy issued into a slot
+  such a product still reads raises :class:`RaceError`; layouts are ignored.
 
 What it checks is what the kernels' GPU tests check: the outputs against float64 references, in every
 interleaving the seed produces, with a deadlock (every thread waiting, no copy in flight) raised as
@@ -28,14 +28,25 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import threading
+import time
 import types
 
 import torch
 
-__all__ = ["running", "active", "Deadlock", "run_kernel"]
+__all__ = ["running", "active", "host_module", "HOST_MODULES", "Deadlock", "RaceError", "run_kernel"]
 
 _ACTIVE = []  # one entry per `running` block in force
+#: The modules whose host code builds Gluon descriptors and layouts (each adds its name when imported:
+#: this module imports none of them).
+HOST_MODULES = []
+
+
+def host_module(name: str) -> None:
+    """Register module ``name`` (a kernel module's ``__name__``) as one :func:`running` adapts by default."""
+    if name not in HOST_MODULES:
+        HOST_MODULES.append(name)
 
 
 def active() -> bool:
@@ -46,6 +57,10 @@ def active() -> bool:
 
 class Deadlock(RuntimeError):
     """Every partition waits on a barrier and no copy is in flight."""
+
+
+class RaceError(RuntimeError):
+    """A TMA copy was issued into shared memory that an issued, not yet completed ``wgmma`` reads."""
 
 
 # -----------------------------------------------------------------------------
@@ -181,12 +196,13 @@ def _as_index(offset):
 class _Machine:
     """One program's partitions: their threads, its barriers and its copies in flight."""
 
-    def __init__(self, rng: random.Random):
-        self.rng = rng
+    def __init__(self, rng: random.Random, linger: float = 0.0):
+        self.rng, self.linger = rng, linger
         self.cond = threading.Condition()
         self.copies = []  # (barrier, destination view, source tensor, nbytes)
         self.threads = 0
         self.waiters = {}  # thread -> (barrier, parity) it waits on
+        self.reading = {}  # shared-memory slot -> issued wgmmas not yet completed that read it
         self.error = None
 
     def land_one(self) -> bool:
@@ -229,6 +245,8 @@ class _Barrier:
             if self.pending < 0:
                 raise RuntimeError("more arrivals than the mbarrier's count in one phase")
             self._check_phase()
+        if self.machine.linger:  # give the other partitions the moment this arrival opened
+            time.sleep(self.machine.linger)
 
     def expect(self, nbytes):
         with self.machine.cond:
@@ -291,6 +309,9 @@ class _SmemView:
     def permute(self, order):
         assert tuple(order) == (1, 0)
         return _SmemView(self.storage, self.index_, not self.transposed)
+
+    def key(self):
+        return id(self.storage), self.index_
 
     def read(self):
         t = self.storage[self.index_]
@@ -394,6 +415,11 @@ def _copy(desc, coords, bar, view):
     source = desc.base[r:r + rows, c:c + cols].clone()
     m = _machine()
     with m.cond:
+        if m.reading.get(view.key(), 0):
+            m.error = RaceError("a TMA copy was issued into a slot that a wgmma issued earlier may still be reading: "
+                                "release a slot only after the warpgroup_mma_wait that completes its products")
+            m.cond.notify_all()
+            raise m.error
         m.copies.append((bar, view, source, source.numel() * source.element_size()))
     m.maybe_land()
 
@@ -402,17 +428,43 @@ def _tma_namespace():
     return types.SimpleNamespace(async_copy_global_to_shared=_copy)
 
 
+class _Pending:
+    """An issued ``warpgroup_mma``: its shared-memory operands are read when a ``warpgroup_mma_wait`` completes it
+    (the latest moment the hardware may read them), and until then no copy may be issued into them."""
+
+    def __init__(self, a, b, acc, use_acc):
+        self.a, self.b, self.acc, self.use_acc = a, b, acc, use_acc
+        self.machine = _machine()
+        self.views = [x for x in (a, b) if isinstance(x, _SmemView)]
+        with self.machine.cond:
+            for view in self.views:
+                self.machine.reading[view.key()] = self.machine.reading.get(view.key(), 0) + 1
+        self.result = None
+
+    def complete(self):
+        if self.result is None:
+            acc = _complete(self.acc)
+            a = self.a.read() if isinstance(self.a, _SmemView) else self.a.data
+            out = a.float() @ self.b.read().float()
+            self.result = _Tensor(out + acc.data if self.use_acc else out)
+            with self.machine.cond:
+                for view in self.views:
+                    self.machine.reading[view.key()] -= 1
+        return self.result
+
+
+def _complete(x):
+    return x.complete() if isinstance(x, _Pending) else x
+
+
 def _warpgroup_mma(a, b, acc, *, use_acc=True, is_async=False, **_):
-    a = a.read() if isinstance(a, _SmemView) else a.data
-    b = b.read()
-    out = a.float() @ b.float()
-    if use_acc:
-        out = out + acc.data
-    return _Tensor(out)
+    pending = _Pending(a, b, acc, use_acc)
+    return pending if is_async else pending.complete()
 
 
 def _warpgroup_mma_wait(num_outstanding=0, deps=None):
-    return deps[0] if len(deps) == 1 else tuple(deps)
+    done = [_complete(d) for d in deps]
+    return done[0] if len(done) == 1 else tuple(done)
 
 
 class _Descriptor:
@@ -506,7 +558,7 @@ def _warp_specialize(partitions, warps, regs):
         raise RuntimeError("the kernel ended with TMA copies still in flight")
 
 
-def run_kernel(jit_fn, grid, args, seed=0):
+def run_kernel(jit_fn, grid, args, seed=0, linger=0.0):
     """Run ``jit_fn``'s Python over ``grid`` with the model (programs one after another, each a new machine)."""
     fn = _convert(jit_fn, {})
     rng = random.Random(seed)
@@ -515,7 +567,7 @@ def run_kernel(jit_fn, grid, args, seed=0):
     for z in range(grid[2]):
         for y in range(grid[1]):
             for x in range(grid[0]):
-                _CURRENT["machine"] = _Machine(rng)
+                _CURRENT["machine"] = _Machine(rng, linger)
                 _STATE.program = (x, y, z)
                 fn(*args)
 
@@ -527,18 +579,19 @@ def _wrap(a):
 
 
 @contextlib.contextmanager
-def running(seed: int = 0, host_modules=None):
+def running(seed: int = 0, host_modules=None, linger: float = 0.0):
     """Within the block, Gluon launches run their Python on the CPU with the model (other launches as usual).
 
-    ``host_modules`` (default :mod:`.hopper_ws` and :mod:`.hopper_ws_bwd`): the modules whose host code builds
+    ``host_modules`` (default: those named in :data:`HOST_MODULES`): the modules whose host code builds
     descriptors and layouts; their ``TensorDescriptor`` and ``gl`` are the model's within the block. ``seed``
-    orders the copies' landings (the threads' own interleaving varies from run to run as well)."""
+    orders the copies' landings (the threads' own interleaving varies from run to run as well). ``linger``
+    (seconds): each arriving thread pauses that long after its arrival, so that the partition it released
+    acts first; a slot released before the products that read it have completed is then caught
+    (:class:`RaceError`) rather than left to the threads' timing."""
     from triton.runtime.jit import JITFunction
 
     if host_modules is None:
-        from . import hopper_ws, hopper_ws_bwd
-
-        host_modules = (hopper_ws, hopper_ws_bwd)
+        host_modules = [sys.modules[name] for name in HOST_MODULES if name in sys.modules]
     original = JITFunction.run
     saved = [(m, m.TensorDescriptor, m.gl) for m in host_modules]
     host_gl = types.SimpleNamespace(**vars(_names()["gl"]))
@@ -546,7 +599,7 @@ def running(seed: int = 0, host_modules=None):
     def run(self, *args, grid, warmup, **kwargs):
         if not _is_gluon(self):
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-        run_kernel(self, grid(kwargs) if callable(grid) else grid, args, seed=seed)
+        run_kernel(self, grid(kwargs) if callable(grid) else grid, args, seed=seed, linger=linger)
         return None
 
     JITFunction.run = run

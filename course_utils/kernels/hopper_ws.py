@@ -58,6 +58,7 @@ BLOCK_N = 128  # keys per K/V tile
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS, LOADER_REGS, MAXNREG = 240, 24, 168  # 3 warpgroups x 168 = 240 + 240 + 24: one program per SM
 LOG2E = 1.4426950408889634
+gluon_cpu.host_module(__name__)  # its descriptors and layouts, under gluon_cpu.running()
 
 
 @gluon.jit

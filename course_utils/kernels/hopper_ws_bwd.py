@@ -36,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import gluon_cpu
 from .backward import default_config, launch_dq, launch_preprocess
 from .hopper_ws import _GL_DTYPES, _validate_device, _validate_inputs
 from .targets import TARGETS
@@ -47,6 +48,7 @@ DQ_BLOCK_NS = (64, 128)  # dQ: keys per tile
 DQ_KERNELS = ("gluon", "lesson07")
 CONSUMER_REGS, LOADER_REGS, MAXNREG = 240, 24, 168  # 3 warpgroups x 168 = 240 + 240 + 24: one program per SM
 LOG2E = 1.4426950408889634
+gluon_cpu.host_module(__name__)  # its descriptors and layouts, under gluon_cpu.running()
 
 
 @gluon.jit
