@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluon8 gluonbwd gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -23,6 +23,9 @@
 #           attention on the dequantised inputs, timed beside cuDNN's bf16 and the course's Triton FP8 kernel
 #   gluonbwd hopper_ws_probe.py --kind bwd: the Gluon dK/dV kernel (hopper_ws_bwd) with lesson 07's dQ, gradients
 #           against float32 autograd, the backward beside lesson 07's pair and cuDNN's
+#   gluontrain python -m course_utils.bench --training --gluon: forward + backward with the Gluon backward behind
+#           autograd (after the Gluon forward, after the course's) beside lesson 07's pair, SDPA flash and cuDNN
+#           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
 #   gluonwin hopper_ws_probe.py --kind window: the Gluon forward with lesson 08's window and sinks beside the
 #           course's window forward and FlexAttention (180 s a case: Flex compiles in each process)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
@@ -90,6 +93,8 @@ for step in "$@"; do
       run gluon8_probe "$PY" benchmarks/hopper_ws_probe.py --kind fp8 --out "$OUT/hopper_ws_fp8_probe.json" ;;
     gluonbwd)
       run gluonbwd_probe "$PY" benchmarks/hopper_ws_probe.py --kind bwd --out "$OUT/hopper_ws_bwd_probe.json" ;;
+    gluontrain)
+      run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
     gluonwin)
       run gluonwin_probe "$PY" benchmarks/hopper_ws_probe.py --kind window --limit 180 \
         --out "$OUT/hopper_ws_window_probe.json" ;;

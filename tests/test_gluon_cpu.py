@@ -183,3 +183,22 @@ def test_a_slot_released_before_its_product_completes_is_a_race(tmp_path):
     with gluon_cpu.running(linger=0.01):  # the kernel as it is, under the same schedule
         o, _ = hopper_ws._launch(q, k, v, False, 0.125, 2)
     assert _rel(o, references.attention(*(t.double().numpy() for t in (q, k, v)))) < 1e-2
+
+
+@pytest.mark.skipif(not __import__("course_utils").ENV.interpreter,
+                    reason="lesson 07's delta kernel runs on CPU tensors in Triton's interpreter only")
+@pytest.mark.parametrize("forward", hopper_ws_bwd.FORWARDS)
+def test_a_training_step_through_autograd(forward):
+    """hopper_ws_bwd.attention: the forward, then autograd's backward by the Gluon kernels (and lesson 07's delta
+    kernel, in Triton's interpreter), against float64."""
+    g = torch.Generator().manual_seed(7)  # fp16: Triton's interpreter computes bf16 wrongly (the course's forward)
+    q, do = (torch.randn(1, 4, 256, 64, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(1, 2, 256, 64, generator=g).half() for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with gluon_cpu.running():
+        o = hopper_ws_bwd.attention(q, k, v, True, forward=forward)
+        o.backward(do)
+    want = references.attention_backward(*(t.detach().double().numpy() for t in (q, k, v, do)), causal=True)
+    assert _rel(o.detach(), references.attention(*(t.detach().double().numpy() for t in (q, k, v)), causal=True)) < 1e-2
+    for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+        assert _rel(got, ref) < 1e-2, name

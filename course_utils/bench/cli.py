@@ -12,7 +12,8 @@ from .cases import DEFAULT_NS, NO_GPU_MESSAGE, PROVIDERS, QUICK_NS, RESULTS_DIR,
 from .ladder import tuning_ladder
 from .measure import measure_ceilings, run_case
 from .report import environment_info, load_results, markdown_tables, write_csv, write_results
-from .training import FAST_BACKWARD_PROVIDERS, TRAIN_PROVIDERS, TRAIN_STEM, run_training_case, training_markdown
+from .training import (FAST_BACKWARD_PROVIDERS, GLUON_PROVIDERS, TRAIN_PROVIDERS, TRAIN_STEM, run_training_case,
+                       training_markdown)
 
 
 def _package():
@@ -41,6 +42,9 @@ def _parse(argv):
                    help="forward + backward of the main case (writes training_bench.*) instead of the forward sweep")
     p.add_argument("--fast-backward", action="store_true",
                    help="with --training: also fast_backward's flat layout behind autograd (two providers)")
+    p.add_argument("--gluon", action="store_true",
+                   help="with --training (a Hopper GPU): also kernels.hopper_ws_bwd's backward behind autograd, after "
+                        "the Gluon forward and after the course's (two providers)")
     p.add_argument("--replot", metavar="DIR", help="re-render markdown and PNG from DIR/forward_bench.json (no GPU)")
     return p.parse_args(argv)
 
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
     if args.training:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        providers = TRAIN_PROVIDERS + (FAST_BACKWARD_PROVIDERS if args.fast_backward else ())
+        providers = (TRAIN_PROVIDERS + (FAST_BACKWARD_PROVIDERS if args.fast_backward else ())
+                     + (GLUON_PROVIDERS if args.gluon else ()))
         rows = run_training_case(cases[0], providers, log=lambda line: print(line, flush=True))
         write_csv(rows, out / f"{TRAIN_STEM}.csv")
         (out / f"{TRAIN_STEM}.json").write_text(json.dumps({"info": info, "case": dataclasses.asdict(cases[0]), "rows": rows}, indent=1))

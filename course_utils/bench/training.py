@@ -12,8 +12,12 @@ TRAIN_PROVIDERS = ("sdpa_flash", "sdpa_cudnn", "course")
 # With --fast-backward: the course's forward with fast_backward's flat layout behind autograd (FLAT_DEFAULT, and the
 # same with its own dQ kernel), timed beside lesson 07's pair in the same run before either becomes the default.
 FAST_BACKWARD_PROVIDERS = ("course_flat", "course_flat_dq")
+# With --gluon (a Hopper GPU): kernels.hopper_ws_bwd's backward behind autograd, after lesson 11's Gluon forward and
+# after the course's forward.
+GLUON_PROVIDERS = ("gluon", "course_gluon_bwd")
 TRAIN_LABELS = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "course": "course (kernels.flash_attention)",
-                "course_flat": "course, flat backward", "course_flat_dq": "course, flat backward + flat dQ"}
+                "course_flat": "course, flat backward", "course_flat_dq": "course, flat backward + flat dQ",
+                "gluon": "Gluon forward + backward", "course_gluon_bwd": "course forward, Gluon backward"}
 
 
 def fast_backward_config(name: str):
@@ -48,6 +52,13 @@ def make_training_forward(name: str, q, k, v, causal: bool):
 
         def forward():
             return flash_attention_fast_backward(q, k, v, causal, config=config)
+    elif name in GLUON_PROVIDERS:
+        from ..kernels import hopper_ws_bwd
+
+        forward_kind = "gluon" if name == "gluon" else "course"
+
+        def forward():
+            return hopper_ws_bwd.attention(q, k, v, causal, forward=forward_kind)
     elif name in ("sdpa_flash", "sdpa_cudnn"):
         from torch.nn.attention import sdpa_kernel
 
@@ -125,9 +136,9 @@ def run_training_case(case: Case, providers=TRAIN_PROVIDERS, log=print) -> list[
 
 def training_markdown(rows: list[dict], case: Case, info: dict | None = None) -> str:
     """The forward + backward table: ms, TFLOP/s and the ratios against SDPA (and, where the rows hold them, the
-    :data:`FAST_BACKWARD_PROVIDERS` and their ratios to cuDNN)."""
+    :data:`FAST_BACKWARD_PROVIDERS` and :data:`GLUON_PROVIDERS` and their ratios to cuDNN)."""
     info = info or {}
-    extra = tuple(p for p in FAST_BACKWARD_PROVIDERS if any(r["provider"] == p for r in rows))
+    extra = tuple(p for p in FAST_BACKWARD_PROVIDERS + GLUON_PROVIDERS if any(r["provider"] == p for r in rows))
     lines = [
         f"### Forward + backward: {case.title()}",
         "",

@@ -531,7 +531,8 @@ def _warp_specialize(partitions, warps, regs):
     def run(fn, args):
         _STATE.program = program
         try:
-            fn(*args)
+            with torch.no_grad():  # grad mode is per thread; a kernel's stores are never recorded
+                fn(*args)
             with machine.cond:  # a partition that has ended waits for nothing
                 machine.threads -= 1
                 machine.cond.notify_all()
@@ -569,7 +570,8 @@ def run_kernel(jit_fn, grid, args, seed=0, linger=0.0):
             for x in range(grid[0]):
                 _CURRENT["machine"] = _Machine(rng, linger)
                 _STATE.program = (x, y, z)
-                fn(*args)
+                with torch.no_grad():
+                    fn(*args)
 
 
 def _wrap(a):

@@ -22,7 +22,8 @@ One program owns 128 keys of one (batch, kv head), in three partitions:
   under ``dPᵀ``, ``dSᵀ = Pᵀ (dPᵀ - delta)``, then ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` issued together; the
   slot is released when both consumers have used it. While one consumer computes, the other's products run.
 
-Both compiled here for sm_90 and checked (``tests/test_hopper_ws_bwd.py``), and run on the CPU by
+:func:`attention` puts them behind autograd (with the Gluon forward or the course's). Both compiled here for sm_90
+and checked (``tests/test_hopper_ws_bwd.py``), and run on the CPU by
 :mod:`.gluon_cpu`'s model (``tests/test_gluon_cpu.py``); not yet run on a GPU.
 """
 
@@ -414,3 +415,50 @@ def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: floa
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, default_config(d, q.device.type, capability, q.dtype))
     return dq, dk, dv
+
+
+# -----------------------------------------------------------------------------
+# Behind autograd: a training step with these kernels
+# -----------------------------------------------------------------------------
+FORWARDS = ("gluon", "course")
+
+
+class GluonAttentionFunction(torch.autograd.Function):
+    """``o`` by :func:`.hopper_ws.attention` (``forward="gluon"``) or the course's forward dispatch (``"course"``),
+    ``dq, dk, dv`` by :func:`attention_backward` from the saved ``o`` and ``lse``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, forward, options):
+        if forward == "gluon":
+            from .hopper_ws import attention as gluon_forward
+
+            o, lse = gluon_forward(q, k, v, causal)
+        else:
+            from .dispatch import launch_forward
+
+            o, lse = launch_forward(q, k, v, causal)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.options = causal, options
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, lse, do.contiguous(), ctx.causal, **ctx.options)
+        return dq, dk, dv, None, None, None
+
+
+def attention(q, k, v, causal: bool = False, *, forward: str = "gluon", **options):
+    """Differentiable attention with this module's backward: ``o``, and through autograd ``dq, dk, dv``.
+
+    ``forward``: ``"gluon"`` (:func:`.hopper_ws.attention`, serial loop) or ``"course"`` (what
+    ``kernels.flash_attention`` runs); ``options``: :func:`attention_backward`'s keywords. The inputs as
+    :func:`attention_backward` takes them (a Hopper GPU, or the CPU inside :func:`.gluon_cpu.running`).
+    """
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {FORWARDS} (got {forward!r})")
+    _validate_inputs(q, k, v)
+    _validate_options(options.get("num_buffers", 2), options.get("block_m", 64), options.get("dq_kernel", "gluon"),
+                      options.get("dq_block_n", 64))
+    _validate_device(q)
+    return GluonAttentionFunction.apply(q, k, v, causal, forward, options)
