@@ -202,3 +202,17 @@ def test_a_training_step_through_autograd(forward):
     assert _rel(o.detach(), references.attention(*(t.detach().double().numpy() for t in (q, k, v)), causal=True)) < 1e-2
     for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
         assert _rel(got, ref) < 1e-2, name
+
+
+def test_a_wait_that_leaves_the_product_it_needs_in_flight_is_caught(tmp_path):
+    """``warpgroup_mma_wait(1)`` completes all but the newest product: in the overlapped loop ``Q Kᵀ`` must be
+    issued before ``P V`` for the wait to return the scores. Issued the other way round, the model says so."""
+    old = '''    s = warpgroup_mma(q, k_smem.index(j % NB).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_prev, _v_operand(v_smem, prev), acc, is_async=True)'''
+    new = '''    acc = warpgroup_mma(p_prev, _v_operand(v_smem, prev), acc, is_async=True)
+    s = warpgroup_mma(q, k_smem.index(j % NB).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)'''
+    planted = _planted(tmp_path, hopper_ws, old, new, "planted_ws_wait_order")
+    with pytest.raises(gluon_cpu.RaceError, match="newest products in flight"):
+        _forward(planted, False, 64, loop="overlap")

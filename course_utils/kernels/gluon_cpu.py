@@ -12,8 +12,10 @@ executes it with the names it uses bound to small models instead of Triton's bui
   (a ``seed`` picks the order), each landing counted on its barrier;
 * **tensors**: torch tensors on the CPU, in the kernel's dtypes (bf16, fp16 and e4m3 rounded as torch rounds
   them); an issued ``warpgroup_mma`` reads its shared-memory operands only when a ``warpgroup_mma_wait``
-  completes it (the latest moment the hardware may), multiplying in float32, and a TMA copy issued into a slot
-  such a product still reads raises :class:`RaceError`; layouts are ignored.
+  completes it (the latest moment the hardware may), multiplying in float32; ``warpgroup_mma_wait(n)`` completes
+  every product the warpgroup issued but the ``n`` newest, in issue order, and a product it should return that is
+  still in flight, or a TMA copy issued into a slot such a product reads, raises :class:`RaceError`; layouts are
+  ignored.
 
 What it checks is what the kernels' GPU tests check: the outputs against float64 references, in every
 interleaving the seed produces, with a deadlock (every thread waiting, no copy in flight) raised as
@@ -203,6 +205,7 @@ class _Machine:
         self.threads = 0
         self.waiters = {}  # thread -> (barrier, parity) it waits on
         self.reading = {}  # shared-memory slot -> issued wgmmas not yet completed that read it
+        self.issued = {}  # thread -> its issued, not yet completed wgmmas, oldest first
         self.error = None
 
     def land_one(self) -> bool:
@@ -436,6 +439,8 @@ class _Pending:
         self.a, self.b, self.acc, self.use_acc = a, b, acc, use_acc
         self.machine = _machine()
         self.views = [x for x in (a, b) if isinstance(x, _SmemView)]
+        self.issued = self.machine.issued.setdefault(threading.get_ident(), [])  # this warpgroup's, in order
+        self.issued.append(self)
         with self.machine.cond:
             for view in self.views:
                 self.machine.reading[view.key()] = self.machine.reading.get(view.key(), 0) + 1
@@ -443,6 +448,8 @@ class _Pending:
 
     def complete(self):
         if self.result is None:
+            if any(p is self for p in self.issued):
+                self.issued.remove(self)
             acc = _complete(self.acc)
             a = self.a.read() if isinstance(self.a, _SmemView) else self.a.data
             out = a.float() @ self.b.read().float()
@@ -463,6 +470,15 @@ def _warpgroup_mma(a, b, acc, *, use_acc=True, is_async=False, **_):
 
 
 def _warpgroup_mma_wait(num_outstanding=0, deps=None):
+    """Complete every product this warpgroup issued but the ``num_outstanding`` newest, in issue order, as the
+    hardware does; a product in ``deps`` still in flight after that is the kernel's mistake."""
+    issued = _machine().issued.setdefault(threading.get_ident(), [])
+    n = int(_data(num_outstanding))
+    for pending in list(issued[:max(len(issued) - n, 0)]):
+        pending.complete()
+    if any(isinstance(d, _Pending) and d.result is None for d in deps):
+        raise RaceError(f"warpgroup_mma_wait(num_outstanding={n}) leaves the {n} newest products in flight, and one "
+                        "it should return is among them: wait for fewer, or issue that product first")
     done = [_complete(d) for d in deps]
     return done[0] if len(done) == 1 else tuple(done)
 
