@@ -82,17 +82,18 @@ def test_the_window_visits_its_tiles_and_masks_their_edges(window, sinks, n, d, 
     assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
-def _backward(module, causal, d, block_m, buffers, dq_block_n, n=384, seed=0):
+def _backward(module, causal, d, block_m, buffers, dq_block_n, n=384, seed=0, window_size=None, sink_size=0):
     g = torch.Generator().manual_seed(n + d + block_m)
     q, do = (torch.randn(1, 4, n, d, generator=g).bfloat16() for _ in range(2))
     k, v = (torch.randn(1, 2, n, d, generator=g).bfloat16() for _ in range(2))
-    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=causal)
+    window = dict(window_size=window_size, sink_size=sink_size)
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=causal, **window)
     o, lse = torch.from_numpy(ro).bfloat16(), torch.from_numpy(rl).float()
     delta = (o.float() * do.float()).sum(-1)  # lesson 07's preprocess
     with gluon_cpu.running(seed=seed, host_modules=(module, )):
-        dk, dv = module._launch_dkdv(q, k, v, do, lse, delta, causal, 1 / math.sqrt(d), buffers, block_m)
-        dq = module._launch_dq(q, k, v, do, lse, delta, causal, 1 / math.sqrt(d), buffers, dq_block_n)
-    want = references.attention_backward(*(t.double().numpy() for t in (q, k, v, do)), causal=causal)
+        dk, dv = module._launch_dkdv(q, k, v, do, lse, delta, causal, 1 / math.sqrt(d), buffers, block_m, **window)
+        dq = module._launch_dq(q, k, v, do, lse, delta, causal, 1 / math.sqrt(d), buffers, dq_block_n, **window)
+    want = references.attention_backward(*(t.double().numpy() for t in (q, k, v, do)), causal=causal, **window)
     return (dq, dk, dv), want
 
 
@@ -102,6 +103,16 @@ def test_the_backwards_kernels_compute_the_gradients(causal, d, block_m, buffers
     grads, want = _backward(hopper_ws_bwd, causal, d, block_m, buffers, dq_block_n)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
         assert got.dtype == torch.bfloat16 and _rel(got, ref) < 1e-2, (name, _rel(got, ref))
+
+
+@pytest.mark.parametrize("window,sinks,n,d,block_m,dq_block_n", [
+    (256, 0, 768, 64, 64, 64), (200, 4, 768, 64, 32, 128), (128, 130, 1024, 64, 64, 64), (1000, 0, 512, 128, 32, 64)])
+def test_the_backwards_kernels_under_a_window(window, sinks, n, d, block_m, dq_block_n):
+    """dK/dV visit the query tiles that see their keys (all after a block of sink keys), dQ the forward's tiles."""
+    grads, want = _backward(hopper_ws_bwd, True, d, block_m, 2, dq_block_n, n=n, window_size=window,
+                            sink_size=sinks)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+        assert _rel(got, ref) < 1e-2, (name, _rel(got, ref))
 
 
 # -- what the model catches: planted mistakes in copies of the kernels' source ------------------------------------

@@ -22,11 +22,13 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 
 CASES = [(True, 128, 64, 2), (False, 128, 64, 2), (True, 128, 32, 2), (False, 128, 32, 3), (True, 64, 64, 2),
          (False, 64, 64, 3)]  # dK/dV: causal, D, block_m, buffers
 DQ_CASES = [(True, 128, 64, 2), (False, 128, 128, 2), (True, 128, 64, 3), (True, 64, 128, 3)]  # dQ: ..., dq_block_n, ..
+# lesson 08's window (causal, two buffers): kernel, D, block_m or dq_block_n, window_size, sink_size
+WINDOW_CASES = [("dkdv", 128, 64, 1024, 4), ("dkdv", 128, 32, 256, 0), ("dq", 128, 64, 1024, 4), ("dq", 64, 128, 256, 0)]
 
 SCRIPT = r"""
 import json, sys, torch
 from course_utils.kernels import hopper_ws_bwd, targets
-cases, dq_cases = json.loads(sys.argv[1])
+cases, dq_cases, window_cases = json.loads(sys.argv[1])
 out = []
 for launch, kind, table in ((hopper_ws_bwd._launch_dkdv, "dkdv", cases), (hopper_ws_bwd._launch_dq, "dq", dq_cases)):
     for causal, d, block, buffers in table:
@@ -37,6 +39,15 @@ for launch, kind, table in ((hopper_ws_bwd._launch_dkdv, "dkdv", cases), (hopper
             launch(q, k, k, q, lse, lse, causal, 0.1, buffers, block)
         (kernel, args, kwargs), = launches
         out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"{kind} {causal} {d} {block} {buffers}")))
+for kind, d, block, window, sinks in window_cases:
+    launch = hopper_ws_bwd._launch_dkdv if kind == "dkdv" else hopper_ws_bwd._launch_dq
+    q, k = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16), torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
+    lse = torch.empty(1, 32, 1024)
+    with targets._captured_launches() as launches:
+        launch(q, k, k, q, lse, lse, True, 0.1, 2, block, window, sinks)
+    (kernel, args, kwargs), = launches
+    case = f"{kind} True {d} {block} 2 window {window} {sinks}"
+    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case)))
 print(json.dumps(out))
 """
 
@@ -44,14 +55,14 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def compiled():
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, DQ_CASES])], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, DQ_CASES, WINDOW_CASES])], capture_output=True,
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return {r["case"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
 
 
 def test_it_compiles_to_a_loader_and_two_consumers(compiled):
-    assert len(compiled) == len(CASES) + len(DQ_CASES)
+    assert len(compiled) == len(CASES) + len(DQ_CASES) + len(WINDOW_CASES)
     for case, r in compiled.items():
         causal = case.split()[1] == "True"
         # dK/dV: Sᵀ, dPᵀ, dV, dK a step; dQ: S, dP, dQ a step, in two loops (unmasked, the diagonal's) if causal
@@ -71,6 +82,9 @@ def test_the_products_are_64_rows_by_the_tile_and_by_the_head_dim(compiled):
         for (causal, d, block, buffers) in table:
             r = compiled[f"{kind} {causal} {d} {block} {buffers}"]
             assert set(r["wgmma"]) == {f"m64n{block}k16.f32.bf16.bf16", f"m64n{d}k16.f32.bf16.bf16"}, r["wgmma"]
+    for kind, d, block, window, sinks in WINDOW_CASES:
+        r = compiled[f"{kind} True {d} {block} 2 window {window} {sinks}"]
+        assert set(r["wgmma"]) == {f"m64n{block}k16.f32.bf16.bf16", f"m64n{d}k16.f32.bf16.bf16"}, r["wgmma"]
 
 
 def test_shared_memory_fits_and_registers_spill_less_than_lesson_07s_kernel(compiled):
@@ -124,7 +138,10 @@ def test_unsupported_inputs_are_refused_in_one_sentence(change, message):
                                              (dict(block_m=128), "block_m must be one of"),
                                              (dict(dq_kernel="atomic"), "dq_kernel must be one of"),
                                              (dict(dq_block_n=32), "dq_block_n must be one of"),
-                                             (dict(num_buffers=3, dq_block_n=128), "more than Hopper's")])
+                                             (dict(num_buffers=3, dq_block_n=128), "more than Hopper's"),
+                                             (dict(window_size=256), "needs causal=True"),
+                                             (dict(causal=True, window_size=256, dq_kernel="lesson07"),
+                                              "dq_kernel='gluon'")])
 def test_unknown_options_are_refused_on_every_machine(options, message):
     q, k, v, do = _inputs()
     with pytest.raises(ValueError, match=message):
@@ -166,5 +183,24 @@ def test_the_gradients_match_float64_math_on_a_hopper_gpu(b, hq, hkv, n, d, caus
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         ref = torch.from_numpy(ref).float().cuda()
         assert got.dtype == dtype and got.shape == ref.shape, name
+        rel = (torch.linalg.vector_norm(got.float() - ref) / torch.linalg.vector_norm(ref)).item()
+        assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
+                                       "tests above stand in on a CPU")
+@pytest.mark.parametrize("n,d,window,sinks,block_m,dq_block_n", [
+    (1024, 128, 256, 0, 64, 64), (1152, 128, 200, 4, 32, 128), (768, 64, 128, 130, 64, 64)])
+def test_the_window_gradients_match_float64_math_on_a_hopper_gpu(n, d, window, sinks, block_m, dq_block_n):
+    from course_utils.kernels import flash_attention_with_lse
+
+    q, k, v, do = _inputs(1, 8, 2, n, d, torch.bfloat16, "cuda")
+    o, lse = flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
+    dq, dk, dv = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, True, window_size=window, sink_size=sinks,
+                                                  block_m=block_m, dq_block_n=dq_block_n)
+    want = references.attention_backward(*(t.double().cpu().numpy() for t in (q, k, v, do)), causal=True,
+                                         window_size=window, sink_size=sinks)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        ref = torch.from_numpy(ref).float().cuda()
         rel = (torch.linalg.vector_norm(got.float() - ref) / torch.linalg.vector_norm(ref)).item()
         assert rel < 2e-2, f"{name}: relative error {rel:.2e}"

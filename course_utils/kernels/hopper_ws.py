@@ -78,8 +78,8 @@ def _coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUS
 
 @gluon.jit
 def _window_plan(start_m, window_size, sink_size, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Under lesson 08's window (causal; ``BLOCK_M == BLOCK_N``), query block ``start_m``'s key tiles: ``ns`` sink
-    tiles (0, 1, ...), then the window's from ``lo`` to the diagonal; ``(lo, ns, n_tiles)``."""
+    """Under lesson 08's window (causal; ``BLOCK_N`` dividing ``BLOCK_M``), query block ``start_m``'s key tiles:
+    ``ns`` sink tiles (0, 1, ...), then the window's from ``lo`` to the diagonal; ``(lo, ns, n_tiles)``."""
     first = start_m * BLOCK_M - window_size + 1  # the oldest key the block's first row sees
     if first < 0:
         first = 0
@@ -87,7 +87,8 @@ def _window_plan(start_m, window_size, sink_size, BLOCK_M: gl.constexpr, BLOCK_N
     ns = (sink_size + BLOCK_N - 1) // BLOCK_N
     if ns > lo:
         ns = lo  # sink tiles the window reaches are the window's
-    return lo, ns, ns + start_m - lo + 1
+    last = (start_m * BLOCK_M + BLOCK_M - 1) // BLOCK_N  # the tile of the block's last row's own key
+    return lo, ns, ns + last - lo + 1
 
 
 @gluon.jit
@@ -413,7 +414,7 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
         whole_from = start_m * BLOCK_M + BLOCK_M - window_size  # a tile starting here or later lies in the window
         for j in range(n_tiles):
             kv_tile = _kv_tile(j, lo, ns)
-            if (j < ns) | (kv_tile == start_m) | (kv_tile * BLOCK_N < whole_from):
+            if (j < ns) | (kv_tile * BLOCK_N + BLOCK_N > start_m * BLOCK_M) | (kv_tile * BLOCK_N < whole_from):
                 m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile,
                                               m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
                                               window_size, sink_size, BLOCK_N, SCALE_BLOCK, 2, s_layout, o_layout,

@@ -22,7 +22,10 @@ One program owns 128 keys of one (batch, kv head), in three partitions:
   under ``dPᵀ``, ``dSᵀ = Pᵀ (dPᵀ - delta)``, then ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` issued together; the
   slot is released when both consumers have used it. While one consumer computes, the other's products run.
 
-:func:`attention` puts them behind autograd (with the Gluon forward or the course's). Both compiled here for sm_90
+With ``window_size`` (and ``sink_size``), lesson 08's window: a dK/dV program visits only the query tiles that
+see its keys (all of them after a block that holds sink keys), dQ the forward's tile list
+(:func:`.hopper_ws._window_plan`); both mask only the tiles that cross an edge. :func:`attention` puts them
+behind autograd (with the Gluon forward or the course's). Both compiled here for sm_90
 and checked (``tests/test_hopper_ws_bwd.py``), and run on the CPU by
 :mod:`.gluon_cpu`'s model (``tests/test_gluon_cpu.py``); not yet run on a GPU.
 """
@@ -39,7 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import gluon_cpu
 from .backward import default_config, launch_dq, launch_preprocess
-from .hopper_ws import _GL_DTYPES, _validate_device, _validate_inputs
+from .hopper_ws import _GL_DTYPES, _kv_tile, _validate_device, _validate_inputs, _validate_window, _window_plan
 from .targets import TARGETS
 
 BLOCK_N = 128  # keys per program: two consumers of 64 (wgmma's M per warpgroup)
@@ -62,25 +65,34 @@ def _query_tile(i, n_m, lo, kv_head, N, GROUP: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _loop_bounds(N, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _loop_bounds(N, window_size, sink_size, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """The key block's first key, its (batch, kv head), the first query that sees it, query blocks per head and
-    steps in all."""
+    steps in all. ``WINDOW`` (lesson 08's, causal): a block without sink keys is seen by no query
+    ``window_size`` or more past its last key."""
     start_n = gl.program_id(0) * BLOCK_N
     kv_head = gl.program_id(1)
     if CAUSAL:
         lo = start_n  # queries before the key block see none of it
     else:
         lo = start_n * 0
-    n_m = (N - lo) // BLOCK_M
+    hi = N
+    if WINDOW:
+        if start_n >= sink_size:
+            hi = start_n + BLOCK_N - 1 + window_size  # the first query past the window of the block's last key
+            if hi > N:
+                hi = N
+    n_m = (hi - lo + BLOCK_M - 1) // BLOCK_M
     return start_n, kv_head, lo, n_m, GROUP * n_m
 
 
 @gluon.jit
 def _load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars,
-                    empty_bars, N, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    CAUSAL: gl.constexpr):
+                    empty_bars, N, window_size, sink_size, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """The producer: each half's K and V once, then Q and dO tile by tile into the ring's free slots."""
-    start_n, kv_head, lo, n_m, n_steps = _loop_bounds(N, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    start_n, kv_head, lo, n_m, n_steps = _loop_bounds(N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      WINDOW)
     HALF: gl.constexpr = BLOCK_N // 2
     NB: gl.constexpr = q_smem.type.shape[0]
     for half in gl.static_range(2):
@@ -100,10 +112,12 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_
 
 @gluon.jit
 def _consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars, empty_bars,
-              lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale, N, GROUP: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+              lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale, N, window_size, sink_size, GROUP: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+              WINDOW: gl.constexpr):
     """A consumer warpgroup: keys ``HALF_IDX * 64 ...`` of the block, their ``dK`` and ``dV``."""
-    start_n, kv_head, lo, n_m, n_steps = _loop_bounds(N, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    start_n, kv_head, lo, n_m, n_steps = _loop_bounds(N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
+                                                      WINDOW)
     HALF: gl.constexpr = BLOCK_N // 2
     NB: gl.constexpr = q_smem.type.shape[0]
     # wgmma's accumulator layouts, the keys down the rows: Sᵀ and dPᵀ [64 keys, BLOCK_M queries], dK and dV
@@ -134,7 +148,11 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, d
                              use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t, ))  # Sᵀ done; dPᵀ may still run
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
-        if CAUSAL:
+        if WINDOW:  # the blocks that cross the diagonal or the window's edge: lesson 08's rule
+            if (start_m < start_n + BLOCK_N) | (start_m + BLOCK_M - 1 - start_n >= window_size):
+                d = start_m + cols[None, :] - keys[:, None]
+                p_t = gl.where((d >= 0) & ((d < window_size) | (keys[:, None] < sink_size)), p_t, 0.0)
+        elif CAUSAL:
             if start_m < start_n + BLOCK_N:  # the blocks that cross the diagonal: query i sees key j iff i >= j
                 p_t = gl.where(start_m + cols[None, :] >= keys[:, None], p_t, 0.0)
         delta = gl.load(delta_ptr + row + cols)
@@ -157,7 +175,7 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, d
 
 @gluon.jit
 def attn_bwd_dkdv_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale, N,
-                     GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     window_size, sink_size, WINDOW: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr):
     """The buffers and barriers the partitions share, then the three partitions (the first is the default)."""
@@ -179,11 +197,14 @@ def attn_bwd_dkdv_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr
     # the tuples are written out in the call (see hopper_ws.attn_fwd_ws)
     gl.warp_specialize([
         (_consumer, (0, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars, empty_bars, lse_ptr, delta_ptr,
-                     dk_ptr, dv_ptr, qk_scale, sm_scale, N, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
+                     dk_ptr, dv_ptr, qk_scale, sm_scale, N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N,
+                     HEAD_DIM, CAUSAL, WINDOW)),
         (_consumer, (1, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars, empty_bars, lse_ptr, delta_ptr,
-                     dk_ptr, dv_ptr, qk_scale, sm_scale, N, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
+                     dk_ptr, dv_ptr, qk_scale, sm_scale, N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N,
+                     HEAD_DIM, CAUSAL, WINDOW)),
         (_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars,
-                           kv_bars, empty_bars, N, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
+                           kv_bars, empty_bars, N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
+                           WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -211,10 +232,15 @@ def _dq_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, B
 
 @gluon.jit
 def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars,
-                       empty_bars, N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """The producer: each half's Q and dO once (one barrier per half), then K and V tile by tile."""
+                       empty_bars, N, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """The producer: each half's Q and dO once (one barrier per half), then K and V tile by tile (under a window,
+    the forward's tile list: :func:`.hopper_ws._window_plan`)."""
     start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    lo = 0
+    ns = 0
+    if WINDOW:
+        lo, ns, n_tiles = _window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
     HALF: gl.constexpr = BLOCK_M // 2
     NB: gl.constexpr = k_smem.type.shape[0]
     for half in gl.static_range(2):
@@ -223,18 +249,25 @@ def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem,
         tma.async_copy_global_to_shared(do_desc, [q_row + half * HALF, 0], q_bars.index(half), do_smem.index(half))
     for j in range(n_tiles):
         idx = j % NB
+        kv_tile = j
+        if WINDOW:
+            kv_tile = _kv_tile(j, lo, ns)
         mbarrier.wait(empty_bars.index(idx), ((j // NB) & 1) ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_bars.index(idx), k_smem.index(idx))
+        tma.async_copy_global_to_shared(k_desc, [kv_row + kv_tile * BLOCK_N, 0], k_bars.index(idx),
+                                        k_smem.index(idx))
         mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_bars.index(idx), v_smem.index(idx))
+        tma.async_copy_global_to_shared(v_desc, [kv_row + kv_tile * BLOCK_N, 0], v_bars.index(idx),
+                                        v_smem.index(idx))
 
 
 @gluon.jit
-def _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, dq, lse2, delta, qk_scale, rows,
-             BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
-    """Key tile ``j``: ``S = Q Kᵀ`` and ``dP = dO Vᵀ`` issued together, ``P`` under ``dP``, ``dS``, then
-    ``dQ += dS K``; the slot released."""
+def _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, kv_tile, dq, lse2, delta, qk_scale, rows,
+             window_size, sink_size, BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr,
+             op_layout: gl.constexpr):
+    """Step ``j`` of the ring, key tile ``kv_tile``: ``S = Q Kᵀ`` and ``dP = dO Vᵀ`` issued together, ``P``
+    under ``dP``, ``dS``, then ``dQ += dS K``; the slot released. ``MASK``: 0 none, 1 causal, 2 lesson 08's
+    window."""
     NB: gl.constexpr = k_smem.type.shape[0]
     M: gl.constexpr = q.type.shape[0]
     idx = j % NB
@@ -247,8 +280,12 @@ def _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, dq, lse2, del
                        use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S done; dP may still run
     p = gl.exp2(s * qk_scale - lse2[:, None])
-    if MASK:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if MASK == 2:
+        cols = kv_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        d = rows[:, None] - cols[None, :]
+        p = gl.where((d >= 0) & ((d < window_size) | (cols[None, :] < sink_size)), p, 0.0)
+    elif MASK:
+        cols = kv_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p = gl.where(rows[:, None] >= cols[None, :], p, 0.0)
     dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
     ds = gl.convert_layout((p * (dp - delta[:, None])).to(k_smem.dtype), op_layout)
@@ -260,8 +297,9 @@ def _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, dq, lse2, del
 
 @gluon.jit
 def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars,
-                 lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, N, H: gl.constexpr, GROUP: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+                 lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, N, window_size, sink_size, H: gl.constexpr,
+                 GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, their ``dQ``."""
     start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
     HALF: gl.constexpr = BLOCK_M // 2
@@ -279,12 +317,24 @@ def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars
     q = q_smem.index(HALF_IDX)
     do = do_smem.index(HALF_IDX)
     mbarrier.wait(q_bars.index(HALF_IDX), 0)
-    for j in range(n_tiles - n_masked):
-        dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, dq, lse2, delta, qk_scale, rows,
-                      BLOCK_N, False, s_layout, op_layout)
-    for j in range(n_tiles - n_masked, n_tiles):  # the diagonal's tiles (causal only)
-        dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, dq, lse2, delta, qk_scale, rows,
-                      BLOCK_N, True, s_layout, op_layout)
+    if WINDOW:  # the sink tiles, then the window's: masked where they cross its edge or the diagonal
+        lo, ns, n_tiles = _window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
+        whole_from = start_m * BLOCK_M + BLOCK_M - window_size  # a tile starting here or later lies in the window
+        for j in range(n_tiles):
+            kv_tile = _kv_tile(j, lo, ns)
+            if (j < ns) | (kv_tile * BLOCK_N + BLOCK_N > start_m * BLOCK_M) | (kv_tile * BLOCK_N < whole_from):
+                dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, kv_tile, dq, lse2, delta,
+                              qk_scale, rows, window_size, sink_size, BLOCK_N, 2, s_layout, op_layout)
+            else:
+                dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, kv_tile, dq, lse2, delta,
+                              qk_scale, rows, window_size, sink_size, BLOCK_N, 0, s_layout, op_layout)
+    else:
+        for j in range(n_tiles - n_masked):
+            dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, j, dq, lse2, delta, qk_scale, rows,
+                          0, 0, BLOCK_N, False, s_layout, op_layout)
+        for j in range(n_tiles - n_masked, n_tiles):  # the diagonal's tiles (causal only)
+            dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, j, dq, lse2, delta, qk_scale, rows,
+                          0, 0, BLOCK_N, True, s_layout, op_layout)
     out_rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
     gl.store(dq_ptr + out_rows[:, None].to(gl.int64) * HEAD_DIM + d[None, :],
@@ -293,7 +343,7 @@ def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars
 
 @gluon.jit
 def attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, N,
-                   H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   window_size, sink_size, WINDOW: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """dQ's buffers and barriers, then its three partitions (the forward's shape: :func:`.hopper_ws.attn_fwd_ws`)."""
@@ -314,15 +364,18 @@ def attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, 
         mbarrier.init(empty_bars.index(i), count=2)  # both consumers release a slot
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, lse_ptr, delta_ptr,
-                        dq_ptr, qk_scale, sm_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
+                        dq_ptr, qk_scale, sm_scale, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
+                        CAUSAL, WINDOW)),
         (_dq_consumer, (1, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, lse_ptr, delta_ptr,
-                        dq_ptr, qk_scale, sm_scale, N, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
+                        dq_ptr, qk_scale, sm_scale, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
+                        CAUSAL, WINDOW)),
         (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars,
-                              v_bars, empty_bars, N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
+                              v_bars, empty_bars, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
+                              WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n=64):
+def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n=64, window_size=None, sink_size=0):
     """``dq`` by :func:`attn_bwd_dq_ws` for validated inputs (``tests/`` compile it from CPU tensors)."""
     b, h, n, d = q.shape
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
@@ -336,7 +389,8 @@ def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n
     k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d], kv_layout)
     attn_bwd_dq_ws[(n // DQ_BLOCK_M, b * h)](
-        q_desc, do_desc, k_desc, v_desc, lse, delta, dq, sm_scale * LOG2E, sm_scale, n, h, h // k.shape[1],
+        q_desc, do_desc, k_desc, v_desc, lse, delta, dq, sm_scale * LOG2E, sm_scale, n,
+        0 if window_size is None else int(window_size), int(sink_size), window_size is not None, h, h // k.shape[1],
         DQ_BLOCK_M, block_n, d, num_buffers, causal, CONSUMER_REGS, LOADER_REGS, num_warps=4, maxnreg=MAXNREG)
     return dq
 
@@ -361,7 +415,8 @@ def _validate_dq_shared(head_dim, num_buffers, dq_block_n) -> None:
                          f"{TARGETS[90][1] // 1024} KiB: take 2 buffers or 64-key tiles")
 
 
-def _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_m=64):
+def _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_m=64, window_size=None,
+                 sink_size=0):
     """``(dk, dv)`` by :func:`attn_bwd_dkdv_ws` for validated inputs (``tests/`` compile it from CPU tensors).
 
     ``lse`` (natural log) and ``delta`` float32 ``[B, H, N]``."""
@@ -379,13 +434,15 @@ def _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block
     k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [BLOCK_N // 2, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N // 2, d], kv_layout)
     attn_bwd_dkdv_ws[(n // BLOCK_N, b * h_kv)](
-        q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, n, h // h_kv, block_m,
+        q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, n,
+        0 if window_size is None else int(window_size), int(sink_size), window_size is not None, h // h_kv, block_m,
         BLOCK_N, d, num_buffers, causal, CONSUMER_REGS, LOADER_REGS, num_warps=4, maxnreg=MAXNREG)
     return dk, dv
 
 
 def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: float | None = None, *,
-                       num_buffers: int = 2, block_m: int = 64, dq_kernel: str = "gluon", dq_block_n: int = 64):
+                       window_size: int | None = None, sink_size: int = 0, num_buffers: int = 2, block_m: int = 64,
+                       dq_kernel: str = "gluon", dq_block_n: int = 64):
     """``(dq, dk, dv)`` of attention on a Hopper GPU: lesson 07's ``delta`` kernel, ``dK, dV`` by
     :func:`attn_bwd_dkdv_ws`, ``dQ`` by :func:`attn_bwd_dq_ws` (``dq_kernel="gluon"``) or lesson 07's kernel
     (``"lesson07"``). The arguments are :func:`.backward.attention_backward`'s (``o`` and ``lse`` from the
@@ -393,13 +450,17 @@ def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: floa
 
     bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA. ``num_buffers``: tiles in flight in either
     kernel (2 or 3); ``block_m``: dK/dV's query rows per tile (32 or 64); ``dq_block_n``: dQ's keys per tile (64
-    or 128). Not yet run on a GPU.
+    or 128). ``window_size``, ``sink_size`` (with ``causal``): lesson 08's window, each kernel visiting only the
+    tiles it needs (``dq_kernel="gluon"`` only). Not yet run on a GPU.
     """
     _validate_inputs(q, k, v)
     if do.shape != q.shape or o.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
         raise ValueError(f"o and do must be q's shape {tuple(q.shape)} and lse [B, H, N] (got o {tuple(o.shape)}, "
                          f"do {tuple(do.shape)}, lse {tuple(lse.shape)})")
     _validate_options(num_buffers, block_m, dq_kernel, dq_block_n)
+    _validate_window(causal, window_size, sink_size, "serial")
+    if window_size is not None and dq_kernel != "gluon":
+        raise ValueError("a window runs with dq_kernel='gluon'")
     if dq_kernel == "gluon":
         _validate_dq_shared(q.shape[-1], num_buffers, dq_block_n)
     _validate_device(q)
@@ -408,9 +469,10 @@ def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: floa
     delta = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
     launch_preprocess(o, do, delta, 64)
     lse = lse.float().contiguous()
-    dk, dv = _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, block_m)
+    dk, dv = _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, block_m, window_size, sink_size)
     if dq_kernel == "gluon":
-        return _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, dq_block_n), dk, dv
+        return _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, dq_block_n, window_size,
+                          sink_size), dk, dv
     dq = torch.empty_like(q)
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
     launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, default_config(d, q.device.type, capability, q.dtype))
@@ -429,14 +491,15 @@ class GluonAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, forward, options):
+        window = {key: options[key] for key in ("window_size", "sink_size") if key in options}
         if forward == "gluon":
             from .hopper_ws import attention as gluon_forward
 
-            o, lse = gluon_forward(q, k, v, causal)
+            o, lse = gluon_forward(q, k, v, causal, **window)
         else:
             from .dispatch import launch_forward
 
-            o, lse = launch_forward(q, k, v, causal)
+            o, lse = launch_forward(q, k, v, causal, **window)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.options = causal, options
         return o
@@ -460,5 +523,6 @@ def attention(q, k, v, causal: bool = False, *, forward: str = "gluon", **option
     _validate_inputs(q, k, v)
     _validate_options(options.get("num_buffers", 2), options.get("block_m", 64), options.get("dq_kernel", "gluon"),
                       options.get("dq_block_n", 64))
+    _validate_window(causal, options.get("window_size"), options.get("sink_size", 0), "serial")
     _validate_device(q)
     return GluonAttentionFunction.apply(q, k, v, causal, forward, options)
