@@ -45,6 +45,8 @@ VARIANTS = [dict(num_buffers=2, loop="serial", fma=False), dict(num_buffers=2, l
             dict(num_buffers=2, loop="overlap", fma=False), dict(num_buffers=2, loop="overlap_pingpong", fma=False),
             dict(num_buffers=2, loop="overlap", fma=True), dict(num_buffers=2, loop="pingpong", fma=False),
             dict(num_buffers=2, loop="pingpong", fma=True), dict(num_buffers=2, loop="serial", fma=True),
+            dict(num_buffers=2, loop="serial", fma=False, persistent=True),
+            dict(num_buffers=2, loop="pingpong", fma=True, persistent=True),
             dict(num_buffers=2, loop="pipelined", fma=False),  # the most promising first: a run may be cut short
             dict(kind="fp8", num_buffers=2, loop="serial"), dict(kind="fp8", num_buffers=2, loop="overlap_pingpong"),
             dict(kind="fp8", num_buffers=2, loop="overlap"),
@@ -128,7 +130,8 @@ def _forward_case(mode, b, h, h_kv, n, causal, variant) -> dict:
         ref, lse_ref = _reference(*(fp8.dequantize_fp8(x, s) for x, s in ((q8, qs), (k8, ks), (v8, vs))), causal)
     else:
         run = lambda: hopper_ws.attention(q, k, v, causal, num_buffers=variant["num_buffers"],  # noqa: E731
-                                          loop=variant["loop"], fma=variant["fma"])
+                                          loop=variant["loop"], fma=variant["fma"],
+                                          persistent=variant.get("persistent", False))
         course = lambda: kernels.flash_attention(q, k, v, causal)  # noqa: E731
         ref, lse_ref = _reference(q, k, v, causal)
     o, lse = run()

@@ -82,6 +82,20 @@ def test_the_window_visits_its_tiles_and_masks_their_edges(window, sinks, n, d, 
     assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("causal,d,loop,n_programs,n", [
+    (True, 64, "serial", 3, 512), (False, 64, "pingpong", 2, 384), (True, 128, "pingpong", 5, 640),
+    (True, 64, "serial", 64, 256)])  # more programs than work tiles
+def test_the_persistent_grid_walks_every_work_tile_once(causal, d, loop, n_programs, n):
+    """Programs of several work tiles each: two Q buffers in turn, the ring's position running on across tiles."""
+    g = torch.Generator().manual_seed(n + n_programs)
+    q, k, v = (torch.randn(2, h, n, d, generator=g).bfloat16() for h in (4, 2, 2))
+    with gluon_cpu.running(seed=n_programs):
+        o, lse = hopper_ws._launch_persistent(q, k, v, causal, 1 / math.sqrt(d), 2, loop, False, n_programs)
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=causal)
+    assert _rel(o, ro) < 1e-2, _rel(o, ro)
+    assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
 def _backward(module, causal, d, block_m, buffers, dq_block_n, n=384, seed=0, window_size=None, sink_size=0):
     g = torch.Generator().manual_seed(n + d + block_m)
     q, do = (torch.randn(1, 4, n, d, generator=g).bfloat16() for _ in range(2))
@@ -118,7 +132,7 @@ def test_the_backwards_kernels_under_a_window(window, sinks, n, d, block_m, dq_b
 # -- what the model catches: planted mistakes in copies of the kernels' source ------------------------------------
 def _planted(tmp_path, module, old, new, name):
     src = open(module.__file__).read()
-    assert src.count(old) >= 1, old
+    assert src.count(old) == 1, old  # one place, the one meant
     return module_from_source(tmp_path / f"{name}.py", src.replace(old, new), name=f"course_utils.kernels.{name}")
 
 
@@ -132,8 +146,8 @@ def test_a_loader_that_waits_for_the_phase_itself_deadlocks(tmp_path):
 
 
 def test_a_copy_its_barrier_was_not_told_of_is_refused(tmp_path):
-    planted = _planted(tmp_path, hopper_ws, "        mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)\n",
-                       "", "planted_ws_expect")
+    planted = _planted(tmp_path, hopper_ws, "        mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)\n"
+                       "        if V_T:", "        if V_T:", "planted_ws_expect")
     with pytest.raises(RuntimeError, match="more bytes than its barrier expected"):
         _forward(planted, False, 64)
 

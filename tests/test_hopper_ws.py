@@ -29,11 +29,12 @@ FP8_CASES = [(True, 128, "serial", 2), (False, 128, "pingpong", 3), (True, 128, 
 # lesson 08's window (causal): D, loop, window_size, sink_size, FP8
 WINDOW_CASES = [(128, "serial", 1024, 4, False), (128, "pingpong", 256, 0, False), (64, "serial", 4096, 4, False),
                 (128, "serial", 1024, 4, True)]
+PERSISTENT_CASES = [(True, 128, "serial"), (False, 128, "pingpong")]  # the persistent grid: causal, D, loop
 
 SCRIPT = r"""
 import json, sys, torch
 from course_utils.kernels import hopper_ws, targets
-cases, fp8_cases, window_cases = json.loads(sys.argv[1])
+cases, fp8_cases, window_cases, persistent_cases = json.loads(sys.argv[1])
 launches_of = []
 for causal, d, loop, fma, buffers in cases:
     q = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16)
@@ -54,6 +55,12 @@ for d, loop, window, sinks, fp8 in window_cases:
     launches_of.append(((q, k, v, True, 0.1, 2, loop, fp8, scales, 128, window, sinks),
                         f"window {d} {loop} {window} {sinks} {fp8}"))
 out = []
+for causal, d, loop in persistent_cases:
+    q, k = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16), torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
+    with targets._captured_launches() as launches:
+        hopper_ws._launch_persistent(q, k, k, causal, 0.1, 2, loop, False, 132)
+    (kernel, args, kwargs), = launches
+    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"persistent {causal} {d} {loop}")))
 for args, case in launches_of:
     with targets._captured_launches() as launches:
         hopper_ws._launch(*args)
@@ -67,14 +74,14 @@ print(json.dumps(out))
 def compiled():
     # Triton's compiler (not the interpreter), no GPU in sight: the machine code for sm_90
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, FP8_CASES, WINDOW_CASES])], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, FP8_CASES, WINDOW_CASES, PERSISTENT_CASES])], capture_output=True, text=True, env=env,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_it_compiles_to_a_loader_and_two_consumers(compiled):
-    assert len(compiled) == len(CASES) + len(FP8_CASES) + len(WINDOW_CASES)
+    assert len(compiled) == len(CASES) + len(FP8_CASES) + len(WINDOW_CASES) + len(PERSISTENT_CASES)
     for r in compiled:
         assert r["num_warps"] == 12, r  # 4 + 4 + the loader's warp, in warpgroups
         names = [p[0] for p in r["partitions"]]
@@ -147,7 +154,9 @@ def test_without_a_hopper_gpu_it_says_why():
                                              (dict(causal=True, window_size=256, sink_size=-1), "non-negative"),
                                              (dict(causal=True, sink_size=4), "needs a window_size"),
                                              (dict(causal=True, window_size=256, loop="overlap"),
-                                              "a window runs with loop in")])
+                                              "a window runs with loop in"),
+                                             (dict(persistent=True, loop="overlap"), "persistent grid runs loop"),
+                                             (dict(persistent=True, num_buffers=3), "take 2 buffers")])
 def test_unknown_options_are_refused_on_every_machine(options, message):
     q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
@@ -263,6 +272,20 @@ def test_the_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n,
     ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True,
                                       window_size=window, sink_size=sinks)
     ro, rl = torch.from_numpy(ro).float().cuda(), torch.from_numpy(rl).float().cuda()
+    rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
+    assert rel < 1e-2, f"relative error of o: {rel:.2e}"
+    assert (lse - rl).abs().max().item() < 1e-2
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
+                                       "tests above stand in on a CPU")
+@pytest.mark.parametrize("b,hq,hkv,n,d,causal,loop", [
+    (2, 8, 2, 1024, 128, True, "serial"), (1, 32, 8, 2048, 128, False, "pingpong"), (1, 4, 4, 384, 64, True, "serial")])
+def test_the_persistent_grid_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal, loop):
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+    o, lse = hopper_ws.attention(q, k, v, causal, loop=loop, persistent=True)
+    ro, rl = _reference(q, k, v, causal)
     rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
     assert rel < 1e-2, f"relative error of o: {rel:.2e}"
     assert (lse - rl).abs().max().item() < 1e-2

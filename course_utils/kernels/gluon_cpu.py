@@ -357,6 +357,7 @@ class _Smem:
 class _State(threading.local):
     machine = None
     program = (0, 0, 0)
+    grid = (1, 1, 1)
 
 
 _STATE = _State()
@@ -374,6 +375,7 @@ def _gl_namespace():
                  "BlockedLayout", "SwizzledSharedLayout"):
         setattr(gl, name, _Layout)
     gl.program_id = lambda axis: _STATE.program[axis]
+    gl.num_programs = lambda axis: _STATE.grid[axis]
     gl.static_range = range
     gl.zeros = lambda shape, dtype, layout=None: _Tensor(torch.zeros(list(shape), dtype=dtype.torch))
     gl.full = lambda shape, value, dtype, layout=None: _Tensor(torch.full(list(shape), value, dtype=dtype.torch))
@@ -540,12 +542,12 @@ def _convert(jit_fn, memo):
 def _warp_specialize(partitions, warps, regs):
     """Each partition in a thread of its own; the first (the default partition) too."""
     machine = _machine()
-    program = _STATE.program
+    program, grid = _STATE.program, _STATE.grid
     machine.threads = len(partitions)
     errors = []
 
     def run(fn, args):
-        _STATE.program = program
+        _STATE.program, _STATE.grid = program, grid
         try:
             with torch.no_grad():  # grad mode is per thread; a kernel's stores are never recorded
                 fn(*args)
@@ -579,7 +581,8 @@ def run_kernel(jit_fn, grid, args, seed=0, linger=0.0):
     """Run ``jit_fn``'s Python over ``grid`` with the model (programs one after another, each a new machine)."""
     fn = _convert(jit_fn, {})
     rng = random.Random(seed)
-    grid = tuple(grid) + (1,) * (3 - len(grid))
+    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    _STATE.grid = grid
     args = [_wrap(a) for a in args]
     for z in range(grid[2]):
         for y in range(grid[1]):

@@ -35,6 +35,11 @@ rate, the tiles half the shared memory): V handed over transposed (FP8 ``wgmma``
 ``kernels.quantize_fp8`` folded as in ``fp8.launch_fp8_hopper`` (one FMA per score, P as ``256 p`` in e4m3, the
 accumulator in units of the tile's ``v_scale``). Compiled here, not yet run on a GPU.
 
+``attention(..., persistent=True)`` runs :func:`attn_fwd_ws_persistent`: one program per SM walking the work
+tiles longest first, two Q buffers so that the next tile's Q lands while this one runs, the K/V ring's position
+running on across tiles (compiled with no spills, 192 KiB of shared memory at D = 128; run on the CPU by
+:mod:`.gluon_cpu`, not yet on a GPU).
+
 On a CPU Triton cannot run it (Gluon has no interpreter): ``tests/test_hopper_ws.py`` compiles it for sm_90
 there, and :mod:`.gluon_cpu` runs its Python with a model of the barriers, copies and products
 (``tests/test_gluon_cpu.py``); on a Hopper GPU ``tests/test_hopper_ws.py`` runs it.
@@ -492,6 +497,162 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, 
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+# -----------------------------------------------------------------------------
+# Persistent: one program per SM walking the (query block, head) tiles
+# -----------------------------------------------------------------------------
+@gluon.jit
+def _work_tile(tile, N, BH, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work tile ``tile`` of the persistent grid: the longest query blocks of every head first (under the causal
+    mask, a greedy longest-first order over the programs), then as :func:`_coords`."""
+    n_m = N // BLOCK_M
+    start_m = n_m - 1 - tile // BH
+    off_hz = tile % BH
+    kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N  # q_head -> kv_head
+    q_row = off_hz * N + start_m * BLOCK_M
+    if CAUSAL:
+        n_tiles = start_m + 1
+    else:
+        n_tiles = n_m
+    return start_m, q_row, kv_row, n_tiles
+
+
+@gluon.jit
+def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
+                       N, BH, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+    """The producer of the persistent grid: per work tile, Q's two halves into the tile's Q buffer (two buffers,
+    so the next tile's Q lands while this one runs), then its K/V tiles into the ring, whose position runs on
+    across work tiles."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    NB: gl.constexpr = k_smem.type.shape[0]
+    step = 0
+    t = 0
+    for tile in range(gl.program_id(0), (N // BLOCK_M) * BH, gl.num_programs(0)):
+        start_m, q_row, kv_row, n_tiles = _work_tile(tile, N, BH, H, GROUP, BLOCK_M, CAUSAL)
+        buf = t % 2
+        for half in gl.static_range(2):
+            slot = buf * 2 + half
+            mbarrier.wait(q_empty.index(slot), ((t // 2) & 1) ^ 1)  # the consumer of 2 tiles ago is done with it
+            mbarrier.expect(q_bars.index(slot), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + half * HALF, 0], q_bars.index(slot), q_smem.index(slot))
+        for j in range(n_tiles):
+            idx = (step + j) % NB
+            mbarrier.wait(empty_bars.index(idx), (((step + j) // NB) & 1) ^ 1)
+            mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_bars.index(idx), k_smem.index(idx))
+            mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_bars.index(idx), v_smem.index(idx))
+        step += n_tiles
+        t += 1
+
+
+@gluon.jit
+def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
+                         turn_bars, o_ptr, lse_ptr, qk_scale, N, BH, H: gl.constexpr, GROUP: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                         LOOP: gl.constexpr, FMA: gl.constexpr):
+    """A consumer of the persistent grid: its 64 rows of each work tile (as :func:`_consumer`'s serial and
+    ping-pong loops, the ring's position running on), releasing the tile's Q half after its last ``Q Kᵀ``."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    ROW0: gl.constexpr = HALF_IDX * HALF
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    one = gl.to_tensor(1.0)  # no V scales in 16 bits
+    step = 0
+    t = 0
+    for tile in range(gl.program_id(0), (N // BLOCK_M) * BH, gl.num_programs(0)):
+        start_m, q_row, kv_row, n_tiles = _work_tile(tile, N, BH, H, GROUP, BLOCK_M, CAUSAL)
+        slot = (t % 2) * 2 + HALF_IDX
+        rows = start_m * BLOCK_M + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+        m_i = gl.full([HALF], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        q = q_smem.index(slot)
+        mbarrier.wait(q_bars.index(slot), (t // 2) & 1)
+        n_full = n_tiles
+        if CAUSAL:
+            n_full = n_tiles - 1  # the diagonal tile, masked, after the loop
+        for j in range(n_full):
+            m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, j, m_i, l_i,
+                                     acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, 0, 0, BLOCK_N, BLOCK_N, False,
+                                     s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
+        if CAUSAL:
+            m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + n_full, n_full,
+                                     m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, 0, 0, BLOCK_N, BLOCK_N,
+                                     True, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
+        mbarrier.arrive(q_empty.index(slot), count=1)  # the tile's products have completed: its Q half is free
+        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        o_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        gl.store(o_ptr + o_rows[:, None].to(gl.int64) * HEAD_DIM + cols[None, :], acc.to(o_ptr.dtype.element_ty))
+        lse_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+        gl.store(lse_ptr + lse_rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+        step += n_tiles
+        t += 1
+
+
+@gluon.jit
+def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, BH, H: gl.constexpr,
+                           GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
+    """:func:`attn_fwd_ws` as a persistent grid (16-bit, serial or ping-pong): two Q buffers of two halves each,
+    with a ready and an empty barrier per half-buffer, and the K/V ring."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, HALF, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):
+        mbarrier.init(q_bars.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)  # one consumer uses each half
+    for i in gl.static_range(2):
+        mbarrier.init(turn_bars.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)
+    gl.warp_specialize([
+        (_persistent_consumer, (0, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+                                o_ptr, lse_ptr, qk_scale, N, BH, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP,
+                                FMA)),
+        (_persistent_consumer, (1, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
+                                o_ptr, lse_ptr, qk_scale, N, BH, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP,
+                                FMA)),
+        (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars,
+                              empty_bars, N, BH, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, n_programs=None):
+    """:func:`attn_fwd_ws_persistent` for validated 16-bit inputs: ``n_programs`` (default one per SM) walk the
+    ``N / 128 * B * H`` work tiles."""
+    b, h, n, d = q.shape
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    o = torch.empty_like(q)
+    lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
+    dtype = _GL_DTYPES[q.dtype]
+    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, d], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
+    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [BLOCK_M // 2, d], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [BLOCK_N, d], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N, d], kv_layout)
+    work = n // BLOCK_M * b * h
+    if n_programs is None:
+        n_programs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    attn_fwd_ws_persistent[(max(1, min(int(n_programs), work)), )](
+        q_desc, k_desc, v_desc, o, lse, sm_scale * LOG2E, n, b * h, h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
+        num_buffers, causal, CONSUMER_REGS, LOADER_REGS, loop, fma, num_warps=4, maxnreg=MAXNREG)
+    return o, lse
+
+
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 _FP8 = torch.float8_e4m3fn
 
@@ -619,8 +780,22 @@ def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, sc
 LOOPS = ("serial", "pipelined", "pingpong", "overlap", "overlap_pingpong")
 
 
+def _validate_persistent(q, num_buffers, loop, window_size) -> None:
+    """The persistent grid's cover: the serial and ping-pong loops, no window, its tiles in shared memory."""
+    if loop not in WINDOW_LOOPS:
+        raise ValueError(f"the persistent grid runs loop in {WINDOW_LOOPS} (got {loop!r})")
+    if window_size is not None:
+        raise ValueError("the persistent grid takes no window")
+    d = q.shape[-1]
+    tiles = 2 * (4 * (BLOCK_M // 2) * d + 2 * num_buffers * BLOCK_N * d)  # two Q buffers of two halves, the ring
+    if tiles > 232448:  # Hopper's 227 KiB (kernels.targets.TARGETS[90])
+        raise ValueError(f"the persistent grid's tiles need {tiles // 1024} KiB of shared memory at D = {d} with "
+                         f"num_buffers={num_buffers}, more than Hopper's 227 KiB: take 2 buffers")
+
+
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, window_size: int | None = None,
-              sink_size: int = 0, num_buffers: int = 2, loop: str = "serial", fma: bool = False):
+              sink_size: int = 0, num_buffers: int = 2, loop: str = "serial", fma: bool = False,
+              persistent: bool = False):
     """``(o, lse)`` of attention over ``q`` ``[B, H, N, D]`` and ``k``, ``v`` ``[B, H_kv, N, D]`` on a Hopper GPU.
 
     bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA; ``lse`` float32 ``[B, H, N]`` (natural log).
@@ -632,12 +807,19 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
     (not yet run on a GPU). ``window_size`` (with ``causal``, ``loop`` ``"serial"`` or ``"pingpong"``): lesson
     08's window, key ``j`` visible from query ``i`` iff ``j <= i`` and (``i - j < window_size`` or ``j <
     sink_size``); each program visits only its sink tiles and the window's (not yet run on a GPU).
+    ``persistent``: one program per SM walks the (query block, head) tiles, the longest first, the next tile's Q
+    loading while this one runs (:func:`attn_fwd_ws_persistent`; serial or ping-pong, no window; not yet run on
+    a GPU).
     """
     _validate_inputs(q, k, v)
     _validate_options(num_buffers, loop, False)
     _validate_window(causal, window_size, sink_size, loop)
+    if persistent:
+        _validate_persistent(q, num_buffers, loop, window_size)
     _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if persistent:
+        return _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop, fma)
     return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size)
 
 
