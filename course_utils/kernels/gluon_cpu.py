@@ -603,7 +603,7 @@ def _wrap(a):
 def running(seed: int = 0, host_modules=None, linger: float = 0.0):
     """Within the block, Gluon launches run their Python on the CPU with the model (other launches as usual).
 
-    ``host_modules`` (default: those named in :data:`HOST_MODULES`): the modules whose host code builds
+    ``host_modules`` (besides those named in :data:`HOST_MODULES`): the modules whose host code builds
     descriptors and layouts; their ``TensorDescriptor`` and ``gl`` are the model's within the block. ``seed``
     orders the copies' landings (the threads' own interleaving varies from run to run as well). ``linger``
     (seconds): each arriving thread pauses that long after its arrival, so that the partition it released
@@ -611,8 +611,9 @@ def running(seed: int = 0, host_modules=None, linger: float = 0.0):
     (:class:`RaceError`) rather than left to the threads' timing."""
     from triton.runtime.jit import JITFunction
 
-    if host_modules is None:
-        host_modules = [sys.modules[name] for name in HOST_MODULES if name in sys.modules]
+    registered = [sys.modules[name] for name in HOST_MODULES if name in sys.modules]
+    host_modules = [m for m in dict.fromkeys(list(host_modules or ()) + registered)  # given and registered ones
+                    if hasattr(m, "TensorDescriptor")]  # that build descriptors themselves
     original = JITFunction.run
     saved = [(m, m.TensorDescriptor, m.gl) for m in host_modules]
     host_gl = types.SimpleNamespace(**vars(_names()["gl"]))

@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import gluon_cpu  # imports nothing of this module at import time
+from .targets import TARGETS
 
 BLOCK_M = 128  # query rows per program: two consumers of 64 (wgmma's M per warpgroup)
 BLOCK_N = 128  # keys per K/V tile
@@ -67,17 +68,24 @@ gluon_cpu.host_module(__name__)  # its descriptors and layouts, under gluon_cpu.
 
 
 @gluon.jit
-def _coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """This program's query block, its first row of q (and o) and of its kv head in k and v, and its tile count."""
-    n_m = N // BLOCK_M
-    start_m = n_m - 1 - gl.program_id(0)  # the longest rows first under the causal mask
-    off_hz = gl.program_id(1)
+def _block_rows(start_m, off_hz, N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                CAUSAL: gl.constexpr):
+    """Query block ``start_m`` of (batch, query head) ``off_hz``: its first row of q (and o) and its kv head's
+    first row of k and v, in the 2-D views, and its key tiles (``BLOCK_M == BLOCK_N``)."""
     kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N  # q_head -> kv_head
     q_row = off_hz * N + start_m * BLOCK_M
     if CAUSAL:
-        n_tiles = start_m + 1  # BLOCK_M == BLOCK_N: the last tile holds the diagonal
+        n_tiles = start_m + 1  # the last tile holds the diagonal
     else:
-        n_tiles = n_m
+        n_tiles = N // BLOCK_M
+    return q_row, kv_row, n_tiles
+
+
+@gluon.jit
+def _coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """This program's query block (the longest rows first under the causal mask), then :func:`_block_rows`."""
+    start_m = N // BLOCK_M - 1 - gl.program_id(0)
+    q_row, kv_row, n_tiles = _block_rows(start_m, gl.program_id(1), N, H, GROUP, BLOCK_M, CAUSAL)
     return start_m, q_row, kv_row, n_tiles
 
 
@@ -448,11 +456,20 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     else:
         acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         lse2 = m_i + gl.log2(l_i)
-    o_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    _store_rows(o_ptr, lse_ptr, acc, lse2, q_row + ROW0, s_layout, o_layout)
+
+
+@gluon.jit
+def _store_rows(o_ptr, lse_ptr, acc, lse2, row0, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """A consumer's epilogue: its rows of ``o`` (``acc``, normalised) and of ``lse`` (``lse2`` in base 2, stored
+    in natural log as the course's ``lse``), from row ``row0`` of the 2-D views."""
+    M: gl.constexpr = acc.type.shape[0]
+    HEAD_DIM: gl.constexpr = acc.type.shape[1]
+    o_rows = row0 + gl.arange(0, M, layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     gl.store(o_ptr + o_rows[:, None].to(gl.int64) * HEAD_DIM + cols[None, :], acc.to(o_ptr.dtype.element_ty))
-    lse_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + lse_rows, lse2 * 0.6931471805599453)  # natural log, as the course's lse
+    lse_rows = row0 + gl.arange(0, M, layout=gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + lse_rows, lse2 * 0.6931471805599453)
 
 
 @gluon.jit
@@ -503,16 +520,9 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, 
 @gluon.jit
 def _work_tile(tile, N, BH, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
     """Work tile ``tile`` of the persistent grid: the longest query blocks of every head first (under the causal
-    mask, a greedy longest-first order over the programs), then as :func:`_coords`."""
-    n_m = N // BLOCK_M
-    start_m = n_m - 1 - tile // BH
-    off_hz = tile % BH
-    kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N  # q_head -> kv_head
-    q_row = off_hz * N + start_m * BLOCK_M
-    if CAUSAL:
-        n_tiles = start_m + 1
-    else:
-        n_tiles = n_m
+    mask, a greedy longest-first order over the programs), then :func:`_block_rows`."""
+    start_m = N // BLOCK_M - 1 - tile // BH
+    q_row, kv_row, n_tiles = _block_rows(start_m, tile % BH, N, H, GROUP, BLOCK_M, CAUSAL)
     return start_m, q_row, kv_row, n_tiles
 
 
@@ -584,11 +594,7 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
                                      True, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
         mbarrier.arrive(q_empty.index(slot), count=1)  # the tile's products have completed: its Q half is free
         acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        o_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        gl.store(o_ptr + o_rows[:, None].to(gl.int64) * HEAD_DIM + cols[None, :], acc.to(o_ptr.dtype.element_ty))
-        lse_rows = q_row + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + lse_rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+        _store_rows(o_ptr, lse_ptr, acc, m_i + gl.log2(l_i), q_row + ROW0, s_layout, o_layout)
         step += n_tiles
         t += 1
 
@@ -638,12 +644,8 @@ def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fm
     q, k, v = (t.contiguous() for t in (q, k, v))
     o = torch.empty_like(q)
     lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
-    dtype = _GL_DTYPES[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, d], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [BLOCK_M // 2, d], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [BLOCK_N, d], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N, d], kv_layout)
+    q_desc, k_desc, v_desc = (_descriptor(t.view(-1, d), [rows, d])
+                              for t, rows in ((q, BLOCK_M // 2), (k, BLOCK_N), (v, BLOCK_N)))
     work = n // BLOCK_M * b * h
     if n_programs is None:
         n_programs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
@@ -655,6 +657,11 @@ def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fm
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 _FP8 = torch.float8_e4m3fn
+
+
+def _descriptor(t2d, box):
+    """A TMA descriptor over the 2-D tensor ``t2d`` with boxes ``box``, in wgmma's default swizzled layout."""
+    return TensorDescriptor.from_tensor(t2d, box, gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t2d.dtype]))
 
 
 def _validate_inputs(q, k, v) -> None:
@@ -753,19 +760,15 @@ def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, sc
     q, k, v = (t.contiguous() for t in (q, k, v))
     o = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if fp8 else q.dtype)
     lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
-    dtype = _GL_DTYPES[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, d], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, d], dtype)
     # rows of all heads in one 2-D view: N is a multiple of the boxes, so no box crosses into the next head
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [BLOCK_M // 2, d], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [BLOCK_N, d], kv_layout)
+    q_desc = _descriptor(q.view(-1, d), [BLOCK_M // 2, d])
+    k_desc = _descriptor(k.view(-1, d), [BLOCK_N, d])
     if fp8:  # V^T [B * H_kv * D, N]: a tile is D rows of BLOCK_N keys, the keys contiguous
-        vt_layout = gl.NVMMASharedLayout.get_default_for([d, BLOCK_N], dtype)
-        v_desc = TensorDescriptor.from_tensor(v.view(-1, n), [d, BLOCK_N], vt_layout)
+        v_desc = _descriptor(v.view(-1, n), [d, BLOCK_N])
         qs, ks, vs = (s.contiguous() for s in scales)
         n_sb = qs.shape[-1]
     else:
-        v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N, d], kv_layout)
+        v_desc = _descriptor(v.view(-1, d), [BLOCK_N, d])
         qs = ks = vs = lse  # not read
         n_sb = 1
     grid = (n // BLOCK_M, b * h)
@@ -788,9 +791,10 @@ def _validate_persistent(q, num_buffers, loop, window_size) -> None:
         raise ValueError("the persistent grid takes no window")
     d = q.shape[-1]
     tiles = 2 * (4 * (BLOCK_M // 2) * d + 2 * num_buffers * BLOCK_N * d)  # two Q buffers of two halves, the ring
-    if tiles > 232448:  # Hopper's 227 KiB (kernels.targets.TARGETS[90])
+    if tiles > TARGETS[90][1]:
         raise ValueError(f"the persistent grid's tiles need {tiles // 1024} KiB of shared memory at D = {d} with "
-                         f"num_buffers={num_buffers}, more than Hopper's 227 KiB: take 2 buffers")
+                         f"num_buffers={num_buffers}, more than Hopper's {TARGETS[90][1] // 1024} KiB: take 2 "
+                         "buffers")
 
 
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, window_size: int | None = None,

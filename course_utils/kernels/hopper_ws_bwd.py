@@ -38,11 +38,10 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import gluon_cpu
 from .backward import default_config, launch_dq, launch_preprocess
-from .hopper_ws import _GL_DTYPES, _kv_tile, _validate_device, _validate_inputs, _validate_window, _window_plan
+from .hopper_ws import (_coords, _descriptor, _kv_tile, _validate_device, _validate_inputs, _validate_window,
+                        _window_plan)
 from .targets import TARGETS
 
 BLOCK_N = 128  # keys per program: two consumers of 64 (wgmma's M per warpgroup)
@@ -52,7 +51,6 @@ DQ_BLOCK_NS = (64, 128)  # dQ: keys per tile
 DQ_KERNELS = ("gluon", "lesson07")
 CONSUMER_REGS, LOADER_REGS, MAXNREG = 240, 24, 168  # 3 warpgroups x 168 = 240 + 240 + 24: one program per SM
 LOG2E = 1.4426950408889634
-gluon_cpu.host_module(__name__)  # its descriptors and layouts, under gluon_cpu.running()
 
 
 @gluon.jit
@@ -216,11 +214,7 @@ def _dq_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, B
                CAUSAL: gl.constexpr):
     """This program's query block, its first row of q (do, lse, delta, dq) and of its kv head, its key tiles,
     and how many of them (the last ones) cross the diagonal under the causal mask."""
-    n_m = N // BLOCK_M
-    start_m = n_m - 1 - gl.program_id(0)  # the longest rows first under the causal mask
-    off_hz = gl.program_id(1)
-    kv_row = (off_hz // H * (H // GROUP) + off_hz % H // GROUP) * N  # q_head -> kv_head
-    q_row = off_hz * N + start_m * BLOCK_M
+    start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)  # the forward's, in BLOCK_M tiles
     if CAUSAL:
         n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N)
         n_masked = BLOCK_M // BLOCK_N
@@ -381,13 +375,8 @@ def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     dq = torch.empty_like(q)
-    dtype = _GL_DTYPES[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([DQ_BLOCK_M // 2, d], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, d], dtype)
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [DQ_BLOCK_M // 2, d], q_layout)
-    do_desc = TensorDescriptor.from_tensor(do.view(-1, d), [DQ_BLOCK_M // 2, d], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [block_n, d], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [block_n, d], kv_layout)
+    q_desc, do_desc, k_desc, v_desc = (_descriptor(t.view(-1, d), [rows, d]) for t, rows in (
+        (q, DQ_BLOCK_M // 2), (do, DQ_BLOCK_M // 2), (k, block_n), (v, block_n)))
     attn_bwd_dq_ws[(n // DQ_BLOCK_M, b * h)](
         q_desc, do_desc, k_desc, v_desc, lse, delta, dq, sm_scale * LOG2E, sm_scale, n,
         0 if window_size is None else int(window_size), int(sink_size), window_size is not None, h, h // k.shape[1],
@@ -425,14 +414,10 @@ def _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dtype = _GL_DTYPES[q.dtype]
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], dtype)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N // 2, d], dtype)
+
     # rows of all heads in one 2-D view: N is a multiple of the boxes, so no box crosses into the next head
-    q_desc = TensorDescriptor.from_tensor(q.view(-1, d), [block_m, d], q_layout)
-    do_desc = TensorDescriptor.from_tensor(do.view(-1, d), [block_m, d], q_layout)
-    k_desc = TensorDescriptor.from_tensor(k.view(-1, d), [BLOCK_N // 2, d], kv_layout)
-    v_desc = TensorDescriptor.from_tensor(v.view(-1, d), [BLOCK_N // 2, d], kv_layout)
+    q_desc, do_desc, k_desc, v_desc = (_descriptor(t.view(-1, d), [rows, d]) for t, rows in (
+        (q, block_m), (do, block_m), (k, BLOCK_N // 2), (v, BLOCK_N // 2)))
     attn_bwd_dkdv_ws[(n // BLOCK_N, b * h_kv)](
         q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, n,
         0 if window_size is None else int(window_size), int(sink_size), window_size is not None, h // h_kv, block_m,
