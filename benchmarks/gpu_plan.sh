@@ -83,6 +83,11 @@ half() {  # the tests/ files of one half, in name order
 
 PY="${PYTHON:-python3}"
 PYTEST=("$PY" -m pytest -rfE -p no:cacheprovider)
+# A kernel that deadlocks blocks its process inside a CUDA call, where no signal reaches Python: pytest-timeout's
+# thread method ends that worker (xdist starts another), so a hang costs one test, not the step.
+if "$PY" -c "import pytest_timeout" 2> /dev/null; then
+  PYTEST+=(--timeout "${TEST_TIMEOUT:-300}" --timeout-method thread)
+fi
 for step in "$@"; do
   case $step in
     gluon)

@@ -309,6 +309,10 @@ def main(argv=None) -> int:
                 out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
                 if mode == "check":
                     ok = ok and passed(row)
+                if "hung" in row.get("error", ""):  # its other cases would hang too: each costs the whole limit
+                    break
+            if not ok:
+                break
     info["complete"] = True
     out.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
     print(f"wrote {out}")
