@@ -180,6 +180,11 @@ def _rebuild_kernel(fn, lines, start, options, filename=None):
 def _jit(fn, options):
     import triton
 
+    options = dict(options)
+    if options.pop("gluon", False):  # a @gluon.jit function (lesson 11) stays one
+        from triton.experimental import gluon
+
+        return gluon.jit(fn, **options)
     return triton.jit(fn, **options)
 
 
@@ -196,6 +201,8 @@ def _reduce_kernel(kernel):
         value = getattr(kernel, key, None)
         if value:
             options[key] = list(value) if key == "do_not_specialize" else value
+    if type(kernel).__name__ == "GluonJITFunction":
+        options["gluon"] = True
     # do_not_specialize holds indices once parsed; triton.jit accepts indices.
     return _rebuild_kernel, (fn, lines, start, options, fn.__code__.co_filename)
 

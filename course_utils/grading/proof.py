@@ -469,6 +469,8 @@ def _swapped(functions):
     saved = {}
     names = []
     for fn in functions:
+        if not hasattr(fn, "__code__") and hasattr(getattr(fn, "fn", None), "__code__"):
+            fn = fn.fn  # a @gluon.jit / @triton.jit function: its Python (what gluon_cpu runs) refuses
         if fn is None or not hasattr(fn, "__code__") or fn.__code__.co_freevars:
             continue
         saved[fn] = fn.__code__

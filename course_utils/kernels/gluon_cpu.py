@@ -19,17 +19,27 @@ executes it with the names it uses bound to small models instead of Triton's bui
 
 What it checks is what the kernels' GPU tests check: the outputs against float64 references, in every
 interleaving the seed produces, with a deadlock (every thread waiting, no copy in flight) raised as
-:class:`Deadlock`. What it cannot check: speed, registers, layouts, and anything about how the compiler lowers
+:class:`Deadlock` (naming the barrier each partition waits on), and a copy landing bytes its barrier was not
+told of (``mbarrier.expect``) as :class:`ExpectError`. Shared memory is named after the variable the kernel
+assigns it to (``k_bars[1]``, ``v_smem[0]``), in those errors and in a trace. What it cannot check: speed, registers, layouts, and anything about how the compiler lowers
 the code (``tests/test_hopper_ws*.py`` compile it for sm_90 for those).
 
     with gluon_cpu.running(seed=0):
         o, lse = hopper_ws.attention(q, k, v, causal=True)   # CPU tensors: the kernel's Python runs
+
+Two hooks serve lesson 11's graded exercise (``check_gluon_loader``): ``running(replace={course_fn: fn})`` runs
+the learner's ``@gluon.jit`` function wherever the kernel calls the course's (and counts those calls), and
+``running(trace=events)`` records every partition's barrier operations and TMA copies (:class:`Event`) in the
+order each thread issues them.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import linecache
 import random
+import re
 import sys
 import threading
 import time
@@ -37,7 +47,8 @@ import types
 
 import torch
 
-__all__ = ["running", "active", "host_module", "HOST_MODULES", "Deadlock", "RaceError", "run_kernel"]
+__all__ = ["running", "active", "host_module", "HOST_MODULES", "Deadlock", "RaceError", "ExpectError", "Event",
+           "run_kernel"]
 
 _ACTIVE = []  # one entry per `running` block in force
 #: The modules whose host code builds Gluon descriptors and layouts (each adds its name when imported:
@@ -58,11 +69,51 @@ def active() -> bool:
 
 
 class Deadlock(RuntimeError):
-    """Every partition waits on a barrier and no copy is in flight."""
+    """Every partition waits on a barrier and no copy is in flight.
+
+    ``waits``: ``(partition, barrier name, parity, phases completed)`` of each waiting partition (empty where a
+    partition failed or did not finish instead)."""
+
+    def __init__(self, message, waits=()):
+        super().__init__(message)
+        self.waits = list(waits)
 
 
 class RaceError(RuntimeError):
     """A TMA copy was issued into shared memory that an issued, not yet completed ``wgmma`` reads."""
+
+
+class ExpectError(RuntimeError):
+    """A TMA copy landed more bytes on its barrier than an ``mbarrier.expect`` had announced for the phase.
+
+    ``barrier`` and ``destination``: the names of the barrier and of the slot the copy wrote."""
+
+    def __init__(self, message, barrier="", destination=""):
+        super().__init__(message)
+        self.barrier, self.destination = barrier, destination
+
+
+#: One operation of a partition, recorded by ``running(trace=...)``: ``op`` is ``"wait"`` (``value``: the
+#: parity), ``"expect"`` (``value``: bytes), ``"arrive"`` (``value``: the count) or ``"copy"`` (``value``: bytes,
+#: ``destination`` the slot's name, ``coords`` the box's first element); ``program`` the grid index,
+#: ``partition`` the index in ``gl.warp_specialize``'s list (None outside one).
+Event = collections.namedtuple("Event", "program partition op barrier value destination coords")
+
+
+def _name_of_allocation(frame, number) -> str:
+    """The variable the kernel's line assigns an allocation to (``k_bars = gl.allocate_shared_memory(...)``)."""
+    for lineno in range(frame.f_lineno, max(frame.f_lineno - 3, 0), -1):
+        found = re.match(r"\s*(\w+)\s*=\s*gl\.allocate_shared_memory\b",
+                         linecache.getline(frame.f_code.co_filename, lineno))
+        if found:
+            return found.group(1)
+    return f"shared memory #{number}"
+
+
+def _record(op, barrier, value, destination=None, coords=None):
+    trace = _CURRENT.get("trace")
+    if trace is not None:
+        trace.append(Event(_STATE.program, _STATE.partition, op, barrier, value, destination, coords))
 
 
 # -----------------------------------------------------------------------------
@@ -206,6 +257,8 @@ class _Machine:
         self.waiters = {}  # thread -> (barrier, parity) it waits on
         self.reading = {}  # shared-memory slot -> issued wgmmas not yet completed that read it
         self.issued = {}  # thread -> its issued, not yet completed wgmmas, oldest first
+        self.partition = {}  # thread -> its index in gl.warp_specialize's list
+        self.allocations = 0
         self.error = None
 
     def land_one(self) -> bool:
@@ -214,7 +267,7 @@ class _Machine:
             return False
         bar, view, source, nbytes = self.copies.pop(self.rng.randrange(len(self.copies)))
         view.write(source)
-        bar.transferred(nbytes)
+        bar.transferred(nbytes, view)
         self.cond.notify_all()
         return True
 
@@ -225,8 +278,8 @@ class _Machine:
 
 
 class _Barrier:
-    def __init__(self, machine):
-        self.machine = machine
+    def __init__(self, machine, name="an mbarrier"):
+        self.machine, self.name = machine, name
         self.count = self.pending = None
         self.tx = 0
         self.completed = 0  # phases completed; the current phase's parity is completed & 1
@@ -241,6 +294,7 @@ class _Barrier:
             self.machine.cond.notify_all()
 
     def arrive(self, count=1):
+        _record("arrive", self.name, count)
         with self.machine.cond:
             if self.count is None:
                 raise RuntimeError("an mbarrier was used before mbarrier.init")
@@ -252,6 +306,7 @@ class _Barrier:
             time.sleep(self.machine.linger)
 
     def expect(self, nbytes):
+        _record("expect", self.name, nbytes)
         with self.machine.cond:
             self.tx += nbytes
             self.pending -= 1
@@ -259,10 +314,16 @@ class _Barrier:
                 raise RuntimeError("more arrivals than the mbarrier's count in one phase")
             self._check_phase()
 
-    def transferred(self, nbytes):  # under cond
+    def transferred(self, nbytes, view=None):  # under cond
         self.tx -= nbytes
         if self.tx < 0:
-            raise RuntimeError("a copy landed more bytes than its barrier expected")
+            into = getattr(view, "name", "shared memory")
+            error = ExpectError(f"a copy into {into} landed more bytes than its barrier expected ({self.name}: "
+                                f"{nbytes} bytes landed, {self.tx + nbytes} announced by mbarrier.expect)",
+                                self.name, into)
+            self.machine.error = self.machine.error or error
+            self.machine.cond.notify_all()
+            raise error
         self._check_phase()
 
     def done(self, parity) -> bool:
@@ -272,6 +333,7 @@ class _Barrier:
     def wait(self, parity):
         m = self.machine
         parity = int(parity)
+        _record("wait", self.name, parity)
         m.maybe_land()
         me = threading.get_ident()
         with m.cond:
@@ -283,7 +345,11 @@ class _Barrier:
                     # a deadlock: every live partition waits, none of their phases has completed, nothing in flight
                     if len(m.waiters) >= m.threads and not m.copies \
                             and not any(bar.done(p) for bar, p in m.waiters.values()):
-                        m.error = Deadlock("every partition waits on a barrier and no copy is in flight")
+                        waits = sorted((m.partition.get(t, -1), bar.name, p, bar.completed)
+                                       for t, (bar, p) in m.waiters.items())
+                        said = "; ".join(f"partition {i} waits on {name} for parity {p} ({done} phases completed)"
+                                         for i, name, p, done in waits)
+                        m.error = Deadlock(f"every partition waits on a barrier and no copy is in flight: {said}", waits)
                         m.cond.notify_all()
                         raise m.error
                     if m.copies and m.rng.random() < 0.7:
@@ -297,8 +363,8 @@ class _Barrier:
 class _SmemView:
     """A slot (or the whole buffer) of shared memory, possibly viewed transposed."""
 
-    def __init__(self, storage, index, transposed=False):
-        self.storage, self.index_, self.transposed = storage, index, transposed
+    def __init__(self, storage, index, transposed=False, name="shared memory"):
+        self.storage, self.index_, self.transposed, self.name = storage, index, transposed, name
 
     @property
     def dtype(self):
@@ -311,7 +377,7 @@ class _SmemView:
 
     def permute(self, order):
         assert tuple(order) == (1, 0)
-        return _SmemView(self.storage, self.index_, not self.transposed)
+        return _SmemView(self.storage, self.index_, not self.transposed, self.name)
 
     def key(self):
         return id(self.storage), self.index_
@@ -324,13 +390,14 @@ class _SmemView:
         self.storage[self.index_] = source.to(self.storage.dtype)
 
     def index(self, i):
-        return _SmemView(self.storage[self.index_], int(i))
+        return _SmemView(self.storage[self.index_], int(i), name=f"{self.name}[{int(i)}]")
 
 
 class _Smem:
-    def __init__(self, machine, dtype, shape):
+    def __init__(self, machine, dtype, shape, name="shared memory"):
+        self.name = name
         if dtype is _DTYPES["int64"] or (isinstance(dtype, _DType) and dtype.name == "int64"):
-            self.barriers = [_Barrier(machine) for _ in range(shape[0])]
+            self.barriers = [_Barrier(machine, f"{name}[{i}]") for i in range(shape[0])]
             self.storage = None
         else:
             self.barriers = None
@@ -348,7 +415,7 @@ class _Smem:
     def index(self, i):
         if self.barriers is not None:
             return self.barriers[int(i)]
-        return _SmemView(self.storage, int(i))
+        return _SmemView(self.storage, int(i), name=f"{self.name}[{int(i)}]")
 
 
 # -----------------------------------------------------------------------------
@@ -356,6 +423,7 @@ class _Smem:
 # -----------------------------------------------------------------------------
 class _State(threading.local):
     machine = None
+    partition = None
     program = (0, 0, 0)
     grid = (1, 1, 1)
 
@@ -366,6 +434,12 @@ _CURRENT = {}  # the launch's machine, shared by its threads (thread-local state
 
 def _machine():
     return _CURRENT["machine"]
+
+
+def _allocate(dtype, shape, layout=None):
+    machine = _machine()
+    machine.allocations += 1
+    return _Smem(machine, dtype, shape, _name_of_allocation(sys._getframe(1), machine.allocations))
 
 
 def _gl_namespace():
@@ -399,7 +473,7 @@ def _gl_namespace():
         ptr.flat[_as_index(ptr.offset)] = _data(value).to(ptr.flat.dtype)
 
     gl.load, gl.store = load, store
-    gl.allocate_shared_memory = lambda dtype, shape, layout: _Smem(_machine(), dtype, shape)
+    gl.allocate_shared_memory = _allocate
     gl.warp_specialize = _warp_specialize
     return gl
 
@@ -419,6 +493,7 @@ def _copy(desc, coords, bar, view):
     r, c = (int(_data(x)) for x in coords)
     source = desc.base[r:r + rows, c:c + cols].clone()
     m = _machine()
+    _record("copy", bar.name, source.numel() * source.element_size(), view.name, (r, c))
     with m.cond:
         if m.reading.get(view.key(), 0):
             m.error = RaceError("a TMA copy was issued into a slot that a wgmma issued earlier may still be reading: "
@@ -524,10 +599,28 @@ def _is_gluon(obj) -> bool:
     return type(obj).__name__ == "GluonJITFunction"
 
 
-def _convert(jit_fn, memo):
-    """The Python function behind ``jit_fn`` with its names bound to the model (and its Gluon callees converted)."""
+def _convert(jit_fn, memo, replace=None, calls=None):
+    """The Python function behind ``jit_fn`` with its names bound to the model (and its Gluon callees converted).
+
+    ``replace`` (``{id(course function): replacement}``): a callee found there runs as its replacement, whose own
+    calls are converted as they are (never replaced: a replacement that calls the function it replaces calls the
+    course's); each call of a replacement is counted in ``calls`` under the replaced function's name."""
     if id(jit_fn) in memo:  # by identity: hashing a JITFunction walks its dependencies
         return memo[id(jit_fn)]
+    if replace and id(jit_fn) in replace:
+        inner = _convert(replace[id(jit_fn)], {})
+        name = jit_fn.fn.__name__
+
+        def replaced(*args, **kwargs):
+            with _CALLS_LOCK:
+                calls[name] += 1
+            return inner(*args, **kwargs)
+
+        memo[id(jit_fn)] = replaced
+        return replaced
+    if not _is_gluon(jit_fn):
+        raise TypeError(f"{getattr(jit_fn, '__name__', jit_fn)!r} is not a @gluon.jit function: the model runs "
+                        "Gluon functions only")
     fn = jit_fn.fn
     scope = dict(fn.__globals__)
     memo[id(jit_fn)] = converted = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
@@ -535,8 +628,11 @@ def _convert(jit_fn, memo):
     for name in fn.__code__.co_names:
         value = scope.get(name)
         if _is_gluon(value):
-            scope[name] = _convert(value, memo)
+            scope[name] = _convert(value, memo, replace, calls)
     return converted
+
+
+_CALLS_LOCK = threading.Lock()
 
 
 def _warp_specialize(partitions, warps, regs):
@@ -546,8 +642,10 @@ def _warp_specialize(partitions, warps, regs):
     machine.threads = len(partitions)
     errors = []
 
-    def run(fn, args):
-        _STATE.program, _STATE.grid = program, grid
+    def run(index, fn, args):
+        _STATE.program, _STATE.grid, _STATE.partition = program, grid, index
+        with machine.cond:
+            machine.partition[threading.get_ident()] = index
         try:
             with torch.no_grad():  # grad mode is per thread; a kernel's stores are never recorded
                 fn(*args)
@@ -561,7 +659,7 @@ def _warp_specialize(partitions, warps, regs):
                     machine.error = exc if isinstance(exc, Deadlock) else Deadlock(f"a partition failed: {exc!r}")
                 machine.cond.notify_all()
 
-    threads = [threading.Thread(target=run, args=p, daemon=True) for p in partitions]
+    threads = [threading.Thread(target=run, args=(i, ) + tuple(p), daemon=True) for i, p in enumerate(partitions)]
     for t in threads:
         t.start()
     for t in threads:
@@ -577,9 +675,14 @@ def _warp_specialize(partitions, warps, regs):
         raise RuntimeError("the kernel ended with TMA copies still in flight")
 
 
-def run_kernel(jit_fn, grid, args, seed=0, linger=0.0):
-    """Run ``jit_fn``'s Python over ``grid`` with the model (programs one after another, each a new machine)."""
-    fn = _convert(jit_fn, {})
+def run_kernel(jit_fn, grid, args, seed=0, linger=0.0, *, replace=None, trace=None, calls=None):
+    """Run ``jit_fn``'s Python over ``grid`` with the model (programs one after another, each a new machine).
+
+    ``replace``, ``trace``, ``calls``: as :func:`running`'s (``calls`` a ``Counter`` the replacements' calls are
+    added to)."""
+    replace = {id(course): new for course, new in (replace or {}).items()}
+    fn = _convert(jit_fn, {}, replace, calls if calls is not None else collections.Counter())
+    _CURRENT["trace"] = trace
     rng = random.Random(seed)
     grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     _STATE.grid = grid
@@ -600,15 +703,24 @@ def _wrap(a):
 
 
 @contextlib.contextmanager
-def running(seed: int = 0, host_modules=None, linger: float = 0.0):
+def running(seed: int = 0, host_modules=None, linger: float = 0.0, *, replace=None, trace=None):
     """Within the block, Gluon launches run their Python on the CPU with the model (other launches as usual).
+
+    Yields an object whose ``calls`` (a ``Counter``) counts, by the replaced function's name, the calls the
+    launched kernels made to each replacement of ``replace``.
 
     ``host_modules`` (besides those named in :data:`HOST_MODULES`): the modules whose host code builds
     descriptors and layouts; their ``TensorDescriptor`` and ``gl`` are the model's within the block. ``seed``
     orders the copies' landings (the threads' own interleaving varies from run to run as well). ``linger``
     (seconds): each arriving thread pauses that long after its arrival, so that the partition it released
     acts first; a slot released before the products that read it have completed is then caught
-    (:class:`RaceError`) rather than left to the threads' timing."""
+    (:class:`RaceError`) rather than left to the threads' timing.
+
+    ``replace`` (``{course @gluon.jit function: replacement @gluon.jit function}``): wherever a launched kernel
+    calls the course function (by name, at any depth), the replacement runs instead, with the same arguments; the
+    replacement's own calls are not replaced. Nothing is changed in the modules: the model binds the names of the
+    kernel's copy it runs. ``trace`` (a list): every partition's barrier operations and TMA copies are appended
+    to it as :class:`Event`, in the order each thread issues them."""
     from triton.runtime.jit import JITFunction
 
     registered = [sys.modules[name] for name in HOST_MODULES if name in sys.modules]
@@ -621,8 +733,11 @@ def running(seed: int = 0, host_modules=None, linger: float = 0.0):
     def run(self, *args, grid, warmup, **kwargs):
         if not _is_gluon(self):
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-        run_kernel(self, grid(kwargs) if callable(grid) else grid, args, seed=seed, linger=linger)
+        run_kernel(self, grid(kwargs) if callable(grid) else grid, args, seed=seed, linger=linger, replace=replace,
+                   trace=trace, calls=session.calls)
         return None
+
+    session = types.SimpleNamespace(calls=collections.Counter())
 
     JITFunction.run = run
     for m, _, _ in saved:
@@ -630,8 +745,9 @@ def running(seed: int = 0, host_modules=None, linger: float = 0.0):
         m.gl = host_gl  # the host code's layouts and dtypes (the kernels' own names are bound in _convert)
     _ACTIVE.append(seed)
     try:
-        yield
+        yield session
     finally:
+        _CURRENT.pop("trace", None)
         _ACTIVE.pop()
         JITFunction.run = original
         for m, descriptor, gl in saved:
