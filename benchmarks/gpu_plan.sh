@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluonfwd gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -19,6 +19,7 @@
 #   gluon   lesson 11's Gluon kernels (kernels.hopper_ws, hopper_ws_bwd): their tests and lesson 11 under nbval,
 #           then benchmarks/hopper_ws_probe.py (every forward loop checked, then timed beside cuDNN and the
 #           course's forward); the probes write after every case, so a step stopped by its budget keeps its rows
+#   gluonfwd the probe of `gluon` alone (after suite2, which runs the Gluon tests and lesson 11 under nbval)
 #   gluon8  hopper_ws_probe.py --kind fp8: the FP8 entry (hopper_ws.attention_fp8) checked against float32
 #           attention on the dequantised inputs, timed beside cuDNN's bf16 and the course's Triton FP8 kernel
 #   gluonbwd hopper_ws_probe.py --kind bwd: the Gluon dK/dV kernel (hopper_ws_bwd) with lesson 07's dQ, gradients
@@ -93,6 +94,8 @@ for step in "$@"; do
     gluon)
       run gluon_tests "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py tests/test_hopper_ws_bwd.py \
         tests/test_results_hopper.py --nbval-lax --nbval-current-env solutions/11_hopper_and_fp8.ipynb
+      run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
+    gluonfwd)
       run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
     gluon8)
       run gluon8_probe "$PY" benchmarks/hopper_ws_probe.py --kind fp8 --out "$OUT/hopper_ws_fp8_probe.json" ;;
