@@ -122,6 +122,9 @@ EXERCISES: tuple[Exercise, ...] = (
              "your launcher", allowed=("course_utils.kernels.fp8.fp8_config",)),  # the lesson's launcher
     Exercise("check_tma_transpose", "11_hopper_and_fp8", part7_hopper.grade_tma_transpose, True, 120.0, 1,
              "your launcher"),
+    # Gluon has no interpreter: the learner's loader runs in the course's kernel in gluon_cpu's model, on the CPU.
+    Exercise("check_gluon_loader", "11_hopper_and_fp8", part7_hopper.grade_gluon_loader, True, 120.0, 1,
+             answer_keys=("course_utils.kernels.hopper_ws._load_partition",)),
     Exercise("check_doc_tile_bounds", "12_packed_sequences_and_score_mods", part8_mods.grade_doc_tile_bounds,
              False, None, 1, answer_keys=("course_utils.kernels.forward.mods_tile_bounds",)),
     Exercise("check_mods_forward", "12_packed_sequences_and_score_mods", part8_mods.grade_mods_forward,
@@ -145,6 +148,8 @@ VERDICT_IN_LEARNER_PROCESS: dict[str, str] = {
 VERDICT_IN_LEARNER_PROCESS["check_ring_simulation"] = ("the shards the check hands over record which keys each step "
                                                        "reads, in the process that runs the learner's function")
 VERDICT_IN_LEARNER_PROCESS["check_ring_attention"] = "the learner's code runs in the ring's own rank processes"
+VERDICT_IN_LEARNER_PROCESS["check_gluon_loader"] = ("the learner's loader runs as a partition thread of the course's "
+                                                    "kernel in gluon_cpu's model, in the process that runs it")
 
 
 def by_name(name: str) -> Exercise | None:

@@ -13,6 +13,10 @@
   quantised, V handed to the kernel K-major).
 - :func:`check_tma_transpose` grades ``fn(v) -> vt``: V made K-major by the
   learner's kernel, its tiles moved through tensor descriptors (TMA).
+- :func:`check_gluon_loader` grades ``fn``, a ``@gluon.jit`` loader partition of
+  ``kernels.hopper_ws``'s forward (the TMA ring of K/V slots and its mbarriers),
+  run in the course's kernel by ``kernels.gluon_cpu``'s model on the CPU (Gluon has
+  no interpreter), its operations checked against the ring's protocol.
 
 The FP8 forward is compared with exact float64 attention on the *dequantised*
 inputs (``x8 * scale``): what the kernel can at best compute. Quantising P to
@@ -25,6 +29,7 @@ and finding the answer within the same limit of it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -32,11 +37,11 @@ import numpy as np
 from .. import references as ref
 from ..environment import current
 from . import inputs, proof
-from .core import Diagnosis, Run, require_callable
+from .core import Diagnosis, GradingError, Run, require_callable
 from .mistakes import MSG_NO_KERNEL_ATTENTION
 
 __all__ = ["grade_quantize_fp8", "grade_persistent_schedule", "grade_fp8_forward", "grade_tma_transpose",
-           "MAKESPAN_FACTOR", "REL_RMS_LIMIT"]
+           "grade_gluon_loader", "MAKESPAN_FACTOR", "REL_RMS_LIMIT"]
 
 E4M3_MAX = 448.0
 #: check_persistent_schedule: the longest program's load may be at most this times the lower bound.
@@ -746,4 +751,391 @@ def grade_tma_transpose(fn, *, seed=None):
             raise run.fail(problem, case)
         if not _uses_descriptors(launches):
             raise run.fail(MSG_NO_DESCRIPTOR, case)
+    return run.passed()
+
+
+# =============================================================================
+# check_gluon_loader
+# =============================================================================
+#: The loader's place in ``hopper_ws.attn_fwd_ws``'s ``gl.warp_specialize`` list (two consumers, then it).
+_LOADER_PARTITION = 2
+#: The signature the kernel calls the loader with (``hopper_ws._load_partition``'s).
+LOADER_SIGNATURE = ("q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N, "
+                    "window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T, WINDOW")
+#: check_gluon_loader: o's relative RMS error per (batch, head) and lse's absolute error against float64 (the
+#: model multiplies bf16 tiles in float32 and rounds P to bf16: about 2e-3 and 1e-6).
+GLUON_REL_RMS_LIMIT, GLUON_LSE_LIMIT = 1e-2, 1e-4
+
+MSG_GLUON_NOT_GLUON = (
+    "check_gluon_loader expects your loader, a `@gluon.jit` function (the kernel calls it as one of its "
+    "partitions), but got {what}: put `@gluon.jit` on the line above `def load_partition(...)` and pass the "
+    "function itself."
+)
+MSG_GLUON_SIGNATURE = (
+    "your loader takes {got} arguments; the kernel calls it with the 20 of hopper_ws._load_partition: "
+    "({signature}). Keep the scaffold's signature."
+)
+MSG_GLUON_BORROWED = (
+    "your loader is, or calls, `course_utils.kernels.hopper_ws._load_partition`: it is the course's own answer to "
+    "this exercise, so it cannot be the answer. Write the ring loop yourself."
+)
+MSG_GLUON_NOT_CALLED = (
+    "the kernel ran {got} loader partitions for {want} programs through your function: the check could not run "
+    "your loader in the kernel's place."
+)
+MSG_GLUON_NOTHING = (
+    "your loader issued no K or V copy, so the consumers wait on k_bars[0] for tile 0 for ever. Write the ring "
+    "loop: for each step j in range(n_tiles), the slot idx = j % NB and its phase (j // NB) & 1, the wait for the "
+    "slot's release, then mbarrier.expect and the TMA copy of K onto k_bars.index(idx) and of V onto "
+    "v_bars.index(idx)."
+)
+MSG_GLUON_PARITY = (
+    "your loader waits on {barrier} with parity {got} before step {j} (slot {idx}), which needs parity {want}. "
+    "A fresh mbarrier counts as having completed the phase *before* phase 0, of parity 1: on the first pass over "
+    "the ring (j < NB) the wait for a free slot must use `phase ^ 1` = 1, which returns at once, and on later "
+    "passes `phase ^ 1` waits for the consumers' release of the slot's previous tile. Waiting with `phase` "
+    "itself waits for a release of a tile that was never loaded: the loader stops, the consumers wait for its "
+    "copy, and every partition waits (the model's Deadlock)."
+)
+MSG_GLUON_SLOT = (
+    "step {j}'s {what} went to slot {got}, but the consumers read step j from slot j % NB = {want} (NB = {nb}, "
+    "the ring's size: `k_smem.type.shape[0]`, not a fixed number). The slot index, its empty barrier, its "
+    "k_bars / v_bars and the slot written must all be `j % NB`: step {j} was left in a slot the consumers do "
+    "not read (they wait for it for ever) or written over one they still read."
+)
+MSG_GLUON_NO_WAIT = (
+    "your loader copied step {j} into slot {idx} without waiting first on empty_bars[{idx}]: the consumers may "
+    "still be reading step {prev} in that slot, and the copy overwrites it under them (a race: wrong or NaN "
+    "results, or the model's RaceError). Before the expects and copies of every step, wait for the slot's "
+    "release: mbarrier.wait(empty_bars.index(idx), phase ^ 1)."
+)
+MSG_GLUON_RACE = (
+    "a copy landed in a slot the consumers were still reading ({how}): the loader must not refill a slot before "
+    "both consumers have released it. Wait on the slot's own empty barrier, empty_bars.index(j % NB), with "
+    "parity `((j // NB) & 1) ^ 1`, before its expects and copies."
+)
+MSG_GLUON_BARRIER = (
+    "your loader's copy of step {j}'s {what} into {dest} completes on {got}, but the consumers wait for it on "
+    "{want}. Each copy signals its own slot's barrier: K on k_bars.index(idx), V on v_bars.index(idx). On another "
+    "barrier it lands bytes that barrier's expect did not announce (the model's ExpectError) and leaves the "
+    "right one waiting (Deadlock)."
+)
+MSG_GLUON_EXPECT_MISSING = (
+    "your loader's copy into {dest} completes on {barrier}, but no mbarrier.expect on {barrier} announced its "
+    "bytes first. A barrier's phase completes when its arrival and the bytes it expects have landed: before each "
+    "copy call mbarrier.expect({barrier_code}, {desc}.block_type.nbytes). Without it the copy lands bytes nobody "
+    "announced (the model's ExpectError), or the phase completes before the tile is there."
+)
+MSG_GLUON_EXPECT_BYTES = (
+    "your loader announced {got} bytes on {barrier} for a copy of {want} bytes into {dest}: expect the copy's own "
+    "size, {desc}.block_type.nbytes (one [{rows}, D] box). Fewer bytes than land is the model's ExpectError; "
+    "more never land, and the phase never completes (Deadlock)."
+)
+MSG_GLUON_KV_ROW = (
+    "step {j}'s {what} tile of program {program} was copied from row {got} of the 2-D view [B * H_kv * N, D], "
+    "but its kv head's key tile {kv_tile} starts at row {want}: add `kv_row` (from _coords: the kv head's first "
+    "row) to `kv_tile * BLOCK_N`. Without it every head reads batch 0's first kv head."
+)
+MSG_GLUON_WINDOW_TILE = (
+    "under the window, step {j} of program {program} must load key tile {kv_tile} (`_kv_tile(j, lo, ns)`: the "
+    "sink tiles first, then the window's from lo), but its {what} was copied from row {got} (tile {got_tile}); "
+    "the row is kv_row + kv_tile * BLOCK_N = {want}."
+)
+MSG_GLUON_COORDS = (
+    "step {j}'s {what} tile of program {program} was copied from [{got}], expected [{want}] (kv_row + kv_tile * "
+    "BLOCK_N, 0): the box's coordinates are elements of the 2-D view, row first."
+)
+MSG_GLUON_Q = (
+    "Q's half {half} of program {program} was copied from [{got}] onto {barrier} into {dest}, expected [{want}] "
+    "onto q_bars[{half}] into q_smem[{half}] (the scaffold's two copies: keep them as given)."
+)
+MSG_GLUON_COUNT = (
+    "program {program} issued {got} {what} copies for its {want} steps: one K and one V copy per step j in "
+    "range(n_tiles) (n_tiles from _coords, or from _window_plan under a window)."
+)
+MSG_GLUON_DEADLOCK = (
+    "the kernel deadlocked in the model: {waits}. A wait that never completes: the loader's wait for a free "
+    "slot needs parity `phase ^ 1` (a fresh barrier counts as completed for the phase before 0), and each "
+    "consumer waits for step j on k_bars / v_bars[j % NB] until the bytes expected there have landed."
+)
+MSG_GLUON_WRONG = (
+    "o is wrong (no NaN): relative RMS error {err:.3g} for batch {b}, head {h} (allowed: {limit}). The tiles "
+    "the consumers read were not the ones they expect: check the copies' coordinates (kv_row + kv_tile * "
+    "BLOCK_N) and, under a window, the step's tile from _kv_tile(j, lo, ns)."
+)
+
+
+@dataclasses.dataclass
+class _GluonCase:
+    desc: str
+    B: int
+    Hq: int
+    Hkv: int
+    N: int
+    D: int
+    causal: bool
+    num_buffers: int
+    window_size: int | None = None
+    sink_size: int = 0
+
+
+def _gluon_cases(rng):
+    """Every case covers a ring of more steps than slots, so that a slot is refilled (its empty wait matters)."""
+    cases = [
+        _GluonCase("GQA (group 2), causal, N = 384, 2 buffers", 1, 2, 1, 384, 64, True, 2),
+        _GluonCase("MHA, not causal, N = 512, 3 buffers", 1, 2, 2, 512, 64, False, 3),
+        _GluonCase("batch 2, GQA (group 2), causal, N = 384, D = 128, 3 buffers", 2, 4, 2, 384, 128, True, 3),
+        _GluonCase("MQA (group 3), causal window 200 with 4 sinks, N = 768, 2 buffers", 1, 3, 1, 768, 64, True, 2,
+                   200, 4),
+    ]
+    group = int(rng.choice([1, 2, 4]))
+    hkv, b = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    n, causal, nb = 128 * int(rng.integers(3, 5)), bool(rng.integers(0, 2)), int(rng.choice([2, 3]))
+    cases.append(_GluonCase(f"random: B={b}, Hq={hkv * group}, Hkv={hkv}, N={n}, {'causal' if causal else 'not causal'}"
+                            f", {nb} buffers", b, hkv * group, hkv, n, 64, causal, nb))
+    return cases
+
+
+def _is_course_loader(obj) -> bool:
+    fn = getattr(obj, "fn", obj)
+    return (getattr(fn, "__module__", None), getattr(fn, "__name__", None)) == (
+        "course_utils.kernels.hopper_ws", "_load_partition")
+
+
+def _calls_course_loader(jit_fn) -> bool:
+    """Whether ``jit_fn`` or a Gluon function it calls by name (the learner's own, at any depth) is the course's
+    loader (the copy the learner's process imported counts too)."""
+    seen, todo = set(), [jit_fn]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        if _is_course_loader(f):
+            return True
+        fn = getattr(f, "fn", None)
+        if fn is None or str(getattr(fn, "__module__", "")).startswith("course_utils."):
+            continue
+        codes = [fn.__code__] + [c for c in fn.__code__.co_consts if hasattr(c, "co_names")]
+        for name in {n for code in codes for n in code.co_names}:
+            value = fn.__globals__.get(name)
+            if type(value).__name__ == "GluonJITFunction":
+                todo.append(value)
+    return False
+
+
+def _loader_plans(c, hopper_ws):
+    """{(program's query block index, (batch, head)): (q_row, kv_row, the key tile of each step)} of a case."""
+    plans = {}
+    window = c.window_size is not None
+    bm, bn = hopper_ws.BLOCK_M, hopper_ws.BLOCK_N
+    for pid_m in range(c.N // bm):
+        for pid_hz in range(c.B * c.Hq):
+            start_m = c.N // bm - 1 - pid_m
+            q_row, kv_row, n_tiles = hopper_ws._block_rows.fn(start_m, pid_hz, c.N, c.Hq, c.Hq // c.Hkv, bm, c.causal)
+            tiles = list(range(n_tiles))
+            if window:
+                lo, ns, n_tiles = hopper_ws._window_plan.fn(start_m, c.window_size, c.sink_size, bm, bn)
+                tiles = [hopper_ws._kv_tile.fn(j, lo, ns) for j in range(n_tiles)]
+            plans[(pid_m, pid_hz)] = (q_row, kv_row, tiles)
+    return plans
+
+
+def _slot(name):
+    """``"k_smem[2]"`` -> ``("k_smem", 2)``."""
+    base, _, rest = name.partition("[")
+    return base, int(rest.rstrip("]")) if rest else -1
+
+
+def _loader_deviation(c, events, plans, finished, bm, bn):
+    """The first step where the learner's loader left the ring's protocol, as a message (None: none seen).
+
+    Walks each program's loader operations in the order the loader issued them (the model's trace): the wait
+    for a free slot (slot and parity), each copy's slot, barrier, announced bytes and coordinates, the wait
+    before every refill, and (``finished``) the number of copies."""
+    nb = c.num_buffers
+    by_program = {}
+    for e in events:
+        if e.partition == _LOADER_PARTITION:
+            by_program.setdefault(e.program[:2], []).append(e)
+    q_bytes, kv_bytes = bm // 2 * c.D * 2, bn * c.D * 2
+    for program, (q_row, kv_row, tiles) in plans.items():
+        n_tiles = len(tiles)
+        where = f"({program[0]}, {program[1]})"
+        count = {"K": 0, "V": 0}
+        announced = collections.Counter()
+        waited, filled = {}, {}
+        for e in by_program.get(program, []):
+            if e.op == "wait" and e.barrier.startswith("empty_bars["):
+                j = min(count.values())
+                if j < n_tiles:
+                    idx = _slot(e.barrier)[1]
+                    if idx != j % nb:
+                        return MSG_GLUON_SLOT.format(j=j, what="wait for a free slot", got=idx, want=j % nb, nb=nb)
+                    want = ((j // nb) & 1) ^ 1
+                    if e.value != want:
+                        return MSG_GLUON_PARITY.format(barrier=e.barrier, got=e.value, j=j, idx=idx, want=want)
+                    waited[idx] = e.value
+                continue
+            if e.op == "expect":
+                announced[e.barrier] += e.value
+                continue
+            if e.op != "copy":
+                continue
+            base, idx = _slot(e.destination)
+            if base == "q_smem":
+                want = (q_row + idx * (bm // 2), 0)
+                if tuple(e.coords) != want or e.barrier != f"q_bars[{idx}]":
+                    return MSG_GLUON_Q.format(half=idx, program=where, got=", ".join(map(str, e.coords)),
+                                              barrier=e.barrier, dest=e.destination, want=f"{want[0]}, 0")
+                nbytes, desc = q_bytes, "q_desc"
+            elif base in ("k_smem", "v_smem"):
+                what = "K" if base == "k_smem" else "V"
+                j = count[what]
+                count[what] += 1
+                if j >= n_tiles:
+                    return MSG_GLUON_COUNT.format(program=where, got=f"more than {n_tiles}", what=what,
+                                                  want=n_tiles)
+                if idx != j % nb:
+                    return MSG_GLUON_SLOT.format(j=j, what=f"{what} copy", got=idx, want=j % nb, nb=nb)
+                bar = f"{what.lower()}_bars[{idx}]"
+                if e.barrier != bar:
+                    return MSG_GLUON_BARRIER.format(j=j, what=what, dest=e.destination, got=e.barrier, want=bar)
+                if filled.get(idx) != j:  # the step's first copy into the slot: the slot must have been released
+                    if j >= nb and idx not in waited:
+                        return MSG_GLUON_NO_WAIT.format(j=j, idx=idx, prev=j - nb)
+                    waited.pop(idx, None)
+                    filled[idx] = j
+                kv_tile = tiles[j]
+                want = (kv_row + kv_tile * bn, 0)
+                if tuple(e.coords) != want:
+                    row = e.coords[0]
+                    fields = dict(j=j, what=what, program=where, got=row, want=want[0], kv_tile=kv_tile)
+                    if e.coords[1] == 0 and row == kv_tile * bn and kv_row:
+                        return MSG_GLUON_KV_ROW.format(**fields)
+                    if c.window_size is not None and e.coords[1] == 0 and (row - kv_row) % bn == 0:
+                        return MSG_GLUON_WINDOW_TILE.format(**fields, got_tile=(row - kv_row) // bn)
+                    return MSG_GLUON_COORDS.format(j=j, what=what, program=where,
+                                                   got=", ".join(map(str, e.coords)), want=f"{want[0]}, 0")
+                nbytes, desc = kv_bytes, f"{what.lower()}_desc"
+            else:
+                continue
+            code = f"{e.barrier.split('[')[0]}.index({_slot(e.barrier)[1]})"
+            if announced[e.barrier] == 0:
+                return MSG_GLUON_EXPECT_MISSING.format(dest=e.destination, barrier=e.barrier, barrier_code=code,
+                                                       desc=desc)
+            if announced[e.barrier] != nbytes:
+                return MSG_GLUON_EXPECT_BYTES.format(got=announced[e.barrier], barrier=e.barrier, want=nbytes,
+                                                     dest=e.destination, desc=desc, rows=nbytes // (2 * c.D))
+            announced[e.barrier] = 0
+        if finished:
+            for what in ("K", "V"):
+                if count[what] != n_tiles:
+                    return MSG_GLUON_COUNT.format(program=where, got=count[what], what=what, want=n_tiles)
+    return None
+
+
+def _gluon_case_inputs(c, rng):
+    import torch
+
+    shapes = ((c.B, c.Hq, c.N, c.D), (c.B, c.Hkv, c.N, c.D), (c.B, c.Hkv, c.N, c.D))
+    return [torch.from_numpy(rng.standard_normal(s)).to(torch.bfloat16) for s in shapes]
+
+
+def _run_gluon_case(run, fn, c, seed):
+    from ..kernels import gluon_cpu, hopper_ws
+
+    q, k, v = _gluon_case_inputs(c, run.rng)
+    case = f"{c.desc} (the model's landing order: seed {seed})"
+    plans = _loader_plans(c, hopper_ws)
+    events = []
+
+    def launch(q, k, v):
+        return hopper_ws.attention(q, k, v, c.causal, window_size=c.window_size, sink_size=c.sink_size,
+                                   num_buffers=c.num_buffers)
+
+    def explain(first):
+        deviation = _loader_deviation(c, events, plans, False, hopper_ws.BLOCK_M, hopper_ws.BLOCK_N)
+        if not any(e.partition == _LOADER_PARTITION and e.op == "copy" and not e.destination.startswith("q_smem")
+                   for e in events):
+            deviation = deviation or MSG_GLUON_NOTHING
+        return first + (f"\nLikely cause: {deviation}" if deviation else "")
+
+    with gluon_cpu.running(seed=seed, replace={hopper_ws._load_partition: fn}, trace=events) as model, \
+            proof.answer_keys_forbidden(hopper_ws._load_partition):
+        try:
+            o, lse = run.call(launch, q, k, v, case=case)
+        except gluon_cpu.Deadlock as exc:
+            waits = "; ".join(f"{'the loader' if i == _LOADER_PARTITION else f'consumer {i}'} waits on {name} for "
+                              f"parity {p} ({done} phases completed)" for i, name, p, done in exc.waits)
+            raise run.fail(explain(MSG_GLUON_DEADLOCK.format(waits=waits or str(exc))), case) from None
+        except gluon_cpu.RaceError as exc:
+            raise run.fail(explain(MSG_GLUON_RACE.format(how=f"the model's RaceError: {exc}")), case) from None
+        except gluon_cpu.ExpectError as exc:
+            raise run.fail(explain(f"the model stopped: {exc}."), case) from None
+        except RuntimeError as exc:  # the model's other protocol errors; anything else is the learner's own
+            if not any(s in str(exc) for s in ("copies still in flight", "more arrivals than", "before mbarrier.init")):
+                raise
+            raise run.fail(explain(f"the model stopped: {exc}."), case) from None
+    calls, programs = model.calls["_load_partition"], len(plans)
+    if calls != programs:
+        raise run.fail(MSG_GLUON_NOT_CALLED.format(got=calls, want=programs), case)
+    deviation = _loader_deviation(c, events, plans, True, hopper_ws.BLOCK_M, hopper_ws.BLOCK_N)
+    if deviation:
+        raise run.fail(deviation, case)
+    got = o.double().numpy()
+    want, want_lse = ref.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=c.causal,
+                                       window_size=c.window_size, sink_size=c.sink_size)
+    if not np.all(np.isfinite(got)):
+        raise run.fail(MSG_GLUON_RACE.format(how="NaN in o: a product read a slot before its copy landed, or "
+                                                 "after a refill began"), case)
+    errors = _rel_rms_per_head(got, want)
+    if np.any(errors > GLUON_REL_RMS_LIMIT):
+        b, h = np.unravel_index(np.argmax(errors), errors.shape)
+        raise run.fail(MSG_GLUON_WRONG.format(err=errors[b, h], b=b, h=h, limit=GLUON_REL_RMS_LIMIT), case)
+    lse_error = float(np.max(np.abs(lse.double().numpy() - want_lse)))
+    if lse_error > GLUON_LSE_LIMIT:
+        raise run.fail(f"lse is off by {lse_error:.3g} (allowed {GLUON_LSE_LIMIT}) while o is right: the "
+                       "consumers' softmax saw other tiles than the reference.", case)
+    run.max_error = max(run.max_error, float(errors.max()))
+
+
+def grade_gluon_loader(fn, *, seed=None):
+    """Grade ``fn``, a ``@gluon.jit`` loader partition for ``hopper_ws``'s hand warp-specialised forward.
+
+    ``fn`` takes ``hopper_ws._load_partition``'s 20 arguments (``q_desc, k_desc, v_desc, q_smem, k_smem,
+    v_smem, q_bars, k_bars, v_bars, empty_bars, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
+    V_T, WINDOW``) and copies Q's two halves, then each step's K and V tile into slot ``j % NB`` of the ring,
+    after waiting on the slot's empty barrier with parity ``((j // NB) & 1) ^ 1``, each copy announced by
+    ``mbarrier.expect`` of its bytes on the slot's ``k_bars`` / ``v_bars``.
+
+    Gluon has no interpreter, so the check runs the course's whole kernel (its consumers unchanged, your
+    function in the loader's place) in :mod:`course_utils.kernels.gluon_cpu`'s model of a Hopper SM, on the CPU
+    on every machine (a GPU machine too): threads for the partitions, mbarrier phases, TMA copies landing at
+    random moments (each case under two landing orders), shared memory NaN until a copy lands. bf16 inputs:
+    GQA/MQA/MHA, causal or not, batch 2, D 64 and 128, 2 and 3 buffers, lesson 08's window with sinks, and a
+    random shape. ``o`` is compared with float64 attention (relative RMS error per head at most 1e-2, ``lse``
+    within 1e-4), and the loader's own operations with the ring's protocol: a deadlock, a race, a copy on the
+    wrong barrier or without its expect, wrong coordinates are each named.
+    """
+    __tracebackhide__ = True
+    if type(fn).__name__ != "GluonJITFunction":
+        if hasattr(getattr(fn, "fn", None), "__code__"):
+            what = f"the @triton.jit function `{fn.fn.__name__}` (Triton's language, not Gluon's)"
+        else:
+            require_callable(fn, "check_gluon_loader", "your loader")  # not a function at all: that sentence
+            what = f"the plain Python function `{getattr(fn, '__name__', fn)}`"
+        raise GradingError(f"check_gluon_loader failed:\n{MSG_GLUON_NOT_GLUON.format(what=what)}")
+    if _is_course_loader(fn) or _calls_course_loader(fn):
+        raise GradingError(f"check_gluon_loader failed:\n{MSG_GLUON_BORROWED}")
+    import inspect
+
+    params = list(inspect.signature(fn.fn).parameters.values())
+    if len(params) != 20 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        raise GradingError("check_gluon_loader failed:\n" + MSG_GLUON_SIGNATURE.format(
+            got=len(params), signature=LOADER_SIGNATURE))
+    run = Run("check_gluon_loader", seed, time_limit_s=60.0)
+    for c in _gluon_cases(run.rng):
+        for _ in range(2):  # two landing orders of the copies
+            _run_gluon_case(run, fn, c, int(run.rng.integers(2**31)))
     return run.passed()
