@@ -136,7 +136,7 @@ MISTAKES = {
                         p7.MSG_GLUON_EXPECT_MISSING, "into v_smem["),
     "K's expect of Q's bytes": ((("mbarrier.expect(k_bars.index(idx), k_desc", "mbarrier.expect(k_bars.index(idx), q_desc"), ),
                                 p7.MSG_GLUON_EXPECT_BYTES, None),
-    "step j's tile under the window": ((("            kv_tile = _kv_tile(j, lo, ns)", "            kv_tile = j"), ),
+    "step j's tile under the window": ((("            kv_tile = window_kv_tile(j, lo, ns)", "            kv_tile = j"), ),
                                        p7.MSG_GLUON_WINDOW_TILE, "window 200"),
 }
 
@@ -159,6 +159,35 @@ def test_a_race_the_landing_order_hid_is_still_named(loader):
     fn = loader("no_wait_for_the_empty_slot", (_WAIT, ""))
     for seed in (1, 2, 3):
         _fails(fn, p7.MSG_GLUON_NO_WAIT, seed=seed)
+
+
+def test_a_missing_wait_is_named_when_the_model_stops_at_the_refills_expect():
+    """Without the empty wait the model can stop at the refill's first ``expect`` (more arrivals than the
+    barrier's count in one phase), before any copy of that step: the trace then ends at that expect, and the
+    walker must name the missing wait there (it once named nothing: a random failure of the planted mistake)."""
+    c = p7._GluonCase("one program", 1, 1, 1, 128, 64, False, 2)
+    plans = {(0, 0): (0, 0, [0, 1, 2])}
+    bm, bn, kv_bytes = 128, 128, 128 * 64 * 2
+    loader = p7._LOADER_PARTITION
+
+    def event(op, barrier, value=None, destination=None, coords=None):
+        return gluon_cpu.Event((0, 0, 0), loader, op, barrier, value, destination, coords)
+
+    events = []
+    for half in range(2):
+        events += [event("expect", f"q_bars[{half}]", 64 * 64 * 2),
+                   event("copy", f"q_bars[{half}]", destination=f"q_smem[{half}]", coords=(half * 64, 0))]
+    for j in range(2):
+        events.append(event("wait", f"empty_bars[{j}]", 1))
+        for what in "kv":
+            events += [event("expect", f"{what}_bars[{j}]", kv_bytes),
+                       event("copy", f"{what}_bars[{j}]", destination=f"{what}_smem[{j}]", coords=(j * bn, 0))]
+    assert p7._loader_deviation(c, events, plans, False, bm, bn) is None  # two steps by the protocol
+    events.append(event("expect", "k_bars[0]", kv_bytes))  # step 2 refills slot 0 without waiting
+    message = p7._loader_deviation(c, events, plans, False, bm, bn)
+    assert message == p7.MSG_GLUON_NO_WAIT.format(j=2, idx=0, prev=0)
+    events.insert(-1, event("wait", "empty_bars[0]", 0))  # with the wait, the same trace is by the protocol
+    assert p7._loader_deviation(c, events, plans, False, bm, bn) is None
 
 
 def test_a_loader_that_issues_nothing_and_an_unfilled_stub(loader):

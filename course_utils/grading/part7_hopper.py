@@ -833,11 +833,11 @@ MSG_GLUON_EXPECT_BYTES = (
 )
 MSG_GLUON_KV_ROW = (
     "step {j}'s {what} tile of program {program} was copied from row {got} of the 2-D view [B * H_kv * N, D], "
-    "but its kv head's key tile {kv_tile} starts at row {want}: add `kv_row` (from _coords: the kv head's first "
+    "but its kv head's key tile {kv_tile} starts at row {want}: add `kv_row` (from program_coords: the kv head's first "
     "row) to `kv_tile * BLOCK_N`. Without it every head reads batch 0's first kv head."
 )
 MSG_GLUON_WINDOW_TILE = (
-    "under the window, step {j} of program {program} must load key tile {kv_tile} (`_kv_tile(j, lo, ns)`: the "
+    "under the window, step {j} of program {program} must load key tile {kv_tile} (`window_kv_tile(j, lo, ns)`: the "
     "sink tiles first, then the window's from lo), but its {what} was copied from row {got} (tile {got_tile}); "
     "the row is kv_row + kv_tile * BLOCK_N = {want}."
 )
@@ -851,7 +851,7 @@ MSG_GLUON_Q = (
 )
 MSG_GLUON_COUNT = (
     "program {program} issued {got} {what} copies for its {want} steps: one K and one V copy per step j in "
-    "range(n_tiles) (n_tiles from _coords, or from _window_plan under a window)."
+    "range(n_tiles) (n_tiles from program_coords, or from window_plan under a window)."
 )
 MSG_GLUON_DEADLOCK = (
     "the kernel deadlocked in the model: {waits}. A wait that never completes: the loader's wait for a free "
@@ -861,7 +861,7 @@ MSG_GLUON_DEADLOCK = (
 MSG_GLUON_WRONG = (
     "o is wrong (no NaN): relative RMS error {err:.3g} for batch {b}, head {h} (allowed: {limit}). The tiles "
     "the consumers read were not the ones they expect: check the copies' coordinates (kv_row + kv_tile * "
-    "BLOCK_N) and, under a window, the step's tile from _kv_tile(j, lo, ns)."
+    "BLOCK_N) and, under a window, the step's tile from window_kv_tile(j, lo, ns)."
 )
 
 
@@ -935,8 +935,8 @@ def _loader_plans(c, hopper_ws):
             q_row, kv_row, n_tiles = hopper_ws._block_rows.fn(start_m, pid_hz, c.N, c.Hq, c.Hq // c.Hkv, bm, c.causal)
             tiles = list(range(n_tiles))
             if window:
-                lo, ns, n_tiles = hopper_ws._window_plan.fn(start_m, c.window_size, c.sink_size, bm, bn)
-                tiles = [hopper_ws._kv_tile.fn(j, lo, ns) for j in range(n_tiles)]
+                lo, ns, n_tiles = hopper_ws.window_plan.fn(start_m, c.window_size, c.sink_size, bm, bn)
+                tiles = [hopper_ws.window_kv_tile.fn(j, lo, ns) for j in range(n_tiles)]
             plans[(pid_m, pid_hz)] = (q_row, kv_row, tiles)
     return plans
 
@@ -979,6 +979,14 @@ def _loader_deviation(c, events, plans, finished, bm, bn):
                 continue
             if e.op == "expect":
                 announced[e.barrier] += e.value
+                base, idx = _slot(e.barrier)
+                what = {"k_bars": "K", "v_bars": "V"}.get(base)
+                j = count.get(what, -1)
+                # a step's first expect into a refilled slot already needs the release: the model may stop
+                # (more arrivals than the barrier's count) before the copy that follows it
+                if what and j < n_tiles and idx == j % nb and filled.get(idx) != j and j >= nb \
+                        and idx not in waited:
+                    return MSG_GLUON_NO_WAIT.format(j=j, idx=idx, prev=j - nb)
                 continue
             if e.op != "copy":
                 continue

@@ -26,7 +26,7 @@ scale into one fused multiply-add. These four compiled here and run on the CPU b
 on a GPU.
 
 With ``window_size`` (and ``sink_size``), lesson 08's window: each program's loader and consumers walk the same
-list of key tiles (:func:`_window_plan`: the sink tiles, then the window's up to the diagonal), and only the
+list of key tiles (:func:`window_plan`: the sink tiles, then the window's up to the diagonal), and only the
 tiles that cross the window's edge, the diagonal or the sinks are masked (the serial and ping-pong loops; run
 on the CPU by :mod:`.gluon_cpu`, not yet on a GPU).
 
@@ -82,7 +82,7 @@ def _block_rows(start_m, off_hz, N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+def program_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
     """This program's query block (the longest rows first under the causal mask), then :func:`_block_rows`."""
     start_m = N // BLOCK_M - 1 - gl.program_id(0)
     q_row, kv_row, n_tiles = _block_rows(start_m, gl.program_id(1), N, H, GROUP, BLOCK_M, CAUSAL)
@@ -90,7 +90,7 @@ def _coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUS
 
 
 @gluon.jit
-def _window_plan(start_m, window_size, sink_size, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def window_plan(start_m, window_size, sink_size, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Under lesson 08's window (causal; ``BLOCK_N`` dividing ``BLOCK_M``), query block ``start_m``'s key tiles:
     ``ns`` sink tiles (0, 1, ...), then the window's from ``lo`` to the diagonal; ``(lo, ns, n_tiles)``."""
     first = start_m * BLOCK_M - window_size + 1  # the oldest key the block's first row sees
@@ -105,7 +105,7 @@ def _window_plan(start_m, window_size, sink_size, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _kv_tile(j, lo, ns):
+def window_kv_tile(j, lo, ns):
     """Step ``j``'s key tile under a window: the sink tiles first, then the window's from ``lo``."""
     kv_tile = j
     if j >= ns:
@@ -120,12 +120,12 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ba
     """The producer: Q's two halves once, then K and V tile by tile into the ring's free slots.
 
     ``V_T`` (FP8): V comes transposed, ``[B * H_kv * D, N]``, and a tile is the ``[D, BLOCK_N]`` box at the
-    tile's keys. ``WINDOW``: the tiles of :func:`_window_plan`, in its order."""
-    start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    tile's keys. ``WINDOW``: the tiles of :func:`window_plan`, in its order."""
+    start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
     lo = 0
     ns = 0
     if WINDOW:
-        lo, ns, n_tiles = _window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
+        lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
     vt_row = kv_row // N * v_smem.type.shape[1]  # kv_head's first row of V^T (used with V_T only)
     HALF: gl.constexpr = BLOCK_M // 2
     NB: gl.constexpr = k_smem.type.shape[0]
@@ -137,7 +137,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ba
         phase = (j // NB) & 1
         kv_tile = j
         if WINDOW:
-            kv_tile = _kv_tile(j, lo, ns)
+            kv_tile = window_kv_tile(j, lo, ns)
         mbarrier.wait(empty_bars.index(idx), phase ^ 1)  # a fresh barrier counts as released: the first pass waits not
         mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + kv_tile * BLOCK_N, 0], k_bars.index(idx),
@@ -394,7 +394,7 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     ``qk_scale``; ``acc`` is carried in units of the last tile's ``v_scale`` (``v_prev``) and ``l_i`` in P's
     units of 1/256, both undone at the end."""
     FP8: gl.constexpr = v_smem.dtype.is_fp8()
-    start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
     HALF: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = HALF_IDX * HALF
     # wgmma's accumulator layouts: 4 warps down the rows, instructions 16 rows x (the tile's width) x 32 bytes
@@ -423,10 +423,10 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
                                                  BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout, HALF_IDX,
                                                  LOOP == "overlap_pingpong", FMA)
     elif WINDOW:  # the sink tiles, then the window's: masked where they cross its edge or the diagonal
-        lo, ns, n_tiles = _window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
+        lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
         whole_from = start_m * BLOCK_M + BLOCK_M - window_size  # a tile starting here or later lies in the window
         for j in range(n_tiles):
-            kv_tile = _kv_tile(j, lo, ns)
+            kv_tile = window_kv_tile(j, lo, ns)
             if (j < ns) | (kv_tile * BLOCK_N + BLOCK_N > start_m * BLOCK_M) | (kv_tile * BLOCK_N < whole_from):
                 m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile,
                                               m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,

@@ -24,7 +24,7 @@ One program owns 128 keys of one (batch, kv head), in three partitions:
 
 With ``window_size`` (and ``sink_size``), lesson 08's window: a dK/dV program visits only the query tiles that
 see its keys (all of them after a block that holds sink keys), dQ the forward's tile list
-(:func:`.hopper_ws._window_plan`); both mask only the tiles that cross an edge. :func:`attention` puts them
+(:func:`.hopper_ws.window_plan`); both mask only the tiles that cross an edge. :func:`attention` puts them
 behind autograd (with the Gluon forward or the course's). Both compiled here for sm_90
 and checked (``tests/test_hopper_ws_bwd.py``), and run on the CPU by
 :mod:`.gluon_cpu`'s model (``tests/test_gluon_cpu.py``); not yet run on a GPU.
@@ -40,8 +40,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .backward import default_config, launch_dq, launch_preprocess
-from .hopper_ws import (_coords, _descriptor, _kv_tile, _validate_device, _validate_inputs, _validate_window,
-                        _window_plan)
+from .hopper_ws import (_descriptor, _validate_device, _validate_inputs, _validate_window, program_coords,
+                        window_kv_tile, window_plan)
 from .targets import TARGETS
 
 BLOCK_N = 128  # keys per program: two consumers of 64 (wgmma's M per warpgroup)
@@ -214,7 +214,7 @@ def _dq_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, B
                CAUSAL: gl.constexpr):
     """This program's query block, its first row of q (do, lse, delta, dq) and of its kv head, its key tiles,
     and how many of them (the last ones) cross the diagonal under the causal mask."""
-    start_m, q_row, kv_row, n_tiles = _coords(N, H, GROUP, BLOCK_M, CAUSAL)  # the forward's, in BLOCK_M tiles
+    start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)  # the forward's, BLOCK_M tiles
     if CAUSAL:
         n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N)
         n_masked = BLOCK_M // BLOCK_N
@@ -229,12 +229,12 @@ def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem,
                        empty_bars, N, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """The producer: each half's Q and dO once (one barrier per half), then K and V tile by tile (under a window,
-    the forward's tile list: :func:`.hopper_ws._window_plan`)."""
+    the forward's tile list: :func:`.hopper_ws.window_plan`)."""
     start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
     lo = 0
     ns = 0
     if WINDOW:
-        lo, ns, n_tiles = _window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
+        lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
     HALF: gl.constexpr = BLOCK_M // 2
     NB: gl.constexpr = k_smem.type.shape[0]
     for half in gl.static_range(2):
@@ -245,7 +245,7 @@ def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem,
         idx = j % NB
         kv_tile = j
         if WINDOW:
-            kv_tile = _kv_tile(j, lo, ns)
+            kv_tile = window_kv_tile(j, lo, ns)
         mbarrier.wait(empty_bars.index(idx), ((j // NB) & 1) ^ 1)  # a fresh barrier counts as released
         mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row + kv_tile * BLOCK_N, 0], k_bars.index(idx),
@@ -312,10 +312,10 @@ def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars
     do = do_smem.index(HALF_IDX)
     mbarrier.wait(q_bars.index(HALF_IDX), 0)
     if WINDOW:  # the sink tiles, then the window's: masked where they cross its edge or the diagonal
-        lo, ns, n_tiles = _window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
+        lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
         whole_from = start_m * BLOCK_M + BLOCK_M - window_size  # a tile starting here or later lies in the window
         for j in range(n_tiles):
-            kv_tile = _kv_tile(j, lo, ns)
+            kv_tile = window_kv_tile(j, lo, ns)
             if (j < ns) | (kv_tile * BLOCK_N + BLOCK_N > start_m * BLOCK_M) | (kv_tile * BLOCK_N < whole_from):
                 dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, kv_tile, dq, lse2, delta,
                               qk_scale, rows, window_size, sink_size, BLOCK_N, 2, s_layout, op_layout)
