@@ -21,8 +21,9 @@ What it checks is what the kernels' GPU tests check: the outputs against float64
 interleaving the seed produces, with a deadlock (every thread waiting, no copy in flight) raised as
 :class:`Deadlock` (naming the barrier each partition waits on), and a copy landing bytes its barrier was not
 told of (``mbarrier.expect``) as :class:`ExpectError`. Shared memory is named after the variable the kernel
-assigns it to (``k_bars[1]``, ``v_smem[0]``), in those errors and in a trace. What it cannot check: speed, registers, layouts, and anything about how the compiler lowers
-the code (``tests/test_hopper_ws*.py`` compile it for sm_90 for those).
+assigns it to (``k_bars[1]``, ``v_smem[0]``), in those errors and in a trace. What it cannot check: speed,
+registers, layouts, and anything about how the compiler lowers the code (``tests/test_hopper_ws*.py``
+compile it for sm_90 for those).
 
     with gluon_cpu.running(seed=0):
         o, lse = hopper_ws.attention(q, k, v, causal=True)   # CPU tensors: the kernel's Python runs
@@ -349,7 +350,8 @@ class _Barrier:
                                        for t, (bar, p) in m.waiters.items())
                         said = "; ".join(f"partition {i} waits on {name} for parity {p} ({done} phases completed)"
                                          for i, name, p, done in waits)
-                        m.error = Deadlock(f"every partition waits on a barrier and no copy is in flight: {said}", waits)
+                        m.error = Deadlock(f"every partition waits on a barrier and no copy is in flight: {said}",
+                                           waits)
                         m.cond.notify_all()
                         raise m.error
                     if m.copies and m.rng.random() < 0.7:
