@@ -402,7 +402,8 @@ MSG_Q_NOT_FP8 = (
 
 
 @dataclasses.dataclass
-class _F8Case:
+class _AttentionCase:
+    """A case's shape: ``B`` batches of ``Hq`` query heads over ``Hkv`` kv heads, ``N`` tokens, head dim ``D``."""
     desc: str
     B: int
     Hq: int
@@ -410,6 +411,10 @@ class _F8Case:
     N: int
     D: int
     causal: bool
+
+
+@dataclasses.dataclass
+class _F8Case(_AttentionCase):
     block_size: int
     layout: str
     outliers: bool = False
@@ -866,14 +871,7 @@ MSG_GLUON_WRONG = (
 
 
 @dataclasses.dataclass
-class _GluonCase:
-    desc: str
-    B: int
-    Hq: int
-    Hkv: int
-    N: int
-    D: int
-    causal: bool
+class _GluonCase(_AttentionCase):
     num_buffers: int
     window_size: int | None = None
     sink_size: int = 0
