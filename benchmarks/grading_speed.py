@@ -9,7 +9,7 @@ functions (the checks refuse the course's references in the streaming and
 tiled exercises and the course's kernels in the Triton ones, so a learner's
 own code is what is timed), and the references where they are allowed.
 
-    python benchmarks/grading_speed.py [--repeats 5] [--part numpy|triton|all]
+    python benchmarks/grading_speed.py [--repeats 5] [--part numpy|triton|all] [--only check_x ...]
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import course_utils  # noqa: F401  (first, as in every notebook)
-from course_utils import references as ref
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,35 +54,30 @@ def solution_function(notebook: str, name: str):
     raise LookupError(f"{notebook} defines no {name}")
 
 
-# A correct answer for each exercise (a solution notebook's function, or a reference where the
-# check allows it), made on demand. Exercises of course_utils.grading.EXERCISES missing here are
-# listed as untimed when the benchmark runs.
+# A correct answer for each exercise, made on demand: by default the function that the exercise's grader cell
+# passes in its solution notebook (`check_x(name)`: :func:`grader_cell_answer`); here, the exercises answered
+# otherwise (a formula the check allows). (check_ring_attention starts 3 processes, spawn and
+# gloo: most of its time is importing torch in each.)
 ANSWERS = {
-    "check_softmax": lambda: solution_function("01_naive_attention.ipynb", "softmax"),
-    "check_naive_attention": lambda: solution_function("01_naive_attention.ipynb", "naive_attention"),
-    "check_online_softmax": lambda: solution_function("02_online_softmax.ipynb", "online_softmax"),
-    "check_tiled_attention": lambda: solution_function("02_online_softmax.ipynb", "tiled_attention"),
-    "check_tiled_backward": lambda: solution_function("07_backward.ipynb", "tiled_backward"),
     "check_attention_flops": lambda: lambda b, h, n, d, causal: 4 * b * h * n * n * d / (2 if causal else 1),
     "check_roofline": lambda: lambda i, peak, bw: min(peak, i * bw / 1000),
-    "check_merge_partials": lambda: ref.merge_partials,
-    "check_ring_simulation": lambda: solution_function("10_ring_attention.ipynb", "ring_attention_simulated"),
     "check_kv_head": lambda: lambda q_head, n_q, n_kv: q_head // (n_q // n_kv),
-    "check_triton_softmax": lambda: solution_function("03_triton_basics.ipynb", "triton_softmax"),
-    "check_decode_split": lambda: solution_function("09_decoding.ipynb", "split_partials"),
-    "check_decode_combine": lambda: solution_function("09_decoding.ipynb", "combine_partials"),
-    # starts 3 processes (spawn, gloo): most of its time is importing torch in each
-    "check_ring_attention": lambda: solution_function("10_ring_attention.ipynb", "ring_forward"),
-    "check_flash_forward": lambda: solution_function("04_flash_attention_forward.ipynb", "flash_attention"),
-    "check_flash_gqa": lambda: solution_function("05_causal_gqa.ipynb", "flash_attention_gqa"),
-    "check_flash_backward": lambda: solution_function("07_backward.ipynb", "flash_attention"),
-    "check_two_per_sm": lambda: solution_function("06_performance.ipynb", "flash_attention_two_per_sm"),
-    "check_dkdv_bounds": lambda: solution_function("08_sliding_window_and_sinks.ipynb", "dkdv_query_bounds"),
-    "check_choose_num_splits": lambda: solution_function("09_decoding.ipynb", "choose_num_splits"),
-    "check_overlap_shard_length": lambda: solution_function("10_ring_attention.ipynb", "overlap_shard_length"),
-    "check_doc_tile_bounds": lambda: solution_function("12_packed_sequences_and_score_mods.ipynb", "doc_tile_bounds"),
-    "check_mods_backward": lambda: solution_function("12_packed_sequences_and_score_mods.ipynb", "mods_backward"),
 }
+
+
+def grader_cell_answer(exercise):
+    """The solution notebook's answer to ``exercise``: the name its first grader cell passes (``check_x(name)``),
+    defined by running the notebook's cells up to it; None where that cell passes no plain name."""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "solutions" / f"{exercise.lesson}.ipynb", as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        found = re.search(rf"^{exercise.name}\((\w+)\)", cell.source, re.MULTILINE)
+        if found:
+            return solution_function(f"{exercise.lesson}.ipynb", found.group(1))
+    return None
 
 
 def _grading():
@@ -97,13 +91,20 @@ def budget_s(exercise) -> float:
     return 30.0 if exercise.isolated or exercise.name == "check_ring_attention" else 5.0
 
 
-def timed_checks(part: str = "all"):
-    """``(exercise, answer)`` for each exercise of the table with an answer here, in the table's order."""
+def in_part(exercise, part: str) -> bool:
+    """Whether ``exercise`` belongs to ``part`` (numpy: a 5-s budget, triton: a 30-s one; all)."""
+    triton = budget_s(exercise) > 5.0 or exercise.name == "check_kv_head"
+    return part == "all" or (part == "triton") == triton
+
+
+def timed_checks(part: str = "all", only=None):
+    """``(exercise, answer)`` for each exercise of the table in ``part`` (and in ``only``, a list of names, if
+    given) that has an answer, in the table's order."""
     for exercise in _grading().EXERCISES:
-        triton = budget_s(exercise) > 5.0 or exercise.name == "check_kv_head"
-        if part == "all" or (part == "triton") == triton:
-            if exercise.name in ANSWERS:
-                yield exercise, ANSWERS[exercise.name]()
+        if in_part(exercise, part) and (not only or exercise.name in only):
+            answer = ANSWERS[exercise.name]() if exercise.name in ANSWERS else grader_cell_answer(exercise)
+            if answer is not None:
+                yield exercise, answer
 
 
 def measure(check, solution, repeats: int) -> list[float]:
@@ -133,21 +134,25 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--part", choices=("numpy", "triton", "all"), default="all")
+    parser.add_argument("--only", nargs="+", metavar="CHECK", help="time these checks alone (check_... names)")
     args = parser.parse_args(argv)
     print(f"{course_utils.ENV.device}, interpreter {'on' if course_utils.ENV.interpreter else 'off'}")
-    print(f"{'check':<24}{'runs':>6}{'min s':>10}{'median s':>10}{'max s':>10}{'cpu s':>8}  budget")
+    print(f"{'check':<28}{'runs':>6}{'min s':>10}{'median s':>10}{'max s':>10}{'cpu s':>8}  budget")
     over = False
-    for exercise, solution in timed_checks(args.part):
+    timed = set()
+    for exercise, solution in timed_checks(args.part, args.only):
+        timed.add(exercise.name)
         check, budget = exercise.check, budget_s(exercise)
         t = measure(check, solution, args.repeats)
         cpu = cpu_seconds(check, solution, seed=args.repeats)
         ok = max(t) < budget
         over |= not ok
-        print(f"{exercise.name:<24}{len(t):>6}{min(t):>10.3f}{statistics.median(t):>10.3f}{max(t):>10.3f}{cpu:>8.2f}  "
+        print(f"{exercise.name:<28}{len(t):>6}{min(t):>10.3f}{statistics.median(t):>10.3f}{max(t):>10.3f}{cpu:>8.2f}  "
               f"{'within' if ok else 'OVER'} {budget:g} s", flush=True)
-    untimed = [e.name for e in _grading().EXERCISES if e.name not in ANSWERS]
+    untimed = [e.name for e in _grading().EXERCISES
+               if in_part(e, args.part) and (not args.only or e.name in args.only) and e.name not in timed]
     if untimed:
-        print("not timed here (no correct answer wired in ANSWERS): " + ", ".join(untimed))
+        print("not timed here (no answer in ANSWERS, and no plain name in the grader cell): " + ", ".join(untimed))
     return 1 if over else 0
 
 
