@@ -92,7 +92,7 @@ fi
 for step in "$@"; do
   case $step in
     gluon)
-      run gluon_tests "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py tests/test_hopper_ws_bwd.py \
+      run gluon_tests "${PYTEST[@]}" -n 4 --dist loadfile tests/test_hopper_ws.py tests/test_hopper_ws_bwd.py \
         tests/test_results_hopper.py --nbval-lax --nbval-current-env solutions/11_hopper_and_fp8.ipynb
       run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
     gluonfwd)

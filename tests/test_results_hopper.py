@@ -205,3 +205,23 @@ def test_the_readme_quotes_the_hand_specialised_kernels_ratios_as_recorded():
     over_cudnn = results.figure("hopper_ws_probe", "over_cudnn", loop="serial", fma=False)
     over_course = results.figure("hopper_ws_probe", "over_course", loop="serial", fma=False)
     assert f"**{over_cudnn} cuDNN and {over_course} the course's forward**" in readme
+
+
+def test_fa3s_schedules_ran_right_and_slower_where_lesson_11_and_the_readme_say():
+    """Run 3 of results/hopper_ws_probe.json timed FA3's overlap (alone, and with ping-pong and the FMA softmax):
+    each timed case slower than the simple loop of the same run and case; the lesson and the README quote the
+    ratios to cuDNN as recorded."""
+    table = results.rows("hopper_ws_probe")
+    key = lambda r: (r["run"], r["causal"], r["N"], r["B"])  # noqa: E731
+    serial = {key(r): r for r in table if r["loop"] == "serial" and not r["fma"]}
+    schedules = [r for r in table if r["loop"] in ("overlap", "overlap_pingpong")]
+    assert schedules
+    for r in schedules:
+        assert r["hopper_ws"] < serial[key(r)]["hopper_ws"], r
+    overlap = results.figure("hopper_ws_probe", "over_cudnn", loop="overlap", fma=False)
+    both = results.figure("hopper_ws_probe", "over_cudnn", loop="overlap_pingpong", fma=True)
+    text = _markdown()
+    assert f"was slower still, {overlap} cuDNN" in text
+    assert f"`fma=True`) {both}" in text
+    readme = " ".join((LESSON.parent.parent / "README.md").read_text().split())
+    assert f"`P V` {overlap} cuDNN, with ping-pong and the FMA softmax {both}" in readme
