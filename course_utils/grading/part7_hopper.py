@@ -902,7 +902,12 @@ def _is_course_loader(obj) -> bool:
 
 def _calls_course_loader(jit_fn) -> bool:
     """Whether ``jit_fn`` or a Gluon function it calls by name (the learner's own, at any depth) is the course's
-    loader (the copy the learner's process imported counts too)."""
+    loader (the copy the learner's process imported counts too).
+
+    Why a scan besides the answer key: in a notebook, ``proof.answer_keys_forbidden`` makes the key refuse when the
+    model runs it; in batch grading the learner's loader may reach the copy of ``hopper_ws`` its own notebook
+    imported, and the batch grader's guard watches a Triton or Gluon function's launches (``.run``), which the CPU
+    model never makes: it runs the function's Python."""
     seen, todo = set(), [jit_fn]
     while todo:
         f = todo.pop()
