@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluonfwd gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluonfwd ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -29,6 +29,8 @@
 #           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
 #   gluonwin hopper_ws_probe.py --kind window: the Gluon forward with lesson 08's window and sinks beside the
 #           course's window forward and FlexAttention (180 s a case: Flex compiles in each process)
+#   ncugluon Nsight Compute of the Gluon forward's serial loop, FA3's overlap and overlap + ping-pong + FMA, and
+#           lesson 06's two-per-SM kernel again, in one run (ncu_forward.py; the other rows kept from results/)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
@@ -103,6 +105,10 @@ for step in "$@"; do
       run gluonbwd_probe "$PY" benchmarks/hopper_ws_probe.py --kind bwd --out "$OUT/hopper_ws_bwd_probe.json" ;;
     gluontrain)
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
+    ncugluon)
+      cp results/ncu_forward.json "$OUT/" 2> /dev/null
+      run ncu_gluon "$PY" benchmarks/ncu_forward.py --all "$OUT" \
+        --kernels gluon_serial gluon_overlap gluon_overlap_pingpong fast_2_per_sm ;;
     gluonwin)
       run gluonwin_probe "$PY" benchmarks/hopper_ws_probe.py --kind window --limit 180 \
         --out "$OUT/hopper_ws_window_probe.json" ;;
@@ -142,7 +148,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (gluon speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (gluon gluonfwd ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done

@@ -14,6 +14,10 @@ Kernels (bf16 unless said, GQA 32/8, D = 128, N = 4096, batch 4, not causal):
 - ``fp8_hopper``: the FP8 forward's Hopper launch (``fp8.launch_fp8_hopper``, ``hopper_config``'s tiles);
 - ``fast_2_per_sm_poly``, ``fp8_hopper_poly``: the same two launches with half of each tile's exponentials
   computed on the FMA units (``fast._exp_scores``);
+- ``gluon_serial``, ``gluon_overlap``, ``gluon_overlap_pingpong``: lesson 11's warp-specialised Gluon forward
+  (``hopper_ws.attention``, two K/V buffers) with its serial loop, FA3's overlap of each softmax under the
+  previous tile's ``P V``, and that overlap with the consumers' ping-pong and the FMA softmax scale: the counters
+  that say why FA3's schedules measured slower here (``results/hopper_ws_probe.json``);
 
 ``--kernels`` profiles only some of them and keeps the other kernels' rows of an earlier run.
 
@@ -35,7 +39,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELS = ("lesson05", "fast_1_per_sm", "fast_2_per_sm", "fp8", "fp8_hopper", "fast_2_per_sm_poly", "fp8_hopper_poly")
+KERNELS = ("lesson05", "fast_1_per_sm", "fast_2_per_sm", "fp8", "fp8_hopper", "fast_2_per_sm_poly", "fp8_hopper_poly",
+           "gluon_serial", "gluon_overlap", "gluon_overlap_pingpong")
+# lesson 11's Gluon loops: the kernel's name -> hopper_ws.attention's options
+GLUON_LOOPS = {"gluon_serial": dict(loop="serial"), "gluon_overlap": dict(loop="overlap"),
+               "gluon_overlap_pingpong": dict(loop="overlap_pingpong", fma=True)}
 B, HQ, HKV, N, D = 4, 32, 8, 4096, 128
 # Counters kept in the summary: (label, exact raw-metric name).
 NAMED = [
@@ -79,6 +87,11 @@ def one_launch(name: str) -> None:
     elif name == "fast_2_per_sm_poly":
         def run():
             return fast.launch(q, k, v, False, block_m=128, block_n=64, num_warps=4, num_stages=2, exp_poly=True)
+    elif name in GLUON_LOOPS:
+        from course_utils.kernels import hopper_ws
+
+        def run():
+            return hopper_ws.attention(q, k, v, False, **GLUON_LOOPS[name])
     elif name.startswith("fp8"):
         (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
         vt8 = v8.transpose(2, 3).contiguous()
