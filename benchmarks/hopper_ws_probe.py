@@ -80,8 +80,12 @@ def _inputs(b, h, h_kv, n):
     return q, k, v
 
 
+REFERENCE_CHUNK_BYTES = 1 << 30  # the reference's float32 scores held at once, at most (at least one head's)
+
+
 def _reference(q, k, v, causal):
-    """float32 ``(o, lse)`` of SDPA's math on the repeated kv heads."""
+    """float32 ``(o, lse)`` of SDPA's math on the repeated kv heads; the scores for ``lse`` a few heads at a time
+    (all 32 heads' at N = 16k are 32 GiB, which an 80-GiB H100 cannot hold twice)."""
     import math
 
     import torch
@@ -89,10 +93,16 @@ def _reference(q, k, v, causal):
     h, h_kv, n = q.shape[1], k.shape[1], q.shape[2]
     kr, vr = (t.float().repeat_interleave(h // h_kv, 1) for t in (k, v))
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), kr, vr, is_causal=causal)
-    s = (q.float() @ kr.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if causal:
-        s = s.masked_fill(torch.ones(n, n, device=q.device, dtype=torch.bool).triu(1), -float("inf"))
-    return ref, torch.logsumexp(s, -1)
+    hidden = torch.ones(n, n, device=q.device, dtype=torch.bool).triu(1) if causal else None
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    step = max(1, REFERENCE_CHUNK_BYTES // (n * n * 4))  # heads per chunk
+    for b in range(q.shape[0]):
+        for h0 in range(0, h, step):
+            s = (q[b, h0:h0 + step].float() @ kr[b, h0:h0 + step].transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            if causal:
+                s.masked_fill_(hidden, -float("inf"))
+            lse[b, h0:h0 + step] = torch.logsumexp(s, -1)
+    return ref, lse
 
 
 def _timer(flops):

@@ -2,6 +2,7 @@
 
     python benchmarks/ncu_forward.py --all results/ [--kernels K ...]  # ncu once per kernel: ncu_forward.{json,md}
     python benchmarks/ncu_forward.py --from-csv results/  # the summary again from the kept raw CSVs
+    ... --stem ncu_forward_h100                          # with --all / --from-csv: another GPU's files
     python benchmarks/ncu_forward.py KERNEL             # one warmed-up launch of KERNEL between
                                                          # cudaProfilerStart/Stop (what ncu profiles)
 
@@ -58,6 +59,7 @@ NAMED = [
     ("blocks_per_sm_limit_shared", "launch__occupancy_limit_shared_mem"),
     ("dram_throughput_pct", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
     ("sm_throughput_pct", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("spill_instructions", "sass__inst_executed_register_spilling"),  # local-memory loads/stores of spilled registers
 ]
 # The instruction pipes' utilisation (% of peak, of the active cycles): the tensor cores beside the special-function
 # unit (xu: exp2), the FMA units and the integer/logic unit (alu), which a kernel's softmax shares out.
@@ -162,11 +164,12 @@ def summarise(raw: dict) -> dict:
     return out
 
 
-def markdown(summary: dict) -> str:
+def markdown(summary: dict, stem: str = "ncu_forward") -> str:
+    how = "" if stem == "ncu_forward" else f" --stem {stem}"
     lines = [f"# Nsight Compute: the course's forward kernels\n\n{summary['gpu']}, torch {summary['torch']}, "
              f"triton {summary['triton']}, `ncu --clock-control none --set full` ({summary['ncu']}); bf16 "
              f"(FP8: e4m3), GQA {HQ}/{HKV}, D = {D}, N = {N}, batch {B}, not causal. "
-             "`python benchmarks/ncu_forward.py --all results/` (raw counters in `results/ncu/`).\n",
+             f"`python benchmarks/ncu_forward.py --all results/{how}` (raw counters in `results/ncu/`).\n",
              "| kernel | µs | tensor pipe % | exp2 (xu) / FMA / ALU pipe % | achieved / theoretical occupancy % | "
              "L2 hit % | regs | top stalls (cycles per issue) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, s in summary["kernels"].items():
@@ -232,20 +235,20 @@ def write_summary(out_dir: Path, stem: str, summary: dict, text: str) -> None:
     print(text)
 
 
-def profile_all(out_dir: Path, kernels=KERNELS) -> int:
+def profile_all(out_dir: Path, kernels=KERNELS, stem: str = "ncu_forward") -> int:
     ncu, summary = ncu_run_info(kernels={})
     if ncu is None:
         return 0
     out_dir.mkdir(parents=True, exist_ok=True)
-    earlier = out_dir / "ncu_forward.json"
+    earlier = out_dir / f"{stem}.json"
     if tuple(kernels) != KERNELS and earlier.is_file():  # keep the other kernels' rows, from their own run
         kept = json.loads(earlier.read_text())["kernels"]
         summary["kernels"] = {name: dict(row, run=row.get("run", "earlier run")) for name, row in kept.items()}
     for name in kernels:
-        rows, error = ncu_rows(ncu, __file__, name, out_dir / "ncu" / f"ncu_forward_{name}.csv")
+        rows, error = ncu_rows(ncu, __file__, name, out_dir / "ncu" / f"{stem}_{name}.csv")
         summary["kernels"][name] = dict(error=error) if error else summarise(rows[-1])
         print(name, json.dumps(summary["kernels"][name])[:600], flush=True)
-    write_summary(out_dir, "ncu_forward", summary, markdown(summary))
+    write_summary(out_dir, stem, summary, markdown(summary, stem))
     return 0
 
 
@@ -261,12 +264,12 @@ def rebuild_from_csv(out_dir: Path, stem: str, section: str, names, entry, rende
     return 0
 
 
-def from_csv(out_dir: Path) -> int:
-    """Rebuild ``ncu_forward.{json,md}`` from the raw CSVs a run kept (no GPU needed); a row keeps its ``run``."""
+def from_csv(out_dir: Path, stem: str = "ncu_forward") -> int:
+    """Rebuild ``<stem>.{json,md}`` from the raw CSVs a run kept (no GPU needed); a row keeps its ``run``."""
     def entry(rows, earlier):
         return dict(summarise(rows[-1]), **({"run": earlier["run"]} if earlier.get("run") else {}))
 
-    return rebuild_from_csv(out_dir, "ncu_forward", "kernels", KERNELS, entry, markdown)
+    return rebuild_from_csv(out_dir, stem, "kernels", KERNELS, entry, lambda summary: markdown(summary, stem))
 
 
 def main(argv=None) -> int:
@@ -275,11 +278,13 @@ def main(argv=None) -> int:
     parser.add_argument("--all", metavar="OUT_DIR", type=Path)
     parser.add_argument("--from-csv", metavar="OUT_DIR", type=Path, help="rebuild the summary from kept CSVs")
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=KERNELS, help="with --all: only these")
+    parser.add_argument("--stem", default="ncu_forward",
+                        help="the summary's file name and the CSVs' prefix (another GPU's run: ncu_forward_h100)")
     args = parser.parse_args(argv)
     if args.all is not None:
-        return profile_all(args.all, tuple(args.kernels))
+        return profile_all(args.all, tuple(args.kernels), args.stem)
     if args.from_csv is not None:
-        return from_csv(args.from_csv)
+        return from_csv(args.from_csv, args.stem)
     if args.kernel is None:
         parser.error("name a kernel or give --all OUT_DIR")
     one_launch(args.kernel)

@@ -101,13 +101,23 @@ COLUMNS = {
     ],
     "hopper_ws_probe": [
         ("run", "run", "d", ""), ("loop", "consumer loop", "", ""), ("fma", "FMA softmax", "", ""),
-        ("num_buffers", "K/V slots", "d", ""),
+        ("persistent", "persistent", "", ""), ("num_buffers", "K/V slots", "d", ""),
         ("causal", "causal", "", ""), ("N", "N", "d", ""), ("B", "B", "d", ""),
         ("hopper_ws", "Gluon, specialised TFLOP/s", ".0f", ""), ("cudnn", "cuDNN TFLOP/s", ".0f", ""),
         ("course", "course TFLOP/s", ".0f", ""), ("over_cudnn", "specialised / cuDNN", ".2f", "×"),
         ("over_course", "specialised / course", ".2f", "×"),
     ],
+    "hopper_ws_fp8_probe": [
+        ("loop", "consumer loop", "", ""), ("num_buffers", "K/V slots", "d", ""),
+        ("causal", "causal", "", ""), ("N", "N", "d", ""), ("B", "B", "d", ""),
+        ("hopper_ws", "Gluon FP8 TFLOP/s", ".0f", ""), ("course", "course FP8 (Triton) TFLOP/s", ".0f", ""),
+        ("cudnn", "cuDNN bf16 TFLOP/s", ".0f", ""), ("over_cudnn", "Gluon FP8 / cuDNN bf16", ".2f", "×"),
+        ("over_course", "Gluon FP8 / course FP8", ".2f", "×"), ("rel_rms", "relative RMS error", ".4f", ""),
+    ],
 }
+# Another GPU's run of the same probe: the same table (the file's info names the GPU).
+COLUMNS["hopper_ws_probe_h100"] = COLUMNS["hopper_ws_probe"]
+COLUMNS["hopper_ws_fp8_probe_h100"] = COLUMNS["hopper_ws_fp8_probe"]
 
 
 def path(name: str) -> Path:
@@ -341,10 +351,10 @@ def _loop_of(row) -> str:
 
 def _hopper_ws(d):
     """The timed rows of ``benchmarks/hopper_ws_probe.py`` (lesson 11's Gluon kernel, ``kernels.hopper_ws``)."""
-    return [dict(run=r.get("run", 1), loop=_loop_of(r), fma=r.get("fma", False), num_buffers=r["num_buffers"],
-                 causal=r["causal"], N=r["n"], B=r["b"], hopper_ws=r["hopper_ws"], cudnn=r["cudnn"],
-                 course=r["course"], over_cudnn=_ratio(r["hopper_ws"], r["cudnn"]),
-                 over_course=_ratio(r["hopper_ws"], r["course"]))
+    return [dict(run=r.get("run", 1), loop=_loop_of(r), fma=r.get("fma", False), persistent=r.get("persistent", False),
+                 num_buffers=r["num_buffers"], causal=r["causal"], N=r["n"], B=r["b"], hopper_ws=r["hopper_ws"],
+                 cudnn=r["cudnn"], course=r["course"], over_cudnn=_ratio(r["hopper_ws"], r["cudnn"]),
+                 over_course=_ratio(r["hopper_ws"], r["course"]), rel_rms=r.get("rel_rms"))
             for r in d["rows"] if r["mode"] == "speed" and "hopper_ws" in r]
 
 
@@ -352,7 +362,8 @@ _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, 
          "decode_variants": _decode_variants,
          "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training,
          "tune_backward": _tune_backward, "tune_window": _tune_window, "tune_window_fast": _tune_window_fast,
-         "sm90_compiles": _sm90, "hopper_ws_probe": _hopper_ws}
+         "sm90_compiles": _sm90, "hopper_ws_probe": _hopper_ws,
+         "hopper_ws_probe_h100": _hopper_ws, "hopper_ws_fp8_probe_h100": _hopper_ws}
 
 
 def rows(name: str, *, doc: dict | None = None, **where) -> list[dict]:

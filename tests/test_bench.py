@@ -248,7 +248,9 @@ def test_training_table_shows_ratios_and_failures():
 @pytest.mark.parametrize("name", ["forward_bench", "forward_bench_quick", "window_bench", "decode_bench", "ring_bench",
                                   "training_bench", "fp8_bench", "tune_fp8", "ncu_forward", "fp8_persistent",
                                   "decode_splits", "mods_bench", "ring_blocks", "tune_backward", "tune_window",
-                                  "tune_fp8_hopper", "tune_fp8_maxnreg", "tune_window_fast", "sm90_compiles"])
+                                  "tune_fp8_hopper", "tune_fp8_maxnreg", "tune_window_fast", "sm90_compiles",
+                                  "hopper_ws_probe", "hopper_ws_probe_h100", "hopper_ws_fp8_probe_h100",
+                                  "ncu_forward_h100"])
 def test_packaged_results_are_the_recorded_ones(name):
     """A pip install (Colab) has no results/ folder: the lessons read course_utils/data/ there."""
     from pathlib import Path

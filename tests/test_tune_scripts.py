@@ -486,3 +486,20 @@ def test_the_gpu_plan_runs_its_steps_and_splits_the_suite_in_two(tmp_path):
     assert "No CUDA GPU here" in (tmp_path / "fwd_causal.log").read_text()
     bad = subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "bogus"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown step: bogus" in bad.stdout
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_gluon_probe_s_reference_holds_a_few_heads_scores_at_a_time(causal, monkeypatch):
+    """hopper_ws_probe's float32 reference (o by SDPA, lse by chunks of heads, the causal mask applied in place):
+    the same numbers as the float64 reference whether it takes all heads at once or one at a time (the causal 16k
+    case ran out of memory on an 80-GiB H100 when it held all 32 heads' scores twice)."""
+    probe = _load("hopper_ws_probe")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 48, 16, generator=g) for h in (4, 2, 2))
+    want_o, want_lse = references.attention_lse(q.double().numpy(), *(t.double().repeat_interleave(2, 1).numpy() for t in (k, v)),
+                                                causal=causal)
+    for chunk in (1 << 30, 48 * 48 * 4):  # every head at once; one head at a time
+        monkeypatch.setattr(probe, "REFERENCE_CHUNK_BYTES", chunk)
+        o, lse = probe._reference(q, k, v, causal)
+        assert torch.allclose(o.double(), torch.from_numpy(want_o), atol=1e-5)
+        assert torch.allclose(lse.double(), torch.from_numpy(want_lse), atol=1e-5)
