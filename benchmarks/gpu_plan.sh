@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluonfwd ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluonfwd fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -29,6 +29,8 @@
 #           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
 #   gluonwin hopper_ws_probe.py --kind window: the Gluon forward with lesson 08's window and sinks beside the
 #           course's window forward and FlexAttention (180 s a case: Flex compiles in each process)
+#   fp8gluon python -m course_utils.bench fp8 --gluon: lesson 11's ladder (N 1k-16k, causal and not, two repeats) with
+#           the Gluon bf16 and FP8 forwards beside the course's, SDPA flash and cuDNN (fp8_bench.{json,md} in $OUT)
 #   ncugluon Nsight Compute of the Gluon forward's serial loop, FA3's overlap and overlap + ping-pong + FMA, and
 #           lesson 06's two-per-SM kernel again, in one run (ncu_forward.py; the other rows kept from results/)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
@@ -107,6 +109,8 @@ for step in "$@"; do
       run gluonbwd_probe "$PY" benchmarks/hopper_ws_probe.py --kind bwd --out "$OUT/hopper_ws_bwd_probe.json" ;;
     gluontrain)
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
+    fp8gluon)
+      run fp8_gluon "$PY" -m course_utils.bench fp8 --gluon --repeats 2 --out "$OUT" ;;
     ncugluon)
       cp results/ncu_forward.json "$OUT/" 2> /dev/null
       run ncu_gluon "$PY" benchmarks/ncu_forward.py --all "$OUT" \
@@ -150,7 +154,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (gluon gluonfwd ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (gluon gluonfwd fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done

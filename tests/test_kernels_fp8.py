@@ -456,6 +456,30 @@ def test_bench_summary_takes_ratios_within_a_repeat_and_reports_the_spread():
     assert "For reference, not compared" in text and "616" in text
 
 
+def test_bench_reports_the_gluon_forwards_where_a_run_timed_them():
+    """--gluon adds lesson 11's Gluon forwards: their TFLOP/s and ratios to cuDNN get columns of their own; a run
+    without them renders as before (the recorded fp8_bench.md is the table of such a run)."""
+    import json
+
+    from course_utils import results
+    from course_utils.bench import fp8 as bench
+
+    rows = [_row("sdpa_cudnn", 4096, False, 0, 2.0), _row("course_fp8", 4096, False, 0, 1.6),
+            _row("gluon_fp8", 4096, False, 0, 1.25), _row("gluon_bf16", 4096, False, 0, 2.5)]
+    (line,) = bench.summarise(rows)
+    assert line["gluon_fp8_over_cudnn"] == 1.6 and line["gluon_bf16_over_cudnn"] == 0.8
+    assert line["course_fp8_over_cudnn"] == 1.25 and line["course_bf16_over_cudnn"] is None
+    text = bench.markdown(dict(info={"gpu": "test GPU", "date": "today"}, rows=rows, repeats=1))
+    header, _, body = text.splitlines()[2:5]
+    assert header.endswith("| Gluon bf16 | Gluon FP8 | bf16 / cuDNN | FP8 / cuDNN | Gluon bf16 / cuDNN | Gluon FP8 / cuDNN |")
+    assert body.endswith("| 40 | 80 | — | 1.25× (1.25–1.25) | 0.80× (0.80–0.80) | 1.60× (1.60–1.60) |")
+    without = [r for r in rows if not r["provider"].startswith("gluon")]
+    assert "Gluon" not in bench.markdown(dict(info={}, rows=without, repeats=1))
+    recorded = json.loads(results.path("fp8_bench").read_text())
+    assert bench.markdown(recorded) + "\n" == results.path("fp8_bench").with_suffix(".md").read_text()
+    assert bench.tolerance("gluon_fp8") == bench.FP8_TOLERANCE and bench.tolerance("gluon_bf16") == bench.BF16_TOLERANCE
+
+
 def test_bench_without_a_gpu_says_so(capsys):
     from course_utils.bench import main
 
@@ -464,6 +488,7 @@ def test_bench_without_a_gpu_says_so(capsys):
     assert main(["fp8"]) == 0
     assert "No CUDA GPU here" in capsys.readouterr().out
     assert main(["fp8", "--providers", "course_fp8,nope"]) == 2
+    assert main(["fp8", "--gluon", "--providers", "gluon_fp8"]) == 0
 
 
 def test_bench_rel_rms():

@@ -7,7 +7,11 @@
 - ``course_fp8``: ``course_utils.kernels.flash_attention_fp8`` on e4m3 inputs quantised once outside the
   timing (what a model with FP8 activations hands it), V made K-major inside the call (timed);
 - ``sdpa_flash``, ``sdpa_cudnn``: ``torch.nn.functional.scaled_dot_product_attention`` with one backend
-  (bf16: SDPA has no FP8), ``enable_gqa=True``.
+  (bf16: SDPA has no FP8), ``enable_gqa=True``;
+- with ``--gluon`` (a Hopper GPU; not behind the package's entries yet): ``gluon_bf16``, lesson 11's
+  warp-specialised Gluon forward (``kernels.hopper_ws.attention``, its simple loop), and ``gluon_fp8``, its FP8
+  entry (``hopper_ws.attention_fp8``) on the same e4m3 inputs as ``course_fp8``, V made K-major inside the call
+  (timed, as for ``course_fp8``).
 
 Cases: GQA 32 query heads / 8 kv heads, D = 128 (``--dim 64`` for the other), causal and not, N from 1k to
 16k with 16k tokens per batch (``B = 16384 / N``). Every output is checked against a float32 reference on the
@@ -37,8 +41,12 @@ NS = (1024, 2048, 4096, 8192, 16384)
 TOKENS = 16384
 N_Q_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 PROVIDERS = ("course_bf16", "course_fp8", "sdpa_flash", "sdpa_cudnn")
+GLUON_PROVIDERS = ("gluon_bf16", "gluon_fp8")  # --gluon: lesson 11's Gluon forwards (kernels.hopper_ws), Hopper only
+ALL_PROVIDERS = PROVIDERS + GLUON_PROVIDERS
 LABELS = {"course_bf16": "course bf16", "course_fp8": "course FP8", "sdpa_flash": "SDPA flash",
-          "sdpa_cudnn": "SDPA cuDNN"}
+          "sdpa_cudnn": "SDPA cuDNN", "gluon_bf16": "Gluon bf16", "gluon_fp8": "Gluon FP8"}
+RATIOS = ("course_bf16", "course_fp8", "gluon_bf16", "gluon_fp8")  # the providers whose ratio to cuDNN is reported
+FP8_PROVIDERS = ("course_fp8", "gluon_fp8")
 BF16_TOLERANCE = 2e-2  # relative RMS error against the float32 reference
 FP8_TOLERANCE = 8e-2  # e4m3 inputs and P: about 5e-2 measured on the CPU (tests/test_kernels_fp8.py)
 #: FlashAttention-3 (arXiv 2407.08608), H100 SXM5, head dim 128, 16k tokens: the paper's figures, TFLOP/s.
@@ -63,7 +71,7 @@ def rel_rms(got, want) -> float:
 
 
 def tolerance(provider: str) -> float:
-    return FP8_TOLERANCE if provider == "course_fp8" else BF16_TOLERANCE
+    return FP8_TOLERANCE if provider in FP8_PROVIDERS else BF16_TOLERANCE
 
 
 def spread(values) -> dict:
@@ -82,12 +90,13 @@ def summarise(rows: list[dict]) -> list[dict]:
     """
     out = []
     keys = sorted({(r["n"], r["causal"]) for r in rows}, key=lambda k: (not k[1], k[0]))
+    run_providers = _providers_of(rows)
     for n, causal in keys:
         mine = [r for r in rows if r["n"] == n and r["causal"] == causal and r.get("status") == "ok"]
         line = dict(n=n, causal=causal)
-        for p in PROVIDERS:
+        for p in run_providers:
             line[f"{p}_tflops"] = spread([r["tflops"] for r in mine if r["provider"] == p])["median"]
-        for p in ("course_bf16", "course_fp8"):
+        for p in (p for p in RATIOS if p in run_providers):
             ratios = []
             for rep in sorted({r["repeat"] for r in mine}):
                 by = {r["provider"]: r for r in mine if r["repeat"] == rep}
@@ -99,6 +108,12 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _providers_of(rows) -> tuple:
+    """The providers a run timed, in table order: the four of every run, and the Gluon ones where it timed them."""
+    asked = {r["provider"] for r in rows}
+    return PROVIDERS + tuple(p for p in GLUON_PROVIDERS if p in asked)
+
+
 def _fmt(x, spec=".0f"):
     return "—" if x is None else format(x, spec)
 
@@ -106,17 +121,23 @@ def _fmt(x, spec=".0f"):
 def markdown(doc: dict) -> str:
     """The recorded run as markdown (the lesson renders this): the table, then FA3's figures, labelled."""
     info = doc.get("info", {})
+    providers = _providers_of(doc.get("rows", []))
+    ratios = [p for p in RATIOS if p in providers]
+    # the first runs' column titles, kept: "bf16 / cuDNN" is the course's bf16 forward
+    titles = {"course_bf16": "bf16 / cuDNN", "course_fp8": "FP8 / cuDNN", "gluon_bf16": "Gluon bf16 / cuDNN",
+              "gluon_fp8": "Gluon FP8 / cuDNN"}
     lines = [f"Recorded on {info.get('gpu', '?')}, {info.get('date', '?')} (`results/{STEM}.json`), "
              f"GQA {N_Q_HEADS}/{N_KV_HEADS}, D = {doc.get('head_dim', HEAD_DIM)}, {TOKENS} tokens per batch, "
              f"{doc.get('repeats', 1)} repeat(s); ratios are medians (min–max) over the repeats.", "",
-             "| mask | N | course bf16 | course FP8 | SDPA flash | SDPA cuDNN | bf16 / cuDNN | FP8 / cuDNN |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| mask | N | " + " | ".join(LABELS[p] for p in providers) + " | "
+             + " | ".join(titles[p] for p in ratios) + " |",
+             "|---|---:|" + "---:|" * (len(providers) + len(ratios))]
     for s in doc.get("summary") or summarise(doc.get("rows", [])):
         ratio = {p: (f"{_fmt(s[f'{p}_over_cudnn'], '.2f')}× ({_fmt(s[f'{p}_over_cudnn_min'], '.2f')}–"
-                     f"{_fmt(s[f'{p}_over_cudnn_max'], '.2f')})" if s[f"{p}_over_cudnn"] is not None else "—")
-                 for p in ("course_bf16", "course_fp8")}
+                     f"{_fmt(s[f'{p}_over_cudnn_max'], '.2f')})" if s.get(f"{p}_over_cudnn") is not None else "—")
+                 for p in ratios}
         lines.append(f"| {'causal' if s['causal'] else 'none'} | {s['n']} | " + " | ".join(
-            _fmt(s[f"{p}_tflops"]) for p in PROVIDERS) + f" | {ratio['course_bf16']} | {ratio['course_fp8']} |")
+            _fmt(s.get(f"{p}_tflops")) for p in providers) + " | " + " | ".join(ratio[p] for p in ratios) + " |")
     failed = [r for r in doc.get("rows", []) if r.get("status") != "ok"]
     if failed:
         lines += ["", "Not timed: " + "; ".join(f"{r['provider']} N={r['n']} causal={r['causal']}: {r['status']}"
@@ -149,9 +170,17 @@ def make_forward(provider: str, q, k, v, causal: bool):
 
     if provider == "course_bf16":
         return lambda: flash_attention(q, k, v, causal)
-    if provider == "course_fp8":
+    if provider in FP8_PROVIDERS:
         (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t) for t in (q, k, v))
-        return lambda: flash_attention_fp8(q8, k8, v8, causal, q_scale=qs, k_scale=ks, v_scale=vs)
+        if provider == "course_fp8":
+            return lambda: flash_attention_fp8(q8, k8, v8, causal, q_scale=qs, k_scale=ks, v_scale=vs)
+        from ..kernels import hopper_ws
+
+        return lambda: hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, causal)[0]
+    if provider == "gluon_bf16":
+        from ..kernels import hopper_ws
+
+        return lambda: hopper_ws.attention(q, k, v, causal)[0]
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[provider]
@@ -223,16 +252,20 @@ def _parse(argv):
     p.add_argument("--n", help="comma-separated sequence lengths (default 1024,...,16384)")
     p.add_argument("--dim", type=int, default=HEAD_DIM, help="head dim (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="repeats of the whole sweep, for the spread (default 3)")
-    p.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated subset of {','.join(PROVIDERS)}")
+    p.add_argument("--providers", default=",".join(PROVIDERS),
+                   help=f"comma-separated subset of {','.join(ALL_PROVIDERS)}")
+    p.add_argument("--gluon", action="store_true",
+                   help=f"add {' and '.join(GLUON_PROVIDERS)}, lesson 11's Gluon forwards (a Hopper GPU)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
-    unknown = set(providers) - set(PROVIDERS)
+    providers += [p for p in GLUON_PROVIDERS if args.gluon and p not in providers]
+    unknown = set(providers) - set(ALL_PROVIDERS)
     if unknown:
-        print(f"unknown providers: {', '.join(sorted(unknown))} (choose from {', '.join(PROVIDERS)})")
+        print(f"unknown providers: {', '.join(sorted(unknown))} (choose from {', '.join(ALL_PROVIDERS)})")
         return 2
     if not gpu_available():
         print(NO_GPU_MESSAGE)
