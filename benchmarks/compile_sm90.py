@@ -31,9 +31,15 @@ This script records, for bf16 and D = 128:
   ``benchmarks/tune_window.py --backward`` times (W = 1024 and 4096, no sinks);
 - ``fp8_ws``: lesson 11's FP8 Hopper kernel (e4m3 inputs, D = 128 and 64) at
   ``benchmarks/tune_fp8.py --hopper --ws``'s launches: hopper_config's, then
-  the warp-specialised ones.
+  the warp-specialised ones;
+- ``gluon_forward``: lesson 11's Gluon forward (``kernels.hopper_ws``), every
+  consumer loop in bf16 and FP8, causal and not: registers, spills, ptxas's
+  performance warnings (``targets.ptxas_warnings``: "wgmma serialized", C7511 /
+  C7513) and, from the machine code (``nvdisasm``), the warpgroup products and
+  the ``WARPGROUP`` fences around them (a serialised kernel fences every product).
 
     TRITON_INTERPRET=0 PYTHONPATH=/path/to/triton-3.6:$PWD python benchmarks/compile_sm90.py --out results/sm90_compiles.json
+    ... --sections gluon_forward --out results/sm90_gluon.json    # some sections only
 
 A failed compile is recorded with the compiler's first error line, not raised.
 """
@@ -238,6 +244,60 @@ def fp8_ws() -> list[dict]:
     return rows
 
 
+def sass_counts(cubin: bytes) -> dict:
+    """How many warpgroup products (``HGMMA``: 16-bit, ``QGMMA``: FP8) and ``WARPGROUP`` fences (``ARRIVE`` before
+    products, ``DEPBAR`` waits for them) the machine code holds, read with the ``nvdisasm`` that ships with Triton."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, f.name], capture_output=True, text=True, check=True).stdout
+    return dict(products=text.count("HGMMA.") + text.count("QGMMA."), arrive=text.count("WARPGROUP.ARRIVE"),
+                depbar=text.count("WARPGROUP.DEPBAR"))
+
+
+def gluon_forward() -> list[dict]:
+    """Lesson 11's Gluon forward, every loop, bf16 and FP8 (D = 128, two K/V slots): what ptxas made of it."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from course_utils.kernels import hopper_ws, targets
+
+    rows = []
+    for fp8 in (False, True):
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        q, k = torch.zeros(1, 32, N, D, dtype=dtype), torch.zeros(1, 8, N, D, dtype=dtype)
+        v = torch.zeros(1, 8, D, N, dtype=dtype) if fp8 else k
+        scales = (torch.ones(1, 32, N // 128), torch.ones(1, 8, N // 128), torch.ones(1, 8, N // 128))
+        for loop in hopper_ws.LOOPS:
+            if fp8 and loop == "pipelined":
+                continue  # attention_fp8 refuses it
+            for causal in (False, True):
+                row = dict(kernel="attn_fwd_ws", loop=loop, fp8=fp8, causal=causal)
+                with targets._captured_launches() as launches:
+                    hopper_ws._launch(q, k, v, causal, 0.088, 2, loop, fp8, scales if fp8 else None)
+                (kernel, args, kwargs), = launches
+                try:
+                    target = GPUTarget("cuda", SM, 32)
+                    source, options = targets._specialised_source(kernel, args, kwargs, target)
+                    compiled = triton.compile(source, target=target, options=options)
+                except Exception as exc:  # noqa: BLE001 - a refusal is a result here
+                    rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
+                    continue
+                regs, _, spills = targets._resource_usage(compiled.asm["cubin"])
+                rows.append(dict(row, warps=compiled.metadata.num_warps, registers=regs, spills=spills // 4,
+                                 shared=int(compiled.metadata.shared),
+                                 ptxas_warnings=list(targets.ptxas_warnings(compiled.asm["ptx"], SM)),
+                                 **sass_counts(compiled.asm["cubin"])))
+    return rows
+
+
 def t4_lessons() -> list[dict]:
     """Every lesson kernel at the launch its launcher picks on a T4 (sm_75, fp16, D = 64 and 128): what Colab runs."""
     from course_utils.kernels import targets
@@ -247,30 +307,37 @@ def t4_lessons() -> list[dict]:
             for c in targets.check_targets(sms=(75,), head_dims=(64, 128))]
 
 
+SECTIONS = {"lesson05_forward": lesson05_forward, "ws_forward": ws_forward, "ws_persistent_forward": ws_persistent_forward,
+            "ws_window_forward": ws_window_forward, "backward_pair": backward_pair, "flat_backward": flat_backward,
+            "window_backward": window_backward, "fp8_ws": fp8_ws, "t4_lessons": t4_lessons}
+EXTRA_SECTIONS = {"gluon_forward": gluon_forward}  # --sections only (not part of results/sm90_compiles.json)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
+    parser.add_argument("--sections", nargs="+", choices=[*SECTIONS, *EXTRA_SECTIONS], default=list(SECTIONS),
+                        help="compile only these (default: every section of results/sm90_compiles.json)")
     args = parser.parse_args(argv)
     import triton
 
     record = dict(info=dict(triton=triton.__version__, target=f"sm_{SM}", dtype="bf16", head_dim=D,
                             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                            command="python benchmarks/compile_sm90.py"),
-                  lesson05_forward=lesson05_forward(), ws_forward=ws_forward(),
-                  ws_persistent_forward=ws_persistent_forward(), ws_window_forward=ws_window_forward(),
-                  backward_pair=backward_pair(), flat_backward=flat_backward(), window_backward=window_backward(),
-                  fp8_ws=fp8_ws(), t4_lessons=t4_lessons())
-    for section in ("lesson05_forward", "ws_forward", "ws_persistent_forward", "ws_window_forward", "backward_pair",
-                    "flat_backward",
-                    "window_backward", "fp8_ws", "t4_lessons"):
+                            command="python benchmarks/compile_sm90.py"
+                                    + ("" if args.sections == list(SECTIONS) else " --sections " + " ".join(args.sections))))
+    for section in args.sections:
+        record[section] = {**SECTIONS, **EXTRA_SECTIONS}[section]()
+    for section in args.sections:
         print(f"== {section}")
         for r in record[section]:
             what = r.get("error") or (f"{r['warps']} warps, {r['registers']} registers, {r['spills']} spilled, "
                                       f"{r['shared'] // 1024} KiB")
+            if "ptxas_warnings" in r:
+                what += (f", {r['products']} products, {r['arrive']} + {r['depbar']} fences"
+                         + "".join(f"; {w[:60]}" for w in r["ptxas_warnings"]))
             key = {k: v for k, v in r.items() if k in ("name", "case", "config", "window_size", "sink_size", "head_dim",
-                                                        "block_m",
-                                                        "block_n", "num_stages", "causal", "maxnreg",
-                                                        "warp_specialize", "persistent") and v is not None}
+                                                        "block_m", "block_n", "num_stages", "causal", "maxnreg",
+                                                        "warp_specialize", "persistent", "loop", "fp8") and v is not None}
             print(f"  {r['kernel']:<22} {key}: {what}")
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -38,7 +38,7 @@ for launch, kind, table in ((hopper_ws_bwd._launch_dkdv, "dkdv", cases), (hopper
         with targets._captured_launches() as launches:
             launch(q, k, k, q, lse, lse, causal, 0.1, buffers, block)
         (kernel, args, kwargs), = launches
-        out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"{kind} {causal} {d} {block} {buffers}")))
+        out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"{kind} {causal} {d} {block} {buffers}", warnings=True)))
 for kind, d, block, window, sinks in window_cases:
     launch = hopper_ws_bwd._launch_dkdv if kind == "dkdv" else hopper_ws_bwd._launch_dq
     q, k = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16), torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
@@ -47,7 +47,7 @@ for kind, d, block, window, sinks in window_cases:
         launch(q, k, k, q, lse, lse, True, 0.1, 2, block, window, sinks)
     (kernel, args, kwargs), = launches
     case = f"{kind} True {d} {block} 2 window {window} {sinks}"
-    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case)))
+    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case, warnings=True)))
 print(json.dumps(out))
 """
 
@@ -103,6 +103,13 @@ def test_shared_memory_fits_and_registers_spill_less_than_lesson_07s_kernel(comp
     assert 2 * 32 * 128 * 2 <= extra <= 2 * 32 * 128 * 2 + 64, extra
     extra = compiled["dq True 128 64 3"]["shared_bytes"] - compiled["dq True 128 64 2"]["shared_bytes"]
     assert 2 * 64 * 128 * 2 <= extra <= 2 * 64 * 128 * 2 + 64, extra
+
+
+def test_ptxas_keeps_every_wgmma_asynchronous(compiled):
+    """No backward kernel writes a register that a running wgmma reads: ptxas would serialise them all (C7513)."""
+    assert len(compiled) == len(CASES) + len(DQ_CASES) + len(WINDOW_CASES)
+    for case, r in compiled.items():
+        assert not r["ptxas_warnings"], (case, r["ptxas_warnings"])
 
 
 def test_the_dq_kernels_shared_memory_is_checked_before_it_is_compiled(compiled):

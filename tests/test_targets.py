@@ -144,7 +144,13 @@ with targets._captured_launches() as launches:
 kernel, args, kwargs = launches[0]
 good = script._compiled(kernel, args, kwargs)
 bad = script._compiled(kernel, args, dict(kwargs, BLOCK_N=128))  # causal needs BLOCK_M % BLOCK_N == 0
-print(json.dumps(dict(good=good, bad=bad)))
+import triton
+from triton.backends.compiler import GPUTarget
+source, options = targets._specialised_source(kernel, args, kwargs, GPUTarget("cuda", 90, 32))
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+sass = script.sass_counts(compiled.asm["cubin"])
+warnings = targets.ptxas_warnings(compiled.asm["ptx"], 90)
+print(json.dumps(dict(good=good, bad=bad, sass=sass, warnings=warnings)))
 """
 
 
@@ -162,6 +168,9 @@ def test_the_sm_90_record_script_reads_a_compile_and_keeps_a_refusal():
     assert good["kernel"] == "_attn_fwd_fast_kernel" and good["warps"] == 4 and 0 < good["registers"] <= 255
     assert good["spills"] == 0 and good["shared"] > 0 and good["setmaxnreg"] == []
     assert bad["kernel"] == "_attn_fwd_fast_kernel" and "error" in bad and "registers" not in bad
+    # the machine code's warpgroup products (Q Kᵀ and P V of each masked and unmasked step) and their fences
+    assert got["sass"]["products"] > 0 and got["sass"]["arrive"] > 0 and got["sass"]["depbar"] > 0, got["sass"]
+    assert got["warnings"] == [], got["warnings"]
 
 
 def test_the_partitions_of_a_warp_specialised_kernel_are_read_from_its_ttgir():

@@ -307,7 +307,15 @@ def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, p
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # Q Kᵀ done; P V may still run
     m_i, l_i, alpha, p = _softmax_core(s, j, m_i, l_i, tile_scale, rows, 0, 0, BLOCK_N, MASK, s_layout, o_layout,
                                        v_smem.dtype, FMA)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # rescaled only once P V has added into it
+    # acc is rescaled only once P V has added into it. p_prev passes through the wait as well: P V reads its
+    # registers until it finishes, and a value the code no longer names is dead to the compiler, which would give
+    # the new P the same registers; ptxas then finds the softmax writing a running wgmma's input and serialises
+    # every wgmma of the kernel (its warning C7513), and the overlap is gone. (Triton 3.6 cannot keep an 8-bit
+    # tensor alive through the wait: FP8's P is not passed.)
+    if FP8:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    else:
+        acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     mbarrier.arrive(empty_bars.index(prev), count=1)
     return p, m_i, l_i, _rescale(acc, alpha, v_prev, v_scale, FP8), v_scale
 

@@ -65,6 +65,8 @@ class Compiled:
     partitions: tuple = ()
     # the distinct wgmma instructions of the PTX, shape and types ("m64n128k32.f32.e4m3.e4m3"); () when none
     wgmma: tuple = ()
+    # ptxas's performance warnings (compile_launch(..., warnings=True)), e.g. every wgmma serialised (C7513)
+    ptxas_warnings: tuple = ()
 
     @property
     def fits(self) -> bool:
@@ -216,6 +218,26 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
     return reg, shared, stack + local
 
 
+def ptxas_warnings(ptx: str, sm: int) -> tuple[str, ...]:
+    """The performance warnings ``ptxas`` prints for ``ptx`` (its ``-v`` log, e.g. C7513: "wgmma.mma_async
+    instructions are serialized ..."), from the ptxas that ships with Triton.
+
+    Triton's own compile keeps that log only when asked, and a kernel served from Triton's cache never runs ptxas
+    at all, so this runs it again on the PTX (about half a second for a warp-specialised kernel).
+    """
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    arch = f"sm_{sm}a" if sm == 90 else f"sm_{sm}"
+    with tempfile.TemporaryDirectory() as folder:
+        src = os.path.join(folder, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([tool, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(folder, "kernel.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    return tuple(line.split("ptxas info    : ", 1)[-1] for line in log.splitlines() if "Performance Loss" in line)
+
+
 class _StopBeforeMachineCode(Exception):
     def __init__(self, metadata):
         self.metadata = metadata
@@ -238,12 +260,14 @@ def _without_ptxas():
         CUDABackend.make_cubin = original
 
 
-def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool = True) -> Compiled:
+def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool = True,
+                   warnings: bool = False) -> Compiled:
     """Compile one captured launch for ``sm_<sm>`` and read what it needs.
 
     Shared memory is known once Triton has laid out its tiles (before PTX);
     registers and spills only after ``ptxas`` made machine code, which takes
     tens of seconds per kernel: ``registers=False`` skips it (reported as -1).
+    ``warnings``: also run :func:`ptxas_warnings` on the PTX.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -267,7 +291,8 @@ def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool 
     wgmma = tuple(sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.([a-z0-9.]+)", compiled.asm["ptx"]))))
     return Compiled(kernel.__name__, case, sm, shared, n_regs, spills,
                     compiled.metadata.num_warps, compiled.metadata.num_stages, setmaxnreg,
-                    ws_partitions(compiled.asm.get("ttgir", "")), wgmma)
+                    ws_partitions(compiled.asm.get("ttgir", "")), wgmma,
+                    ptxas_warnings(compiled.asm["ptx"], sm) if warnings else ())
 
 
 def ws_partitions(ttgir: str) -> tuple:
