@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluonfwd fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -29,6 +29,8 @@
 #           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
 #   gluonwin hopper_ws_probe.py --kind window: the Gluon forward with lesson 08's window and sinks beside the
 #           course's window forward and FlexAttention (180 s a case: Flex compiles in each process)
+#   gluonoverlap the forward probe's overlap, overlap + ping-pong and serial variants (bf16, then FP8): FA3's
+#           schedules timed again now that ptxas no longer serialises their wgmma (results/sm90_gluon.json)
 #   fp8gluon python -m course_utils.bench fp8 --gluon: lesson 11's ladder (N 1k-16k, causal and not, two repeats) with
 #           the Gluon bf16 and FP8 forwards beside the course's, SDPA flash and cuDNN (fp8_bench.{json,md} in $OUT)
 #   ncugluon Nsight Compute of the Gluon forward's serial loop, FA3's overlap and overlap + ping-pong + FMA, and
@@ -103,6 +105,11 @@ for step in "$@"; do
       run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
     gluonfwd)
       run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
+    gluonoverlap)
+      run gluon_overlap "$PY" benchmarks/hopper_ws_probe.py --loops overlap overlap_pingpong serial \
+        --out "$OUT/hopper_ws_probe_overlap.json"
+      run gluon8_overlap "$PY" benchmarks/hopper_ws_probe.py --kind fp8 --loops overlap overlap_pingpong serial \
+        --out "$OUT/hopper_ws_fp8_probe_overlap.json" ;;
     gluon8)
       run gluon8_probe "$PY" benchmarks/hopper_ws_probe.py --kind fp8 --out "$OUT/hopper_ws_fp8_probe.json" ;;
     gluonbwd)
@@ -154,7 +161,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (gluon gluonfwd fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done

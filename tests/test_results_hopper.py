@@ -310,3 +310,40 @@ def test_the_h100_counters_quoted_are_the_recorded_ones():
     assert (f"drops the tensor pipes from {serial['tensor_pipe_pct']:.1f}% to {overlap['tensor_pipe_pct']:.1f}% busy "
             f"({both['tensor_pipe_pct']:.1f}% with ping-pong)") in readme
     assert f"grows from {ls[0]:.2f} to {ls[2]:.2f} cycles per instruction" in readme
+
+
+def test_the_serialised_overlap_is_quoted_as_compiled():
+    """results/sm90_gluon.json: before the fix both bf16 overlap loops drew ptxas's C7513 and fenced every product;
+    after it they fence as the FP8 overlap always did; the pipelined causal loop keeps its C7511; nothing else warns.
+    Lesson 11 quotes the fences."""
+    doc = results.load("sm90_gluon")
+    assert doc["info"]["triton"] == "3.6.0" and doc["before"]["commit"] == "a86b7a3"
+
+    def by(rows):
+        return {(r["loop"], r["fp8"], r["causal"]): r for r in rows}
+
+    before, after = by(doc["before"]["rows"]), by(doc["after"]["rows"])
+    assert before.keys() == after.keys() and len(before) == 18
+    for key, r in before.items():
+        loop, fp8, causal = key
+        bf16_overlap = loop in ("overlap", "overlap_pingpong") and not fp8
+        if bf16_overlap:
+            assert [w[:7] for w in r["ptxas_warnings"]] == ["(C7513)"], key
+            assert r["arrive"] == r["depbar"] == r["products"], key  # one fence pair per product
+            fixed = after[key]
+            assert not fixed["ptxas_warnings"] and fixed["products"] == r["products"], key
+            assert fixed["arrive"] == fixed["depbar"] == before[(loop, True, causal)]["arrive"], key
+        elif loop == "pipelined" and causal:
+            assert [w[:7] for w in r["ptxas_warnings"]] == [w[:7] for w in after[key]["ptxas_warnings"]] == ["(C7511)"]
+        else:
+            assert not r["ptxas_warnings"] and r == after[key], key
+    text = _markdown()
+    old, new, serial = before[("overlap", False, False)], after[("overlap", False, False)], before[("serial", False, False)]
+    assert (f"**{old['arrive']}** `WARPGROUP.ARRIVE` and **{old['depbar']}** `WARPGROUP.DEPBAR` for {old['products']} "
+            f"products, where the simple loop has {serial['arrive']} and {serial['depbar']}") in text
+    assert f"**{new['arrive']}** and **{new['depbar']}** fences for the same {new['products']} products" in text
+    fp8_old = before[("overlap", True, False)]
+    assert f"({fp8_old['arrive']} and {fp8_old['depbar']} fences before the fix as well)" in text
+    readme = _readme()
+    assert (f"(warning C7513; {old['arrive']} `WARPGROUP` fence pairs for {old['products']} products). Keeping P alive "
+            f"through the wait removes it ({new['arrive']} pairs;") in readme

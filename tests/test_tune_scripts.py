@@ -503,3 +503,13 @@ def test_the_gluon_probe_s_reference_holds_a_few_heads_scores_at_a_time(causal, 
         o, lse = probe._reference(q, k, v, causal)
         assert torch.allclose(o.double(), torch.from_numpy(want_o), atol=1e-5)
         assert torch.allclose(lse.double(), torch.from_numpy(want_lse), atol=1e-5)
+
+
+def test_the_gluon_probe_can_time_some_loops_only():
+    """hopper_ws_probe --loops: the variants of those loops, in the probe's order (the most promising first)."""
+    probe = _load("hopper_ws_probe")
+    picked = probe.selected("fwd", ["overlap", "serial"])
+    assert picked and {v["loop"] for v in picked} == {"overlap", "serial"}
+    assert picked == [v for v in probe.selected("fwd") if v["loop"] in ("overlap", "serial")]
+    assert {v.get("persistent", False) for v in picked} == {False, True}  # serial persistent too
+    assert probe.selected("fp8", ["pipelined"]) == [] and len(probe.selected("fp8")) == 5
