@@ -51,6 +51,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -246,7 +247,8 @@ def fp8_ws() -> list[dict]:
 
 def sass_counts(cubin: bytes) -> dict:
     """How many warpgroup products (``HGMMA``: 16-bit, ``QGMMA``: FP8) and ``WARPGROUP`` fences (``ARRIVE`` before
-    products, ``DEPBAR`` waits for them) the machine code holds, read with the ``nvdisasm`` that ships with Triton."""
+    products, ``DEPBAR`` waits for them) the machine code holds, its instructions in all, and its byte permutes
+    (``PRMT``) and warp shuffles (``SHFL``), read with the ``nvdisasm`` that ships with Triton."""
     import subprocess
     import tempfile
 
@@ -257,8 +259,10 @@ def sass_counts(cubin: bytes) -> dict:
         f.write(cubin)
         f.flush()
         text = subprocess.run([tool, f.name], capture_output=True, text=True, check=True).stdout
+    opcodes = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text, flags=re.MULTILINE)
     return dict(products=text.count("HGMMA.") + text.count("QGMMA."), arrive=text.count("WARPGROUP.ARRIVE"),
-                depbar=text.count("WARPGROUP.DEPBAR"))
+                depbar=text.count("WARPGROUP.DEPBAR"), instructions=len(opcodes),
+                byte_permutes=opcodes.count("PRMT"), shuffles=opcodes.count("SHFL"))
 
 
 def gluon_forward() -> list[dict]:

@@ -344,6 +344,13 @@ def test_the_serialised_overlap_is_quoted_as_compiled():
     assert f"**{new['arrive']}** and **{new['depbar']}** fences for the same {new['products']} products" in text
     fp8_old = before[("overlap", True, False)]
     assert f"({fp8_old['arrive']} and {fp8_old['depbar']} fences before the fix as well)" in text
+    # the byte permutes: none in the serialised bf16 overlap, some after the fix; the FP8 overlap's many
+    assert old["byte_permutes"] == 0 and new["byte_permutes"] > 0
+    assert f"now holds {new['byte_permutes']} byte permutes (`PRMT`), where the serialised kernel had none" in text
+    fp8_serial = after[("serial", True, False)]
+    assert fp8_old["byte_permutes"] > 10 * fp8_serial["byte_permutes"] > 0
+    assert (f"its machine code holds {fp8_old['byte_permutes']} byte permutes, where the serial FP8 loop has "
+            f"{fp8_serial['byte_permutes']}") in text
     readme = _readme()
     assert (f"(warning C7513; {old['arrive']} `WARPGROUP` fence pairs for {old['products']} products). Keeping P alive "
             f"through the wait removes it ({new['arrive']} pairs;") in readme
