@@ -33,8 +33,9 @@
 #           schedules timed again now that ptxas no longer serialises their wgmma (results/sm90_gluon.json)
 #   fp8gluon python -m course_utils.bench fp8 --gluon: lesson 11's ladder (N 1k-16k, causal and not, two repeats) with
 #           the Gluon bf16 and FP8 forwards beside the course's, SDPA flash and cuDNN (fp8_bench.{json,md} in $OUT)
-#   ncugluon Nsight Compute of the Gluon forward's serial loop, FA3's overlap and overlap + ping-pong + FMA, and
-#           lesson 06's two-per-SM kernel again, in one run (ncu_forward.py; the other rows kept from results/)
+#   ncugluon Nsight Compute of the Gluon forward's serial loop, FA3's overlap and overlap + ping-pong + FMA, the FP8
+#           entry's serial loop and overlap, and lesson 06's two-per-SM kernel, in one run (ncu_forward.py --stem
+#           $NCU_STEM, default ncu_forward_h100: name it after the GPU the call got)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
@@ -119,9 +120,9 @@ for step in "$@"; do
     fp8gluon)
       run fp8_gluon "$PY" -m course_utils.bench fp8 --gluon --repeats 2 --out "$OUT" ;;
     ncugluon)
-      cp results/ncu_forward.json "$OUT/" 2> /dev/null
       run ncu_gluon "$PY" benchmarks/ncu_forward.py --all "$OUT" \
-        --kernels gluon_serial gluon_overlap gluon_overlap_pingpong fast_2_per_sm ;;
+        --kernels gluon_serial gluon_overlap gluon_overlap_pingpong gluon_fp8_serial gluon_fp8_overlap fast_2_per_sm \
+        --stem "${NCU_STEM:-ncu_forward_h100}" ;;
     gluonwin)
       run gluonwin_probe "$PY" benchmarks/hopper_ws_probe.py --kind window --limit 180 \
         --out "$OUT/hopper_ws_window_probe.json" ;;

@@ -19,6 +19,8 @@ Kernels (bf16 unless said, GQA 32/8, D = 128, N = 4096, batch 4, not causal):
   (``hopper_ws.attention``, two K/V buffers) with its serial loop, FA3's overlap of each softmax under the
   previous tile's ``P V``, and that overlap with the consumers' ping-pong and the FMA softmax scale: the counters
   that say why FA3's schedules measured slower here (``results/hopper_ws_probe.json``);
+- ``gluon_fp8_serial``, ``gluon_fp8_overlap``: its FP8 entry (``hopper_ws.attention_fp8``) with the serial loop
+  (the course's fastest FP8 forward) and FA3's overlap, e4m3 inputs quantised beforehand;
 
 ``--kernels`` profiles only some of them and keeps the other kernels' rows of an earlier run.
 
@@ -41,7 +43,7 @@ import sys
 from pathlib import Path
 
 KERNELS = ("lesson05", "fast_1_per_sm", "fast_2_per_sm", "fp8", "fp8_hopper", "fast_2_per_sm_poly", "fp8_hopper_poly",
-           "gluon_serial", "gluon_overlap", "gluon_overlap_pingpong")
+           "gluon_serial", "gluon_overlap", "gluon_overlap_pingpong", "gluon_fp8_serial", "gluon_fp8_overlap")
 # lesson 11's Gluon loops: the kernel's name -> hopper_ws.attention's options
 GLUON_LOOPS = {"gluon_serial": dict(loop="serial"), "gluon_overlap": dict(loop="overlap"),
                "gluon_overlap_pingpong": dict(loop="overlap_pingpong", fma=True)}
@@ -94,6 +96,15 @@ def one_launch(name: str) -> None:
 
         def run():
             return hopper_ws.attention(q, k, v, False, **GLUON_LOOPS[name])
+    elif name.startswith("gluon_fp8"):
+        from course_utils.kernels import hopper_ws
+
+        (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+        vt8 = v8.transpose(2, 3).contiguous()
+        loop = name.removeprefix("gluon_fp8_")
+
+        def run():
+            return hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, False, loop=loop)
     elif name.startswith("fp8"):
         (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
         vt8 = v8.transpose(2, 3).contiguous()
