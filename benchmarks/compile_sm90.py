@@ -74,13 +74,13 @@ def _compiled(kernel, args, kwargs) -> dict:
     from course_utils.kernels import targets
 
     try:
-        c = targets.compile_launch(kernel, args, kwargs, SM, "")
+        c = targets.compile_launch(kernel, args, kwargs, SM, "", warnings=True)
     except Exception as exc:  # noqa: BLE001 - a refusal is a result here
         lines = [line for line in str(exc).splitlines() if "error:" in line] or str(exc).splitlines() or [""]
         return dict(kernel=kernel.__name__, error=f"{type(exc).__name__}: {lines[0].strip()[:200]}")
     return dict(kernel=c.kernel, warps=c.num_warps, registers=c.registers, spills=c.spill_bytes // 4,
                 shared=c.shared_bytes, setmaxnreg=[list(pair) for pair in c.setmaxnreg],
-                partitions=[list(p) for p in c.partitions])
+                partitions=[list(p) for p in c.partitions], ptxas_warnings=list(c.ptxas_warnings))
 
 
 def _inputs(hq, hkv, n=N, d=D):

@@ -759,7 +759,10 @@ def hopper_config(head_dim: int, block_size: int, causal: bool = False) -> dict:
     ``BLOCK_M`` a multiple of ``BLOCK_N``, so only without the mask) and ``128 x 128`` on 4 warps, 3 stages at
     D = 64 (run 2). At D = 128 ``results/tune_fp8_maxnreg.json`` (``--maxnreg``) then chose 2 stages with a cap
     on registers per thread, so that more programs fit on an SM (shared memory and registers both): ``64 x 64``
-    capped at 128 (four programs per SM) with the mask, ``64 x 128`` capped at 168 (three) without it.
+    capped at 128 (four programs per SM) with the mask, ``64 x 128`` capped at 168 (three) without it. Under
+    either cap ptxas serialises the kernel's wgmma for want of registers (its warning C7512, Triton 3.6; the
+    uncapped launches have none): the extra programs per SM were measured to be worth more than the products'
+    overlap within one program.
     """
     if causal:
         cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
