@@ -116,6 +116,15 @@ def window_kv_tile(j, lo, ns):
 
 
 @gluon.jit
+def window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Whether step ``j`` (key tile ``kv_tile``, :func:`window_plan`'s order) needs the window's mask for query
+    block ``start_m``: a sink tile, a tile that reaches the diagonal, or one that starts before the key the
+    block's last row still sees (a tile from there on lies inside every row's window)."""
+    whole_from = start_m * BLOCK_M + BLOCK_M - window_size
+    return (j < ns) | (kv_tile * BLOCK_N + BLOCK_N > start_m * BLOCK_M) | (kv_tile * BLOCK_N < whole_from)
+
+
+@gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
                     window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr, WINDOW: gl.constexpr):
@@ -434,10 +443,9 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
                                                  LOOP == "overlap_pingpong", FMA)
     elif WINDOW:  # the sink tiles, then the window's: masked where they cross its edge or the diagonal
         lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
-        whole_from = start_m * BLOCK_M + BLOCK_M - window_size  # a tile starting here or later lies in the window
         for j in range(n_tiles):
             kv_tile = window_kv_tile(j, lo, ns)
-            if (j < ns) | (kv_tile * BLOCK_N + BLOCK_N > start_m * BLOCK_M) | (kv_tile * BLOCK_N < whole_from):
+            if window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M, BLOCK_N):
                 m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile,
                                               m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
                                               window_size, sink_size, BLOCK_N, SCALE_BLOCK, 2, s_layout, o_layout,

@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .backward import default_config, launch_dq, launch_preprocess
 from .hopper_ws import (_descriptor, _validate_device, _validate_inputs, _validate_window, program_coords,
-                        window_kv_tile, window_plan)
+                        window_kv_tile, window_plan, window_tile_masked)
 from .targets import TARGETS
 
 BLOCK_N = 128  # keys per program: two consumers of 64 (wgmma's M per warpgroup)
@@ -314,10 +314,9 @@ def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars
     mbarrier.wait(q_bars.index(HALF_IDX), 0)
     if WINDOW:  # the sink tiles, then the window's: masked where they cross its edge or the diagonal
         lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
-        whole_from = start_m * BLOCK_M + BLOCK_M - window_size  # a tile starting here or later lies in the window
         for j in range(n_tiles):
             kv_tile = window_kv_tile(j, lo, ns)
-            if (j < ns) | (kv_tile * BLOCK_N + BLOCK_N > start_m * BLOCK_M) | (kv_tile * BLOCK_N < whole_from):
+            if window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M, BLOCK_N):
                 dq = _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, kv_tile, dq, lse2, delta,
                               qk_scale, rows, window_size, sink_size, BLOCK_N, 2, s_layout, op_layout)
             else:
