@@ -234,10 +234,20 @@ def test_a_wait_that_leaves_the_product_it_needs_in_flight_is_caught(tmp_path):
     issued before ``P V`` for the wait to return the scores. Issued the other way round, the model says so."""
     old = '''    s = warpgroup_mma(q, k_smem.index(j % NB).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
-    acc = warpgroup_mma(p_prev, _v_operand(v_smem, prev), acc, is_async=True)'''
-    new = '''    acc = warpgroup_mma(p_prev, _v_operand(v_smem, prev), acc, is_async=True)
+    acc = warpgroup_mma(p_op, _v_operand(v_smem, prev), acc, is_async=True)'''
+    new = '''    acc = warpgroup_mma(p_op, _v_operand(v_smem, prev), acc, is_async=True)
     s = warpgroup_mma(q, k_smem.index(j % NB).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)'''
     planted = _planted(tmp_path, hopper_ws, old, new, "planted_ws_wait_order")
     with pytest.raises(gluon_cpu.RaceError, match="newest products in flight"):
         _forward(planted, False, 64, loop="overlap")
+
+
+def test_fp16_holds_every_e4m3_value_exactly():
+    """The FP8 overlap carries P from one step to the next in fp16 and converts it back at the product
+    (``hopper_ws._overlap_step``): every finite e4m3 value survives the round trip bit for bit."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[torch.isfinite(codes.float())]
+    assert finite.numel() == 254  # all but the two NaNs (e4m3fn has no infinities)
+    back = finite.to(torch.float16).to(torch.float8_e4m3fn)
+    assert torch.equal(back.view(torch.uint8), finite.view(torch.uint8))

@@ -308,9 +308,12 @@ def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, p
     mbarrier.wait(v_bars.index(prev), ((j - 1) // NB) & 1)
     if PINGPONG:
         mbarrier.wait(turn_bars.index(ME), ((j - 1) & 1) ^ (1 - ME))
+    p_op = p_prev
+    if FP8:
+        p_op = p_prev.to(gl.float8e4nv)  # P travels between steps in fp16 (see the end of this step)
     s = warpgroup_mma(q, k_smem.index(j % NB).permute((1, 0)), gl.zeros([M, BLOCK_N], gl.float32, s_layout),
                       use_acc=False, is_async=True)
-    acc = warpgroup_mma(p_prev, _v_operand(v_smem, prev), acc, is_async=True)
+    acc = warpgroup_mma(p_op, _v_operand(v_smem, prev), acc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(1 - ME), count=1)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # Q Kᵀ done; P V may still run
@@ -319,12 +322,13 @@ def _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, p
     # acc is rescaled only once P V has added into it. p_prev passes through the wait as well: P V reads its
     # registers until it finishes, and a value the code no longer names is dead to the compiler, which would give
     # the new P the same registers; ptxas then finds the softmax writing a running wgmma's input and serialises
-    # every wgmma of the kernel (its warning C7513), and the overlap is gone. (Triton 3.6 cannot keep an 8-bit
-    # tensor alive through the wait: FP8's P is not passed.)
+    # every wgmma of the kernel (its warning C7513), and the overlap is gone. FP8's P is carried to the next step
+    # in fp16, which holds every e4m3 value exactly: an 8-bit tensor carried across the loop is repacked byte by
+    # byte each step (898 PRMT in the kernel against 96; results/sm90_gluon.json), and Triton 3.6 cannot pass one
+    # through the wait.
     if FP8:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    else:
-        acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
+        p = p.to(gl.float16)
+    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     mbarrier.arrive(empty_bars.index(prev), count=1)
     return p, m_i, l_i, _rescale(acc, alpha, v_prev, v_scale, FP8), v_scale
 
@@ -348,6 +352,8 @@ def _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n
     m_i, l_i, acc, p = _softmax_step(s, 0, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, 0, 0, BLOCK_N, CAUSAL,
                                      s_layout, o_layout, v_smem.dtype, FMA)
     v_prev = v_scale
+    if v_smem.dtype.is_fp8():
+        p = p.to(gl.float16)  # carried in fp16 (:func:`_overlap_step`)
     for j in range(1, n_tiles - 1):
         p, m_i, l_i, acc, v_prev = _overlap_step(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, p, m_i,
                                                  l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
@@ -359,6 +365,8 @@ def _overlapped_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n
                                                  ME, PINGPONG, FMA)
     last = (n_tiles - 1) % NB
     mbarrier.wait(v_bars.index(last), ((n_tiles - 1) // NB) & 1)
+    if v_smem.dtype.is_fp8():
+        p = p.to(gl.float8e4nv)
     acc = warpgroup_mma(p, _v_operand(v_smem, last), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     mbarrier.arrive(empty_bars.index(last), count=1)
