@@ -268,8 +268,6 @@ def sass_counts(cubin: bytes) -> dict:
 def gluon_forward() -> list[dict]:
     """Lesson 11's Gluon forward, every loop, bf16 and FP8 (D = 128, two K/V slots): what ptxas made of it."""
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
 
     from course_utils.kernels import hopper_ws, targets
 
@@ -288,9 +286,7 @@ def gluon_forward() -> list[dict]:
                     hopper_ws._launch(q, k, v, causal, 0.088, 2, loop, fp8, scales if fp8 else None)
                 (kernel, args, kwargs), = launches
                 try:
-                    target = GPUTarget("cuda", SM, 32)
-                    source, options = targets._specialised_source(kernel, args, kwargs, target)
-                    compiled = triton.compile(source, target=target, options=options)
+                    compiled = targets.compile_binary(kernel, args, kwargs, SM)
                 except Exception as exc:  # noqa: BLE001 - a refusal is a result here
                     rows.append(dict(row, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
                     continue

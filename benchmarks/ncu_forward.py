@@ -96,19 +96,15 @@ def one_launch(name: str) -> None:
 
         def run():
             return hopper_ws.attention(q, k, v, False, **GLUON_LOOPS[name])
-    elif name.startswith("gluon_fp8"):
-        from course_utils.kernels import hopper_ws
-
+    elif name.startswith(("fp8", "gluon_fp8")):  # e4m3 inputs quantised beforehand, V K-major
         (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
         vt8 = v8.transpose(2, 3).contiguous()
-        loop = name.removeprefix("gluon_fp8_")
+        if name.startswith("gluon_fp8"):
+            from course_utils.kernels import hopper_ws
 
-        def run():
-            return hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, False, loop=loop)
-    elif name.startswith("fp8"):
-        (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
-        vt8 = v8.transpose(2, 3).contiguous()
-        if name == "fp8":
+            def run():
+                return hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, False, loop=name.removeprefix("gluon_fp8_"))
+        elif name == "fp8":
             def run():
                 return fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, False, 128, torch.bfloat16)
         else:

@@ -144,10 +144,7 @@ with targets._captured_launches() as launches:
 kernel, args, kwargs = launches[0]
 good = script._compiled(kernel, args, kwargs)
 bad = script._compiled(kernel, args, dict(kwargs, BLOCK_N=128))  # causal needs BLOCK_M % BLOCK_N == 0
-import triton
-from triton.backends.compiler import GPUTarget
-source, options = targets._specialised_source(kernel, args, kwargs, GPUTarget("cuda", 90, 32))
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+compiled = targets.compile_binary(kernel, args, kwargs, 90)
 sass = script.sass_counts(compiled.asm["cubin"])
 warnings = targets.ptxas_warnings(compiled.asm["ptx"], 90)
 print(json.dumps(dict(good=good, bad=bad, sass=sass, warnings=warnings)))

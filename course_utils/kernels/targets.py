@@ -260,6 +260,17 @@ def _without_ptxas():
         CUDABackend.make_cubin = original
 
 
+def compile_binary(kernel, args, kwargs, sm: int):
+    """Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``) of one captured launch, for
+    ``sm_<sm>``, specialised as the GPU's launcher would (what :func:`compile_launch` reads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", sm, 32)
+    source, options = _specialised_source(kernel, args, kwargs, target)
+    return triton.compile(source, target=target, options=options)
+
+
 def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool = True,
                    warnings: bool = False) -> Compiled:
     """Compile one captured launch for ``sm_<sm>`` and read what it needs.
@@ -269,21 +280,16 @@ def compile_launch(kernel, args, kwargs, sm: int, case: str, *, registers: bool 
     tens of seconds per kernel: ``registers=False`` skips it (reported as -1).
     ``warnings``: also run :func:`ptxas_warnings` on the PTX.
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    target = GPUTarget("cuda", sm, 32)
-    source, options = _specialised_source(kernel, args, kwargs, target)
     if not registers:
         try:
             with _without_ptxas():
-                compiled = triton.compile(source, target=target, options=options)  # from Triton's cache
+                compiled = compile_binary(kernel, args, kwargs, sm)  # from Triton's cache
         except _StopBeforeMachineCode as stopped:
             meta = stopped.metadata
             return Compiled(kernel.__name__, case, sm, int(meta["shared"]), -1, -1,
                             meta["num_warps"], meta["num_stages"])
     else:
-        compiled = triton.compile(source, target=target, options=options)
+        compiled = compile_binary(kernel, args, kwargs, sm)
     n_regs, static_shared, spills = _resource_usage(compiled.asm["cubin"])
     # Triton's dynamic shared memory (tiles, pipeline buffers) is in its metadata.
     shared = max(int(compiled.metadata.shared), static_shared)
