@@ -115,9 +115,20 @@ COLUMNS = {
         ("over_course", "Gluon FP8 / course FP8", ".2f", "×"), ("rel_rms", "relative RMS error", ".4f", ""),
     ],
 }
-# Another GPU's run of the same probe: the same table (the file's info names the GPU).
-COLUMNS["hopper_ws_probe_h100"] = COLUMNS["hopper_ws_probe"]
-COLUMNS["hopper_ws_fp8_probe_h100"] = COLUMNS["hopper_ws_fp8_probe"]
+COLUMNS["hopper_ws_bwd_probe"] = [
+    ("block_m", "dK/dV query rows per tile", "d", ""), ("dq_kernel", "dQ kernel", "", ""),
+    ("dq_block_n", "dQ keys per tile", "d", ""), ("num_buffers", "slots", "d", ""), ("causal", "causal", "", ""),
+    ("N", "N", "d", ""), ("B", "B", "d", ""), ("hopper_ws", "Gluon backward TFLOP/s", ".0f", ""),
+    ("course", "lesson 07's pair TFLOP/s", ".0f", ""), ("cudnn", "cuDNN backward TFLOP/s", ".0f", ""),
+    ("over_cudnn", "Gluon / cuDNN, backward", ".2f", "×"), ("over_course", "Gluon / lesson 07's pair", ".2f", "×"),
+    ("train_over_cudnn", "forward + backward / cuDNN's, speed", ".2f", "×"),
+]
+# Another GPU's run of the same probe, or a later one: the same table (the file's info names the GPU).
+for _name, _probe in (("hopper_ws_probe_h100", "hopper_ws_probe"), ("hopper_ws_fp8_probe_h100", "hopper_ws_fp8_probe"),
+                      ("hopper_ws_probe_overlap_h100", "hopper_ws_probe"),
+                      ("hopper_ws_fp8_probe_overlap_h100", "hopper_ws_fp8_probe"),
+                      ("hopper_ws_bwd_probe_h100", "hopper_ws_bwd_probe")):
+    COLUMNS[_name] = COLUMNS[_probe]
 
 
 def path(name: str) -> Path:
@@ -358,12 +369,25 @@ def _hopper_ws(d):
             for r in d["rows"] if r["mode"] == "speed" and "hopper_ws" in r]
 
 
+def _hopper_ws_bwd(d):
+    """The timed rows of ``hopper_ws_probe.py --kind bwd``: the Gluon backward (``kernels.hopper_ws_bwd``) beside
+    lesson 07's pair and cuDNN's backward; ``train_over_cudnn`` is cuDNN's forward + backward time over the course's
+    forward with this backward."""
+    return [dict(block_m=r["block_m"], dq_kernel=r["dq_kernel"], dq_block_n=r["dq_block_n"],
+                 num_buffers=r["num_buffers"], causal=r["causal"], N=r["n"], B=r["b"], hopper_ws=r["hopper_ws"],
+                 course=r["course"], cudnn=r["cudnn"], over_cudnn=_ratio(r["hopper_ws"], r["cudnn"]),
+                 over_course=_ratio(r["hopper_ws"], r["course"]), train_over_cudnn=r["train_over_cudnn"])
+            for r in d["rows"] if r["mode"] == "speed" and "hopper_ws" in r]
+
+
 _ROWS = {"window_bench": _window, "mods_bench": _mods, "decode_bench": _decode, "decode_splits": _decode_splits,
          "decode_variants": _decode_variants,
          "ring_bench": _ring, "ring_blocks": _ring_blocks, "training_bench": _training,
          "tune_backward": _tune_backward, "tune_window": _tune_window, "tune_window_fast": _tune_window_fast,
          "sm90_compiles": _sm90, "hopper_ws_probe": _hopper_ws,
-         "hopper_ws_probe_h100": _hopper_ws, "hopper_ws_fp8_probe_h100": _hopper_ws}
+         "hopper_ws_probe_h100": _hopper_ws, "hopper_ws_fp8_probe_h100": _hopper_ws,
+         "hopper_ws_probe_overlap_h100": _hopper_ws, "hopper_ws_fp8_probe_overlap_h100": _hopper_ws,
+         "hopper_ws_bwd_probe_h100": _hopper_ws_bwd}
 
 
 def rows(name: str, *, doc: dict | None = None, **where) -> list[dict]:

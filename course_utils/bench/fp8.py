@@ -118,15 +118,16 @@ def _fmt(x, spec=".0f"):
     return "—" if x is None else format(x, spec)
 
 
-def markdown(doc: dict) -> str:
-    """The recorded run as markdown (the lesson renders this): the table, then FA3's figures, labelled."""
+def markdown(doc: dict, stem: str = STEM) -> str:
+    """The recorded run as markdown (the lesson renders this): the table, then FA3's figures, labelled. ``stem`` names
+    the recorded file the header points to (``results/<stem>.json``)."""
     info = doc.get("info", {})
     providers = _providers_of(doc.get("rows", []))
     ratios = [p for p in RATIOS if p in providers]
     # the first runs' column titles, kept: "bf16 / cuDNN" is the course's bf16 forward
     titles = {"course_bf16": "bf16 / cuDNN", "course_fp8": "FP8 / cuDNN", "gluon_bf16": "Gluon bf16 / cuDNN",
               "gluon_fp8": "Gluon FP8 / cuDNN"}
-    lines = [f"Recorded on {info.get('gpu', '?')}, {info.get('date', '?')} (`results/{STEM}.json`), "
+    lines = [f"Recorded on {info.get('gpu', '?')}, {info.get('date', '?')} (`results/{stem}.json`), "
              f"GQA {N_Q_HEADS}/{N_KV_HEADS}, D = {doc.get('head_dim', HEAD_DIM)}, {TOKENS} tokens per batch, "
              f"{doc.get('repeats', 1)} repeat(s); ratios are medians (min–max) over the repeats.", "",
              "| mask | N | " + " | ".join(LABELS[p] for p in providers) + " | "
