@@ -229,6 +229,39 @@ def test_a_training_step_through_autograd(forward):
         assert _rel(got, ref) < 1e-2, name
 
 
+@pytest.mark.parametrize("window_size", [None, 200])
+def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_set(monkeypatch, window_size):
+    """fast_backward's gluon mode behind kernels.flash_attention's autograd: outside a Hopper GPU (or the model of
+    one) it does not apply and lesson 07's pair runs; set as AUTOGRAD_CONFIG inside the model, the gradients are
+    hopper_ws_bwd's bit for bit (the route adds nothing of its own), and right against float64."""
+    from course_utils import kernels
+    from course_utils.kernels import fast_backward as fb
+
+    g = torch.Generator().manual_seed(11)  # fp16: Triton's interpreter computes bf16 wrongly (the course's forward)
+    q, do = (torch.randn(1, 4, 256, 64, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(1, 2, 256, 64, generator=g).half() for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert fb.autograd_config(q, k, v, True, window_size, config=fb.GLUON_DEFAULT) is None
+    assert "Hopper GPU" in fb.unsupported_reason(q, k, v, fb.GLUON_DEFAULT)
+    assert fb.autograd_config(q, k, v, True, window_size, 4, config=fb.GLUON_DEFAULT) is None  # sinks: lesson 07's
+    monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
+    with gluon_cpu.running():
+        assert fb.autograd_config(q, k, v, True, window_size) == fb.GLUON_DEFAULT
+        assert fb.autograd_config(q, k, v, True, window_size, softcap=30.0) is None  # a lesson 12 keyword
+        o = kernels.flash_attention(q, k, v, True, window_size=window_size)
+        o.backward(do)
+        o2, lse = kernels.flash_attention_with_lse(q.detach(), k.detach(), v.detach(), True, window_size=window_size)
+        direct = hopper_ws_bwd.attention_backward(q.detach(), k.detach(), v.detach(), o2, lse, do, True,
+                                                  window_size=window_size)
+    assert torch.equal(o.detach(), o2)
+    for got, want in zip((q.grad, k.grad, v.grad), direct):
+        assert torch.equal(got, want)
+    want = references.attention_backward(*(t.detach().double().numpy() for t in (q, k, v, do)), causal=True,
+                                         window_size=window_size)
+    for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+        assert _rel(got, ref) < 1e-2, name
+
+
 def test_a_wait_that_leaves_the_product_it_needs_in_flight_is_caught(tmp_path):
     """``warpgroup_mma_wait(1)`` completes all but the newest product: in the overlapped loop ``Q Kᵀ`` must be
     issued before ``P V`` for the wait to return the scores. Issued the other way round, the model says so."""

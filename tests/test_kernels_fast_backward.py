@@ -105,9 +105,9 @@ def test_the_flat_mode_takes_lesson_08s_window(config, window_size):
 def test_a_window_is_refused_where_it_does_not_run():
     q, k, v, do = _inputs(1, 2, 1, 128, 64, seed=2)
     o, lse, _ = _saved(q, k, v, do, True)
-    with pytest.raises(ValueError, match="flat mode, with causal=True"):
+    with pytest.raises(ValueError, match="in the flat and gluon modes, with causal=True"):
         fb.attention_backward_fast(q, k, v, o, lse, do, True, config=SMALL[0], window_size=32)
-    with pytest.raises(ValueError, match="flat mode, with causal=True"):
+    with pytest.raises(ValueError, match="in the flat and gluon modes, with causal=True"):
         fb.attention_backward_fast(q, k, v, o, lse, do, False, config=SMALL[4], window_size=32)
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="positive integer"):
@@ -196,3 +196,28 @@ def test_autograd_runs_the_configured_fast_backward_where_it_applies(monkeypatch
     grads(window_size=48)
     assert calls == [SMALL[6], SMALL[6]] and len(pair) == 2
     assert fb.autograd_config(q, k, v, True, softcap=30.0) is None and fb.autograd_config(q, k, v, True) == SMALL[0]
+
+
+def test_the_gluon_mode_takes_what_hopper_ws_bwd_launches():
+    """The gluon mode (lesson 11's Gluon backward) maps onto the config's fields; what its layout fixes, and the
+    options hopper_ws_bwd refuses, are refused when the config is made, in one sentence."""
+    assert fb.default_config("gluon") == fb.GLUON_DEFAULT and fb.AUTOGRAD_CONFIG is None
+    assert fb.GLUON_DEFAULT.short() == "gluon dkdv 64x128 dq 128x64 w4 s2 tma"
+    assert fb.FastBackwardConfig("gluon", 32, 128, 128, 128, 4, 3, True).short() == "gluon dkdv 32x128 dq 128x128 w4 s3 tma"
+    for fields, message in (((64, 64, 128, 64, 4, 2, True), "block_n1=64"), ((64, 128, 128, 64, 8, 2, True), "num_warps=8"),
+                            ((64, 128, 128, 64, 4, 2, False), "use_tma=False"),
+                            ((64, 128, 128, 64, 4, 4, True), "num_buffers must be 2 or 3"),
+                            ((16, 128, 128, 64, 4, 2, True), "block_m must be one of"),
+                            ((64, 128, 128, 32, 4, 2, True), "dq_block_n must be one of")):
+        with pytest.raises(ValueError, match=message):
+            fb.FastBackwardConfig("gluon", *fields)
+    q = torch.zeros(1, 4, 256, 64, dtype=torch.float16)
+    k = torch.zeros(1, 2, 256, 64, dtype=torch.float16)
+    assert fb.unsupported_reason(q, k, k, fb.GLUON_DEFAULT).startswith("the hand-specialised kernel runs on a Hopper GPU")
+    lse = torch.zeros(1, 4, 256)
+    with pytest.raises(ValueError, match="runs on a Hopper GPU"):
+        fb.attention_backward_fast(q, k, k, q, lse, q, True, config=fb.GLUON_DEFAULT)
+    from course_utils.kernels import gluon_cpu
+
+    with gluon_cpu.running(), pytest.raises(ValueError, match="a window runs in the flat and gluon modes, with causal"):
+        fb.attention_backward_fast(q, k, k, q, lse, q, False, config=fb.GLUON_DEFAULT, window_size=64)

@@ -12,8 +12,9 @@ TRAIN_PROVIDERS = ("sdpa_flash", "sdpa_cudnn", "course")
 # With --fast-backward: the course's forward with fast_backward's flat layout behind autograd (FLAT_DEFAULT, and the
 # same with its own dQ kernel), timed beside lesson 07's pair in the same run before either becomes the default.
 FAST_BACKWARD_PROVIDERS = ("course_flat", "course_flat_dq")
-# With --gluon (a Hopper GPU): kernels.hopper_ws_bwd's backward behind autograd, after lesson 11's Gluon forward and
-# after the course's forward.
+# With --gluon (a Hopper GPU): kernels.hopper_ws_bwd's backward behind autograd, after lesson 11's Gluon forward
+# (hopper_ws_bwd.attention) and after the course's forward (fast_backward's gluon mode at GLUON_DEFAULT: the route
+# kernels.flash_attention's autograd takes once AUTOGRAD_CONFIG is set to it).
 GLUON_PROVIDERS = ("gluon", "course_gluon_bwd")
 TRAIN_LABELS = {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "course": "course (kernels.flash_attention)",
                 "course_flat": "course, flat backward", "course_flat_dq": "course, flat backward + flat dQ",
@@ -52,13 +53,19 @@ def make_training_forward(name: str, q, k, v, causal: bool):
 
         def forward():
             return flash_attention_fast_backward(q, k, v, causal, config=config)
-    elif name in GLUON_PROVIDERS:
-        from ..kernels import hopper_ws_bwd
+    elif name == "course_gluon_bwd":  # the route kernels.flash_attention's autograd takes with the gluon mode set
+        from ..kernels.fast_backward import GLUON_DEFAULT, autograd_config, flash_attention_fast_backward
 
-        forward_kind = "gluon" if name == "gluon" else "course"
+        if autograd_config(q, k, v, causal, config=GLUON_DEFAULT) is None:
+            raise ValueError("the Gluon backward does not apply here (a Hopper GPU, bf16/fp16, D 64 or 128)")
 
         def forward():
-            return hopper_ws_bwd.attention(q, k, v, causal, forward=forward_kind)
+            return flash_attention_fast_backward(q, k, v, causal, config=GLUON_DEFAULT)
+    elif name == "gluon":
+        from ..kernels import hopper_ws_bwd
+
+        def forward():
+            return hopper_ws_bwd.attention(q, k, v, causal, forward="gluon")
     elif name in ("sdpa_flash", "sdpa_cudnn"):
         from torch.nn.attention import sdpa_kernel
 

@@ -52,6 +52,18 @@ loaded by pointers before the loop, stop the compiler's pass), 12 warps
 and no spills at ``128 x 32`` and ``128 x 64`` (twenty-seventh session, not
 yet timed).
 
+A fourth mode, ``"gluon"``, is lesson 11's backward written in Gluon
+(:mod:`.hopper_ws_bwd`: a TMA loader warp and two consumer warpgroups for
+dK/dV, and its mirror image for dQ; deterministic, a Hopper GPU only). Its
+configuration maps onto this one's fields: ``block_m1`` the dK/dV kernel's
+query rows per tile (32 or 64), ``block_n1`` its 128 keys, ``block_m2`` the
+dQ kernel's 128 query rows, ``block_n2`` its keys per tile (64 or 128),
+``num_stages`` the tiles in flight (2 or 3), 4 warps, always through TMA.
+On an H100 (``results/hopper_ws_bwd_probe_h100.json``) :data:`GLUON_DEFAULT`
+ran at 1.13-1.24x lesson 07's pair and 0.86-0.91x cuDNN's backward; it is
+not yet the autograd default (no training run has timed it in one process
+beside cuDNN: ``python -m course_utils.bench --training --gluon``).
+
 Autograd: :class:`FastBackwardFunction` is lesson 07's autograd function
 with this module's backward; ``kernels.flash_attention`` uses it when
 :data:`AUTOGRAD_CONFIG` is set (``None`` by default, so lesson 07's pair
@@ -86,9 +98,10 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["FastBackwardConfig", "CONFIGS", "default_config", "supports", "unsupported_reason",
            "attention_backward_fast", "MODES", "AUTOGRAD_CONFIG", "autograd_config", "FastBackwardFunction",
-           "flash_attention_fast_backward"]
+           "flash_attention_fast_backward", "GLUON_DEFAULT", "WINDOW_MODES"]
 
-MODES = ("fused", "atomic", "flat")
+MODES = ("fused", "atomic", "flat", "gluon")
+WINDOW_MODES = ("flat", "gluon")  # the modes that take lesson 08's window (without sinks)
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,10 @@ class FastBackwardConfig:
     tile through TMA, ``lse`` and ``delta`` too; one loop, specialised with
     ``warp_specialize``) at ``block_m2 x block_n2`` on this config's warps and
     stages, instead of lesson 07's dQ kernel.
+    ``"gluon"``: :mod:`.hopper_ws_bwd`'s kernels, ``block_m1`` and ``block_n2``
+    its ``block_m`` and ``dq_block_n``, ``num_stages`` its ``num_buffers``; the
+    other fields are fixed by its layout (``block_n1 = block_m2 = 128``, 4 warps,
+    ``use_tma``).
     """
 
     mode: str = "fused"
@@ -144,13 +161,15 @@ class FastBackwardConfig:
             raise ValueError("warp_specialize is the flat mode's (its dK/dV loop is the one that compiles so)")
         if self.flat_dq and self.mode != "flat":
             raise ValueError("flat_dq is the flat mode's (its dQ kernel loads through TMA like its dK/dV kernel)")
+        if self.mode == "gluon":
+            _validate_gluon(self)
 
     @property
     def largest_block(self) -> int:
         return max(self.block_m1, self.block_n1, self.block_m2, self.block_n2)
 
     def short(self) -> str:
-        tail = f" dq {self.block_m2}x{self.block_n2}" if self.mode in ("fused", "flat") else ""
+        tail = f" dq {self.block_m2}x{self.block_n2}" if self.mode in ("fused", "flat", "gluon") else ""
         if self.mode == "flat":  # always TMA: say whether it is warp-specialised instead
             return (f"flat dkdv {self.block_m1}x{self.block_n1} w{self.num_warps} s{self.num_stages}"
                     + (" ws" if self.warp_specialize else "") + tail + (" flat" if self.flat_dq else ""))
@@ -178,12 +197,31 @@ _DEFAULT = {"fused": CONFIGS[0], "atomic": CONFIGS[3]}
 FLAT_DEFAULT = FastBackwardConfig("flat", 32, 128, 128, 32, 8, 2, True)
 
 
+def _validate_gluon(config: FastBackwardConfig) -> None:
+    """The gluon mode's fields, else ``ValueError``: what :mod:`.hopper_ws_bwd` launches (imported here, not at
+    import time: Gluon is Triton's newer language)."""
+    from . import hopper_ws_bwd
+
+    fixed = dict(block_n1=hopper_ws_bwd.BLOCK_N, block_m2=hopper_ws_bwd.DQ_BLOCK_M, num_warps=4, use_tma=True,
+                 warp_specialize=False, flat_dq=False)
+    wrong = [f"{name}={getattr(config, name)!r}" for name, want in fixed.items() if getattr(config, name) != want]
+    if wrong:
+        raise ValueError(f"the gluon mode's layout fixes {', '.join(f'{n}={w!r}' for n, w in fixed.items())} "
+                         f"(got {', '.join(wrong)})")
+    hopper_ws_bwd._validate_options(config.num_stages, config.block_m1, "gluon", config.block_n2)
+
+
+# The gluon mode's launch: the fastest of hopper_ws_probe.py --kind bwd on an H100
+# (results/hopper_ws_bwd_probe_h100.json: 64-row dK/dV tiles, the Gluon dQ on 64-key tiles, two slots).
+GLUON_DEFAULT = FastBackwardConfig("gluon", 64, 128, 128, 64, 4, 2, True)
+
+
 def default_config(mode: str = "fused") -> FastBackwardConfig:
     """The configuration :func:`attention_backward_fast` uses for ``mode`` (the fastest measured, D = 128;
     the flat mode's is not measured yet)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    return FLAT_DEFAULT if mode == "flat" else _DEFAULT[mode]
+    return {"flat": FLAT_DEFAULT, "gluon": GLUON_DEFAULT}.get(mode) or _DEFAULT[mode]
 
 
 def unsupported_reason(q, k, v, config: FastBackwardConfig | None = None) -> str | None:
@@ -201,6 +239,14 @@ def unsupported_reason(q, k, v, config: FastBackwardConfig | None = None) -> str
         return "use_tma (and the flat mode) need triton.tools.tensor_descriptor (Triton >= 3.3)"
     if q.shape[2] % cfg.largest_block:
         return f"N = {q.shape[2]} is not a multiple of {cfg.largest_block} (the largest block)"
+    if cfg.mode == "gluon":
+        from .hopper_ws_bwd import _validate_device, _validate_inputs
+
+        try:
+            _validate_inputs(q, k, v)
+            _validate_device(q)
+        except ValueError as exc:
+            return str(exc)
     return None
 
 
@@ -517,11 +563,12 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     which picks that mode's :func:`default_config`) chooses the launch.
     Raises ``ValueError`` with :func:`unsupported_reason`'s sentence for
     inputs it does not cover. ``window_size`` (``causal=True``, the flat
-    mode only, no sinks): key ``j`` visible from query ``i`` iff
+    and gluon modes only, no sinks): key ``j`` visible from query ``i`` iff
     ``0 <= i - j < window_size``, lesson 08's window. ``stats``, a dict, receives what the compiler
     made of the launch (registers per thread, spills, shared memory in bytes,
     warps per program; the flat mode's: its dK/dV kernel's, and with
-    ``flat_dq`` its dQ kernel's under ``"dq"``).
+    ``flat_dq`` its dQ kernel's under ``"dq"``; the gluon mode leaves it as it is). The gluon mode
+    computes ``delta`` itself (:func:`.hopper_ws_bwd.attention_backward`).
     """
     if config is None:
         config = default_config(mode or "fused")
@@ -531,10 +578,15 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     if reason:
         raise ValueError(reason)
     if window_size is not None:
-        if config.mode != "flat" or not causal:
-            raise ValueError("a window runs in the flat mode, with causal=True")
+        if config.mode not in WINDOW_MODES or not causal:
+            raise ValueError("a window runs in the flat and gluon modes, with causal=True")
         if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
             raise ValueError(f"window_size must be a positive integer, got {window_size!r}")
+    if config.mode == "gluon":
+        from .hopper_ws_bwd import attention_backward
+
+        return attention_backward(q, k, v, o, lse, do, causal, sm_scale, window_size=window_size,
+                                  num_buffers=config.num_stages, block_m=config.block_m1, dq_block_n=config.block_n2)
     B, n_q_heads, N, D = q.shape
     n_kv_heads = k.shape[1]
     if n_kv_heads == 0 or n_q_heads % n_kv_heads:
@@ -595,13 +647,14 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=No
 
     ``config`` (default :data:`AUTOGRAD_CONFIG`) where it applies: no lesson 12 keyword (``mods``:
     ``cu_seqlens``, ``softcap``, ``alibi_slopes``, ``sink_logits``, all ``None``), no sinks, a window only in
-    the flat mode with ``causal``, inputs :func:`supports` takes, and on a GPU a Hopper one (the CPU's
-    interpreter runs it too, which is how the tests check the route).
+    the flat and gluon modes with ``causal``, inputs :func:`supports` takes, and on a GPU a Hopper one (the CPU's
+    interpreter runs it too, the gluon mode's inside :func:`.gluon_cpu.running`, which is how the tests check
+    the route).
     """
     cfg = AUTOGRAD_CONFIG if config is None else config
     if cfg is None or sink_size or any(m is not None for m in mods.values()):
         return None
-    if window_size is not None and (cfg.mode != "flat" or not causal):
+    if window_size is not None and (cfg.mode not in WINDOW_MODES or not causal):
         return None
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] != 9:
         return None
