@@ -174,6 +174,36 @@ def test_ratio_table_skips_missing_providers():
     assert r["fast/sdpa_cudnn"] is None and math.isclose(r["fast/sdpa_flash"], 2.0)
 
 
+def test_lesson_11s_forwards_join_the_sweep_where_asked(tmp_path):
+    """--providers ...,course_fp8,gluon_bf16,gluon_fp8: bench fp8's providers (one copy) in the main sweep, with their
+    own columns and ratios to cuDNN, checked at bench fp8's tolerances; a sweep without them renders as before."""
+    import importlib
+
+    from course_utils.bench import fp8, providers
+
+    measure = importlib.import_module("course_utils.bench.measure")  # the package's `measure` is the function
+
+    assert bench.ALL_PROVIDERS == bench.PROVIDERS + ("course_fp8", "gluon_bf16", "gluon_fp8")
+    assert measure.tolerance("course_fp8") == measure.tolerance("gluon_fp8") == fp8.FP8_TOLERANCE > bench.TOLERANCE
+    assert measure.tolerance("gluon_bf16") == fp8.BF16_TOLERANCE and measure.tolerance("fast") == bench.TOLERANCE
+    q, k = torch.randn(1, 4, 256, 64, dtype=torch.bfloat16), torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
+    fn, note = providers.make_provider("course_fp8", q, k, k, True)
+    assert callable(fn) and note.startswith("e4m3 inputs")
+    assert providers.make_provider("gluon_bf16", q, k, k, True)[1] == ""
+    rows = _fake_rows()
+    extra = [dict(r, provider=p, tflops=t, note="") for r in rows if r["provider"] == "sdpa_cudnn"
+             for p, t in (("gluon_bf16", 450.0), ("course_fp8", 600.0))]
+    md = bench.markdown_tables(rows + extra)
+    header = next(line for line in md.splitlines() if line.startswith("| N | B |"))
+    assert header.endswith("| FP8 (11) | Gluon bf16 (11) | fast/flash | fast/cudnn | course/flash | "
+                           "course_fp8/cudnn | gluon_bf16/cudnn |")
+    line = next(line for line in md.splitlines() if line.startswith("| 1024 |"))
+    assert line.endswith("| 600 | 450 | 2.00x | 0.80x | 1.50x | 1.20x | 0.90x |")
+    assert bench.ratio_table(rows + extra)[("main", 1024)]["gluon_bf16/sdpa_cudnn"] == 0.9
+    assert "gluon" not in bench.markdown_tables(rows) and "gluon_bf16/sdpa_cudnn" not in bench.ratio_table(rows)[("main", 1024)]
+    assert bench.main(["--providers", "fast,gluon_fp8", "--out", str(tmp_path)]) == 0  # no GPU here: says so
+
+
 # ----------------------------------------------------------------------------
 # The results shipped in results/
 # ----------------------------------------------------------------------------

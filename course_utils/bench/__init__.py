@@ -51,7 +51,8 @@ from __future__ import annotations
 import dataclasses  # noqa: F401  (lesson 06 uses bench.dataclasses.asdict)
 
 from .cases import (  # noqa: F401
-    CSV_FIELDS, DEFAULT_NS, LABELS, NO_GPU_MESSAGE, PROVIDERS, QUICK_NS, RATIOS, RESULTS_DIR, ROOT,
+    ALL_PROVIDERS, CSV_FIELDS, DEFAULT_NS, LABELS, LESSON11_PROVIDERS, NO_GPU_MESSAGE, PROVIDERS, QUICK_NS, RATIOS,
+    RESULTS_DIR, ROOT,
     STANDARD_SUITE, STEM, TOLERANCE, Case, attention_flops, gpu_available, make_inputs, tflops,
 )
 from .providers import _sdpa_backend, compiled_attention, make_provider, naive_attention  # noqa: F401

@@ -10,6 +10,10 @@ RESULTS_DIR = ROOT / "results"
 STEM = "forward_bench"
 
 PROVIDERS = ("naive", "compiled", "sdpa_flash", "sdpa_cudnn", "course", "fast")
+# Lesson 11's forwards, timed on request (--providers ...,course_fp8,gluon_bf16,gluon_fp8): `bench fp8`'s providers of
+# the same names (its make_forward: the FP8 ones on inputs quantised outside the timing), checked at its tolerances.
+LESSON11_PROVIDERS = ("course_fp8", "gluon_bf16", "gluon_fp8")
+ALL_PROVIDERS = PROVIDERS + LESSON11_PROVIDERS
 LABELS = {
     "naive": "naive PyTorch",
     "compiled": "torch.compile (naive)",
@@ -17,9 +21,14 @@ LABELS = {
     "sdpa_cudnn": "SDPA cuDNN",
     "course": "course (05)",
     "fast": "fast",
+    "course_fp8": "FP8 (11)",
+    "gluon_bf16": "Gluon bf16 (11)",
+    "gluon_fp8": "Gluon FP8 (11)",
 }
 # (numerator, denominator) pairs shown as ratio columns.
 RATIOS = (("fast", "sdpa_flash"), ("fast", "sdpa_cudnn"), ("course", "sdpa_flash"))
+# shown only where a run timed the provider (so a sweep without them reads as before)
+LESSON11_RATIOS = tuple((p, "sdpa_cudnn") for p in LESSON11_PROVIDERS)
 DEFAULT_NS = (1024, 2048, 4096, 8192, 16384)
 QUICK_NS = (1024, 4096)
 TOLERANCE = 2e-2  # relative error (norm) allowed against the float32 reference

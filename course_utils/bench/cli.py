@@ -8,7 +8,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .cases import DEFAULT_NS, NO_GPU_MESSAGE, PROVIDERS, QUICK_NS, RESULTS_DIR, STANDARD_SUITE, STEM, Case
+from .cases import (ALL_PROVIDERS, DEFAULT_NS, LESSON11_PROVIDERS, NO_GPU_MESSAGE, PROVIDERS, QUICK_NS, RESULTS_DIR,
+                    STANDARD_SUITE, STEM, Case)
 from .ladder import tuning_ladder
 from .measure import measure_ceilings, run_case
 from .report import environment_info, load_results, markdown_tables, write_csv, write_results
@@ -34,7 +35,9 @@ def _parse(argv):
     p.add_argument("--dim", type=int, help="head dim (one custom case)")
     p.add_argument("--tokens", type=int, help="batch x N, fixed across N (default 16384)")
     p.add_argument("--n", help="comma-separated sequence lengths (default 1024,...,16384)")
-    p.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated subset of {','.join(PROVIDERS)}")
+    p.add_argument("--providers", default=",".join(PROVIDERS),
+                   help=f"comma-separated subset of {','.join(PROVIDERS)} (the default), lesson 11's "
+                        f"{','.join(LESSON11_PROVIDERS)} added where asked (bench fp8's providers; Gluon needs Hopper)")
     p.add_argument("--quick", action="store_true", help="main case only, N in 1024,4096, short timing")
     p.add_argument("--ladder", action="store_true", help="also time lesson 06's tuning ladder")
     p.add_argument("--no-ceilings", action="store_true", help="skip the matmul / copy ceilings")
@@ -91,9 +94,9 @@ def main(argv=None) -> int:
     import course_utils  # noqa: F401  (environment first, before Triton)
 
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
-    unknown = set(providers) - set(PROVIDERS)
+    unknown = set(providers) - set(ALL_PROVIDERS)
     if unknown:
-        print(f"unknown providers: {', '.join(sorted(unknown))} (choose from {', '.join(PROVIDERS)})")
+        print(f"unknown providers: {', '.join(sorted(unknown))} (choose from {', '.join(ALL_PROVIDERS)})")
         return 2
     cases = cases_from_args(args)
     info = environment_info()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .cases import LABELS, PROVIDERS, Case
+from .cases import ALL_PROVIDERS, LABELS, Case
 
 
 def plot_results(rows: list[dict], path: Path, cases: list[dict] | None = None) -> None:
@@ -21,9 +21,10 @@ def plot_results(rows: list[dict], path: Path, cases: list[dict] | None = None) 
     nrows = math.ceil(panels / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.8 * nrows), squeeze=False)
     titles = {c["name"]: c for c in (cases or [])}
-    styles = {"naive": ":", "compiled": "-.", "sdpa_flash": "--", "sdpa_cudnn": "--", "course": "-", "fast": "-"}
+    styles = {"naive": ":", "compiled": "-.", "sdpa_flash": "--", "sdpa_cudnn": "--", "course": "-", "fast": "-",
+              "course_fp8": "-", "gluon_bf16": "-.", "gluon_fp8": "-."}
     for ax, name in zip(axes.flat, case_names):
-        for p in PROVIDERS:
+        for p in ALL_PROVIDERS:
             pts = [(r["n"], r["tflops"]) for r in rows if r["case"] == name and r["provider"] == p and r["tflops"]]
             if pts:
                 ax.plot(*zip(*pts), styles[p], marker="o", label=LABELS[p], lw=2.2 if p == "fast" else 1.4)
@@ -35,7 +36,7 @@ def plot_results(rows: list[dict], path: Path, cases: list[dict] | None = None) 
         ax.grid(alpha=0.3)
     ax = axes.flat[len(case_names)]
     main = case_names[0]
-    for p in PROVIDERS:
+    for p in ALL_PROVIDERS:
         pts = [(r["n"], r["peak_mib"]) for r in rows if r["case"] == main and r["provider"] == p and r["peak_mib"]]
         if pts:
             ax.plot(*zip(*pts), styles[p], marker="o", label=LABELS[p])

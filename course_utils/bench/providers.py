@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from .cases import LESSON11_PROVIDERS
+
 
 def naive_attention(q, k, v, causal: bool, sm_scale: float):
     """Attention the textbook way: the whole ``[B, H, N, N]`` score matrix in memory."""
@@ -87,6 +89,11 @@ def make_provider(name: str, q, k, v, causal: bool):
         from ..kernels import forward
 
         return (lambda: forward.flash_attention_gqa_forward(q, k, v, causal=causal)), ""
+    if name in LESSON11_PROVIDERS:  # bench fp8's providers, one copy
+        from .fp8 import make_forward
+
+        note = "e4m3 inputs, quantised per 128-token block outside the timing" if name.endswith("fp8") else ""
+        return make_forward(name, q, k, v, causal), note
     if name == "fast":
         from ..kernels import fast
 

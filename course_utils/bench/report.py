@@ -9,7 +9,7 @@ import json
 import platform
 from pathlib import Path
 
-from .cases import CSV_FIELDS, LABELS, PROVIDERS, RATIOS, RESULTS_DIR, STEM, Case
+from .cases import ALL_PROVIDERS, CSV_FIELDS, LABELS, LESSON11_RATIOS, RATIOS, RESULTS_DIR, STEM, Case
 
 
 def write_sweep(path, rows: list[dict]) -> None:
@@ -49,16 +49,23 @@ def environment_info() -> dict:
 
 
 def ratio_table(rows: list[dict]) -> dict:
-    """``{(case, n): {"fast/sdpa_flash": x, ...}}`` from the rows' TFLOP/s."""
+    """``{(case, n): {"fast/sdpa_flash": x, ...}}`` from the rows' TFLOP/s (lesson 11's ratios where a run timed
+    those providers)."""
     by = {}
     for r in rows:
         by.setdefault((r["case"], r["n"]), {})[r["provider"]] = r["tflops"]
     out = {}
     for key, t in by.items():
         out[key] = {
-            f"{a}/{b}": (t[a] / t[b]) if t.get(a) and t.get(b) else None for a, b in RATIOS
+            f"{a}/{b}": (t[a] / t[b]) if t.get(a) and t.get(b) else None for a, b in _ratios(rows)
         }
     return out
+
+
+def _ratios(rows: list[dict]) -> tuple:
+    """The ratio columns: ``RATIOS``, then lesson 11's of the providers these rows hold."""
+    timed = {r["provider"] for r in rows}
+    return RATIOS + tuple(pair for pair in LESSON11_RATIOS if pair[0] in timed)
 
 
 def _cell(row: dict | None, field: str, fmt: str) -> str:
@@ -82,21 +89,22 @@ def markdown_tables(rows: list[dict], cases: list[dict] | None = None, info: dic
     titles = {c["name"]: c for c in (cases or [])}
     ratios = ratio_table(rows)
     case_names = list(dict.fromkeys(r["case"] for r in rows))
-    providers = [p for p in PROVIDERS if any(r["provider"] == p for r in rows)]
+    providers = [p for p in ALL_PROVIDERS if any(r["provider"] == p for r in rows)]
+    ratio_pairs = _ratios(rows)
     for name in case_names:
         crows = [r for r in rows if r["case"] == name]
         c = titles.get(name)
         title = Case(**{**c, "ns": tuple(c["ns"])}).title() if c else name
         lines.append(f"### {name}: {title}")
         lines.append("")
-        head = ["N", "B"] + [LABELS[p] for p in providers] + [f"{a}/{b.replace('sdpa_', '')}" for a, b in RATIOS]
+        head = ["N", "B"] + [LABELS[p] for p in providers] + [f"{a}/{b.replace('sdpa_', '')}" for a, b in ratio_pairs]
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---:|" * len(head))
         for n in list(dict.fromkeys(r["n"] for r in crows)):
             at = {r["provider"]: r for r in crows if r["n"] == n}
             b = next(iter(at.values()))["batch"]
             cells = [str(n), str(b)] + [_cell(at.get(p), "tflops", ".0f") for p in providers]
-            for a, bb in RATIOS:
+            for a, bb in ratio_pairs:
                 x = ratios.get((name, n), {}).get(f"{a}/{bb}")
                 cells.append("-" if x is None else f"{x:.2f}x")
             lines.append("| " + " | ".join(cells) + " |")
