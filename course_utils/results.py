@@ -460,6 +460,18 @@ def markdown(name: str, columns: list[str] | None = None, *, doc: dict | None = 
     return "\n".join(lines)
 
 
+def counter_lines(name: str) -> list[str]:
+    """One line per kernel of a recorded ``benchmarks/ncu_forward.py`` run (``ncu_forward_h100`` and the like): its
+    time, tensor-pipe share, registers, spill instructions and largest stalls."""
+    lines = []
+    for kernel, c in load(name)["kernels"].items():
+        stalls = ", ".join(f"{k} {v:.2f}" for k, v in c["top_stalls"].items())
+        lines.append(f"{kernel:24s} {c['duration_us']:5.0f} us  tensor pipes {c['tensor_pipe_pct']:4.1f}%  "
+                     f"{c['registers_per_thread']:.0f} registers, {c['spill_instructions']:.0f} spill instructions  "
+                     f"stalls: {stalls}")
+    return lines
+
+
 def _in_notebook() -> bool:
     try:
         from IPython import get_ipython

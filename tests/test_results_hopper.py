@@ -465,3 +465,13 @@ def test_the_lesson_and_the_readme_quote_the_fixed_loops_and_the_backward_as_rec
     bwd = results.rows("hopper_ws_bwd_probe_h100")
     best = {key(r): max((b for b in bwd if key(b) == key(r)), key=lambda b: b["hopper_ws"]) for r in bwd}
     assert all(b["block_m"] == 64 and b["dq_kernel"] == "gluon" and b["over_course"] > 1 for b in best.values())
+
+
+def test_counter_lines_render_every_kernel_of_a_recorded_ncu_run():
+    """results.counter_lines (lesson 11's counters cells): one line per kernel, its figures as the JSON has them."""
+    doc = results.load("ncu_forward_h100_fixed")
+    lines = results.counter_lines("ncu_forward_h100_fixed")
+    assert len(lines) == len(doc["kernels"]) == 6
+    for line, (name, c) in zip(lines, doc["kernels"].items()):
+        assert line.startswith(name) and f"tensor pipes {c['tensor_pipe_pct']:4.1f}%" in line
+        assert f"long_scoreboard {c['top_stalls']['long_scoreboard']:.2f}" in line
