@@ -229,6 +229,31 @@ def test_a_training_step_through_autograd(forward):
         assert _rel(got, ref) < 1e-2, name
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monkeypatch, causal):
+    """dispatch.GLUON_MIN_N: None by default (the route is off); set, plain attention of at least that many tokens
+    at D = 128 runs hopper_ws.attention (the same o and lse bit for bit) where it can run: a Hopper GPU, here its
+    model. A window, a shorter N, D = 64 or a CPU outside the model keep the course's kernels."""
+    from course_utils import kernels
+    from course_utils.kernels import dispatch
+
+    g = torch.Generator().manual_seed(5)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
+    q, k, v = (torch.randn(1, h, 256, 128, generator=g).half() for h in (4, 2, 2))
+    assert dispatch.GLUON_MIN_N is None and not dispatch.gluon_applies(q, k, v)
+    assert not dispatch.gluon_applies(q, k, v, min_n=256)  # a CPU outside the model
+    with gluon_cpu.running():
+        assert dispatch.gluon_applies(q, k, v, min_n=256)
+        assert not dispatch.gluon_applies(q, k, v, min_n=512)
+        assert not dispatch.gluon_applies(q, k, v, 64, min_n=256)  # a window: lesson 08's kernels
+        assert not dispatch.gluon_applies(q[..., :64], k[..., :64], v[..., :64], min_n=256)  # D = 64: not timed
+        monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
+        o, lse = kernels.flash_attention_with_lse(q, k, v, causal)
+        want_o, want_lse = hopper_ws.attention(q, k, v, causal)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=causal)
+    assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("window_size", [None, 200])
 def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_set(monkeypatch, window_size):
     """fast_backward's gluon mode behind kernels.flash_attention's autograd: outside a Hopper GPU (or the model of

@@ -304,3 +304,29 @@ def test_the_persistent_grid_matches_the_float64_reference_on_a_hopper_gpu(b, hq
     rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
     assert rel < 1e-2, f"relative error of o: {rel:.2e}"
     assert (lse - rl).abs().max().item() < 1e-2
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
+                                       "tests/test_gluon_cpu.py checks the route in the model on a CPU")
+@pytest.mark.parametrize("causal,h_kv", [(True, 2), (False, 8)])
+def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, causal, h_kv):
+    """dispatch.GLUON_MIN_N set: kernels.flash_attention_with_lse runs hopper_ws.attention (the same o and lse bit for
+    bit), right against float64, and its gradients through lesson 07's backward too."""
+    from course_utils.kernels import dispatch, flash_attention, flash_attention_with_lse
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v, do = (torch.randn(1, h, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (h_kv, h_kv, 8))
+    monkeypatch.setattr(dispatch, "GLUON_MIN_N", 1024)
+    o, lse = flash_attention_with_lse(q, k, v, causal)
+    want_o, want_lse = hopper_ws.attention(q, k, v, causal)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    ref = torch.from_numpy(references.attention(*(t.double().cpu().numpy() for t in (q, k, v)), causal=causal))
+    assert (torch.linalg.vector_norm(o.double().cpu() - ref) / torch.linalg.vector_norm(ref)).item() < 1e-2
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flash_attention(*leaves, causal).backward(do)
+    want = references.attention_backward(*(t.double().cpu().numpy() for t in (q, k, v, do)), causal=causal)
+    for name, leaf, w in zip(("dq", "dk", "dv"), leaves, want):
+        w = torch.from_numpy(w)
+        rel = (torch.linalg.vector_norm(leaf.grad.double().cpu() - w) / torch.linalg.vector_norm(w)).item()
+        assert rel < 2e-2, f"{name}: relative error {rel:.2e}"

@@ -9,6 +9,7 @@ of :mod:`.backward` come here; nothing here calls back up to the package::
             -> forward.flash_attention_mods_forward    (lesson 12's keywords: every machine)
             -> fast_window.attention_forward_window    (a window the Hopper kernel supports: lessons 06 + 08)
             -> forward.flash_attention_window_forward  (any other window: lesson 08, every machine)
+            -> hopper_ws.attention                     (plain attention from GLUON_MIN_N tokens on, where set)
             -> fast.attention_forward_tuned            (plain attention the Hopper kernel supports)
             -> forward.flash_attention_gqa_forward     (everything else: lesson 05's kernel)
 
@@ -20,7 +21,13 @@ from __future__ import annotations
 
 from . import fast, fast_window, forward
 
-__all__ = ["check_call", "launch_forward"]
+__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "gluon_applies"]
+
+# Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
+# gluon_applies says it can run. On an H100 it ran 1.01-1.09x the course's forward at N >= 4096 and 0.92-1.01x at
+# N <= 2048 (results/fp8_bench_gluon_h100*.json, two runs; the H200's probe 1.03-1.06x at 4k and 16k). None, the
+# default: never, until this route has passed the whole suite on a GPU (results/GPU_VALIDATION.md says when).
+GLUON_MIN_N: int | None = None
 
 
 def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
@@ -37,6 +44,23 @@ def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqle
     forward.validate_mods(q, cu_seqlens, softcap, alibi_slopes, sink_logits)
 
 
+def gluon_applies(q, k, v, window_size=None, *, min_n: int | None = None) -> bool:
+    """Whether :func:`launch_forward` runs lesson 11's Gluon forward for this call: ``min_n`` (default
+    :data:`GLUON_MIN_N`) set and reached, no window, D = 128 (the head dim it was timed at), and inputs
+    ``hopper_ws.attention`` takes on this machine (a Hopper GPU, or the CPU inside ``gluon_cpu.running()``)."""
+    min_n = GLUON_MIN_N if min_n is None else min_n
+    if min_n is None or window_size is not None or q.shape[-1] != 128 or q.shape[2] < min_n:
+        return False
+    from .hopper_ws import _validate_device, _validate_inputs  # Gluon: imported only where the route is set
+
+    try:
+        _validate_inputs(q, k, v)
+        _validate_device(q)
+    except ValueError:
+        return False
+    return True
+
+
 def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
                    alibi_slopes=None, sink_logits=None):
     """``(o, lse)`` by the one kernel that fits, for a call :func:`check_call` has accepted.
@@ -48,13 +72,18 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     a window alone (lesson 08) :mod:`.fast_window`'s, otherwise the autotuned
     kernel of :mod:`.fast`. Everywhere else, and in the interpreter, the
     lesson kernels of :mod:`.forward`: lesson 08's window kernel for a window,
-    lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest.
+    lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest. Where :func:`gluon_applies` (only
+    when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead.
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
         return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
                                                     cu_seqlens=cu_seqlens, softcap=softcap,
                                                     alibi_slopes=alibi_slopes, sink_logits=sink_logits,
                                                     _validated=True)
+    if gluon_applies(q, k, v, window_size):
+        from .hopper_ws import attention as gluon_attention
+
+        return gluon_attention(q, k, v, causal)
     supported = fast.is_supported(q, k, v)
     if window_size is not None:
         if supported:

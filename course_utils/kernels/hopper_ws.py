@@ -59,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import gluon_cpu  # imports nothing of this module at import time
-from .targets import TARGETS
+from .chips import TARGETS
 
 BLOCK_M = 128  # query rows per program: two consumers of 64 (wgmma's M per warpgroup)
 BLOCK_N = 128  # keys per K/V tile

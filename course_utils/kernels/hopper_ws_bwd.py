@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .backward import default_config, launch_dq, launch_preprocess
 from .hopper_ws import (_descriptor, _validate_device, _validate_inputs, _validate_window, program_coords,
                         window_kv_tile, window_plan, window_tile_masked)
-from .targets import TARGETS
+from .chips import TARGETS
 
 BLOCK_N = 128  # keys per program: two consumers of 64 (wgmma's M per warpgroup)
 BLOCK_MS = (32, 64)  # dK/dV: query rows per tile (a product's N and, for dK and dV, its reduction)

@@ -36,15 +36,7 @@ import tempfile
 
 import torch
 
-# Per-block shared memory a kernel may use (opt-in maximum) and the chips' names.
-TARGETS = {
-    75: ("Tesla T4 (Colab's free GPU)", 64 * 1024),
-    80: ("A100", 163 * 1024),
-    86: ("RTX 30xx / A10", 99 * 1024),
-    89: ("RTX 40xx / L4", 99 * 1024),
-    90: ("H100 / H200", 227 * 1024),
-}
-MAX_REGISTERS = 255
+from .chips import MAX_REGISTERS, TARGETS  # noqa: F401  (targets.TARGETS: the table, read here and by tests)
 
 
 @dataclasses.dataclass(frozen=True)
