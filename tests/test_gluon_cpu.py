@@ -254,6 +254,35 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
     assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gluon_fp8_entry_is_the_route_flash_attention_fp8_takes_when_it_is_set(monkeypatch, causal):
+    """fp8.GLUON_MIN_N: None by default; set, flash_attention_fp8 at D = 128 and at least that many tokens runs
+    hopper_ws.attention_fp8 (its o bit for bit, in the caller's dtype) where it can: a Hopper GPU, here its model.
+    Shorter inputs, D = 64 or a CPU outside the model keep the Triton kernels."""
+    from course_utils.kernels import flash_attention_fp8, quantize_fp8
+
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, h, 256, 128, generator=g) for h in (4, 2, 2))
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t) for t in (q, k, v))
+    vt8 = v8.transpose(2, 3).contiguous()
+    assert fp8.GLUON_MIN_N is None and not fp8.gluon_fp8_applies(q8, k8, vt8, qs, ks, vs)
+    assert not fp8.gluon_fp8_applies(q8, k8, vt8, qs, ks, vs, min_n=256)  # a CPU outside the model
+    with gluon_cpu.running():
+        assert fp8.gluon_fp8_applies(q8, k8, vt8, qs, ks, vs, min_n=256)
+        assert not fp8.gluon_fp8_applies(q8, k8, vt8, qs, ks, vs, min_n=512)
+        small = [quantize_fp8(t[..., :64]) for t in (q, k, v)]
+        assert not fp8.gluon_fp8_applies(small[0][0], small[1][0], small[2][0].transpose(2, 3).contiguous(),
+                                         small[0][1], small[1][1], small[2][1], min_n=256)  # D = 64: not timed
+        monkeypatch.setattr(fp8, "GLUON_MIN_N", 256)
+        o = flash_attention_fp8(q8, k8, v8, causal, q_scale=qs, k_scale=ks, v_scale=vs)
+        from_bf16 = flash_attention_fp8(q, k, v, causal)  # quantised inside, the same e4m3 inputs
+        want = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, causal)[0]
+    assert o.dtype == torch.float32 and torch.equal(o, want.float()) and torch.equal(from_bf16, o)
+    ref = references.attention(*(fp8.dequantize_fp8(t, s).double().numpy() for t, s in ((q8, qs), (k8, ks), (v8, vs))),
+                               causal=causal)
+    assert _rel(o, ref) < 5e-2
+
+
 @pytest.mark.parametrize("window_size", [None, 200])
 def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_set(monkeypatch, window_size):
     """fast_backward's gluon mode behind kernels.flash_attention's autograd: outside a Hopper GPU (or the model of

@@ -330,3 +330,24 @@ def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch,
         w = torch.from_numpy(w)
         rel = (torch.linalg.vector_norm(leaf.grad.double().cpu() - w) / torch.linalg.vector_norm(w)).item()
         assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
+                                       "tests/test_gluon_cpu.py checks the route in the model on a CPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_gluon_fp8_route_of_flash_attention_fp8_on_a_hopper_gpu(monkeypatch, causal):
+    """fp8.GLUON_MIN_N set: flash_attention_fp8 runs hopper_ws.attention_fp8 (its o bit for bit, bf16), as accurate
+    as exact math on the quantised inputs allows."""
+    from course_utils.kernels import flash_attention_fp8, fp8, quantize_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q = torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, 2, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    monkeypatch.setattr(fp8, "GLUON_MIN_N", 1024)
+    o = flash_attention_fp8(q, k, v, causal)
+    (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t) for t in (q, k, v))
+    want = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, causal)[0]
+    assert o.dtype == torch.bfloat16 and torch.equal(o, want)
+    exact = [fp8.dequantize_fp8(t, s).double().cpu().numpy() for t, s in ((q8, qs), (k8, ks), (v8, vs))]
+    ref = torch.from_numpy(references.attention(*exact, causal=causal))
+    assert (torch.linalg.vector_norm(o.double().cpu() - ref) / torch.linalg.vector_norm(ref)).item() < 5e-2

@@ -98,6 +98,8 @@ __all__ = [
     "hopper_config",
     "hopper_unsupported_reason",
     "launch_fp8_hopper",
+    "GLUON_MIN_N",
+    "gluon_fp8_applies",
     "_fp8_hopper_kernel",
 ]
 
@@ -851,6 +853,31 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
     return o
 
 
+# Lesson 11's Gluon FP8 entry (hopper_ws.attention_fp8, its serial loop) from this many tokens on, where
+# gluon_fp8_applies says it can run. On an H100 it ran 1.01-1.15x this module's Hopper launch at N >= 4096 and
+# 0.84-0.95x at N <= 2048 (results/fp8_bench_gluon_h100*.json, two runs). None, the default: never, until this route
+# has passed the whole suite on a GPU (results/GPU_VALIDATION.md says when).
+GLUON_MIN_N: int | None = None
+
+
+def gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size: int = 128, *,
+                      min_n: int | None = None) -> bool:
+    """Whether :func:`flash_attention_fp8` runs lesson 11's Gluon FP8 entry for these e4m3 inputs: ``min_n``
+    (default :data:`GLUON_MIN_N`) set and reached, D = 128 (the head dim it was timed at), and inputs
+    ``hopper_ws.attention_fp8`` takes on this machine (a Hopper GPU, or the CPU inside ``gluon_cpu.running()``)."""
+    min_n = GLUON_MIN_N if min_n is None else min_n
+    if min_n is None or q8.shape[-1] != 128 or q8.shape[2] < min_n:
+        return False
+    from .hopper_ws import _validate_device, _validate_fp8_inputs  # Gluon: imported only where the route is set
+
+    try:
+        _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
+        _validate_device(q8)
+    except ValueError:
+        return False
+    return True
+
+
 def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=None, v_scale=None,
                         block_size: int = 128):
     """Attention ``softmax(q k^T / sqrt(D)) v`` with both products in FP8 (e4m3).
@@ -861,7 +888,8 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
     three scales as :func:`quantize_fp8` makes them, the result in bf16 on a
     GPU (float32 in the CPU interpreter). ``q`` is ``[B, Hq, N, D]``, ``k,
     v`` ``[B, Hkv, N, D]`` (``Hq`` a multiple of ``Hkv``), any strides, ``16 <=
-    D <= 256``. Bad input raises a ``ValueError`` of one sentence.
+    D <= 256``. Bad input raises a ``ValueError`` of one sentence. Where :data:`GLUON_MIN_N` is set and
+    :func:`gluon_fp8_applies`, lesson 11's Gluon FP8 entry computes it.
     """
     fp8_in = validate_fp8(q, k, v, q_scale, k_scale, v_scale, block_size)
     if fp8_in:
@@ -871,6 +899,10 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
         out_dtype = q.dtype
         (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_fp8(t, block_size) for t in (q, k, v))
     vt8 = v8.transpose(2, 3).contiguous()  # K-major: [B, Hkv, D, N], the keys contiguous
+    if gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size):
+        from .hopper_ws import attention_fp8 as gluon_fp8
+
+        return gluon_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size=block_size)[0].to(out_dtype)
     if hopper_unsupported_reason(q8, block_size, causal=causal) is None:
         return launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
     return launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
