@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -24,6 +24,8 @@
 #           attention on the dequantised inputs, timed beside cuDNN's bf16 and the course's Triton FP8 kernel
 #   gluonbwd hopper_ws_probe.py --kind bwd: the Gluon dK/dV kernel (hopper_ws_bwd) with lesson 07's dQ, gradients
 #           against float32 autograd, the backward beside lesson 07's pair and cuDNN's
+#   routes  the three Gluon routes' tests (dispatch.GLUON_MIN_N, fp8.GLUON_MIN_N, fast_backward's gluon mode: off by
+#           default, each checked bit for bit against the kernel it routes to), then gluontrain
 #   gluontrain python -m course_utils.bench --training --gluon: forward + backward with the Gluon backward behind
 #           autograd (after the Gluon forward, after the course's) beside lesson 07's pair, SDPA flash and cuDNN
 #           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
@@ -115,6 +117,10 @@ for step in "$@"; do
       run gluon8_probe "$PY" benchmarks/hopper_ws_probe.py --kind fp8 --out "$OUT/hopper_ws_fp8_probe.json" ;;
     gluonbwd)
       run gluonbwd_probe "$PY" benchmarks/hopper_ws_probe.py --kind bwd --out "$OUT/hopper_ws_bwd_probe.json" ;;
+    routes)
+      run route_tests "${PYTEST[@]}" -n 4 --dist loadfile tests/test_hopper_ws.py tests/test_hopper_ws_bwd.py \
+        tests/test_gluon_cpu.py -k "route or gluon_mode"
+      run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
     gluontrain)
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
     fp8gluon)
