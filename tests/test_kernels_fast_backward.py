@@ -200,24 +200,42 @@ def test_autograd_runs_the_configured_fast_backward_where_it_applies(monkeypatch
 
 def test_the_gluon_mode_takes_what_hopper_ws_bwd_launches():
     """The gluon mode (lesson 11's Gluon backward) maps onto the config's fields; what its layout fixes, and the
-    options hopper_ws_bwd refuses, are refused when the config is made, in one sentence."""
+    options hopper_ws_bwd refuses, are refused at the call (unsupported_reason, attention_backward_fast's
+    ValueError) in one sentence, as are inputs off a Hopper GPU."""
+    from course_utils.kernels import gluon_cpu
+
     assert fb.default_config("gluon") == fb.GLUON_DEFAULT and fb.AUTOGRAD_CONFIG is None
     assert fb.GLUON_DEFAULT.short() == "gluon dkdv 64x128 dq 128x64 w4 s2 tma"
     assert fb.FastBackwardConfig("gluon", 32, 128, 128, 128, 4, 3, True).short() == "gluon dkdv 32x128 dq 128x128 w4 s3 tma"
-    for fields, message in (((64, 64, 128, 64, 4, 2, True), "block_n1=64"), ((64, 128, 128, 64, 8, 2, True), "num_warps=8"),
-                            ((64, 128, 128, 64, 4, 2, False), "use_tma=False"),
-                            ((64, 128, 128, 64, 4, 4, True), "num_buffers must be 2 or 3"),
-                            ((16, 128, 128, 64, 4, 2, True), "block_m must be one of"),
-                            ((64, 128, 128, 32, 4, 2, True), "dq_block_n must be one of")):
-        with pytest.raises(ValueError, match=message):
-            fb.FastBackwardConfig("gluon", *fields)
     q = torch.zeros(1, 4, 256, 64, dtype=torch.float16)
     k = torch.zeros(1, 2, 256, 64, dtype=torch.float16)
-    assert fb.unsupported_reason(q, k, k, fb.GLUON_DEFAULT).startswith("the hand-specialised kernel runs on a Hopper GPU")
     lse = torch.zeros(1, 4, 256)
+    assert fb.unsupported_reason(q, k, k, fb.GLUON_DEFAULT).startswith("the hand-specialised kernel runs on a Hopper GPU")
     with pytest.raises(ValueError, match="runs on a Hopper GPU"):
         fb.attention_backward_fast(q, k, k, q, lse, q, True, config=fb.GLUON_DEFAULT)
-    from course_utils.kernels import gluon_cpu
+    with gluon_cpu.running():  # a model of a Hopper GPU: the inputs pass, the config's fields are what is refused
+        assert fb.unsupported_reason(q, k, k, fb.GLUON_DEFAULT) is None
+        for fields, message in (((64, 64, 128, 64, 4, 2, True), "block_n1=64"),
+                                ((64, 128, 128, 64, 8, 2, True), "num_warps=8"),
+                                ((64, 128, 128, 64, 4, 2, False), "use_tma=False"),
+                                ((64, 128, 128, 64, 4, 4, True), "num_buffers must be 2 or 3"),
+                                ((16, 128, 128, 64, 4, 2, True), "block_m must be one of"),
+                                ((64, 128, 128, 32, 4, 2, True), "dq_block_n must be one of")):
+            cfg = fb.FastBackwardConfig("gluon", *fields)
+            assert message in fb.unsupported_reason(q, k, k, cfg) and not fb.supports(q, k, k, cfg)
+            with pytest.raises(ValueError, match=message):
+                fb.attention_backward_fast(q, k, k, q, lse, q, True, config=cfg)
+        with pytest.raises(ValueError, match="a window runs in the flat and gluon modes, with causal"):
+            fb.attention_backward_fast(q, k, k, q, lse, q, False, config=fb.GLUON_DEFAULT, window_size=64)
 
-    with gluon_cpu.running(), pytest.raises(ValueError, match="a window runs in the flat and gluon modes, with causal"):
-        fb.attention_backward_fast(q, k, k, q, lse, q, False, config=fb.GLUON_DEFAULT, window_size=64)
+
+def test_the_package_does_not_import_gluon_until_a_gluon_route_is_taken():
+    """Gluon is Triton's newer language: importing course_utils.kernels (every lesson does) must not import lesson 11's
+    Gluon kernels, so that a Triton whose Gluon differs still runs lessons 01-10."""
+    import subprocess
+    import sys
+
+    code = ("import sys, course_utils.kernels; from course_utils.kernels import fast_backward, fp8, dispatch; "
+            "print(sorted(m for m in sys.modules if m.startswith('course_utils.kernels.hopper_ws')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

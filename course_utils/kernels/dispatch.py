@@ -51,14 +51,9 @@ def gluon_applies(q, k, v, window_size=None, *, min_n: int | None = None) -> boo
     min_n = GLUON_MIN_N if min_n is None else min_n
     if min_n is None or window_size is not None or q.shape[-1] != 128 or q.shape[2] < min_n:
         return False
-    from .hopper_ws import _validate_device, _validate_inputs  # Gluon: imported only where the route is set
+    from .hopper_ws import unsupported_reason  # Gluon: imported only where the route is set
 
-    try:
-        _validate_inputs(q, k, v)
-        _validate_device(q)
-    except ValueError:
-        return False
-    return True
+    return unsupported_reason(q, k, v) is None
 
 
 def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,

@@ -130,7 +130,7 @@ class FastBackwardConfig:
     ``"gluon"``: :mod:`.hopper_ws_bwd`'s kernels, ``block_m1`` and ``block_n2``
     its ``block_m`` and ``dq_block_n``, ``num_stages`` its ``num_buffers``; the
     other fields are fixed by its layout (``block_n1 = block_m2 = 128``, 4 warps,
-    ``use_tma``).
+    ``use_tma``), checked by :func:`unsupported_reason` at the call.
     """
 
     mode: str = "fused"
@@ -161,8 +161,6 @@ class FastBackwardConfig:
             raise ValueError("warp_specialize is the flat mode's (its dK/dV loop is the one that compiles so)")
         if self.flat_dq and self.mode != "flat":
             raise ValueError("flat_dq is the flat mode's (its dQ kernel loads through TMA like its dK/dV kernel)")
-        if self.mode == "gluon":
-            _validate_gluon(self)
 
     @property
     def largest_block(self) -> int:
@@ -197,18 +195,24 @@ _DEFAULT = {"fused": CONFIGS[0], "atomic": CONFIGS[3]}
 FLAT_DEFAULT = FastBackwardConfig("flat", 32, 128, 128, 32, 8, 2, True)
 
 
-def _validate_gluon(config: FastBackwardConfig) -> None:
-    """The gluon mode's fields, else ``ValueError``: what :mod:`.hopper_ws_bwd` launches (imported here, not at
-    import time: Gluon is Triton's newer language)."""
+def _gluon_reason(q, k, v, config: FastBackwardConfig) -> str | None:
+    """Why the gluon mode cannot run ``config`` on these inputs (its fields, then the inputs and the machine), or
+    ``None``. Asked at the call, not when the config is made: :mod:`.hopper_ws_bwd` is Gluon, which the package
+    does not import until a gluon-mode call needs it."""
     from . import hopper_ws_bwd
+    from .hopper_ws import unsupported_reason as gluon_reason
 
     fixed = dict(block_n1=hopper_ws_bwd.BLOCK_N, block_m2=hopper_ws_bwd.DQ_BLOCK_M, num_warps=4, use_tma=True,
                  warp_specialize=False, flat_dq=False)
     wrong = [f"{name}={getattr(config, name)!r}" for name, want in fixed.items() if getattr(config, name) != want]
     if wrong:
-        raise ValueError(f"the gluon mode's layout fixes {', '.join(f'{n}={w!r}' for n, w in fixed.items())} "
-                         f"(got {', '.join(wrong)})")
-    hopper_ws_bwd._validate_options(config.num_stages, config.block_m1, "gluon", config.block_n2)
+        return (f"the gluon mode's layout fixes {', '.join(f'{n}={w!r}' for n, w in fixed.items())} "
+                f"(got {', '.join(wrong)})")
+    try:
+        hopper_ws_bwd._validate_options(config.num_stages, config.block_m1, "gluon", config.block_n2)
+    except ValueError as exc:
+        return str(exc)
+    return gluon_reason(q, k, v)
 
 
 # The gluon mode's launch: the fastest of hopper_ws_probe.py --kind bwd on an H100
@@ -240,13 +244,7 @@ def unsupported_reason(q, k, v, config: FastBackwardConfig | None = None) -> str
     if q.shape[2] % cfg.largest_block:
         return f"N = {q.shape[2]} is not a multiple of {cfg.largest_block} (the largest block)"
     if cfg.mode == "gluon":
-        from .hopper_ws_bwd import _validate_device, _validate_inputs
-
-        try:
-            _validate_inputs(q, k, v)
-            _validate_device(q)
-        except ValueError as exc:
-            return str(exc)
+        return _gluon_reason(q, k, v, cfg)
     return None
 
 

@@ -868,14 +868,9 @@ def gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size: int = 
     min_n = GLUON_MIN_N if min_n is None else min_n
     if min_n is None or q8.shape[-1] != 128 or q8.shape[2] < min_n:
         return False
-    from .hopper_ws import _validate_device, _validate_fp8_inputs  # Gluon: imported only where the route is set
+    from .hopper_ws import unsupported_reason  # Gluon: imported only where the route is set
 
-    try:
-        _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
-        _validate_device(q8)
-    except ValueError:
-        return False
-    return True
+    return unsupported_reason(q8, k8, vt8, (q_scale, k_scale, v_scale), block_size) is None
 
 
 def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=None, v_scale=None,

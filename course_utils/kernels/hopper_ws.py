@@ -745,6 +745,21 @@ def _validate_device(q) -> None:
                          f"and wgmma is Hopper's (got a {q.device.type} tensor)")
 
 
+def unsupported_reason(q, k, v, scales=None, block_size: int = BLOCK_M) -> str | None:
+    """Why :func:`attention` (with ``scales``, the three FP8 scales: :func:`attention_fp8`, ``v`` transposed) cannot
+    take these inputs on this machine, in one sentence, or ``None``: the routes of the course's public entries ask
+    this before they hand a call to these kernels (:mod:`.hopper_ws_bwd` takes what :func:`attention` takes)."""
+    try:
+        if scales is None:
+            _validate_inputs(q, k, v)
+        else:
+            _validate_fp8_inputs(q, k, v, *scales, block_size)
+        _validate_device(q)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _validate_options(num_buffers, loop, fp8: bool) -> None:
     """``num_buffers`` and ``loop``, else ``ValueError``: three K/V slots at most in 16 bits (shared memory)."""
     if num_buffers not in ((2, 3, 4) if fp8 else (2, 3)):
