@@ -210,8 +210,15 @@ def test_a_slot_released_before_its_product_completes_is_a_race(tmp_path):
     assert _rel(o, references.attention(*(t.double().numpy() for t in (q, k, v)))) < 1e-2
 
 
-@pytest.mark.skipif(not __import__("course_utils").ENV.interpreter,
-                    reason="lesson 07's delta kernel runs on CPU tensors in Triton's interpreter only")
+# The tests below run the course's Triton kernels (lesson 05's forward, lesson 07's delta kernel, the FP8 kernels) on
+# CPU tensors beside the model, which only Triton's interpreter can do; on a GPU machine the compiled routes are
+# tested in tests/test_hopper_ws.py and test_hopper_ws_bwd.py instead.
+needs_interpreter = pytest.mark.skipif(not __import__("course_utils").ENV.interpreter,
+                                       reason="the course's Triton kernels run on CPU tensors in Triton's interpreter "
+                                       "only (a GPU machine runs the compiled routes' tests in tests/test_hopper_ws*.py)")
+
+
+@needs_interpreter
 @pytest.mark.parametrize("forward", hopper_ws_bwd.FORWARDS)
 def test_a_training_step_through_autograd(forward):
     """hopper_ws_bwd.attention: the forward, then autograd's backward by the Gluon kernels (and lesson 07's delta
@@ -229,6 +236,7 @@ def test_a_training_step_through_autograd(forward):
         assert _rel(got, ref) < 1e-2, name
 
 
+@needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monkeypatch, causal):
     """dispatch.GLUON_MIN_N: None by default (the route is off); set, plain attention of at least that many tokens
@@ -254,6 +262,7 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
     assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+@needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_fp8_entry_is_the_route_flash_attention_fp8_takes_when_it_is_set(monkeypatch, causal):
     """fp8.GLUON_MIN_N: None by default; set, flash_attention_fp8 at D = 128 and at least that many tokens runs
@@ -283,6 +292,7 @@ def test_the_gluon_fp8_entry_is_the_route_flash_attention_fp8_takes_when_it_is_s
     assert _rel(o, ref) < 5e-2
 
 
+@needs_interpreter
 @pytest.mark.parametrize("window_size", [None, 200])
 def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_set(monkeypatch, window_size):
     """fast_backward's gluon mode behind kernels.flash_attention's autograd: outside a Hopper GPU (or the model of
