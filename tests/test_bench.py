@@ -282,7 +282,8 @@ def test_training_table_shows_ratios_and_failures():
                                   "hopper_ws_probe", "hopper_ws_probe_h100", "hopper_ws_fp8_probe_h100",
                                   "ncu_forward_h100", "hopper_ws_probe_overlap_h100", "hopper_ws_fp8_probe_overlap_h100",
                                   "hopper_ws_bwd_probe_h100", "fp8_bench_gluon_h100", "fp8_bench_gluon_h100_run2",
-                                  "ncu_forward_h100_fixed"])
+                                  "ncu_forward_h100_fixed", "fp8_bench_gluon_h100_run3", "training_bench_gluon_h100",
+                                  "training_bench_gluon_h100_run2", "training_bench_gluon_h100_run3"])
 def test_packaged_results_are_the_recorded_ones(name):
     """A pip install (Colab) has no results/ folder: the lessons read course_utils/data/ there."""
     from pathlib import Path

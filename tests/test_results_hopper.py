@@ -361,7 +361,7 @@ def test_the_serialised_overlap_is_quoted_as_compiled():
             f"through the wait removes it ({new['arrive']} pairs;") in readme
 
 
-GLUON_LADDER = ("fp8_bench_gluon_h100", "fp8_bench_gluon_h100_run2")
+GLUON_LADDER = ("fp8_bench_gluon_h100", "fp8_bench_gluon_h100_run2", "fp8_bench_gluon_h100_run3")
 
 
 def _ladder(provider: str, **where) -> str:
@@ -475,3 +475,105 @@ def test_counter_lines_render_every_kernel_of_a_recorded_ncu_run():
     for line, (name, c) in zip(lines, doc["kernels"].items()):
         assert line.startswith(name) and f"tensor pipes {c['tensor_pipe_pct']:4.1f}%" in line
         assert f"long_scoreboard {c['top_stalls']['long_scoreboard']:.2f}" in line
+
+
+GLUON_TRAINING = ("training_bench_gluon_h100", "training_bench_gluon_h100_run2", "training_bench_gluon_h100_run3")
+
+
+def _range(values, digits=2) -> str:
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return (lo if lo == hi else f"{lo}–{hi}") + "×"
+
+
+def _training(mine: str, other: str = "sdpa_cudnn", n=lambda n: True) -> str:
+    """The range over the three recorded ``bench --training --gluon`` runs of ``other``'s time over ``mine``'s (so
+    ``mine``'s speed relative to ``other``), at the N matching ``n``."""
+    values = []
+    for name in GLUON_TRAINING:
+        by = {(r["n"], r["provider"]): r for r in results.load(name)["rows"]}
+        values += [by[(m, other)]["ms"] / by[(m, mine)]["ms"] for m, p in by if p == mine and n(m)]
+    return _range(values)
+
+
+def _window(key, where=lambda r: True) -> str:
+    """The range of ``key(row)`` over the speed rows of the window probe's H100 run that match ``where``."""
+    rows = [r for r in results.load("hopper_ws_window_probe_h100")["rows"] if r["mode"] == "speed" and where(r)]
+    return _range([key(r) for r in rows])
+
+
+def test_the_gluon_training_runs_and_the_window_probe_checked_what_they_timed():
+    """The thirty-third session's H100 runs: each training run checked every provider's output and gradients against
+    SDPA flash's before timing it (``status`` ok, a relative error recorded), at N = 4k, 8k and 16k; the window probe
+    checked every point against float64 (forward and forward + backward) and completed."""
+    for name in GLUON_TRAINING:
+        doc = results.load(name)
+        assert doc["info"]["gpu"].startswith("NVIDIA H100") and doc["case"]["causal"]
+        rows = doc["rows"]
+        assert {r["n"] for r in rows} == {4096, 8192, 16384}
+        assert {r["provider"] for r in rows} == {"sdpa_flash", "sdpa_cudnn", "course", "gluon", "course_gluon_bwd"}
+        assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
+        assert all(r["rel_err"] < 2e-2 for r in rows if r["provider"] != "sdpa_flash")
+    doc = results.load("hopper_ws_window_probe_h100")
+    assert doc["info"]["gpu"].startswith("NVIDIA H100") and doc["info"]["complete"]
+    speed = [r for r in doc["rows"] if r["mode"] == "speed"]
+    assert len(speed) == 8 and all(r["err"] < 1e-2 and r["train_err"] < 1e-2 for r in speed)
+    assert all(r["err"] < 1e-2 and r["lse_err"] < 1e-4 for r in doc["rows"])
+
+
+def test_the_training_bench_renders_a_recorded_run_as_it_printed_it():
+    """lesson 11's cell renders the recorded runs with training.recorded_markdown: the table the run wrote."""
+    from course_utils.bench import training
+
+    assert training.recorded_markdown(results.load("training_bench_gluon_h100_run2")) == (
+        results.RESULTS_DIR / "training_bench_gluon_h100_run2.md").read_text()
+
+
+def test_the_lesson_and_the_readme_quote_the_gluon_training_and_window_runs_as_recorded():
+    text, readme = _markdown(), _readme()
+    route = _training("course_gluon_bwd")
+    route_4k_16k = _training("course_gluon_bwd", n=lambda n: n != 8192)
+    route_8k = _training("course_gluon_bwd", n=lambda n: n == 8192)
+    over_pair = _training("course_gluon_bwd", "course")
+    pair = _training("course")
+    over_flash = _training("course_gluon_bwd", "sdpa_flash")
+    window = _window(lambda r: r["over_flex"])
+    course_window = _window(lambda r: r["course"] / r["flex"])
+    wide = _window(lambda r: r["hopper_ws"] / r["course"], lambda r: r["window_size"] == 4096)
+    narrow = _window(lambda r: r["hopper_ws"] / r["course"], lambda r: r["window_size"] == 256)
+    for quote in (f"the course's forward with the Gluon backward at **{route}** cuDNN's forward + backward "
+                  f"({route_4k_16k} at N = 4k and 16k, {route_8k} at 8k), {over_pair} the same step with lesson 07's "
+                  f"pair (which read {pair} in those runs) and {over_flash} SDPA flash",
+                  f"**{window}** FlexAttention's forward, where the course's read {course_window} in the same processes",
+                  f"ahead of the course's at W = 4096 ({wide}), level at W = 1024 and behind at W = 256 ({narrow})"):
+        assert quote in text, f"lesson 11 should quote the recorded H100 runs: {quote!r}"
+    for quote in (f"the course's forward with the Gluon backward behind autograd at **{route} cuDNN's** forward + "
+                  f"backward ({route_4k_16k} at N = 4k and 16k, {route_8k} at 8k), {over_pair} lesson 07's pair",
+                  f"the Gluon window forward **{window}** FlexAttention's (the course's {course_window} in the same processes)"):
+        assert quote in readme, f"the README should quote the recorded H100 runs: {quote!r}"
+    # the claims: the route faster than lesson 07's pair at every point of every run; level at W = 1024
+    assert float(over_pair.split("–")[0].rstrip("×")) > 1
+    assert _window(lambda r: r["hopper_ws"] / r["course"], lambda r: r["window_size"] == 1024) == "0.99–1.03×"
+
+
+def test_the_readme_quotes_the_h100_decode_run_and_the_main_sweep_with_lesson_11s_forwards_as_recorded():
+    """The README's H100 sentences on decoding and on the main sweep's lesson 11 providers, derived again."""
+    readme = _readme()
+    summary = results.load("decode_bench_h100")["summary"]
+    ratios = [s["course_vs_sdpa"] for s in summary]
+    below = [r for r in ratios if r < 1]
+    ceiling = [s["course_vs_ceiling"] for s in summary if s["batch"] >= 16]
+    assert (f"{_range(ratios)} the best SDPA backend, below 1.0× at {len(below)} of the {len(summary)} points by at "
+            f"most {100 * (1 - min(below)):.1f}%, and {100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% of the read "
+            "ceiling at B ≥ 16") in readme
+    ratio = {}
+    for name in ("forward_bench_lesson11_h100", "forward_bench_lesson11_h100_run2"):
+        doc = results.load(name)
+        assert doc["info"]["gpu"].startswith("NVIDIA H100")
+        assert all(r["status"] == "ok" for r in doc["rows"])  # every output checked before it was timed
+        by = {(r["case"], r["n"], r["provider"]): r for r in doc["rows"]}
+        for (case, n, provider), r in by.items():
+            if case == "main" and n >= 4096 and provider != "sdpa_cudnn":
+                ratio.setdefault(provider, []).append(r["tflops"] / by[(case, n, "sdpa_cudnn")]["tflops"])
+    assert (f"the Gluon FP8 entry at {_range(ratio['gluon_fp8'])} cuDNN's bf16 and the Triton FP8 kernel at "
+            f"{_range(ratio['course_fp8'])}, the Gluon bf16 forward at {_range(ratio['gluon_bf16'])} and the course's "
+            f"fastest at {_range(ratio['fast'])}") in readme

@@ -173,3 +173,10 @@ def training_markdown(rows: list[dict], case: Case, info: dict | None = None) ->
         lines.append(f"| {n} | {case.batch(n)} | " + " | ".join(cells) + f" | {ratio('sdpa_flash')} | {ratio('sdpa_cudnn')} |"
                      + "".join(f" {ratio('sdpa_cudnn', p)} |" for p in extra))
     return "\n".join(lines) + "\n"
+
+
+def recorded_markdown(doc: dict) -> str:
+    """:func:`training_markdown` of a recorded run (``results/training_bench*.json``: its rows, case and info), as
+    the run printed it."""
+    case = Case(**{**doc["case"], "ns": tuple(doc["case"]["ns"])})
+    return training_markdown(doc["rows"], case, doc["info"])
