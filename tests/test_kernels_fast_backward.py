@@ -239,3 +239,39 @@ def test_the_package_does_not_import_gluon_until_a_gluon_route_is_taken():
             "print(sorted(m for m in sys.modules if m.startswith('course_utils.kernels.hopper_ws')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.skipif(not __import__("course_utils").ENV.interpreter,
+                    reason="runs the course's kernels on CPU tensors, which only Triton's interpreter does")
+def test_the_gluon_routes_switched_on_load_no_gluon_where_they_cannot_run():
+    """With all three Gluon routes on (the forward's and FP8's GLUON_MIN_N, the backward's AUTOGRAD_CONFIG), a call
+    on a machine without a Hopper GPU (here the CPU, outside gluon_cpu's model) takes the Triton kernels, gives
+    what it gives with the routes off, bit for bit, and never imports lesson 11's Gluon modules: a laptop or a T4
+    with a Triton whose Gluon differs runs every lesson with the switches on."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from course_utils import kernels
+from course_utils.kernels import dispatch, fast_backward, fp8
+
+def run():
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 2, 128, 128, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(1, 1, 128, 128, generator=g).half() for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = kernels.flash_attention(q, k, v, True)
+    o.backward(do)
+    o8 = kernels.flash_attention_fp8(q.detach().float(), k.detach().float(), v.detach().float(), True)
+    return [o.detach(), q.grad, k.grad, v.grad, o8]
+
+off = run()
+dispatch.GLUON_MIN_N, fp8.GLUON_MIN_N = 128, 128
+fast_backward.AUTOGRAD_CONFIG = fast_backward.GLUON_DEFAULT
+on = run()
+print(all(torch.equal(a, b) for a, b in zip(off, on)))
+print(sorted(m for m in sys.modules if m.startswith('course_utils.kernels.hopper_ws')))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[:2] == ["True", "[]"], out

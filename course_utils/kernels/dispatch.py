@@ -19,7 +19,7 @@ path): the input was checked by :func:`check_call`, so it is not checked again.
 
 from __future__ import annotations
 
-from . import fast, fast_window, forward
+from . import fast, fast_window, forward, gluon_cpu
 
 __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "gluon_applies"]
 
@@ -51,7 +51,9 @@ def gluon_applies(q, k, v, window_size=None, *, min_n: int | None = None) -> boo
     min_n = GLUON_MIN_N if min_n is None else min_n
     if min_n is None or window_size is not None or q.shape[-1] != 128 or q.shape[2] < min_n:
         return False
-    from .hopper_ws import unsupported_reason  # Gluon: imported only where the route is set
+    if not gluon_cpu.can_run(q):  # before importing Gluon: elsewhere it is never loaded
+        return False
+    from .hopper_ws import unsupported_reason  # Gluon: imported only where the route is set and can run
 
     return unsupported_reason(q, k, v) is None
 

@@ -656,6 +656,11 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=No
         return None
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] != 9:
         return None
+    if cfg.mode == "gluon":
+        from . import gluon_cpu
+
+        if not gluon_cpu.can_run(q):  # asked before supports() imports Gluon: elsewhere it is never loaded
+            return None
     return cfg if supports(q, k, v, cfg) else None
 
 

@@ -868,7 +868,11 @@ def gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size: int = 
     min_n = GLUON_MIN_N if min_n is None else min_n
     if min_n is None or q8.shape[-1] != 128 or q8.shape[2] < min_n:
         return False
-    from .hopper_ws import unsupported_reason  # Gluon: imported only where the route is set
+    from . import gluon_cpu
+
+    if not gluon_cpu.can_run(q8):  # before importing Gluon: elsewhere it is never loaded
+        return False
+    from .hopper_ws import unsupported_reason  # Gluon: imported only where the route is set and can run
 
     return unsupported_reason(q8, k8, vt8, (q_scale, k_scale, v_scale), block_size) is None
 

@@ -48,7 +48,7 @@ import types
 
 import torch
 
-__all__ = ["running", "active", "host_module", "HOST_MODULES", "Deadlock", "RaceError", "ExpectError", "Event",
+__all__ = ["running", "active", "can_run", "host_module", "HOST_MODULES", "Deadlock", "RaceError", "ExpectError", "Event",
            "run_kernel"]
 
 _ACTIVE = []  # one entry per `running` block in force
@@ -67,6 +67,15 @@ def active() -> bool:
     """Whether Gluon launches run on the CPU now (inside :func:`running`): the kernels' entries then take CPU
     tensors."""
     return bool(_ACTIVE)
+
+
+def can_run(t: torch.Tensor) -> bool:
+    """Whether a Gluon kernel can take tensor ``t`` here: on a Hopper GPU, or on the CPU inside :func:`running`.
+    It imports no Gluon, so the routes of the course's public entries ask it before they import lesson 11's
+    kernels (a CPU, a T4 or an A100 never loads them)."""
+    if t.device.type == "cuda":
+        return torch.cuda.get_device_capability(t.device)[0] == 9
+    return t.device.type == "cpu" and active()
 
 
 class Deadlock(RuntimeError):
