@@ -60,9 +60,11 @@ query rows per tile (32 or 64), ``block_n1`` its 128 keys, ``block_m2`` the
 dQ kernel's 128 query rows, ``block_n2`` its keys per tile (64 or 128),
 ``num_stages`` the tiles in flight (2 or 3), 4 warps, always through TMA.
 On an H100 (``results/hopper_ws_bwd_probe_h100.json``) :data:`GLUON_DEFAULT`
-ran at 1.13-1.24x lesson 07's pair and 0.86-0.91x cuDNN's backward; it is
-not yet the autograd default (no training run has timed it in one process
-beside cuDNN: ``python -m course_utils.bench --training --gluon``).
+ran at 1.13-1.24x lesson 07's pair and 0.86-0.91x cuDNN's backward, and as
+a whole training step (``python -m course_utils.bench --training --gluon``,
+three runs, ``results/training_bench_gluon_h100*.json``) at 1.03-1.14x the
+step with lesson 07's pair; it is not yet the autograd default (the whole
+suite has not run on a GPU with it as the default).
 
 Autograd: :class:`FastBackwardFunction` is lesson 07's autograd function
 with this module's backward; ``kernels.flash_attention`` uses it when
