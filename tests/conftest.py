@@ -161,3 +161,39 @@ def copied_by_a_kernel(t):
     out = torch.empty_like(src)
     _copy_kernel[(triton.cdiv(src.numel(), 1024),)](src, out, src.numel(), BLOCK=1024)
     return out
+
+
+def every_gluon_backward_launch(q, k, v, do, causal):
+    """Run every launch ``hopper_ws_bwd.attention_backward`` takes (its search space: dK/dV's query rows per tile,
+    the tiles in flight, either dQ kernel, the Gluon dQ's keys per tile) on these inputs and check each launch's
+    gradients against float64 math; a launch whose tiles do not fit Hopper's shared memory must be refused in one
+    sentence before anything compiles (the Gluon dQ with 3 buffers of 128 keys at D = 128, the only one).
+    Returns ``(ran, refused)``, the launches as keyword dicts. The caller provides the machine: a Hopper GPU, or
+    the CPU inside ``gluon_cpu.running()``."""
+    import itertools
+
+    import torch
+
+    from course_utils import references
+    from course_utils.kernels import flash_attention_with_lse, hopper_ws_bwd
+
+    o, lse = flash_attention_with_lse(q, k, v, causal)
+    want = [torch.from_numpy(r).float().to(q.device) for r in references.attention_backward(
+        *(t.double().cpu().numpy() for t in (q, k, v, do)), causal=causal)]
+    ran, refused = [], []
+    for block_m, buffers, dq_kernel, dq_block_n in itertools.product(
+            hopper_ws_bwd.BLOCK_MS, (2, 3), hopper_ws_bwd.DQ_KERNELS, hopper_ws_bwd.DQ_BLOCK_NS):
+        launch = dict(block_m=block_m, num_buffers=buffers, dq_kernel=dq_kernel, dq_block_n=dq_block_n)
+        try:
+            grads = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, **launch)
+        except ValueError as exc:
+            assert "shared memory" in str(exc) and dq_kernel == "gluon", (launch, str(exc))
+            assert buffers == 3 and dq_block_n == 128 and q.shape[-1] == 128, launch
+            refused.append(launch)
+            continue
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+            assert got.dtype == q.dtype and got.shape == ref.shape, (launch, name)
+            rel = (torch.linalg.vector_norm(got.float() - ref) / torch.linalg.vector_norm(ref)).item()
+            assert rel < 2e-2, f"{launch}: {name} relative error {rel:.2e}"
+        ran.append(launch)
+    return ran, refused

@@ -237,6 +237,21 @@ def test_a_training_step_through_autograd(forward):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False)])
+def test_every_launch_of_the_gluon_backward_computes_the_gradients(d, causal):
+    """The backward's whole search space in the model (tests/test_hopper_ws_bwd.py runs it compiled on a Hopper
+    GPU): every launch right against float64, the one launch too big for shared memory refused."""
+    from conftest import every_gluon_backward_launch
+
+    g = torch.Generator().manual_seed(d)  # fp16: the course's forward computes bf16 wrongly in the interpreter
+    q, do = (torch.randn(1, 4, 256, d, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(1, 2, 256, d, generator=g).half() for _ in range(2))
+    with gluon_cpu.running():
+        ran, refused = every_gluon_backward_launch(q, k, v, do, causal)
+    assert len(ran) == (16 if d == 64 else 14) and len(refused) == 16 - len(ran)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monkeypatch, causal):
     """dispatch.GLUON_MIN_N: None by default (the route is off); set, plain attention of at least that many tokens

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from course_utils import references, results
+from conftest import every_gluon_backward_launch
 from course_utils.kernels import hopper_ws_bwd, targets
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -192,6 +193,19 @@ def test_the_gradients_match_float64_math_on_a_hopper_gpu(b, hq, hkv, n, d, caus
         assert got.dtype == dtype and got.shape == ref.shape, name
         rel = (torch.linalg.vector_norm(got.float() - ref) / torch.linalg.vector_norm(ref)).item()
         assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
+                                       "tests above stand in on a CPU")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_launch_of_the_search_space_is_right_on_a_hopper_gpu(d, causal):
+    """Like tests/test_gpu_fast.py for the forward: every launch hopper_ws_bwd.attention_backward takes (dK/dV's
+    query rows per tile, the tiles in flight, either dQ kernel and the Gluon dQ's keys per tile) computes the
+    gradients of float64 math, GQA, five key blocks so that the diagonal's masks meet the interior's; the launches
+    whose tiles do not fit Hopper's shared memory are refused before anything compiles, in one sentence."""
+    ran, refused = every_gluon_backward_launch(*_inputs(1, 4, 2, 640, d, torch.bfloat16, "cuda"), causal)
+    assert len(ran) == (16 if d == 64 else 14) and len(refused) == 16 - len(ran)
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
