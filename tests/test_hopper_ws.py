@@ -334,6 +334,36 @@ def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch,
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
                                        "tests/test_gluon_cpu.py checks the route in the model on a CPU")
+@pytest.mark.parametrize("window,sinks", [(512, 0), (384, 4)])
+def test_the_gluon_window_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, window, sinks):
+    """dispatch.GLUON_MIN_WINDOW set (with GLUON_MIN_N): a window at least that wide runs hopper_ws.attention with
+    the window and sinks (the same o and lse bit for bit), right against float64, and its gradients through
+    autograd too (whichever backward applies)."""
+    from course_utils.kernels import dispatch, flash_attention, flash_attention_with_lse
+
+    g = torch.Generator(device="cuda").manual_seed(window)
+    q = torch.randn(1, 8, 1536, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v, do = (torch.randn(1, h, 1536, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (2, 2, 8))
+    monkeypatch.setattr(dispatch, "GLUON_MIN_N", 1024)
+    monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 384)
+    o, lse = flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
+    want_o, want_lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    arrays = [t.double().cpu().numpy() for t in (q, k, v)]
+    ref = torch.from_numpy(references.attention(*arrays, causal=True, window_size=window, sink_size=sinks))
+    assert (torch.linalg.vector_norm(o.double().cpu() - ref) / torch.linalg.vector_norm(ref)).item() < 1e-2
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flash_attention(*leaves, True, window_size=window, sink_size=sinks).backward(do)
+    want = references.attention_backward(*arrays, do.double().cpu().numpy(), causal=True, window_size=window,
+                                         sink_size=sinks)
+    for name, leaf, w in zip(("dq", "dk", "dv"), leaves, want):
+        w = torch.from_numpy(w)
+        rel = (torch.linalg.vector_norm(leaf.grad.double().cpu() - w) / torch.linalg.vector_norm(w)).item()
+        assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
+                                       "tests/test_gluon_cpu.py checks the route in the model on a CPU")
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_fp8_route_of_flash_attention_fp8_on_a_hopper_gpu(monkeypatch, causal):
     """fp8.GLUON_MIN_N set: flash_attention_fp8 runs hopper_ws.attention_fp8 (its o bit for bit, bf16), as accurate

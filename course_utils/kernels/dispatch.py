@@ -7,9 +7,10 @@ of :mod:`.backward` come here; nothing here calls back up to the package::
         -> check_call (once; FlashAttentionFunction skips it when flash_attention has run it)
         -> launch_forward (the one decision)
             -> forward.flash_attention_mods_forward    (lesson 12's keywords: every machine)
+            -> hopper_ws.attention                     (from GLUON_MIN_N tokens on, where set; a window too
+                                                        from GLUON_MIN_WINDOW keys, where set)
             -> fast_window.attention_forward_window    (a window the Hopper kernel supports: lessons 06 + 08)
             -> forward.flash_attention_window_forward  (any other window: lesson 08, every machine)
-            -> hopper_ws.attention                     (plain attention from GLUON_MIN_N tokens on, where set)
             -> fast.attention_forward_tuned            (plain attention the Hopper kernel supports)
             -> forward.flash_attention_gqa_forward     (everything else: lesson 05's kernel)
 
@@ -21,13 +22,18 @@ from __future__ import annotations
 
 from . import fast, fast_window, forward, gluon_cpu
 
-__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "gluon_applies"]
+__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "gluon_applies"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100 it ran 1.01-1.09x the course's forward at N >= 4096 and 0.92-1.01x at
 # N <= 2048 (results/fp8_bench_gluon_h100*.json, two runs; the H200's probe 1.03-1.06x at 4k and 16k). None, the
 # default: never, until this route has passed the whole suite on a GPU (results/GPU_VALIDATION.md says when).
 GLUON_MIN_N: int | None = None
+# The same kernel with lesson 08's window (and sinks): where the window is at least this wide (and N reaches
+# GLUON_MIN_N). On an H100 (results/hopper_ws_window_probe_h100.json, N = 16k) it ran 1.08-1.09x the course's window
+# forward at W = 4096, 0.99-1.03x at 1024 and 0.82-0.84x at 256: a program's loop is as long as its window, and the
+# Gluon forward wins on long loops as it does on long sequences. None, the default: never.
+GLUON_MIN_WINDOW: int | None = None
 
 
 def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
@@ -44,12 +50,17 @@ def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqle
     forward.validate_mods(q, cu_seqlens, softcap, alibi_slopes, sink_logits)
 
 
-def gluon_applies(q, k, v, window_size=None, *, min_n: int | None = None) -> bool:
+def gluon_applies(q, k, v, window_size=None, *, min_n: int | None = None, min_window: int | None = None) -> bool:
     """Whether :func:`launch_forward` runs lesson 11's Gluon forward for this call: ``min_n`` (default
-    :data:`GLUON_MIN_N`) set and reached, no window, D = 128 (the head dim it was timed at), and inputs
-    ``hopper_ws.attention`` takes on this machine (a Hopper GPU, or the CPU inside ``gluon_cpu.running()``)."""
+    :data:`GLUON_MIN_N`) set and reached, no window or one at least ``min_window`` wide (default
+    :data:`GLUON_MIN_WINDOW`, which must be set for a window to go there), D = 128 (the head dim it was timed
+    at), and inputs ``hopper_ws.attention`` takes on this machine (a Hopper GPU, or the CPU inside
+    ``gluon_cpu.running()``)."""
     min_n = GLUON_MIN_N if min_n is None else min_n
-    if min_n is None or window_size is not None or q.shape[-1] != 128 or q.shape[2] < min_n:
+    min_window = GLUON_MIN_WINDOW if min_window is None else min_window
+    if min_n is None or q.shape[-1] != 128 or q.shape[2] < min_n:
+        return False
+    if window_size is not None and (min_window is None or window_size < min_window):
         return False
     if not gluon_cpu.can_run(q):  # before importing Gluon: elsewhere it is never loaded
         return False
@@ -70,7 +81,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     kernel of :mod:`.fast`. Everywhere else, and in the interpreter, the
     lesson kernels of :mod:`.forward`: lesson 08's window kernel for a window,
     lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest. Where :func:`gluon_applies` (only
-    when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead.
+    when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead, and so does a window
+    of at least :data:`GLUON_MIN_WINDOW` keys where that is set.
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
         return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
@@ -80,7 +92,7 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     if gluon_applies(q, k, v, window_size):
         from .hopper_ws import attention as gluon_attention
 
-        return gluon_attention(q, k, v, causal)
+        return gluon_attention(q, k, v, causal, window_size=window_size, sink_size=sink_size)
     supported = fast.is_supported(q, k, v)
     if window_size is not None:
         if supported:
