@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -24,6 +24,9 @@
 #           attention on the dequantised inputs, timed beside cuDNN's bf16 and the course's Triton FP8 kernel
 #   gluonbwd hopper_ws_probe.py --kind bwd: the Gluon dK/dV kernel (hopper_ws_bwd) with lesson 07's dQ, gradients
 #           against float32 autograd, the backward beside lesson 07's pair and cuDNN's
+#   grids   issue 24's three benchmarks, full grids, in one call: lesson 08's window grid (W 256/1024/4096, S 0/4,
+#           N 4k-64k, one W per process, --quick timing as the recorded grid), decode's grid, the training bench
+#           (each bench writes its own files into $OUT; the window grid appends W by W)
 #   routes  the three Gluon routes' tests (dispatch.GLUON_MIN_N, fp8.GLUON_MIN_N, fast_backward's gluon mode: off by
 #           default, each checked bit for bit against the kernel it routes to), then gluontrain
 #   gluontrain python -m course_utils.bench --training --gluon: forward + backward with the Gluon backward behind
@@ -121,6 +124,15 @@ for step in "$@"; do
       run route_tests "${PYTEST[@]}" -n 4 --dist loadfile tests/test_hopper_ws.py tests/test_hopper_ws_bwd.py \
         tests/test_gluon_cpu.py -k "route or gluon_mode"
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
+    grids)
+      run window_256 "$PY" -m course_utils.bench window --quick --windows 256 --sinks 0 4 \
+        --ns 4096 8192 16384 32768 65536 --out "$OUT"
+      for w in 1024 4096; do
+        run "window_$w" "$PY" -m course_utils.bench window --quick --windows "$w" --sinks 0 4 \
+          --ns 4096 8192 16384 32768 65536 --append --out "$OUT"
+      done
+      run decode "$PY" -m course_utils.bench decode --out "$OUT"
+      run training "$PY" -m course_utils.bench --training --out "$OUT" ;;
     gluontrain)
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
     fp8gluon)
@@ -168,7 +180,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (routes grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done
