@@ -425,6 +425,12 @@ def _column(name, key):
     raise KeyError(f"{name} has no column {key!r}: its columns are {', '.join(c[0] for c in COLUMNS[name])}")
 
 
+def value_range(values, fmt: str = ".2f", unit: str = "×") -> str:
+    """``values`` as the lessons write a range: ``"0.85–1.05×"``, one value when both ends round alike."""
+    lo, hi = format(min(values), fmt), format(max(values), fmt)
+    return (lo if lo == hi else f"{lo}–{hi}") + unit
+
+
 def figure(name: str, key: str, stat: str = "range", **where) -> str:
     """One recorded number of column ``key``, over the rows matching ``where``, as the lessons write it.
 
@@ -436,8 +442,7 @@ def figure(name: str, key: str, stat: str = "range", **where) -> str:
     if not values:
         raise ValueError(f"no recorded {key} in {name} for {where}")
     if stat == "range":
-        lo, hi = format(min(values), fmt), format(max(values), fmt)
-        return (lo if lo == hi else f"{lo}–{hi}") + unit
+        return value_range(values, fmt, unit)
     if stat == "value" and len(values) != 1:
         raise ValueError(f"{len(values)} rows of {name} match {where}, not one")
     pick = {"min": min, "max": max, "median": statistics.median, "value": lambda v: v[0]}[stat]

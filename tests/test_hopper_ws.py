@@ -308,54 +308,29 @@ def test_the_persistent_grid_matches_the_float64_reference_on_a_hopper_gpu(b, hq
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
                                        "tests/test_gluon_cpu.py checks the route in the model on a CPU")
-@pytest.mark.parametrize("causal,h_kv", [(True, 2), (False, 8)])
-def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, causal, h_kv):
-    """dispatch.GLUON_MIN_N set: kernels.flash_attention_with_lse runs hopper_ws.attention (the same o and lse bit for
-    bit), right against float64, and its gradients through lesson 07's backward too."""
+@pytest.mark.parametrize("causal,h_kv,window,sinks", [(True, 2, None, 0), (False, 8, None, 0), (True, 2, 512, 0),
+                                                     (True, 2, 384, 4)])
+def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, causal, h_kv, window, sinks):
+    """dispatch.GLUON_MIN_N set (and GLUON_MIN_WINDOW, for lesson 08's window and sinks):
+    kernels.flash_attention_with_lse runs hopper_ws.attention (the same o and lse bit for bit), right against
+    float64, and its gradients through autograd too (whichever backward applies)."""
     from course_utils.kernels import dispatch, flash_attention, flash_attention_with_lse
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    q = torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v, do = (torch.randn(1, h, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (h_kv, h_kv, 8))
-    monkeypatch.setattr(dispatch, "GLUON_MIN_N", 1024)
-    o, lse = flash_attention_with_lse(q, k, v, causal)
-    want_o, want_lse = hopper_ws.attention(q, k, v, causal)
-    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
-    ref = torch.from_numpy(references.attention(*(t.double().cpu().numpy() for t in (q, k, v)), causal=causal))
-    assert (torch.linalg.vector_norm(o.double().cpu() - ref) / torch.linalg.vector_norm(ref)).item() < 1e-2
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    flash_attention(*leaves, causal).backward(do)
-    want = references.attention_backward(*(t.double().cpu().numpy() for t in (q, k, v, do)), causal=causal)
-    for name, leaf, w in zip(("dq", "dk", "dv"), leaves, want):
-        w = torch.from_numpy(w)
-        rel = (torch.linalg.vector_norm(leaf.grad.double().cpu() - w) / torch.linalg.vector_norm(w)).item()
-        assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
-
-
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
-                                       "tests/test_gluon_cpu.py checks the route in the model on a CPU")
-@pytest.mark.parametrize("window,sinks", [(512, 0), (384, 4)])
-def test_the_gluon_window_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, window, sinks):
-    """dispatch.GLUON_MIN_WINDOW set (with GLUON_MIN_N): a window at least that wide runs hopper_ws.attention with
-    the window and sinks (the same o and lse bit for bit), right against float64, and its gradients through
-    autograd too (whichever backward applies)."""
-    from course_utils.kernels import dispatch, flash_attention, flash_attention_with_lse
-
-    g = torch.Generator(device="cuda").manual_seed(window)
     q = torch.randn(1, 8, 1536, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v, do = (torch.randn(1, h, 1536, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (2, 2, 8))
+    k, v, do = (torch.randn(1, h, 1536, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (h_kv, h_kv, 8))
     monkeypatch.setattr(dispatch, "GLUON_MIN_N", 1024)
     monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 384)
-    o, lse = flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
-    want_o, want_lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks)
+    mask = dict(window_size=window, sink_size=sinks)
+    o, lse = flash_attention_with_lse(q, k, v, causal, **mask)
+    want_o, want_lse = hopper_ws.attention(q, k, v, causal, **mask)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     arrays = [t.double().cpu().numpy() for t in (q, k, v)]
-    ref = torch.from_numpy(references.attention(*arrays, causal=True, window_size=window, sink_size=sinks))
+    ref = torch.from_numpy(references.attention(*arrays, causal=causal, **mask))
     assert (torch.linalg.vector_norm(o.double().cpu() - ref) / torch.linalg.vector_norm(ref)).item() < 1e-2
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    flash_attention(*leaves, True, window_size=window, sink_size=sinks).backward(do)
-    want = references.attention_backward(*arrays, do.double().cpu().numpy(), causal=True, window_size=window,
-                                         sink_size=sinks)
+    flash_attention(*leaves, causal, **mask).backward(do)
+    want = references.attention_backward(*arrays, do.double().cpu().numpy(), causal=causal, **mask)
     for name, leaf, w in zip(("dq", "dk", "dv"), leaves, want):
         w = torch.from_numpy(w)
         rel = (torch.linalg.vector_norm(leaf.grad.double().cpu() - w) / torch.linalg.vector_norm(w)).item()

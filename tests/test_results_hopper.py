@@ -367,10 +367,9 @@ GLUON_LADDER = ("fp8_bench_gluon_h100", "fp8_bench_gluon_h100_run2", "fp8_bench_
 def _ladder(provider: str, **where) -> str:
     """The range of ``provider``'s median ratio to cuDNN over both recorded runs of ``bench fp8 --gluon``, at the
     points matching ``where`` (``n``: a predicate, ``causal``: a value), written as the lesson writes ratios."""
-    values = [s[f"{provider}_over_cudnn"] for name in GLUON_LADDER for s in results.load(name)["summary"]
-              if where.get("n", lambda n: True)(s["n"]) and s["causal"] == where.get("causal", s["causal"])]
-    lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
-    return (lo if lo == hi else f"{lo}–{hi}") + "×"
+    return results.value_range([s[f"{provider}_over_cudnn"] for name in GLUON_LADDER
+                                for s in results.load(name)["summary"]
+                                if where.get("n", lambda n: True)(s["n"]) and s["causal"] == where.get("causal", s["causal"])])
 
 
 def _fixed_figures() -> dict:
@@ -480,11 +479,6 @@ def test_counter_lines_render_every_kernel_of_a_recorded_ncu_run():
 GLUON_TRAINING = ("training_bench_gluon_h100", "training_bench_gluon_h100_run2", "training_bench_gluon_h100_run3")
 
 
-def _range(values, digits=2) -> str:
-    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
-    return (lo if lo == hi else f"{lo}–{hi}") + "×"
-
-
 def _training(mine: str, other: str = "sdpa_cudnn", n=lambda n: True) -> str:
     """The range over the three recorded ``bench --training --gluon`` runs of ``other``'s time over ``mine``'s (so
     ``mine``'s speed relative to ``other``), at the N matching ``n``."""
@@ -492,13 +486,13 @@ def _training(mine: str, other: str = "sdpa_cudnn", n=lambda n: True) -> str:
     for name in GLUON_TRAINING:
         by = {(r["n"], r["provider"]): r for r in results.load(name)["rows"]}
         values += [by[(m, other)]["ms"] / by[(m, mine)]["ms"] for m, p in by if p == mine and n(m)]
-    return _range(values)
+    return results.value_range(values)
 
 
 def _window(key, where=lambda r: True) -> str:
     """The range of ``key(row)`` over the speed rows of the window probe's H100 run that match ``where``."""
     rows = [r for r in results.load("hopper_ws_window_probe_h100")["rows"] if r["mode"] == "speed" and where(r)]
-    return _range([key(r) for r in rows])
+    return results.value_range([key(r) for r in rows])
 
 
 def test_the_gluon_training_runs_and_the_window_probe_checked_what_they_timed():
@@ -562,7 +556,8 @@ def test_the_readme_quotes_the_h100_decode_run_and_the_main_sweep_with_lesson_11
     ratios = [s["course_vs_sdpa"] for s in summary]
     below = [r for r in ratios if r < 1]
     ceiling = [s["course_vs_ceiling"] for s in summary if s["batch"] >= 16]
-    assert (f"{_range(ratios)} the best SDPA backend, below 1.0× at {len(below)} of the {len(summary)} points by at "
+    assert (f"{results.value_range(ratios)} the best SDPA backend, below 1.0× at {len(below)} of the {len(summary)} "
+            f"points by at "
             f"most {100 * (1 - min(below)):.1f}%, and {100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% of the read "
             "ceiling at B ≥ 16") in readme
     ratio = {}
@@ -574,6 +569,6 @@ def test_the_readme_quotes_the_h100_decode_run_and_the_main_sweep_with_lesson_11
         for (case, n, provider), r in by.items():
             if case == "main" and n >= 4096 and provider != "sdpa_cudnn":
                 ratio.setdefault(provider, []).append(r["tflops"] / by[(case, n, "sdpa_cudnn")]["tflops"])
-    assert (f"the Gluon FP8 entry at {_range(ratio['gluon_fp8'])} cuDNN's bf16 and the Triton FP8 kernel at "
-            f"{_range(ratio['course_fp8'])}, the Gluon bf16 forward at {_range(ratio['gluon_bf16'])} and the course's "
-            f"fastest at {_range(ratio['fast'])}") in readme
+    fig = {provider: results.value_range(values) for provider, values in ratio.items()}
+    assert (f"the Gluon FP8 entry at {fig['gluon_fp8']} cuDNN's bf16 and the Triton FP8 kernel at {fig['course_fp8']}, "
+            f"the Gluon bf16 forward at {fig['gluon_bf16']} and the course's fastest at {fig['fast']}") in readme

@@ -737,9 +737,7 @@ def _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size) -> 
 def _validate_device(q) -> None:
     """A Hopper GPU, else ``ValueError``: Gluon compiles for one and has no interpreter (CPU tensors pass inside
     :func:`.gluon_cpu.running`, which runs the kernels' Python with a model of the machine)."""
-    if q.device.type == "cpu" and gluon_cpu.active():
-        return
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not gluon_cpu.can_run(q):
         raise ValueError("the hand-specialised kernel runs on a Hopper GPU (sm_90) only (or on the CPU inside "
                          "gluon_cpu.running(), a model of one): Gluon has no interpreter "
                          f"and wgmma is Hopper's (got a {q.device.type} tensor)")
