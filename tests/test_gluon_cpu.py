@@ -254,7 +254,7 @@ def test_every_launch_of_the_gluon_backward_computes_the_gradients(d, causal):
 @needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monkeypatch, causal):
-    """dispatch.GLUON_MIN_N: None by default (the route is off); set, plain attention of at least that many tokens
+    """dispatch.GLUON_MIN_N: 8192 by default (None: the route is off); set, plain attention of at least that many tokens
     at D = 128 runs hopper_ws.attention (the same o and lse bit for bit) where it can run: a Hopper GPU, here its
     model. A window, a shorter N, D = 64 or a CPU outside the model keep the course's kernels."""
     from course_utils import kernels
@@ -262,7 +262,7 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
 
     g = torch.Generator().manual_seed(5)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
     q, k, v = (torch.randn(1, h, 256, 128, generator=g).half() for h in (4, 2, 2))
-    assert dispatch.GLUON_MIN_N is None and not dispatch.gluon_applies(q, k, v)
+    assert dispatch.GLUON_MIN_N == 8192 and not dispatch.gluon_applies(q, k, v)  # N = 256
     assert not dispatch.gluon_applies(q, k, v, min_n=256)  # a CPU outside the model
     with gluon_cpu.running():
         assert dispatch.gluon_applies(q, k, v, min_n=256)
@@ -280,7 +280,7 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
 @needs_interpreter
 @pytest.mark.parametrize("window,sinks", [(256, 0), (200, 4)])
 def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monkeypatch, window, sinks):
-    """dispatch.GLUON_MIN_WINDOW: None by default (a window keeps lesson 08's kernels); set with GLUON_MIN_N, a window
+    """dispatch.GLUON_MIN_WINDOW: 4096 by default (None: a window keeps lesson 08's kernels); set with GLUON_MIN_N, a window
     at least that wide runs hopper_ws.attention with the window and sinks (o and lse bit for bit), where it can run;
     a narrower one does not."""
     from course_utils import kernels
@@ -288,7 +288,8 @@ def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monk
 
     g = torch.Generator().manual_seed(window)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
     q, k, v = (torch.randn(1, h, 768, 128, generator=g).half() for h in (4, 2, 2))
-    assert dispatch.GLUON_MIN_WINDOW is None
+    assert dispatch.GLUON_MIN_WINDOW == 4096
+    monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", None)
     monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
     with gluon_cpu.running():
         assert not dispatch.gluon_applies(q, k, v, window)  # no GLUON_MIN_WINDOW: lesson 08's kernels
@@ -306,7 +307,7 @@ def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monk
 @needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_fp8_entry_is_the_route_flash_attention_fp8_takes_when_it_is_set(monkeypatch, causal):
-    """fp8.GLUON_MIN_N: None by default; set, flash_attention_fp8 at D = 128 and at least that many tokens runs
+    """fp8.GLUON_MIN_N: 4096 by default (None: off); set, flash_attention_fp8 at D = 128 and at least that many tokens runs
     hopper_ws.attention_fp8 (its o bit for bit, in the caller's dtype) where it can: a Hopper GPU, here its model.
     Shorter inputs, D = 64 or a CPU outside the model keep the Triton kernels."""
     from course_utils.kernels import flash_attention_fp8, quantize_fp8
@@ -315,7 +316,7 @@ def test_the_gluon_fp8_entry_is_the_route_flash_attention_fp8_takes_when_it_is_s
     q, k, v = (torch.randn(1, h, 256, 128, generator=g) for h in (4, 2, 2))
     (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t) for t in (q, k, v))
     vt8 = v8.transpose(2, 3).contiguous()
-    assert fp8.GLUON_MIN_N is None and not fp8.gluon_fp8_applies(q8, k8, vt8, qs, ks, vs)
+    assert fp8.GLUON_MIN_N == 4096 and not fp8.gluon_fp8_applies(q8, k8, vt8, qs, ks, vs)  # N = 256
     assert not fp8.gluon_fp8_applies(q8, k8, vt8, qs, ks, vs, min_n=256)  # a CPU outside the model
     with gluon_cpu.running():
         assert fp8.gluon_fp8_applies(q8, k8, vt8, qs, ks, vs, min_n=256)

@@ -181,7 +181,8 @@ def test_autograd_runs_the_configured_fast_backward_where_it_applies(monkeypatch
         flash_attention(*leaves, True, **kw).backward(do)
         return [t.grad for t in leaves]
 
-    assert fb.AUTOGRAD_CONFIG is None
+    assert fb.AUTOGRAD_CONFIG == fb.GLUON_DEFAULT  # the default: lesson 11's Gluon backward, a Hopper GPU's only
+    monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", None)  # none configured: lesson 07's pair everywhere
     _assert_close(grads(), _saved(q, k, v, do, True)[2])
     assert calls == []
     monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", SMALL[6])  # flat, dQ by the flat kernel too
@@ -204,7 +205,7 @@ def test_the_gluon_mode_takes_what_hopper_ws_bwd_launches():
     ValueError) in one sentence, as are inputs off a Hopper GPU."""
     from course_utils.kernels import gluon_cpu
 
-    assert fb.default_config("gluon") == fb.GLUON_DEFAULT and fb.AUTOGRAD_CONFIG is None
+    assert fb.default_config("gluon") == fb.GLUON_DEFAULT and fb.AUTOGRAD_CONFIG == fb.GLUON_DEFAULT
     assert fb.GLUON_DEFAULT.short() == "gluon dkdv 64x128 dq 128x64 w4 s2 tma"
     assert fb.FastBackwardConfig("gluon", 32, 128, 128, 128, 4, 3, True).short() == "gluon dkdv 32x128 dq 128x128 w4 s3 tma"
     q = torch.zeros(1, 4, 256, 64, dtype=torch.float16)

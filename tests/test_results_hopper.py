@@ -544,6 +544,9 @@ def test_the_lesson_and_the_readme_quote_the_gluon_training_and_window_runs_as_r
                   f"backward ({route_4k_16k} at N = 4k and 16k, {route_8k} at 8k), {over_pair} lesson 07's pair",
                   f"the Gluon window forward **{window}** FlexAttention's (the course's {course_window} in the same processes)"):
         assert quote in readme, f"the README should quote the recorded H100 runs: {quote!r}"
+    lesson07 = nbformat.read(LESSON.parent / "07_backward.ipynb", as_version=4)
+    lesson07 = " ".join(" ".join(c.source.split()) for c in lesson07.cells if c.cell_type == "markdown")
+    assert f"(`fast_backward.AUTOGRAD_CONFIG`, {over_pair} this pair in a training step)" in lesson07
     # the claims: the route faster than lesson 07's pair at every point of every run; level at W = 1024
     assert float(over_pair.split("–")[0].rstrip("×")) > 1
     assert _window(lambda r: r["hopper_ws"] / r["course"], lambda r: r["window_size"] == 1024) == "0.99–1.03×"

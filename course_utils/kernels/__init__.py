@@ -107,8 +107,9 @@ def flash_attention(q, k, v, causal: bool = False, *, window_size=None, sink_siz
     check_call(q, k, v, causal, window_size, sink_size, **mods)
     inputs = (q, k, v) if sink_logits is None else (q, k, v, sink_logits)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        # lesson 07's autograd function, or the fast backward's where one is configured (fast_backward.AUTOGRAD_CONFIG;
-        # None by default) and applies to this call: decided here, so elsewhere grad_fn is lesson 07's
+        # lesson 07's autograd function, or the fast backward's where one is configured (fast_backward.AUTOGRAD_CONFIG:
+        # the Gluon backward by default) and applies to this call (a Hopper GPU): decided here, so elsewhere grad_fn
+        # is lesson 07's
         applies = fast_backward.autograd_config(q, k, v, causal, window_size, sink_size, **mods) is not None
         function = fast_backward.FastBackwardFunction if applies else FlashAttentionFunction
         # validated=True: the autograd function's forward does not check the call again

@@ -27,14 +27,14 @@ __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "g
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
 # sweeps (results/forward_bench_lesson11_h100*.json), it ran 1.01-1.09x the course's forward at N >= 8192, 0.96-1.05x
-# at N = 4096 and 0.92-1.01x below (the H200's probe: 1.03-1.06x at 4k and 16k). None, the default: never, until this
-# route has passed the whole suite on a GPU (results/GPU_VALIDATION.md says when).
-GLUON_MIN_N: int | None = None
+# at N = 4096 and 0.92-1.01x below (the H200's probe: 1.03-1.06x at 4k and 16k). None: never.
+GLUON_MIN_N: int | None = 8192
 # The same kernel with lesson 08's window (and sinks): where the window is at least this wide (and N reaches
 # GLUON_MIN_N). On an H100 (results/hopper_ws_window_probe_h100.json, N = 16k) it ran 1.08-1.09x the course's window
 # forward at W = 4096, 0.99-1.03x at 1024 and 0.82-0.84x at 256: a program's loop is as long as its window, and the
-# Gluon forward wins on long loops as it does on long sequences. None, the default: never.
-GLUON_MIN_WINDOW: int | None = None
+# Gluon forward wins on long loops as it does on long sequences (one point per W: the window bench's full grid is
+# the check). None: never.
+GLUON_MIN_WINDOW: int | None = 4096
 
 
 def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,

@@ -63,14 +63,14 @@ On an H100 (``results/hopper_ws_bwd_probe_h100.json``) :data:`GLUON_DEFAULT`
 ran at 1.13-1.24x lesson 07's pair and 0.86-0.91x cuDNN's backward, and as
 a whole training step (``python -m course_utils.bench --training --gluon``,
 three runs, ``results/training_bench_gluon_h100*.json``) at 1.03-1.14x the
-step with lesson 07's pair; it is not yet the autograd default (the whole
-suite has not run on a GPU with it as the default).
+step with lesson 07's pair: it is the autograd default.
 
 Autograd: :class:`FastBackwardFunction` is lesson 07's autograd function
 with this module's backward; ``kernels.flash_attention`` uses it when
-:data:`AUTOGRAD_CONFIG` is set (``None`` by default, so lesson 07's pair
-runs until a layout here is measured faster), and it runs that
-configuration wherever :func:`autograd_config` says it applies.
+:data:`AUTOGRAD_CONFIG` is set (:data:`GLUON_DEFAULT` by default), and it
+runs that configuration wherever :func:`autograd_config` says it applies: on
+a Hopper GPU; lesson 07's pair everywhere else, and for sinks or lesson
+12's keywords.
 
 It covers self-attention (``N_q == N_k``), ``N`` a multiple of the largest
 block, ``D`` of 64 or 128, 16-bit inputs, causal or not, MHA/GQA/MQA;
@@ -637,9 +637,11 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
 # Autograd through the fast backward
 # -----------------------------------------------------------------------------
 # The configuration whose backward kernels.flash_attention's autograd runs instead of lesson 07's pair, where
-# autograd_config says it applies. None (the default): lesson 07's pair everywhere, because no layout of this
-# module has been measured faster than it on the H200 (results/tune_backward.json); set it to a measured winner.
-AUTOGRAD_CONFIG: FastBackwardConfig | None = None
+# autograd_config says it applies (None: lesson 07's pair everywhere). The gluon mode: lesson 11's Gluon backward,
+# on a Hopper GPU only. Timed as a training step on an H100 (results/training_bench_gluon_h100*.json, three runs,
+# causal, N = 4k-16k): 1.03-1.14x the step with lesson 07's pair, 0.84-0.93x cuDNN's. No layout of this module's own
+# Triton kernels was measured faster than lesson 07's pair (results/tune_backward.json).
+AUTOGRAD_CONFIG: FastBackwardConfig | None = GLUON_DEFAULT
 
 
 def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=None, **mods) -> FastBackwardConfig | None:

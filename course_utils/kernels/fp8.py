@@ -856,9 +856,8 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
 # Lesson 11's Gluon FP8 entry (hopper_ws.attention_fp8, its serial loop) from this many tokens on, where
 # gluon_fp8_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json), it ran
 # 1.01-1.16x this module's Hopper launch at N >= 4096 and 0.84-0.95x at N <= 2048 (the two main sweeps,
-# results/forward_bench_lesson11_h100*.json: 0.94-1.16x at N >= 4096, 0.83-0.96x below). None, the default: never,
-# until this route has passed the whole suite on a GPU (results/GPU_VALIDATION.md says when).
-GLUON_MIN_N: int | None = None
+# results/forward_bench_lesson11_h100*.json: 0.94-1.16x at N >= 4096, 0.83-0.96x below). None: never.
+GLUON_MIN_N: int | None = 4096
 
 
 def gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size: int = 128, *,
