@@ -8,7 +8,8 @@
 # Each step is sized to finish inside one 10-minute call: its commands run under `timeout` with what is left
 # of STEP_BUDGET seconds (default 540), so a hung kernel costs its step, not the session. Logs and JSON land in
 # $OUT (the device machine's returned folder; ./gpu_out here), one file per command, and the script's own
-# summary in $OUT/plan.log says which command ended how. On a GPU machine, the wheels of
+# summary in $OUT/plan.log says which command ended how. Where more than 7 files are left beside plan.log (the call
+# brings back 8), they are packed into $OUT/out.tar.gz. On a GPU machine, the wheels of
 # ../shared/device/fetch-wheels.sh in .whl/ (carried there) are installed to /tmp/site first, as the device
 # README asks. `halves` prints the two halves' test files (every tests/test_*.py once).
 #
@@ -184,3 +185,11 @@ for step in "$@"; do
       exit 2 ;;
   esac
 done
+
+# The device call brings back at most 8 files from $OUT: where the steps left more, they travel as one archive
+# (plan.log stays beside it). The grids step writes 14 files; the first time, the window grid's were lost.
+mapfile -t written < <(cd "$OUT" && find . -type f ! -name plan.log ! -name out.tar.gz | sort)
+if ((${#written[@]} > 7)); then
+  tar czf "$OUT/out.tar.gz" -C "$OUT" "${written[@]}" && (cd "$OUT" && rm -f "${written[@]}")
+  echo "packed ${#written[@]} files into out.tar.gz (tar xzf it)" | tee -a "$OUT/plan.log"
+fi

@@ -486,6 +486,19 @@ def test_the_gpu_plan_runs_its_steps_and_splits_the_suite_in_two(tmp_path):
     assert "No CUDA GPU here" in (tmp_path / "fwd_causal.log").read_text()
     bad = subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "bogus"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown step: bogus" in bad.stdout
+    # more than the 8 files a device call brings back: packed into one archive, plan.log beside it
+    import tarfile
+
+    for i in range(8):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        (tmp_path / "sub" / f"w{i}.json").write_text(str(i))
+    (tmp_path / "plan.log").unlink()
+    packed = subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "halves"], env=env, capture_output=True, text=True)
+    assert packed.returncode == 0 and "packed 10 files into out.tar.gz" in packed.stdout
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["out.tar.gz", "plan.log"]
+    with tarfile.open(tmp_path / "out.tar.gz") as tar:
+        assert sorted(tar.getnames()) == sorted(["./fwd_causal.log", "./fwd_noncausal.log"] +
+                                                [f"./sub/w{i}.json" for i in range(8)])
 
 
 @pytest.mark.parametrize("causal", [False, True])
