@@ -138,3 +138,33 @@ def test_the_readme_quotes_the_h100_decode_runs_as_recorded():
     assert quote in readme, quote
     assert f"{100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% of the read ceiling at B ≥ 16 in all four" in readme
     assert {b for b, _ in always} == {1, 4, 16, 64} and all((16, c) in always for c in (1024, 4096, 16384, 65536))
+
+
+def test_the_readme_quotes_the_h100_decode_sweeps_as_recorded():
+    """tune_decode.py on the H100 at five of the points under cuDNN: the best launch, the shipped one, and --lean's
+    PDL at twice the splits against what the package runs, from a 64k context at B = 1."""
+    by = {}
+    for r in results.load("tune_decode_h100")["rows"]:
+        by.setdefault((r["batch"], r["context"]), []).append(r)
+    best, shipped, counts = [], [], []
+    for rows in by.values():
+        cudnn = next(r["gbps"] for r in rows if r["name"] == "sdpa_cudnn")
+        course = [r for r in rows if not r["name"].startswith("sdpa")]
+        counts.append(len(course))
+        best.append(max(r["gbps"] for r in course) / cudnn)
+        shipped += [r["gbps"] / cudnn for r in course if r.get("shipped")]
+    assert len(by) == 5 and len(shipped) == 5 and max(best) < 1  # no launch at cuDNN's speed
+    short = by[(16, 1024)]
+    top, ship = max(short, key=lambda r: r["gbps"] if "num_stages" in r else 0), next(r for r in short if r.get("shipped"))
+    assert (top["num_stages"], ship["num_stages"]) == (3, 4) and f"{top['gbps'] / ship['gbps'] - 1:.0%}" == "2%"
+    lean = {}
+    for r in results.load("tune_decode_lean_h100")["rows"]:
+        if r["batch"] == 1:
+            lean.setdefault(r["name"], []).append(r["over_cudnn"])
+    readme = _readme()
+    for quote in (f"{min(counts)}–{max(counts)} launches a point",
+                  f"the best read {results.value_range(best, '.3f')} cuDNN, the shipped one "
+                  f"{results.value_range(shipped, '.3f')}",
+                  f"PDL at twice the splits read {results.value_range(lean['pdl x2'], '.3f')} cuDNN, the equal-shares "
+                  f"schedule the package runs there {results.value_range(lean['package'], '.3f')}"):
+        assert quote in readme, quote
