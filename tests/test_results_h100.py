@@ -168,3 +168,19 @@ def test_the_readme_quotes_the_h100_decode_sweeps_as_recorded():
                   f"PDL at twice the splits read {results.value_range(lean['pdl x2'], '.3f')} cuDNN, the equal-shares "
                   f"schedule the package runs there {results.value_range(lean['package'], '.3f')}"):
         assert quote in readme, quote
+
+
+def test_the_readme_quotes_the_forwards_with_the_routes_on_as_recorded():
+    """Lesson 11's ladder and a main sweep run with the routes on: the public entries' ratios to cuDNN's bf16."""
+    ladder = [s for s in results.load("fp8_bench_routes_h100")["summary"] if s["n"] >= 4096]
+    doc = results.load("forward_bench_lesson11_h100_run3")
+    assert all(r["status"] == "ok" for r in doc["rows"]) and doc["info"]["gpu"].startswith("NVIDIA H100")
+    by = {(r["case"], r["n"], r["provider"]): r["tflops"] for r in doc["rows"]}
+    sweep = {(case, p): results.value_range([by[(case, n, p)] / by[(case, n, "sdpa_cudnn")] for n in (4096, 8192, 16384)])
+             for case in ("main", "noncausal") for p in ("gluon_bf16", "gluon_fp8")}
+    readme = _readme()
+    for quote in (f"at **{results.value_range([s['course_bf16_over_cudnn'] for s in ladder])} cuDNN** at N ≥ 4k",
+                  f"at **{results.value_range([s['course_fp8_over_cudnn'] for s in ladder])} cuDNN's bf16** (medians",
+                  f"Gluon FP8 {sweep[('main', 'gluon_fp8')]} / {sweep[('noncausal', 'gluon_fp8')]} cuDNN's bf16, Gluon bf16 "
+                  f"{sweep[('main', 'gluon_bf16')]} / {sweep[('noncausal', 'gluon_bf16')]}"):
+        assert quote in readme, quote
