@@ -1,5 +1,5 @@
-"""benchmarks/tune_fast.py, tune_backward.py, tune_window.py, tune_decode.py, tune_decode_variants.py, tune_fp8.py, host_overhead.py and
-ncu_backward.py on the CPU.
+"""benchmarks/tune_fast.py, tune_backward.py, tune_window.py, tune_decode.py, tune_decode_variants.py, tune_fp8.py, host_overhead.py,
+ncu_backward.py and route_check.py on the CPU.
 
 Every configuration they time is a valid launch that computes the right
 thing (checked here in Triton's interpreter, on a GPU compiled), so that a
@@ -39,6 +39,7 @@ tune_decode = _load("tune_decode")
 tune_fp8 = _load("tune_fp8")
 host_overhead = _load("host_overhead")
 ncu_backward = _load("ncu_backward")
+route_check = _load("route_check")
 FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c)
                                                 for c in tune_backward.EXTRA + tune_backward.FLAT]))
 
@@ -322,6 +323,31 @@ def test_the_fp8_sweep_times_only_candidates_that_ran_and_were_right(capsys):
 def test_host_overhead_explains_itself_without_a_gpu(capsys):
     assert host_overhead.main([]) == 0
     assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE
+
+
+@pytest.mark.interpreter("without a GPU the script has nothing to time")
+def test_route_check_explains_itself_without_a_gpu(capsys):
+    assert route_check.main(["--quick"]) == 0
+    assert "No Hopper GPU here" in capsys.readouterr().out
+
+
+def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipped_switches():
+    """benchmarks/route_check.py: ``forward`` turns off the two forward thresholds and leaves autograd's backward as
+    shipped; ``training`` turns off autograd's backward with the forward as shipped; ``on`` puts back what shipped."""
+    from course_utils.kernels import dispatch
+
+    shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG)
+    assert shipped == (8192, 4096, fb.GLUON_DEFAULT)  # the defaults the script times against their absence
+    try:
+        route_check.apply(route_check.switches(False), "forward")
+        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (None, None, fb.GLUON_DEFAULT)
+        route_check.apply(route_check.switches(False), "training")
+        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (8192, 4096, None)
+        route_check.apply(route_check.switches(True), "training")
+        route_check.apply(route_check.switches(True), "forward")
+        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
+    finally:
+        dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG = shipped
 
 
 @pytest.mark.interpreter("without a GPU the script has nothing to time")
