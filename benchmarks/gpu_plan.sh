@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes routecheck grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -31,6 +31,8 @@
 #           the second run's files in $OUT/run2 (on an H100: about 200 s a run)
 #   routes  the three Gluon routes' tests (dispatch.GLUON_MIN_N, fp8.GLUON_MIN_N, fast_backward's gluon mode: off by
 #           default, each checked bit for bit against the kernel it routes to), then gluontrain
+#   routecheck benchmarks/route_check.py: each public entry with its Gluon route as shipped against the same call with
+#           the route off, forward (plain and window thresholds) and forward + backward (autograd's backward), one process
 #   gluontrain python -m course_utils.bench --training --gluon: forward + backward with the Gluon backward behind
 #           autograd (after the Gluon forward, after the course's) beside lesson 07's pair, SDPA flash and cuDNN
 #           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
@@ -141,6 +143,8 @@ for step in "$@"; do
         run "decode$sfx" "$PY" -m course_utils.bench decode --out "$dir"
         run "training$sfx" "$PY" -m course_utils.bench --training --out "$dir"
       done ;;
+    routecheck)
+      run route_check "$PY" benchmarks/route_check.py --out "$OUT/route_check.json" ;;
     gluontrain)
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
     fp8gluon)
@@ -188,7 +192,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (routes grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (routes routecheck grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done
