@@ -222,3 +222,15 @@ def test_the_readme_s_targets_table_is_the_recorded_runs():
     for row in rows:
         assert row in text, row
     assert in_both(fwd, 1.3) > 0 and in_both(trn, 1.2) > 0  # the window rows' "no"
+
+
+def test_lesson_11_quotes_the_public_entries_with_the_routes_on_as_recorded():
+    long = lambda n: n >= 4096  # noqa: E731
+    cudnn, flash = _training("sdpa_cudnn", long), _training("sdpa_flash", long)
+    ladder = [s for s in results.load("fp8_bench_routes_h100")["summary"] if s["n"] >= 4096]
+    quote = (f"**{results.value_range(cudnn)} cuDNN's** forward + backward at N ≥ 4k ({sum(v >= 0.9 for v in cudnn)} "
+             f"of the {len(cudnn)} points at 0.9× or more) and {results.value_range(flash)} SDPA flash. This lesson's "
+             f"ladder, run again with the switches on (`results/fp8_bench_routes_h100.json`), read "
+             f"{results.value_range([s['course_bf16_over_cudnn'] for s in ladder])} cuDNN for the public bf16 entry and "
+             f"{results.value_range([s['course_fp8_over_cudnn'] for s in ladder])} cuDNN's bf16 for the FP8 entry")
+    assert quote in _lesson("11_hopper_and_fp8.ipynb"), quote
