@@ -10,8 +10,9 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
 - ``training``: forward + backward, the window without sinks at W 256 / 1024 / 4096, N 4k / 16k / 64k, and plain
   causal at N 4k-16k (``AUTOGRAD_CONFIG = None`` for ``off``; the forward as shipped in both).
 
-bf16, GQA 32/8, D = 128. Both outputs (and the gradients) are compared before timing; a row whose two results differ
-by more than bf16's rounding is recorded with ``status`` "mismatch" and not timed. Prints one line a point and
+bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
+main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
+norm, the benches' ``TOLERANCE``); a row whose two results differ by more is recorded as "mismatch" and not timed. Prints one line a point and
 writes ``--out`` (JSON: ``info``, ``rows`` with ``on_ms``, ``off_ms``, ``on_over_off`` = off_ms / on_ms, the
 speed of the route relative to the path without it).
 
@@ -34,82 +35,70 @@ import course_utils  # noqa: E402,F401  (first, as in every notebook)
 import torch  # noqa: E402
 
 from course_utils import bench  # noqa: E402
-from course_utils.kernels import dispatch, fast_backward, flash_attention  # noqa: E402
+from course_utils.bench import cases, training, window  # noqa: E402
+from course_utils.kernels import dispatch, fast_backward  # noqa: E402
 
-HEADS, KV_HEADS, D, TOKENS = 32, 8, 128, 16384
 FORWARD_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
     (w, s, n) for w in (1024, 4096) for s in (0, 4) for n in (8192, 16384, 32768, 65536)]
 TRAINING_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
     (w, 0, n) for w in (256, 1024, 4096) for n in (4096, 16384, 65536)]
 QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)]}
-
-
-def switches(on: bool) -> dict:
-    """The three switches as shipped (``on``) or off."""
-    if on:
-        return dict(GLUON_MIN_N=SHIPPED["GLUON_MIN_N"], GLUON_MIN_WINDOW=SHIPPED["GLUON_MIN_WINDOW"],
-                    AUTOGRAD_CONFIG=SHIPPED["AUTOGRAD_CONFIG"])
-    return dict(GLUON_MIN_N=None, GLUON_MIN_WINDOW=None, AUTOGRAD_CONFIG=None)
-
-
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG)
 
 
-def apply(values: dict, mode: str) -> None:
-    """Set the switches (only the forward's for ``forward``; only autograd's for ``training``, the forward as
-    shipped)."""
-    if mode == "forward":
-        dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW = values["GLUON_MIN_N"], values["GLUON_MIN_WINDOW"]
-    else:
-        dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_N"], SHIPPED["GLUON_MIN_WINDOW"]
-        fast_backward.AUTOGRAD_CONFIG = values["AUTOGRAD_CONFIG"]
+def set_route(mode: str, on: bool) -> None:
+    """``forward``: the two forward thresholds as shipped (``on``) or off, autograd's backward untouched (a forward
+    never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped."""
+    forward_on = on or mode == "training"
+    dispatch.GLUON_MIN_N = SHIPPED["GLUON_MIN_N"] if forward_on else None
+    dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_WINDOW"] if forward_on else None
+    if mode == "training":
+        fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on else None
 
 
-def inputs(window_size, n):
-    batch = max(1, TOKENS // n) if window_size is None else 1
-    g = torch.Generator(device="cuda").manual_seed(n)
-    make = lambda h: torch.randn(batch, h, n, D, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
-    return make(HEADS), make(KV_HEADS), make(KV_HEADS)
-
-
-def step(mode, q, k, v, window_size, sink_size):
-    """One call of the public entry: the forward, or forward + backward (returns what it computed)."""
-    kw = dict(window_size=window_size, sink_size=sink_size) if window_size is not None else {}
-    if mode == "forward":
-        return lambda: (flash_attention(q, k, v, True, **kw),)
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    do = torch.randn_like(q)
-
-    def run():
-        q.grad = k.grad = v.grad = None
-        flash_attention(q, k, v, True, **kw).backward(do)
-        return q.grad, k.grad, v.grad
-    return run
+def make_step(mode, point):
+    """The public entry's call at ``point`` on the inputs of the bench it comes from (the window bench's batch of 1;
+    for plain causal attention the training bench's main case, 16k tokens a batch), as a zero-argument callable
+    returning what it computed: ``(o,)`` or ``(o, dq, dk, dv)``."""
+    w, s, n = point
+    if w is None:
+        q, k, v = cases.make_inputs(cases.STANDARD_SUITE[0], n)
+        if mode == "training":
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            return training.make_training_step("course", q, k, v, torch.randn_like(q), True)
+        forward = training.make_training_forward("course", q, k, v, True)
+        return lambda: (forward(),)
+    q, k, v = window.make_inputs(n, requires_grad=mode == "training")
+    case = window.WindowCase(w, s, n)
+    if mode == "training":
+        return window.make_training_step("course", q, k, v, torch.randn_like(q), case)
+    forward = window.make_forward("course", q, k, v, case)
+    return lambda: forward()[:1]
 
 
 def measure(mode, point, rounds):
     import triton
 
-    window_size, sink_size, n = point
-    q, k, v = inputs(window_size, n)
-    runs, results = {}, {}
+    step = make_step(mode, point)
+    results = {}
     for on in (True, False):
-        apply(switches(on), mode)
-        runs[on] = step(mode, q, k, v, window_size, sink_size)
-        results[on] = [t.float() for t in runs[on]()]
-    row = dict(mode=mode, window_size=window_size, sink_size=sink_size, n=n, batch=q.shape[0])
-    err = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for a, b in zip(results[True],
-                                                                                            results[False]))
-    row["rel_diff"] = err
-    if err > 2e-2:
+        set_route(mode, on)
+        results[on] = step()
+    w, s, n = point
+    row = dict(mode=mode, window_size=w, sink_size=s, n=n)
+    # each tensor against the same one with the route off: relative error of the norm, as the benches check
+    row["rel_diff"] = max((torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float())).item()
+                          for a, b in zip(results[True], results[False]))
+    if row["rel_diff"] > cases.TOLERANCE:
+        set_route(mode, True)
         return dict(row, status="mismatch")
     times = {True: [], False: []}
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
-            apply(switches(on), mode)
-            times[on].append(triton.testing.do_bench(runs[on], warmup=25, rep=100))
-    apply(switches(True), mode)
+            set_route(mode, on)
+            times[on].append(triton.testing.do_bench(step, warmup=25, rep=100))
+    set_route(mode, True)
     on_ms, off_ms = statistics.median(times[True]), statistics.median(times[False])
     return dict(row, status="ok", on_ms=on_ms, off_ms=off_ms, on_over_off=off_ms / on_ms)
 
@@ -135,9 +124,9 @@ def main(argv=None):
                                                           else f"{row['status']} (rel diff {row['rel_diff']:.3g})"),
                   flush=True)
             if args.out:
-                args.out.write_text(json.dumps(dict(info=bench.environment_info(), shipped={
-                    "GLUON_MIN_N": SHIPPED["GLUON_MIN_N"], "GLUON_MIN_WINDOW": SHIPPED["GLUON_MIN_WINDOW"],
-                    "AUTOGRAD_CONFIG": repr(SHIPPED["AUTOGRAD_CONFIG"])}, rows=rows), indent=1) + "\n")
+                shipped = {key: repr(value) if key == "AUTOGRAD_CONFIG" else value for key, value in SHIPPED.items()}
+                args.out.write_text(json.dumps(dict(info=bench.environment_info(), shipped=shipped, rows=rows),
+                                               indent=1) + "\n")
     return 0
 
 

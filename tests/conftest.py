@@ -197,3 +197,32 @@ def every_gluon_backward_launch(q, k, v, do, causal):
             assert rel < 2e-2, f"{launch}: {name} relative error {rel:.2e}"
         ran.append(launch)
     return ran, refused
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def markdown_text(lesson: str) -> str:
+    """Every markdown cell of a solution notebook (``lesson``: its file name without ``.ipynb``), whitespace runs
+    as single spaces: where the tests look for the figures a lesson quotes."""
+    import nbformat
+
+    nb = nbformat.read(REPO / "solutions" / f"{lesson}.ipynb", as_version=4)
+    return " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+
+
+def readme_text() -> str:
+    """The README, whitespace runs as single spaces."""
+    return " ".join((REPO / "README.md").read_text().split())
+
+
+def training_ratios(runs, mine: str, other: str = "sdpa_cudnn", n=lambda n: True) -> list[float]:
+    """Over the recorded training-bench runs ``runs`` (results/ names): ``other``'s time over ``mine``'s (``mine``'s
+    speed relative to ``other``) at every N matching ``n``, one value per run and N."""
+    from course_utils import results
+
+    values = []
+    for name in runs:
+        by = {(r["n"], r["provider"]): r for r in results.load(name)["rows"]}
+        values += [by[(m, other)]["ms"] / by[(m, mine)]["ms"] for m, p in by if p == mine and n(m)]
+    return values

@@ -16,6 +16,8 @@ import pytest
 
 from course_utils import results
 
+from conftest import markdown_text
+
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
 ROOT = SOLUTIONS.parent
 TABLES = ["window_bench", "decode_bench", "decode_variants", "ring_bench", "ring_blocks", "training_bench", "tune_backward", "tune_window",
@@ -111,12 +113,6 @@ def _benchmark(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def markdown_text(lesson: str) -> str:
-    """Every markdown cell of a solution notebook, whitespace runs as single spaces."""
-    nb = nbformat.read(SOLUTIONS / f"{lesson}.ipynb", as_version=4)
-    return " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
 
 
 def _numbers(text: str) -> list[float]:

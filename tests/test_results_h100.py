@@ -5,34 +5,18 @@ Each run checked every output before timing it; each figure quoted is recomputed
 for, at the precision written, in the sentence that quotes it.
 """
 
-from pathlib import Path
-
-import nbformat
-
 from course_utils import results
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import markdown_text, readme_text, training_ratios
+
 TRAINING = ("training_bench_h100", "training_bench_h100_run2", "training_bench_h100_run3")
 WINDOW = ("window_bench_h100", "window_bench_h100_run2")
 DECODE = ("decode_bench_h100", "decode_bench_h100_run2", "decode_bench_h100_run3", "decode_bench_h100_run4")
 
 
-def _readme() -> str:
-    return " ".join((ROOT / "README.md").read_text().split())
-
-
-def _lesson(name: str) -> str:
-    nb = nbformat.read(ROOT / "solutions" / name, as_version=4)
-    return " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
-
-
 def _training(other: str, n=lambda n: True) -> list[float]:
-    """``other``'s time over ``kernels.flash_attention``'s (its speed relative to ``other``) in the three runs."""
-    values = []
-    for name in TRAINING:
-        by = {(r["n"], r["provider"]): r for r in results.load(name)["rows"]}
-        values += [by[(m, other)]["ms"] / by[(m, "course")]["ms"] for m, p in by if p == "course" and n(m)]
-    return values
+    """``kernels.flash_attention``'s speed relative to ``other`` in the three runs, at the N matching ``n``."""
+    return training_ratios(TRAINING, "course", other, n)
 
 
 def _window_points(mode: str) -> dict:
@@ -81,7 +65,7 @@ def test_the_readme_quotes_the_h100_training_runs_as_recorded():
              f"{len(cudnn)} points at 0.9× or more; the other {len(under)} at "
              f"{' and '.join(f'{v:.3f}×' for v in under)}) and **{results.value_range(flash)} SDPA flash**, "
              f"{results.value_range(_training('sdpa_cudnn', lambda n: n < 4096))} cuDNN at N = 1k and 2k")
-    assert quote in _readme(), quote
+    assert quote in readme_text(), quote
     assert min(flash) >= 1.5  # the README says the 1.5x target is met at every point
 
 
@@ -99,7 +83,7 @@ def test_the_readme_and_lesson_08_quote_the_h100_window_grids_as_recorded():
         f"W = 4096 without sinks from N = 16k ({results.value_range([v for (w, s, n), vs in fwd.items() for v in vs if w == 4096 and s == 0 and n >= 16384])} forward",
         f"at W = 256 without sinks and N = 4k ({results.value_range(trn[(256, 0, 4096)])})",
     ]
-    readme = _readme()
+    readme = readme_text()
     for quote in quotes:
         assert quote in readme, quote
     # the points the README names as under the targets in both runs
@@ -116,7 +100,7 @@ def test_the_readme_and_lesson_08_quote_the_h100_window_grids_as_recorded():
     step = (f"the host needs {course['host_ms']:.2f} ms to launch the step whose kernels take {course['kernels_ms']:.2f} "
             f"ms (FlexAttention's: {flex['host_ms']:.2f} and {flex['kernels_ms']:.2f} ms)")
     assert step in readme, step
-    lesson = _lesson("08_sliding_window_and_sinks.ipynb")
+    lesson = markdown_text("08_sliding_window_and_sinks")
     for quote in (f"forward + backward read **{every(trn)}** FlexAttention",
                   f"{results.value_range([v for (w, s, n), vs in trn.items() for v in vs if w == 1024 and s == 0 and n >= 8192])} "
                   "at `W = 1024` from `N = 8k`, where this table has "
@@ -134,7 +118,7 @@ def test_the_readme_quotes_the_h100_decode_runs_as_recorded():
     quote = (f"**{results.value_range(ratios)}** the best SDPA backend (cuDNN at every point), under 1.0× at "
              f"{min(counts)}–{max(counts)} of the 19 points in each run by at most {100 * (1 - min(ratios)):.1f}%, "
              f"{len(always)} of them in all four runs")
-    readme = _readme()
+    readme = readme_text()
     assert quote in readme, quote
     assert f"{100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% of the read ceiling at B ≥ 16 in all four" in readme
     assert {b for b, _ in always} == {1, 4, 16, 64} and all((16, c) in always for c in (1024, 4096, 16384, 65536))
@@ -161,7 +145,7 @@ def test_the_readme_quotes_the_h100_decode_sweeps_as_recorded():
     for r in results.load("tune_decode_lean_h100")["rows"]:
         if r["batch"] == 1:
             lean.setdefault(r["name"], []).append(r["over_cudnn"])
-    readme = _readme()
+    readme = readme_text()
     for quote in (f"{min(counts)}–{max(counts)} launches a point",
                   f"the best read {results.value_range(best, '.3f')} cuDNN, the shipped one "
                   f"{results.value_range(shipped, '.3f')}",
@@ -178,7 +162,7 @@ def test_the_readme_quotes_the_forwards_with_the_routes_on_as_recorded():
     by = {(r["case"], r["n"], r["provider"]): r["tflops"] for r in doc["rows"]}
     sweep = {(case, p): results.value_range([by[(case, n, p)] / by[(case, n, "sdpa_cudnn")] for n in (4096, 8192, 16384)])
              for case in ("main", "noncausal") for p in ("gluon_bf16", "gluon_fp8")}
-    readme = _readme()
+    readme = readme_text()
     for quote in (f"at **{results.value_range([s['course_bf16_over_cudnn'] for s in ladder])} cuDNN** at N ≥ 4k",
                   f"at **{results.value_range([s['course_fp8_over_cudnn'] for s in ladder])} cuDNN's bf16** (medians",
                   f"Gluon FP8 {sweep[('main', 'gluon_fp8')]} / {sweep[('noncausal', 'gluon_fp8')]} cuDNN's bf16, Gluon bf16 "
@@ -218,7 +202,7 @@ def test_the_readme_s_targets_table_is_the_recorded_runs():
         f"| decode, B ≥ 16 | ≥ 90% of the read ceiling | {100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% (4 runs) | "
         f"{'yes' if min(ceiling) >= 0.9 else 'no'} |",
     ]
-    text = (ROOT / "README.md").read_text()
+    text = readme_text()
     for row in rows:
         assert row in text, row
     assert in_both(fwd, 1.3) > 0 and in_both(trn, 1.2) > 0  # the window rows' "no"
@@ -233,4 +217,4 @@ def test_lesson_11_quotes_the_public_entries_with_the_routes_on_as_recorded():
              f"ladder, run again with the switches on (`results/fp8_bench_routes_h100.json`), read "
              f"{results.value_range([s['course_bf16_over_cudnn'] for s in ladder])} cuDNN for the public bf16 entry and "
              f"{results.value_range([s['course_fp8_over_cudnn'] for s in ladder])} cuDNN's bf16 for the FP8 entry")
-    assert quote in _lesson("11_hopper_and_fp8.ipynb"), quote
+    assert quote in markdown_text("11_hopper_and_fp8"), quote

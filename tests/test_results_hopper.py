@@ -6,18 +6,18 @@ written, in the sentence that quotes it; the FP8 launch the lesson says is the d
 
 from pathlib import Path
 
-import nbformat
 import torch
 
 from course_utils import results
 from course_utils.kernels import fp8
 
+from conftest import markdown_text, readme_text, training_ratios
+
 LESSON = Path(__file__).resolve().parent.parent / "solutions" / "11_hopper_and_fp8.ipynb"
 
 
 def _markdown() -> str:
-    nb = nbformat.read(LESSON, as_version=4)
-    return " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    return markdown_text(LESSON.stem)
 
 
 def test_the_counters_quoted_are_the_recorded_ones():
@@ -166,8 +166,7 @@ def test_the_fp8_ladder_figures_quoted_are_the_recorded_ones():
 
 
 def test_lesson_06_quotes_the_recorded_counters():
-    nb = nbformat.read(LESSON.parent / "06_performance.ipynb", as_version=4)
-    text = " ".join(" ".join(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    text = markdown_text("06_performance")
     k = results.load("ncu_forward")["kernels"]
     one, two = k["fast_1_per_sm"], k["fast_2_per_sm"]
     assert (f"busy **{two['tensor_pipe_pct']:.1f}%** of the active cycles, against **{one['tensor_pipe_pct']:.1f}%** "
@@ -228,7 +227,7 @@ def test_fa3s_schedules_ran_right_and_slower_where_lesson_11_and_the_readme_say(
 
 
 def _readme() -> str:
-    return " ".join((LESSON.parent.parent / "README.md").read_text().split())
+    return readme_text()
 
 
 def test_the_h100_probes_checked_every_variant_they_timed():
@@ -480,13 +479,9 @@ GLUON_TRAINING = ("training_bench_gluon_h100", "training_bench_gluon_h100_run2",
 
 
 def _training(mine: str, other: str = "sdpa_cudnn", n=lambda n: True) -> str:
-    """The range over the three recorded ``bench --training --gluon`` runs of ``other``'s time over ``mine``'s (so
-    ``mine``'s speed relative to ``other``), at the N matching ``n``."""
-    values = []
-    for name in GLUON_TRAINING:
-        by = {(r["n"], r["provider"]): r for r in results.load(name)["rows"]}
-        values += [by[(m, other)]["ms"] / by[(m, mine)]["ms"] for m, p in by if p == mine and n(m)]
-    return results.value_range(values)
+    """The range over the three recorded ``bench --training --gluon`` runs of ``mine``'s speed relative to
+    ``other``'s, at the N matching ``n``."""
+    return results.value_range(training_ratios(GLUON_TRAINING, mine, other, n))
 
 
 def _window(key, where=lambda r: True) -> str:
@@ -544,8 +539,7 @@ def test_the_lesson_and_the_readme_quote_the_gluon_training_and_window_runs_as_r
                   f"backward ({route_4k_16k} at N = 4k and 16k, {route_8k} at 8k), {over_pair} lesson 07's pair",
                   f"the Gluon window forward **{window}** FlexAttention's (the course's {course_window} in the same processes)"):
         assert quote in readme, f"the README should quote the recorded H100 runs: {quote!r}"
-    lesson07 = nbformat.read(LESSON.parent / "07_backward.ipynb", as_version=4)
-    lesson07 = " ".join(" ".join(c.source.split()) for c in lesson07.cells if c.cell_type == "markdown")
+    lesson07 = markdown_text("07_backward")
     assert f"(`fast_backward.AUTOGRAD_CONFIG`, {over_pair} this pair in a training step)" in lesson07
     # the claims: the route faster than lesson 07's pair at every point of every run; level at W = 1024
     assert float(over_pair.split("–")[0].rstrip("×")) > 1

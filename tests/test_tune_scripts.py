@@ -339,12 +339,14 @@ def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipp
     shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG)
     assert shipped == (8192, 4096, fb.GLUON_DEFAULT)  # the defaults the script times against their absence
     try:
-        route_check.apply(route_check.switches(False), "forward")
+        route_check.set_route("forward", False)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (None, None, fb.GLUON_DEFAULT)
-        route_check.apply(route_check.switches(False), "training")
+        route_check.set_route("training", False)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (8192, 4096, None)
-        route_check.apply(route_check.switches(True), "training")
-        route_check.apply(route_check.switches(True), "forward")
+        route_check.set_route("training", True)
+        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
+        route_check.set_route("forward", False)
+        route_check.set_route("forward", True)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
     finally:
         dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG = shipped
