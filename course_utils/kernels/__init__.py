@@ -110,11 +110,13 @@ def flash_attention(q, k, v, causal: bool = False, *, window_size=None, sink_siz
         # lesson 07's autograd function, or the fast backward's where one is configured (fast_backward.AUTOGRAD_CONFIG:
         # the Gluon backward by default) and applies to this call (a Hopper GPU): decided here, so elsewhere grad_fn
         # is lesson 07's
-        applies = fast_backward.autograd_config(q, k, v, causal, window_size, sink_size, **mods) is not None
-        function = fast_backward.FastBackwardFunction if applies else FlashAttentionFunction
-        # validated=True: the autograd function's forward does not check the call again
-        return function.apply(q, k, v, bool(causal), window_size, sink_size, True,
-                              cu_seqlens, softcap, alibi_slopes, sink_logits)
+        config = fast_backward.autograd_config(q, k, v, causal, window_size, sink_size, **mods)
+        # validated=True: the autograd function's forward does not check the call again (nor, with the fast
+        # backward, resolve its configuration again: it is passed)
+        args = (q, k, v, bool(causal), window_size, sink_size, True, cu_seqlens, softcap, alibi_slopes, sink_logits)
+        if config is None:
+            return FlashAttentionFunction.apply(*args)
+        return fast_backward.FastBackwardFunction.apply(*args, config)
     return launch_forward(q, k, v, bool(causal), window_size, sink_size, **mods)[0]
 
 

@@ -92,6 +92,7 @@ import triton.language as tl
 
 from .backward import BackwardConfig, FlashAttentionFunction, launch_dq, launch_preprocess
 from .fast import refuse_specialised_on_gpu
+from .forward import _capability
 
 try:  # host-side TMA descriptors (Triton >= 3.3); without them use_tma is refused
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -553,9 +554,23 @@ def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_siz
     return compiled, compiled_dq, (dq, dk, dv)
 
 
+def _validate_call(q, k, v, causal, config, window_size) -> None:
+    """What :func:`attention_backward_fast` takes at ``config``, else ``ValueError`` in one sentence."""
+    reason = unsupported_reason(q, k, v, config)
+    if reason:
+        raise ValueError(reason)
+    if window_size is not None:
+        if config.mode not in WINDOW_MODES or not causal:
+            raise ValueError("a window runs in the flat and gluon modes, with causal=True")
+        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+            raise ValueError(f"window_size must be a positive integer, got {window_size!r}")
+    if config.mode != "gluon" and (k.shape[1] == 0 or q.shape[1] % k.shape[1]):
+        raise ValueError(f"{q.shape[1]} query heads cannot be shared evenly among {k.shape[1]} kv heads")
+
+
 def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *, delta=None,
                             config: FastBackwardConfig | None = None, mode: str | None = None, stats=None,
-                            window_size=None):
+                            window_size=None, _validated=False):
     """``(dq, dk, dv)`` by the fast backward; the arguments are :func:`.backward.attention_backward`'s.
 
     ``delta = rowsum(do * o)`` ([B, H_q, N] fp32) may be passed in;
@@ -568,29 +583,24 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     made of the launch (registers per thread, spills, shared memory in bytes,
     warps per program; the flat mode's: its dK/dV kernel's, and with
     ``flat_dq`` its dQ kernel's under ``"dq"``; the gluon mode leaves it as it is). The gluon mode
-    computes ``delta`` itself (:func:`.hopper_ws_bwd.attention_backward`).
+    computes ``delta`` itself (:func:`.hopper_ws_bwd.attention_backward`). ``_validated=True``: the call was
+    checked already (autograd's backward, whose forward checked it), so the checks, host time on every training
+    step, are skipped.
     """
     if config is None:
         config = default_config(mode or "fused")
     elif mode is not None and mode != config.mode:
         raise ValueError(f"mode={mode!r} contradicts config.mode={config.mode!r}")
-    reason = unsupported_reason(q, k, v, config)
-    if reason:
-        raise ValueError(reason)
-    if window_size is not None:
-        if config.mode not in WINDOW_MODES or not causal:
-            raise ValueError("a window runs in the flat and gluon modes, with causal=True")
-        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
-            raise ValueError(f"window_size must be a positive integer, got {window_size!r}")
+    if not _validated:
+        _validate_call(q, k, v, causal, config, window_size)
     if config.mode == "gluon":
-        from .hopper_ws_bwd import attention_backward
+        from .hopper_ws_bwd import attention_backward, backward_validated
 
-        return attention_backward(q, k, v, o, lse, do, causal, sm_scale, window_size=window_size,
-                                  num_buffers=config.num_stages, block_m=config.block_m1, dq_block_n=config.block_n2)
+        return (backward_validated if _validated else attention_backward)(
+            q, k, v, o, lse, do, causal, sm_scale, window_size=window_size, num_buffers=config.num_stages,
+            block_m=config.block_m1, dq_block_n=config.block_n2)
     B, n_q_heads, N, D = q.shape
     n_kv_heads = k.shape[1]
-    if n_kv_heads == 0 or n_q_heads % n_kv_heads:
-        raise ValueError(f"{n_q_heads} query heads cannot be shared evenly among {n_kv_heads} kv heads")
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
     lse = lse.float().contiguous()  # the kernel reads each row's lse at stride 1
     if delta is None:  # lesson 07's step 1, one kernel
@@ -658,7 +668,7 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=No
         return None
     if window_size is not None and (cfg.mode not in WINDOW_MODES or not causal):
         return None
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.device.type == "cuda" and _capability(q.device)[0] != 9:
         return None
     if cfg.mode == "gluon":
         from . import gluon_cpu
@@ -672,25 +682,29 @@ class FastBackwardFunction(FlashAttentionFunction):
     """:class:`.backward.FlashAttentionFunction` with the backward of :func:`attention_backward_fast` at
     :func:`autograd_config`'s configuration (lesson 07's pair where that is ``None``); the forward, and what
     it saves, are the parent's. One more argument after the parent's: ``config`` (``None``:
-    :data:`AUTOGRAD_CONFIG`)."""
+    :data:`AUTOGRAD_CONFIG`), resolved once, in the forward, by :func:`autograd_config`; with ``validated=True`` the
+    caller has checked the call and resolved it already (``kernels.flash_attention`` passes autograd_config's
+    answer), so neither the forward nor the backward asks again: each check is host time on every step."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False, window_size=None, sink_size=0, validated=False,
                 cu_seqlens=None, softcap=None, alibi_slopes=None, sink_logits=None, config=None):
+        o = FlashAttentionFunction.forward(ctx, q, k, v, causal, window_size, sink_size, validated,
+                                           cu_seqlens, softcap, alibi_slopes, sink_logits)
+        if not validated:
+            config = autograd_config(q, k, v, causal, window_size, sink_size, config=config, cu_seqlens=cu_seqlens,
+                                     softcap=softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
         ctx.fast_config = config
-        return FlashAttentionFunction.forward(ctx, q, k, v, causal, window_size, sink_size, validated,
-                                              cu_seqlens, softcap, alibi_slopes, sink_logits)
+        return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, cu_seqlens, alibi_slopes, sink_logits = ctx.saved_tensors
-        window_size, sink_size = ctx.window
-        cfg = autograd_config(q, k, v, ctx.causal, window_size, sink_size, config=ctx.fast_config,
-                              cu_seqlens=cu_seqlens, softcap=ctx.softcap, alibi_slopes=alibi_slopes,
-                              sink_logits=sink_logits)
+        cfg = ctx.fast_config
         if cfg is None:
             return (*FlashAttentionFunction.backward(ctx, do), None)
-        dq, dk, dv = attention_backward_fast(q, k, v, o, lse, do, ctx.causal, config=cfg, window_size=window_size)
+        q, k, v, o, lse = ctx.saved_tensors[:5]
+        dq, dk, dv = attention_backward_fast(q, k, v, o, lse, do, ctx.causal, config=cfg, window_size=ctx.window[0],
+                                             _validated=True)
         return (dq, dk, dv) + (None,) * 9
 
 

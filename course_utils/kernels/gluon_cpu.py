@@ -74,7 +74,9 @@ def can_run(t: torch.Tensor) -> bool:
     It imports no Gluon, so the routes of the course's public entries ask it before they import lesson 11's
     kernels (a CPU, a T4 or an A100 never loads them)."""
     if t.device.type == "cuda":
-        return torch.cuda.get_device_capability(t.device)[0] == 9
+        from .forward import _capability  # remembered per device: every Gluon route asks, on every call
+
+        return _capability(t.device)[0] == 9
     return t.device.type == "cpu" and active()
 
 

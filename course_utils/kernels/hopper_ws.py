@@ -685,9 +685,19 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.floa
 _FP8 = torch.float8_e4m3fn
 
 
+# (layout class, box, dtype) -> the box's shared-memory layout, made once: making it costs microseconds of host time,
+# eight times in a training step (results/NOTES.md, "host time"); keyed by the class too, which gluon_cpu.running()
+# replaces with its model's
+_LAYOUTS: dict = {}
+
+
 def _descriptor(t2d, box):
     """A TMA descriptor over the 2-D tensor ``t2d`` with boxes ``box``, in wgmma's default swizzled layout."""
-    return TensorDescriptor.from_tensor(t2d, box, gl.NVMMASharedLayout.get_default_for(box, _GL_DTYPES[t2d.dtype]))
+    key = (gl.NVMMASharedLayout, tuple(box), t2d.dtype)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _LAYOUTS[key] = gl.NVMMASharedLayout.get_default_for(list(box), _GL_DTYPES[t2d.dtype])
+    return TensorDescriptor.from_tensor(t2d, box, layout)
 
 
 def _validate_inputs(q, k, v) -> None:

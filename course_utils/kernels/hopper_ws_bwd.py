@@ -41,6 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .backward import default_config, launch_dq, launch_preprocess
+from .forward import _capability
 from .hopper_ws import (_descriptor, _validate_device, _validate_inputs, _validate_window, program_coords,
                         window_kv_tile, window_plan, window_tile_masked)
 from .chips import TARGETS
@@ -449,6 +450,14 @@ def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: floa
     if dq_kernel == "gluon":
         _validate_dq_shared(q.shape[-1], num_buffers, dq_block_n)
     _validate_device(q)
+    return backward_validated(q, k, v, o, lse, do, causal, sm_scale, window_size=window_size, sink_size=sink_size,
+                              num_buffers=num_buffers, block_m=block_m, dq_kernel=dq_kernel, dq_block_n=dq_block_n)
+
+
+def backward_validated(q, k, v, o, lse, do, causal, sm_scale, *, window_size=None, sink_size=0, num_buffers=2,
+                       block_m=64, dq_kernel="gluon", dq_block_n=64):
+    """:func:`attention_backward` for a call already checked: its launches without its checks, which cost host time
+    on every step (``kernels.flash_attention``'s autograd checks each call once, in the forward)."""
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     b, h, n, d = q.shape
     delta = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
@@ -459,8 +468,8 @@ def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: floa
         return _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, dq_block_n, window_size,
                           sink_size), dk, dv
     dq = torch.empty_like(q)
-    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, default_config(d, q.device.type, capability, q.dtype))
+    launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
+              default_config(d, q.device.type, _capability(q.device), q.dtype))
     return dq, dk, dv
 
 
