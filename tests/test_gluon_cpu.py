@@ -368,6 +368,57 @@ def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_se
         assert _rel(got, ref) < 1e-2, name
 
 
+def test_a_training_step_through_the_route_checks_the_call_once(monkeypatch):
+    """Host time: kernels.flash_attention resolves autograd's configuration once a step and passes it on, so neither
+    the autograd function's forward nor its backward asks autograd_config again, and the backward launches
+    hopper_ws_bwd's kernels without the checks the forward made (backward_validated, not attention_backward);
+    flash_attention_fast_backward, whose caller checked nothing, resolves it once, in the forward."""
+    from course_utils import kernels
+    from course_utils.kernels import fast_backward as fb
+
+    counts = dict(autograd_config=0, checked=0, validated=0)
+
+    def spy(module, name, key):
+        real = getattr(module, name)
+
+        def wrapper(*a, **kw):
+            counts[key] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    spy(fb, "autograd_config", "autograd_config")
+    spy(hopper_ws_bwd, "attention_backward", "checked")
+    spy(hopper_ws_bwd, "backward_validated", "validated")
+    g = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(1, 4, 128, 64, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(1, 2, 128, 64, generator=g).half().requires_grad_() for _ in range(2))
+    q.requires_grad_()
+    monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
+    with gluon_cpu.running():
+        kernels.flash_attention(q, k, v, True).backward(do)
+        assert counts == dict(autograd_config=1, checked=0, validated=1)
+        grads = [t.grad for t in (q, k, v)]
+        q.grad = k.grad = v.grad = None
+        fb.flash_attention_fast_backward(q, k, v, True).backward(do)
+        assert counts == dict(autograd_config=2, checked=0, validated=2)
+    for got, want in zip((q.grad, k.grad, v.grad), grads):
+        assert torch.equal(got, want)
+
+
+def test_a_descriptor_layout_is_made_once_per_box_and_dtype():
+    """hopper_ws._descriptor remembers each box's shared-memory layout (making one costs host time on every launch):
+    the same box and dtype give the same layout object, another box another, and inside gluon_cpu.running() the
+    model's layout, not the one remembered for the GPU."""
+    t = torch.zeros(256, 64, dtype=torch.float16)
+    a, b = hopper_ws._descriptor(t, [64, 64]), hopper_ws._descriptor(t[128:], [64, 64])
+    assert a.layout is b.layout and a.layout.swizzle_byte_width == 128
+    assert hopper_ws._descriptor(t, [32, 64]).layout is not a.layout
+    assert hopper_ws._descriptor(t.bfloat16(), [64, 64]).layout is not a.layout
+    with gluon_cpu.running():
+        assert not isinstance(hopper_ws._descriptor(t, [64, 64]).layout, type(a.layout))
+
+
 def test_a_wait_that_leaves_the_product_it_needs_in_flight_is_caught(tmp_path):
     """``warpgroup_mma_wait(1)`` completes all but the newest product: in the overlapped loop ``Q Kᵀ`` must be
     issued before ``P V`` for the wait to return the scores. Issued the other way round, the model says so."""
