@@ -83,6 +83,7 @@ configuration in :data:`CONFIGS` is checked on a Hopper GPU by
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -198,12 +199,11 @@ _DEFAULT = {"fused": CONFIGS[0], "atomic": CONFIGS[3]}
 FLAT_DEFAULT = FastBackwardConfig("flat", 32, 128, 128, 32, 8, 2, True)
 
 
-def _gluon_reason(q, k, v, config: FastBackwardConfig) -> str | None:
-    """Why the gluon mode cannot run ``config`` on these inputs (its fields, then the inputs and the machine), or
-    ``None``. Asked at the call, not when the config is made: :mod:`.hopper_ws_bwd` is Gluon, which the package
-    does not import until a gluon-mode call needs it."""
+@functools.lru_cache(maxsize=None)
+def _gluon_config_reason(config: FastBackwardConfig) -> str | None:
+    """Why the gluon mode cannot run ``config`` whatever the inputs (the fields its layout fixes, its options), or
+    ``None``; remembered per configuration, which every training step asks about."""
     from . import hopper_ws_bwd
-    from .hopper_ws import unsupported_reason as gluon_reason
 
     fixed = dict(block_n1=hopper_ws_bwd.BLOCK_N, block_m2=hopper_ws_bwd.DQ_BLOCK_M, num_warps=4, use_tma=True,
                  warp_specialize=False, flat_dq=False)
@@ -215,6 +215,18 @@ def _gluon_reason(q, k, v, config: FastBackwardConfig) -> str | None:
         hopper_ws_bwd._validate_options(config.num_stages, config.block_m1, "gluon", config.block_n2)
     except ValueError as exc:
         return str(exc)
+    return None
+
+
+def _gluon_reason(q, k, v, config: FastBackwardConfig) -> str | None:
+    """Why the gluon mode cannot run ``config`` on these inputs (its fields, then the inputs and the machine), or
+    ``None``. Asked at the call, not when the config is made: :mod:`.hopper_ws_bwd` is Gluon, which the package
+    does not import until a gluon-mode call needs it."""
+    reason = _gluon_config_reason(config)
+    if reason:
+        return reason
+    from .hopper_ws import unsupported_reason as gluon_reason
+
     return gluon_reason(q, k, v)
 
 
