@@ -368,6 +368,7 @@ def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_se
         assert _rel(got, ref) < 1e-2, name
 
 
+@needs_interpreter
 def test_a_training_step_through_the_route_checks_the_call_once(monkeypatch):
     """Host time: kernels.flash_attention resolves autograd's configuration once a step and passes it on, so neither
     the autograd function's forward nor its backward asks autograd_config again, and the backward launches

@@ -232,15 +232,22 @@ def test_the_window_gradients_match_float64_math_on_a_hopper_gpu(n, d, window, s
 @pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 256)])
 def test_the_gluon_mode_behind_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, causal, window):
     """fast_backward.GLUON_DEFAULT as AUTOGRAD_CONFIG: kernels.flash_attention's autograd runs hopper_ws_bwd's kernels
-    (the same gradients bit for bit as calling them), right against float64."""
+    (the same gradients bit for bit as calling them), right against float64; the step resolves its configuration
+    once and the backward launches without checking the call again (host time)."""
     from course_utils.kernels import fast_backward as fb
     from course_utils.kernels import flash_attention, flash_attention_with_lse
 
     q, k, v, do = _inputs(1, 8, 2, 512, 128, torch.bfloat16, "cuda")
     monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
     assert fb.autograd_config(q, k, v, causal, window) == fb.GLUON_DEFAULT
+    counts = []
+    for module, name in ((fb, "autograd_config"), (hopper_ws_bwd, "attention_backward"),
+                         (hopper_ws_bwd, "backward_validated")):
+        monkeypatch.setattr(module, name, lambda *a, _real=getattr(module, name), _name=name, **kw:
+                            counts.append(_name) or _real(*a, **kw))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     flash_attention(*leaves, causal, window_size=window).backward(do)
+    assert counts == ["autograd_config", "backward_validated"]
     o, lse = flash_attention_with_lse(q, k, v, causal, window_size=window)
     direct = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, window_size=window)
     want = references.attention_backward(*(t.double().cpu().numpy() for t in (q, k, v, do)), causal=causal,

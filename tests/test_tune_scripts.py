@@ -1,5 +1,5 @@
 """benchmarks/tune_fast.py, tune_backward.py, tune_window.py, tune_decode.py, tune_decode_variants.py, tune_fp8.py, host_overhead.py,
-ncu_backward.py and route_check.py on the CPU.
+ncu_backward.py, route_check.py and host_step.py on the CPU.
 
 Every configuration they time is a valid launch that computes the right
 thing (checked here in Triton's interpreter, on a GPU compiled), so that a
@@ -40,6 +40,7 @@ tune_fp8 = _load("tune_fp8")
 host_overhead = _load("host_overhead")
 ncu_backward = _load("ncu_backward")
 route_check = _load("route_check")
+host_step = _load("host_step")
 FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c)
                                                 for c in tune_backward.EXTRA + tune_backward.FLAT]))
 
@@ -323,6 +324,13 @@ def test_the_fp8_sweep_times_only_candidates_that_ran_and_were_right(capsys):
 def test_host_overhead_explains_itself_without_a_gpu(capsys):
     assert host_overhead.main([]) == 0
     assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE
+
+
+@pytest.mark.interpreter("without a GPU the script has nothing to time")
+def test_host_step_explains_itself_without_a_gpu(capsys):
+    assert host_step.main([]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("course_utils from ") and out[-1] == bench.NO_GPU_MESSAGE
 
 
 @pytest.mark.interpreter("without a GPU the script has nothing to time")
