@@ -218,3 +218,46 @@ def test_lesson_11_quotes_the_public_entries_with_the_routes_on_as_recorded():
              f"{results.value_range([s['course_bf16_over_cudnn'] for s in ladder])} cuDNN for the public bf16 entry and "
              f"{results.value_range([s['course_fp8_over_cudnn'] for s in ladder])} cuDNN's bf16 for the FP8 entry")
     assert quote in markdown_text("11_hopper_and_fp8"), quote
+
+
+def test_the_readme_quotes_the_host_time_trim_as_measured():
+    """The thirty-fifth session's paragraph: the short window step's host time before and after (host_step_h100),
+    the Gluon backward's route against lesson 07's pair before and after (route_check_h100), the quick rerun of the
+    window grid's shortest points against the grid's two runs, and the fourth training run, each derived again."""
+    vr, f = results.value_range, lambda x: f"{x:.2f}×"
+    before_call, before, after = (r["us"] for r in results.load("host_step_h100")["runs"])
+    assert after["step gluon"] < before["step gluon"] and after["one _descriptor"] < before["one _descriptor"]
+    first, second = results.load("route_check_h100")["runs"]
+    pairs = [(a, b) for a, b in zip(first["rows"], second["rows"]) if a["mode"] == "training"]
+    assert all((a["window_size"], a["n"]) == (b["window_size"], b["n"]) for a, b in pairs) and len(pairs) == 12
+    short = {(a["window_size"], a["n"]): (a["on_over_off"], b["on_over_off"]) for a, b in pairs}
+    others = [x for a, b in pairs if (a["window_size"], a["n"]) not in ((256, 4096), (1024, 4096))
+              for x in (a["on_over_off"], b["on_over_off"])]
+    quick = {(q["window_size"], q["n"]): q["course_over_flex"]
+             for q in results.load("window_bench_h100_hosttime")["ratios"] if q["mode"] == "training"}
+    grid = {p: vs for p, vs in _window_points("training").items() if p[1] == 0}
+    cudnn = training_ratios(("training_bench_h100_run4",), "course", "sdpa_cudnn", lambda n: n >= 4096)
+    flash = training_ratios(("training_bench_h100_run4",), "course", "sdpa_flash", lambda n: n >= 4096)
+    quotes = [
+        f"the step's host time fell from {before['step gluon']} µs to {after['step gluon']} µs in one call "
+        f"({before_call['step gluon']} µs in an earlier call; lesson 07's route: {before['step lesson07']}–"
+        f"{after['step lesson07']} µs)",
+        f"at W = 256, 4k **{f(short[(256, 4096)][0])} → {f(short[(256, 4096)][1])}**, at W = 1024, 4k "
+        f"**{f(short[(1024, 4096)][0])} → {f(short[(1024, 4096)][1])}**, at every other training point {vr(others)} "
+        "in both",
+        f"{f(quick[(256, 4096)])} FlexAttention at W = 256, 4k ({vr(grid[(256, 0, 4096)])} in the grid's two runs), "
+        f"{f(quick[(256, 8192)])} at 8k ({f(min(grid[(256, 0, 8192)]))}, {f(max(grid[(256, 0, 8192)]))}) and "
+        f"**{f(quick[(1024, 4096)])}** at W = 1024, 4k ({f(min(grid[(1024, 0, 4096)]))}, "
+        f"{f(max(grid[(1024, 0, 4096)]))}), above the 1.2× target in this run",
+        f"{vr(cudnn)} cuDNN at N ≥ 4k ({', '.join(f'{x:.3f}×' for x in cudnn)}), {vr(flash)} SDPA flash",
+    ]
+    assert quick[(1024, 4096)] >= 1.2 > max(quick[(256, 4096)], quick[(256, 8192)])
+    readme = readme_text()
+    for quote in quotes:
+        assert quote in readme, quote
+    lesson = markdown_text("08_sliding_window_and_sinks")
+    for quote in (f"from {before['step gluon']} µs to {after['step gluon']} µs",
+                  f"`W = 1024` at `N = 4k` from {vr(grid[(1024, 0, 4096)])} to {f(quick[(1024, 4096)])} FlexAttention "
+                  "in a quick rerun",
+                  f"`W = 256` at `N = 4k` is still the host's ({f(quick[(256, 4096)])})"):
+        assert quote in lesson, quote
