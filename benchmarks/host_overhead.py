@@ -212,6 +212,20 @@ def launch_costs(captured, reps=300) -> list[dict]:
     return rows
 
 
+def profile_steps(step, reps=20):
+    """A ``cProfile.Profile`` of ``reps`` calls of ``step``, with the GPU kept busy (the host never waits for it)."""
+    import cProfile
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    with cProfile.Profile() as prof:
+        for _ in range(reps):
+            step()
+    torch.cuda.synchronize()
+    return prof
+
+
 def kernel_ms(step, reps=5):
     """(summed kernel time per step, kernels per step) from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -266,19 +280,10 @@ def main(argv=None):
             print(f"{label:18s} {name:11s} host {row['host_ms']:6.3f} ms  gpu {row['gpu_ms']:6.3f} ms  "
                   f"kernels {row['kernels_ms']:6.3f} ms in {row['launches']:4.1f} launches", flush=True)
     if args.cprofile:
-        import cProfile
         import pstats
 
         label, kind, n, w, s = next(c for c in CASES if c[0] == args.cprofile)
-        step = steps(kind, n, w, s)["course"]
-        step()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000)
-        with cProfile.Profile() as prof:
-            for _ in range(20):
-                step()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile_steps(steps(kind, n, w, s)["course"])).sort_stats("tottime").print_stats(25)
     if args.json:
         data = json.loads(args.json.read_text()) if args.json.exists() else {"runs": []}
         info = dict(torch=torch.__version__, triton=triton.__version__, device=torch.cuda.get_device_name(),

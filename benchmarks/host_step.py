@@ -21,7 +21,6 @@ in the same call). Needs a Hopper GPU (the Gluon route runs there only).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import io
 import pstats
 import sys
@@ -93,15 +92,8 @@ def main(argv=None):
     for label, (call, reps) in calls.items():
         print(f"W={w} S=0 N={n // 1024}k {label} {us(call, reps):.1f} us", flush=True)
     if args.profile:
-        step()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000)
-        with cProfile.Profile() as prof:
-            for _ in range(20):
-                step()
-        torch.cuda.synchronize()
         out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
+        stats = pstats.Stats(ho.profile_steps(step), stream=out)
         for key, count in (("tottime", 30), ("cumulative", 40), ("ncalls", 30)):
             stats.sort_stats(key).print_stats(count)
         args.profile.write_text(out.getvalue())
