@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes routecheck grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes routecheck hoststep grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -33,6 +33,9 @@
 #           default, each checked bit for bit against the kernel it routes to), then gluontrain
 #   routecheck benchmarks/route_check.py: each public entry with its Gluon route as shipped against the same call with
 #           the route off, forward (plain and window thresholds) and forward + backward (autograd's backward), one process
+#   hoststep benchmarks/host_step.py --profile: the short window step's host time, layer by layer, through the Gluon
+#           backward's route and lesson 07's (HOST_BASE=REV first measures that commit's package the same way, from
+#           `git archive REV course_utils`, in the same call)
 #   gluontrain python -m course_utils.bench --training --gluon: forward + backward with the Gluon backward behind
 #           autograd (after the Gluon forward, after the course's) beside lesson 07's pair, SDPA flash and cuDNN
 #           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
@@ -145,6 +148,13 @@ for step in "$@"; do
       done ;;
     routecheck)
       run route_check "$PY" benchmarks/route_check.py --out "$OUT/route_check.json" ;;
+    hoststep)
+      if [[ -n "${HOST_BASE:-}" ]]; then
+        base=$(mktemp -d)
+        git archive "$HOST_BASE" course_utils | tar -x -C "$base"
+        run host_step_base "$PY" benchmarks/host_step.py --package "$base"
+      fi
+      run host_step "$PY" benchmarks/host_step.py --profile "$OUT/host_step_profile.txt" ;;
     gluontrain)
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
     fp8gluon)
@@ -192,7 +202,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (routes routecheck grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (routes routecheck hoststep grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done

@@ -510,16 +510,19 @@ def test_the_gpu_plan_runs_its_steps_and_splits_the_suite_in_two(tmp_path):
     import sys
 
     env = dict(__import__("os").environ, OUT=str(tmp_path), PYTHON=sys.executable, STEP_BUDGET="300")
-    run = subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "halves", "fwd"], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "halves", "fwd", "hoststep"], env=env,
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     halves = dict(line.split(": ", 1) for line in run.stdout.splitlines() if line.startswith("half "))
     files = [f for half in ("half 1", "half 2") for f in halves[half].split()]
     assert sorted(files) == sorted(f"tests/{p.name}" for p in (BENCHMARKS.parent / "tests").glob("test_*.py"))
     assert halves["half 1"].split()[-1] == "tests/test_grading_part2.py"
     log = (tmp_path / "plan.log").read_text().splitlines()
-    assert [line.split(":")[0] for line in log] == ["fwd_causal", "fwd_noncausal"] and all("rc=0" in x for x in log)
+    assert [line.split(":")[0] for line in log] == ["fwd_causal", "fwd_noncausal", "host_step"]
+    assert all("rc=0" in x for x in log)
     assert "No CUDA GPU here" in (tmp_path / "fwd_causal.log").read_text()
+    assert "No CUDA GPU here" in (tmp_path / "host_step.log").read_text()
+    (tmp_path / "host_step.log").unlink()
     bad = subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "bogus"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown step: bogus" in bad.stdout
     # more than the 8 files a device call brings back: packed into one archive, plan.log beside it
