@@ -226,3 +226,14 @@ def training_ratios(runs, mine: str, other: str = "sdpa_cudnn", n=lambda n: True
         by = {(r["n"], r["provider"]): r for r in results.load(name)["rows"]}
         values += [by[(m, other)]["ms"] / by[(m, mine)]["ms"] for m, p in by if p == mine and n(m)]
     return values
+
+
+def record_calls(monkeypatch, *targets) -> list:
+    """Wrap each ``(module, name)`` function so that a call appends ``name`` to the returned list, then runs it: which
+    functions a step called, in order (the autograd engine's thread included)."""
+    calls = []
+    for module, name in targets:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    return calls
+

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import module_from_source
+from conftest import module_from_source, record_calls
 from course_utils import references
 from course_utils.kernels import fp8, gluon_cpu, hopper_ws, hopper_ws_bwd
 
@@ -377,20 +377,8 @@ def test_a_training_step_through_the_route_checks_the_call_once(monkeypatch):
     from course_utils import kernels
     from course_utils.kernels import fast_backward as fb
 
-    counts = dict(autograd_config=0, checked=0, validated=0)
-
-    def spy(module, name, key):
-        real = getattr(module, name)
-
-        def wrapper(*a, **kw):
-            counts[key] += 1
-            return real(*a, **kw)
-
-        monkeypatch.setattr(module, name, wrapper)
-
-    spy(fb, "autograd_config", "autograd_config")
-    spy(hopper_ws_bwd, "attention_backward", "checked")
-    spy(hopper_ws_bwd, "backward_validated", "validated")
+    calls = record_calls(monkeypatch, (fb, "autograd_config"), (hopper_ws_bwd, "attention_backward"),
+                         (hopper_ws_bwd, "backward_validated"))
     g = torch.Generator().manual_seed(5)
     q, do = (torch.randn(1, 4, 128, 64, generator=g).half() for _ in range(2))
     k, v = (torch.randn(1, 2, 128, 64, generator=g).half().requires_grad_() for _ in range(2))
@@ -398,11 +386,11 @@ def test_a_training_step_through_the_route_checks_the_call_once(monkeypatch):
     monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
     with gluon_cpu.running():
         kernels.flash_attention(q, k, v, True).backward(do)
-        assert counts == dict(autograd_config=1, checked=0, validated=1)
+        assert calls == ["autograd_config", "backward_validated"]
         grads = [t.grad for t in (q, k, v)]
         q.grad = k.grad = v.grad = None
         fb.flash_attention_fast_backward(q, k, v, True).backward(do)
-        assert counts == dict(autograd_config=2, checked=0, validated=2)
+        assert calls == ["autograd_config", "backward_validated"] * 2
     for got, want in zip((q.grad, k.grad, v.grad), grads):
         assert torch.equal(got, want)
 

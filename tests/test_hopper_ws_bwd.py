@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from course_utils import references, results
-from conftest import every_gluon_backward_launch
+from conftest import every_gluon_backward_launch, record_calls
 from course_utils.kernels import hopper_ws_bwd, targets
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -240,14 +240,11 @@ def test_the_gluon_mode_behind_kernels_flash_attention_on_a_hopper_gpu(monkeypat
     q, k, v, do = _inputs(1, 8, 2, 512, 128, torch.bfloat16, "cuda")
     monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
     assert fb.autograd_config(q, k, v, causal, window) == fb.GLUON_DEFAULT
-    counts = []
-    for module, name in ((fb, "autograd_config"), (hopper_ws_bwd, "attention_backward"),
-                         (hopper_ws_bwd, "backward_validated")):
-        monkeypatch.setattr(module, name, lambda *a, _real=getattr(module, name), _name=name, **kw:
-                            counts.append(_name) or _real(*a, **kw))
+    calls = record_calls(monkeypatch, (fb, "autograd_config"), (hopper_ws_bwd, "attention_backward"),
+                         (hopper_ws_bwd, "backward_validated"))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     flash_attention(*leaves, causal, window_size=window).backward(do)
-    assert counts == ["autograd_config", "backward_validated"]
+    assert calls == ["autograd_config", "backward_validated"]
     o, lse = flash_attention_with_lse(q, k, v, causal, window_size=window)
     direct = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, window_size=window)
     want = references.attention_backward(*(t.double().cpu().numpy() for t in (q, k, v, do)), causal=causal,

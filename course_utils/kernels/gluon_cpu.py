@@ -48,6 +48,8 @@ import types
 
 import torch
 
+from . import forward  # its remembered capability: every Gluon route asks, on every call
+
 __all__ = ["running", "active", "can_run", "host_module", "HOST_MODULES", "Deadlock", "RaceError", "ExpectError", "Event",
            "run_kernel"]
 
@@ -74,9 +76,7 @@ def can_run(t: torch.Tensor) -> bool:
     It imports no Gluon, so the routes of the course's public entries ask it before they import lesson 11's
     kernels (a CPU, a T4 or an A100 never loads them)."""
     if t.device.type == "cuda":
-        from .forward import _capability  # remembered per device: every Gluon route asks, on every call
-
-        return _capability(t.device)[0] == 9
+        return forward._capability(t.device)[0] == 9
     return t.device.type == "cpu" and active()
 
 
