@@ -30,7 +30,8 @@
 #           (each bench writes its own files into $OUT; the window grid appends W by W); GRID_RUNS=2 runs them twice,
 #           the second run's files in $OUT/run2 (on an H100: about 200 s a run)
 #   routes  the three Gluon routes' tests (dispatch.GLUON_MIN_N, fp8.GLUON_MIN_N, fast_backward's gluon mode: off by
-#           default, each checked bit for bit against the kernel it routes to), then gluontrain
+#           default, each checked bit for bit against the kernel it routes to) and the bound launches' (launch.py),
+#           then gluontrain
 #   routecheck benchmarks/route_check.py: each public entry with its Gluon route as shipped against the same call with
 #           the route off, forward (plain and window thresholds) and forward + backward (autograd's backward), one process
 #   hoststep benchmarks/host_step.py --profile: the short window step's host time, layer by layer, through the Gluon
@@ -129,7 +130,7 @@ for step in "$@"; do
       run gluonbwd_probe "$PY" benchmarks/hopper_ws_probe.py --kind bwd --out "$OUT/hopper_ws_bwd_probe.json" ;;
     routes)
       run route_tests "${PYTEST[@]}" -n 4 --dist loadfile tests/test_hopper_ws.py tests/test_hopper_ws_bwd.py \
-        tests/test_gluon_cpu.py -k "route or gluon_mode"
+        tests/test_gluon_cpu.py tests/test_launch.py -k "route or gluon_mode or bound"
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
     grids)
       # GRID_RUNS (default 1) runs of the three, the first into $OUT, the others into $OUT/run2, ... (the issue asks

@@ -254,3 +254,26 @@ def test_the_gluon_mode_behind_kernels_flash_attention_on_a_hopper_gpu(monkeypat
         ref = torch.from_numpy(ref).float().cuda()
         rel = (torch.linalg.vector_norm(leaf.grad.float() - ref) / torch.linalg.vector_norm(ref)).item()
         assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
+                                       "tests/test_launch.py checks the launcher with a stand-in kernel on a CPU")
+def test_the_bound_launches_are_triton_s_launches_on_a_hopper_gpu():
+    """The backward's three launches bound once per key (launch.BoundLauncher) give, bit for bit, the gradients of
+    the same launches through ``kernel[grid]`` (what runs while the graders count launches, which then see every
+    one), for two keys in turn and the first again."""
+    from course_utils.grading.proof import count_launches
+    from course_utils.kernels import backward, flash_attention_with_lse
+
+    q, k, v, do = _inputs(1, 8, 2, 512, 128, torch.bfloat16, "cuda")
+    for window in (None, 256, None):
+        o, lse = flash_attention_with_lse(q, k, v, True, window_size=window)
+        with count_launches() as launched:
+            want = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, True, window_size=window)
+        assert launched == ["attn_bwd_preprocess", "attn_bwd_dkdv_ws", "attn_bwd_dq_ws"]
+        for _ in range(2):  # the first call binds the key where no earlier test did; the second runs bound
+            got = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, True, window_size=window)
+            for name, a, b in zip(("dq", "dk", "dv"), got, want):
+                assert torch.equal(a, b), f"{name} (window_size={window})"
+    for launcher in (backward._PREPROCESS, hopper_ws_bwd._DKDV, hopper_ws_bwd._DQ):
+        assert len(launcher.compiled) >= (1 if launcher is backward._PREPROCESS else 2), launcher.kernel

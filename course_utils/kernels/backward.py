@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from course_utils.kernels.dispatch import check_call, launch_forward  # absolute: tests load copies of this file
+from course_utils.kernels.launch import BoundLauncher, aligned
 from course_utils.kernels.forward import (
     _capability, _mods_bounds, _mods_keep, _score_mod, _split_range, _window_bounds, _window_keep, bf16_problem,
     has_mods, mods_arguments, validate_mods, validate_window,
@@ -140,6 +141,9 @@ def attn_bwd_preprocess(
         tl.store(delta_ptrs, delta)
     else:
         tl.store(delta_ptrs, delta, mask=offs_m < N_Q)
+
+
+_PREPROCESS = BoundLauncher(attn_bwd_preprocess)  # launch_preprocess's launches, bound once per key on a GPU
 
 
 # -----------------------------------------------------------------------------
@@ -1148,13 +1152,12 @@ def launch_preprocess(o, do, delta, block_m: int):
     """Step 1 into ``delta`` (``[B, H_q, N_q]``, fp32 or fp64): ``rowsum(dO * O)`` by :func:`attn_bwd_preprocess`."""
     B, n_q_heads, N_Q, D = o.shape
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    attn_bwd_preprocess[(triton.cdiv(N_Q, block_m), B * n_q_heads)](
-        o, do, delta,
-        *o.stride(), *do.stride(), delta.stride(0), delta.stride(1),
-        n_q_heads, N_Q, D,
-        BLOCK_M=block_m, BLOCK_D=BLOCK_D, EVEN_M=N_Q % block_m == 0, PAD_D=BLOCK_D != D,
-        ACC=tl.float64 if delta.dtype == torch.float64 else tl.float32,
-    )
+    strides = (*o.stride(), *do.stride(), delta.stride(0), delta.stride(1))
+    # every argument in the kernel's order, so that on a GPU the launch is bound once per key (launch.py)
+    key = (o.dtype, do.dtype, delta.dtype, strides, n_q_heads, N_Q, D, block_m, aligned(o, do, delta)) if o.is_cuda else None
+    _PREPROCESS(key, (triton.cdiv(N_Q, block_m), B * n_q_heads), (
+        o, do, delta, *strides, n_q_heads, N_Q, D,
+        block_m, BLOCK_D, N_Q % block_m == 0, BLOCK_D != D, tl.float64 if delta.dtype == torch.float64 else tl.float32))
 
 
 def launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale, cfg: BackwardConfig, *, window_size=None, sink_size=0):

@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .backward import default_config, launch_dq, launch_preprocess
 from .forward import _capability
+from .launch import BoundLauncher, aligned
 from .hopper_ws import (_descriptor, _validate_device, _validate_inputs, _validate_window, program_coords,
                         window_kv_tile, window_plan, window_tile_masked)
 from .chips import TARGETS
@@ -370,19 +371,44 @@ def attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, 
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n=64, window_size=None, sink_size=0):
-    """``dq`` by :func:`attn_bwd_dq_ws` for validated inputs (``tests/`` compile it from CPU tensors)."""
+# the two kernels' launches, bound once per key on a GPU (launch.py: Triton's binder costs host time on every step)
+_DKDV, _DQ = BoundLauncher(attn_bwd_dkdv_ws), BoundLauncher(attn_bwd_dq_ws)
+
+
+def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n=64, window_size=None, sink_size=0,
+               descriptors=None):
+    """``dq`` by :func:`attn_bwd_dq_ws` for validated inputs (``tests/`` compile it from CPU tensors).
+
+    ``descriptors``: a dict that the call's TMA descriptors are kept in and taken from (:func:`_descriptors`)."""
     b, h, n, d = q.shape
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     dq = torch.empty_like(q)
-    q_desc, do_desc, k_desc, v_desc = (_descriptor(t.view(-1, d), [rows, d]) for t, rows in (
-        (q, DQ_BLOCK_M // 2), (do, DQ_BLOCK_M // 2), (k, block_n), (v, block_n)))
-    attn_bwd_dq_ws[(n // DQ_BLOCK_M, b * h)](
-        q_desc, do_desc, k_desc, v_desc, lse, delta, dq, sm_scale * LOG2E, sm_scale, n,
-        0 if window_size is None else int(window_size), int(sink_size), window_size is not None, h, h // k.shape[1],
-        DQ_BLOCK_M, block_n, d, num_buffers, causal, CONSUMER_REGS, LOADER_REGS, num_warps=4, maxnreg=MAXNREG)
+    window, sink, group = 0 if window_size is None else int(window_size), int(sink_size), h // k.shape[1]
+    key = ((q.dtype, b, h, n, d, window, sink, window_size is not None, group, block_n, num_buffers, bool(causal),
+            aligned(lse, delta, dq)) if q.is_cuda else None)
+    _DQ(key, (n // DQ_BLOCK_M, b * h), (
+        *_descriptors(descriptors, (q, DQ_BLOCK_M // 2), (do, DQ_BLOCK_M // 2), (k, block_n), (v, block_n)),
+        lse, delta, dq, sm_scale * LOG2E, sm_scale, n, window, sink, window_size is not None, h, group,
+        DQ_BLOCK_M, block_n, d, num_buffers, bool(causal), CONSUMER_REGS, LOADER_REGS), num_warps=4, maxnreg=MAXNREG)
     return dq
+
+
+def _descriptors(memo, *boxes):
+    """The TMA descriptors of ``(tensor, rows)`` pairs, boxes of ``rows`` × D over all heads' rows in one 2-D view
+    (N is a multiple of the boxes, so no box crosses into the next head). ``memo`` (a dict, or None): one
+    backward's descriptors, so that dK/dV's and dQ's kernels share those they would make alike (each is host
+    time: results/host_step_h100.json)."""
+    made = []
+    for t, rows in boxes:
+        key = (id(t), rows)
+        desc = None if memo is None else memo.get(key)
+        if desc is None:
+            desc = _descriptor(t.view(-1, t.shape[-1]), [rows, t.shape[-1]])
+            if memo is not None:
+                memo[key] = desc
+        made.append(desc)
+    return made
 
 
 def _validate_options(num_buffers, block_m, dq_kernel="gluon", dq_block_n=64) -> None:
@@ -406,23 +432,22 @@ def _validate_dq_shared(head_dim, num_buffers, dq_block_n) -> None:
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_m=64, window_size=None,
-                 sink_size=0):
+                 sink_size=0, descriptors=None):
     """``(dk, dv)`` by :func:`attn_bwd_dkdv_ws` for validated inputs (``tests/`` compile it from CPU tensors).
 
-    ``lse`` (natural log) and ``delta`` float32 ``[B, H, N]``."""
+    ``lse`` (natural log) and ``delta`` float32 ``[B, H, N]``; ``descriptors`` as :func:`_launch_dq`'s."""
     b, h, n, d = q.shape
     h_kv = k.shape[1]
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-
-    # rows of all heads in one 2-D view: N is a multiple of the boxes, so no box crosses into the next head
-    q_desc, do_desc, k_desc, v_desc = (_descriptor(t.view(-1, d), [rows, d]) for t, rows in (
-        (q, block_m), (do, block_m), (k, BLOCK_N // 2), (v, BLOCK_N // 2)))
-    attn_bwd_dkdv_ws[(n // BLOCK_N, b * h_kv)](
-        q_desc, do_desc, k_desc, v_desc, lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, n,
-        0 if window_size is None else int(window_size), int(sink_size), window_size is not None, h // h_kv, block_m,
-        BLOCK_N, d, num_buffers, causal, CONSUMER_REGS, LOADER_REGS, num_warps=4, maxnreg=MAXNREG)
+    window, sink, group = 0 if window_size is None else int(window_size), int(sink_size), h // h_kv
+    key = ((q.dtype, b, h, h_kv, n, d, window, sink, window_size is not None, block_m, num_buffers, bool(causal),
+            aligned(lse, delta, dk, dv)) if q.is_cuda else None)
+    _DKDV(key, (n // BLOCK_N, b * h_kv), (
+        *_descriptors(descriptors, (q, block_m), (do, block_m), (k, BLOCK_N // 2), (v, BLOCK_N // 2)),
+        lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, n, window, sink, window_size is not None, group, block_m,
+        BLOCK_N, d, num_buffers, bool(causal), CONSUMER_REGS, LOADER_REGS), num_warps=4, maxnreg=MAXNREG)
     return dk, dv
 
 
@@ -463,10 +488,13 @@ def backward_validated(q, k, v, o, lse, do, causal, sm_scale, *, window_size=Non
     delta = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
     launch_preprocess(o, do, delta, 64)
     lse = lse.float().contiguous()
-    dk, dv = _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, block_m, window_size, sink_size)
+    q, k, v, do = (t.contiguous() for t in (q, k, v, do))
+    descriptors = {}  # dK/dV's and dQ's kernels share the descriptors whose boxes agree
+    dk, dv = _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, block_m, window_size, sink_size,
+                          descriptors)
     if dq_kernel == "gluon":
         return _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, dq_block_n, window_size,
-                          sink_size), dk, dv
+                          sink_size, descriptors), dk, dv
     dq = torch.empty_like(q)
     launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
               default_config(d, q.device.type, _capability(q.device), q.dtype))
