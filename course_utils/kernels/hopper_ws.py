@@ -686,8 +686,8 @@ _FP8 = torch.float8_e4m3fn
 
 
 # (layout class, box, dtype) -> the box's shared-memory layout, made once: making it costs microseconds of host time,
-# eight times in a training step (results/NOTES.md, "host time"); keyed by the class too, which gluon_cpu.running()
-# replaces with its model's
+# for every descriptor of every training step (results/NOTES.md, "host time"); keyed by the class too, which
+# gluon_cpu.running() replaces with its model's
 _LAYOUTS: dict = {}
 
 
