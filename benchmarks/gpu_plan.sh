@@ -130,7 +130,7 @@ for step in "$@"; do
       run gluonbwd_probe "$PY" benchmarks/hopper_ws_probe.py --kind bwd --out "$OUT/hopper_ws_bwd_probe.json" ;;
     routes)
       run route_tests "${PYTEST[@]}" -n 4 --dist loadfile tests/test_hopper_ws.py tests/test_hopper_ws_bwd.py \
-        tests/test_gluon_cpu.py tests/test_launch.py -k "route or gluon_mode or bound"
+        tests/test_gluon_cpu.py tests/test_launch.py tests/test_gpu_fast_window.py -k "route or gluon_mode or bound"
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
     grids)
       # GRID_RUNS (default 1) runs of the three, the first into $OUT, the others into $OUT/run2, ... (the issue asks

@@ -369,6 +369,32 @@ def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_se
 
 
 @needs_interpreter
+def test_sinks_under_a_window_of_every_key_take_the_gluon_route(monkeypatch):
+    """Sinks select nothing more under a window of at least N keys, so such a call takes the Gluon backward (as
+    one without sinks would) where sinks under a shorter window keep lesson 07's pair; its gradients are right
+    against float64 with the sinks."""
+    from course_utils import kernels
+    from course_utils.kernels import fast_backward as fb
+
+    g = torch.Generator().manual_seed(13)
+    q, do = (torch.randn(1, 4, 128, 64, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(1, 2, 128, 64, generator=g).half() for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
+    calls = record_calls(monkeypatch, (hopper_ws_bwd, "backward_validated"))
+    with gluon_cpu.running():
+        assert fb.autograd_config(q, k, v, True, 127, 4) is None  # query 127 does not see key 0 but for the sinks
+        assert fb.autograd_config(q, k, v, True, 128, 4) == fb.GLUON_DEFAULT
+        assert fb.autograd_config(q, k, v, True, 4096, 4) == fb.GLUON_DEFAULT
+        kernels.flash_attention(q, k, v, True, window_size=128, sink_size=4).backward(do)
+    assert calls == ["backward_validated"]
+    want = references.attention_backward(*(t.detach().double().numpy() for t in (q, k, v, do)), causal=True,
+                                         window_size=128, sink_size=4)
+    for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+        assert _rel(got, ref) < 1e-2, name
+
+
+@needs_interpreter
 def test_a_training_step_through_the_route_checks_the_call_once(monkeypatch):
     """Host time: kernels.flash_attention resolves autograd's configuration once a step and passes it on, so neither
     the autograd function's forward nor its backward asks autograd_config again, and the backward launches

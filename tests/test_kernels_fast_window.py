@@ -160,9 +160,10 @@ for w, n in [(256, 8192), (1024, 8192), (4096, 8192), (256, 4096)]:
             fast_window.attention_forward_window(q, k, k, window_size=w, sink_size=s)
         (kernel, args, kwargs), = launches
         c = targets.compile_launch(kernel, args, kwargs, 90, f"W={w} S={s} N={n}", registers=True)
+        named = {**dict(zip(kernel.arg_names, args)), **kwargs}  # the launch passes its arguments in order
         out.append(dict(w=w, s=s, n=n, kernel=c.kernel, fits=c.fits, spill=c.spill_bytes, shared=c.shared_bytes,
-                        registers=c.registers, tiles=[kwargs["BLOCK_M"], kwargs["BLOCK_N"]],
-                        tma=kwargs["USE_TMA"]))
+                        registers=c.registers, tiles=[named["BLOCK_M"], named["BLOCK_N"]],
+                        tma=named["USE_TMA"]))
 print(json.dumps(out))
 """
 

@@ -673,9 +673,12 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=No
     ``cu_seqlens``, ``softcap``, ``alibi_slopes``, ``sink_logits``, all ``None``), no sinks, a window only in
     the flat and gluon modes with ``causal``, inputs :func:`supports` takes, and on a GPU a Hopper one (the CPU's
     interpreter runs it too, the gluon mode's inside :func:`.gluon_cpu.running`, which is how the tests check
-    the route).
+    the route). Sinks under a window of at least ``N`` keys change nothing (every key a query sees is already
+    in its window), so there the call counts as one without sinks.
     """
     cfg = AUTOGRAD_CONFIG if config is None else config
+    if sink_size and window_size is not None and window_size >= q.shape[2]:
+        sink_size = 0  # the window holds every earlier key: the sinks select nothing more
     if cfg is None or sink_size or any(m is not None for m in mods.values()):
         return None
     if window_size is not None and (cfg.mode not in WINDOW_MODES or not causal):

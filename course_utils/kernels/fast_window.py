@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from . import fast
+from .launch import BoundLauncher, aligned
 from .fast import ORDER_KV_GROUPED, _load_k_transposed, _online_update, _program_tile, _shift_unmasked
 from .forward import _window_bounds, _window_keep
 
@@ -233,6 +234,10 @@ def is_short_call(q, window_size: int, sink_size: int = 0) -> bool:
     return 4.0 * d * b * hq * n * keys < SHORT_CALL_FLOP
 
 
+# the kernel's launches, bound once per key on a GPU (launch.py: Triton's binder is host time on every short call)
+_WINDOW = BoundLauncher(_attn_fwd_fast_window_kernel)
+
+
 def launch(q, k, v, *, window_size, sink_size=0, sm_scale=None, block_m=128, block_n=64, num_warps=4,
            num_stages=2, use_tma=True, order=ORDER_KV_GROUPED, maxnreg=None, warp_specialize=False):
     """Run the kernel with one fixed launch: ``(o, lse)``, as :func:`.forward.flash_attention_window_forward`.
@@ -256,14 +261,17 @@ def launch(q, k, v, *, window_size, sink_size=0, sm_scale=None, block_m=128, blo
     if o.numel() == 0:
         return o, lse
     descs = fast._descriptors(q, k, v, o, block_m, block_n) if use_tma else (None,) * 4
-    grid = fast.grid_shape(order, b, hq, k.shape[1], n // block_m)
+    h_kv = k.shape[1]
+    window, sink = min(int(window_size), n), min(int(sink_size), n)
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-    _attn_fwd_fast_window_kernel[grid](
-        q, k, v, o, lse, *descs, scale, n, hq, min(int(window_size), n), min(int(sink_size), n),
-        GROUP_SIZE=hq // k.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma,
-        ORDER=order, HAS_SINKS=bool(sink_size), WARP_SPECIALIZE=warp_specialize,
-        num_warps=num_warps, num_stages=num_stages, **extra,
-    )
+    # every argument in the kernel's order, so that on a GPU the launch is bound once per key (launch.py): the
+    # key holds every integer and flag Triton specialises on and the shapes behind the descriptors
+    key = ((q.dtype, b, hq, h_kv, n, d, window, sink, block_m, block_n, num_warps, num_stages, use_tma, order,
+            maxnreg, warp_specialize, aligned(q, k, v, o, lse)) if q.is_cuda else None)
+    _WINDOW(key, fast.grid_shape(order, b, hq, h_kv, n // block_m), (
+        q, k, v, o, lse, *descs, scale, n, hq, window, sink,
+        hq // h_kv, d, block_m, block_n, use_tma, order, bool(sink_size), warp_specialize),
+        num_warps=num_warps, num_stages=num_stages, **extra)
     return o, lse
 
 
