@@ -36,7 +36,7 @@
 #           the route off, forward (plain and window thresholds) and forward + backward (autograd's backward), one process
 #   hoststep benchmarks/host_step.py --profile: the short window step's host time, layer by layer, through the Gluon
 #           backward's route and lesson 07's (HOST_BASE=REV first measures that commit's package the same way, from
-#           `git archive REV course_utils`, in the same call)
+#           `git archive REV course_utils`, in the same call; or HOST_BASE=DIR, a folder holding that package, carried)
 #   gluontrain python -m course_utils.bench --training --gluon: forward + backward with the Gluon backward behind
 #           autograd (after the Gluon forward, after the course's) beside lesson 07's pair, SDPA flash and cuDNN
 #           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
@@ -150,7 +150,9 @@ for step in "$@"; do
     routecheck)
       run route_check "$PY" benchmarks/route_check.py --out "$OUT/route_check.json" ;;
     hoststep)
-      if [[ -n "${HOST_BASE:-}" ]]; then
+      if [[ -d "${HOST_BASE:-}" ]]; then  # a folder holding course_utils (the device's .git may lack the commit)
+        run host_step_base "$PY" benchmarks/host_step.py --package "$HOST_BASE"
+      elif [[ -n "${HOST_BASE:-}" ]]; then
         base=$(mktemp -d)
         git archive "$HOST_BASE" course_utils | tar -x -C "$base"
         run host_step_base "$PY" benchmarks/host_step.py --package "$base"
