@@ -8,7 +8,10 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
 - ``forward``: plain causal at N 4k-16k (16k tokens per batch), and the window at W 1024 / 4096, S 0 / 4, N 8k-64k
   (batch 1), the forward alone (``GLUON_MIN_N`` and ``GLUON_MIN_WINDOW`` set to ``None`` for ``off``);
 - ``training``: forward + backward, the window without sinks at W 256 / 1024 / 4096, N 4k / 16k / 64k, and plain
-  causal at N 4k-16k (``AUTOGRAD_CONFIG = None`` for ``off``; the forward as shipped in both).
+  causal at N 4k-16k (``AUTOGRAD_CONFIG = None`` for ``off``; the forward as shipped in both);
+- ``sinks``: forward + backward with 4 sinks at the same windows and lengths (where the window is shorter than N),
+  ``fast_backward.GLUON_SINKS`` as shipped against its opposite (``on``: the Gluon backward; ``off``: lesson 07's
+  pair), the forward as shipped in both.
 
 bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
 main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
@@ -16,7 +19,7 @@ norm, the benches' ``TOLERANCE``); a row whose two results differ by more is rec
 writes ``--out`` (JSON: ``info``, ``rows`` with ``on_ms``, ``off_ms``, ``on_over_off`` = off_ms / on_ms, the
 speed of the route relative to the path without it).
 
-    python benchmarks/route_check.py [--out results/route_check.json] [--rounds 2] [--quick]
+    python benchmarks/route_check.py [--out results/route_check.json] [--rounds 2] [--quick] [--modes MODE ...]
 
 Needs a Hopper GPU (elsewhere the switches change nothing: it says so and exits).
 """
@@ -42,19 +45,25 @@ FORWARD_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
     (w, s, n) for w in (1024, 4096) for s in (0, 4) for n in (8192, 16384, 32768, 65536)]
 TRAINING_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
     (w, 0, n) for w in (256, 1024, 4096) for n in (4096, 16384, 65536)]
-QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)]}
+SINK_POINTS = [(w, 4, n) for w in (256, 1024, 4096) for n in (4096, 16384, 65536) if w < n]
+QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)],
+         "sinks": [(1024, 4, 16384)]}
+MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
-               AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG)
+               AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS)
 
 
 def set_route(mode: str, on: bool) -> None:
     """``forward``: the two forward thresholds as shipped (``on``) or off, autograd's backward untouched (a forward
-    never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped."""
-    forward_on = on or mode == "training"
+    never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped; ``sinks``:
+    ``GLUON_SINKS`` as shipped or its opposite, the rest as shipped."""
+    forward_on = on or mode != "forward"
     dispatch.GLUON_MIN_N = SHIPPED["GLUON_MIN_N"] if forward_on else None
     dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_WINDOW"] if forward_on else None
     if mode == "training":
         fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on else None
+    if mode == "sinks":
+        fast_backward.GLUON_SINKS = SHIPPED["GLUON_SINKS"] == on
 
 
 def make_step(mode, point):
@@ -69,9 +78,9 @@ def make_step(mode, point):
             return training.make_training_step("course", q, k, v, torch.randn_like(q), True)
         forward = training.make_training_forward("course", q, k, v, True)
         return lambda: (forward(),)
-    q, k, v = window.make_inputs(n, requires_grad=mode == "training")
+    q, k, v = window.make_inputs(n, requires_grad=mode != "forward")
     case = window.WindowCase(w, s, n)
-    if mode == "training":
+    if mode != "forward":
         return window.make_training_step("course", q, k, v, torch.randn_like(q), case)
     forward = window.make_forward("course", q, k, v, case)
     return lambda: forward()[:1]
@@ -107,13 +116,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="two points per mode")
+    parser.add_argument("--quick", action="store_true", help="a point or two per mode")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     args = parser.parse_args(argv)
     if not bench.gpu_available() or torch.cuda.get_device_capability()[0] != 9:
         print("No Hopper GPU here: the Gluon routes do not apply, nothing to time.")
         return 0
     rows = []
-    for mode, points in (("forward", FORWARD_POINTS), ("training", TRAINING_POINTS)):
+    for mode in args.modes:
+        points = MODES[mode]
         for point in (QUICK[mode] if args.quick else points):
             row = measure(mode, point, args.rounds)
             rows.append(row)

@@ -371,8 +371,8 @@ def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_se
 @needs_interpreter
 def test_sinks_under_a_window_of_every_key_take_the_gluon_route(monkeypatch):
     """Sinks select nothing more under a window of at least N keys, so such a call takes the Gluon backward (as
-    one without sinks would) where sinks under a shorter window keep lesson 07's pair; its gradients are right
-    against float64 with the sinks."""
+    one without sinks would) where sinks under a shorter window keep lesson 07's pair unless GLUON_SINKS is set;
+    the gradients are right against float64 with the sinks, and through the route the Gluon backward's own."""
     from course_utils import kernels
     from course_utils.kernels import fast_backward as fb
 
@@ -387,10 +387,24 @@ def test_sinks_under_a_window_of_every_key_take_the_gluon_route(monkeypatch):
         assert fb.autograd_config(q, k, v, True, 128, 4) == fb.GLUON_DEFAULT
         assert fb.autograd_config(q, k, v, True, 4096, 4) == fb.GLUON_DEFAULT
         kernels.flash_attention(q, k, v, True, window_size=128, sink_size=4).backward(do)
-    assert calls == ["backward_validated"]
+        assert calls == ["backward_validated"]
+        want = references.attention_backward(*(t.detach().double().numpy() for t in (q, k, v, do)), causal=True,
+                                             window_size=128, sink_size=4)
+        for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+            assert _rel(got, ref) < 1e-2, name
+        monkeypatch.setattr(fb, "GLUON_SINKS", True)  # sinks beyond the window: the Gluon backward where it is set
+        assert fb.autograd_config(q, k, v, True, 40, 4) == fb.GLUON_DEFAULT
+        q.grad = k.grad = v.grad = None
+        kernels.flash_attention(q, k, v, True, window_size=40, sink_size=4).backward(do)
+        assert calls == ["backward_validated"] * 2
+        o, lse = kernels.flash_attention_with_lse(q.detach(), k.detach(), v.detach(), True, window_size=40,
+                                                  sink_size=4)
+        direct = hopper_ws_bwd.attention_backward(q.detach(), k.detach(), v.detach(), o, lse, do, True,
+                                                  window_size=40, sink_size=4)
     want = references.attention_backward(*(t.detach().double().numpy() for t in (q, k, v, do)), causal=True,
-                                         window_size=128, sink_size=4)
-    for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+                                         window_size=40, sink_size=4)
+    for name, got, same, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), direct, want):
+        assert torch.equal(got, same), name
         assert _rel(got, ref) < 1e-2, name
 
 

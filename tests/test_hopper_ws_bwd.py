@@ -229,17 +229,19 @@ def test_the_window_gradients_match_float64_math_on_a_hopper_gpu(n, d, window, s
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
                                        "tests/test_gluon_cpu.py checks the route in the model on a CPU")
-@pytest.mark.parametrize("causal,window,sink", [(True, None, 0), (False, None, 0), (True, 256, 0), (True, 512, 4)])
+@pytest.mark.parametrize("causal,window,sink", [(True, None, 0), (False, None, 0), (True, 256, 0), (True, 512, 4),
+                                                (True, 200, 4)])
 def test_the_gluon_mode_behind_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, causal, window, sink):
     """fast_backward.GLUON_DEFAULT as AUTOGRAD_CONFIG: kernels.flash_attention's autograd runs hopper_ws_bwd's kernels
     (the same gradients bit for bit as calling them), right against float64; the step resolves its configuration
     once and the backward launches without checking the call again (host time). Sinks under a window of all N keys
-    select nothing more: that call takes the route too."""
+    select nothing more: that call takes the route too; under a shorter window, where GLUON_SINKS is set."""
     from course_utils.kernels import fast_backward as fb
     from course_utils.kernels import flash_attention, flash_attention_with_lse
 
     q, k, v, do = _inputs(1, 8, 2, 512, 128, torch.bfloat16, "cuda")
     monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
+    monkeypatch.setattr(fb, "GLUON_SINKS", True)
     assert fb.autograd_config(q, k, v, causal, window, sink) == fb.GLUON_DEFAULT
     calls = record_calls(monkeypatch, (fb, "autograd_config"), (hopper_ws_bwd, "attention_backward"),
                          (hopper_ws_bwd, "backward_validated"))
@@ -247,7 +249,7 @@ def test_the_gluon_mode_behind_kernels_flash_attention_on_a_hopper_gpu(monkeypat
     flash_attention(*leaves, causal, window_size=window, sink_size=sink).backward(do)
     assert calls == ["autograd_config", "backward_validated"]
     o, lse = flash_attention_with_lse(q, k, v, causal, window_size=window, sink_size=sink)
-    direct = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, window_size=window)
+    direct = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, window_size=window, sink_size=sink)
     want = references.attention_backward(*(t.double().cpu().numpy() for t in (q, k, v, do)), causal=causal,
                                          window_size=window, sink_size=sink)
     for name, leaf, same, ref in zip(("dq", "dk", "dv"), leaves, direct, want):

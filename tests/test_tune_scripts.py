@@ -341,10 +341,12 @@ def test_route_check_explains_itself_without_a_gpu(capsys):
 
 def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipped_switches():
     """benchmarks/route_check.py: ``forward`` turns off the two forward thresholds and leaves autograd's backward as
-    shipped; ``training`` turns off autograd's backward with the forward as shipped; ``on`` puts back what shipped."""
+    shipped; ``training`` turns off autograd's backward with the forward as shipped; ``sinks`` turns the Gluon
+    backward's sinks switch the other way; ``on`` puts back what shipped."""
     from course_utils.kernels import dispatch
 
     shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG)
+    sinks = fb.GLUON_SINKS
     assert shipped == (8192, 4096, fb.GLUON_DEFAULT)  # the defaults the script times against their absence
     try:
         route_check.set_route("forward", False)
@@ -356,8 +358,20 @@ def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipp
         route_check.set_route("forward", False)
         route_check.set_route("forward", True)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
+        route_check.set_route("sinks", False)  # the sinks' switch the other way, everything else as shipped
+        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
+        assert fb.GLUON_SINKS is not sinks
+        route_check.set_route("sinks", True)
+        assert fb.GLUON_SINKS is sinks
     finally:
         dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG = shipped
+        fb.GLUON_SINKS = sinks
+
+
+def test_route_check_s_sink_points_have_sinks_beyond_their_window():
+    """The ``sinks`` points: 4 sinks and a window shorter than N (under a longer one the sinks select nothing and the
+    call takes the Gluon backward either way)."""
+    assert route_check.SINK_POINTS and all(s == 4 and w < n for w, s, n in route_check.SINK_POINTS)
 
 
 @pytest.mark.interpreter("without a GPU the script has nothing to time")

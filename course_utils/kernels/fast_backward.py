@@ -102,7 +102,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["FastBackwardConfig", "CONFIGS", "default_config", "supports", "unsupported_reason",
            "attention_backward_fast", "MODES", "AUTOGRAD_CONFIG", "autograd_config", "FastBackwardFunction",
-           "flash_attention_fast_backward", "GLUON_DEFAULT", "WINDOW_MODES"]
+           "flash_attention_fast_backward", "GLUON_DEFAULT", "WINDOW_MODES", "GLUON_SINKS"]
 
 MODES = ("fused", "atomic", "flat", "gluon")
 WINDOW_MODES = ("flat", "gluon")  # the modes that take lesson 08's window (without sinks)
@@ -566,11 +566,13 @@ def _flat_backward(q, k, v, do, lse, delta, causal, sm_scale, config, window_siz
     return compiled, compiled_dq, (dq, dk, dv)
 
 
-def _validate_call(q, k, v, causal, config, window_size) -> None:
+def _validate_call(q, k, v, causal, config, window_size, sink_size=0) -> None:
     """What :func:`attention_backward_fast` takes at ``config``, else ``ValueError`` in one sentence."""
     reason = unsupported_reason(q, k, v, config)
     if reason:
         raise ValueError(reason)
+    if sink_size and (config.mode != "gluon" or window_size is None):
+        raise ValueError("sinks run in the gluon mode only, with a window")
     if window_size is not None:
         if config.mode not in WINDOW_MODES or not causal:
             raise ValueError("a window runs in the flat and gluon modes, with causal=True")
@@ -582,7 +584,7 @@ def _validate_call(q, k, v, causal, config, window_size) -> None:
 
 def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *, delta=None,
                             config: FastBackwardConfig | None = None, mode: str | None = None, stats=None,
-                            window_size=None, _validated=False):
+                            window_size=None, sink_size=0, _validated=False):
     """``(dq, dk, dv)`` by the fast backward; the arguments are :func:`.backward.attention_backward`'s.
 
     ``delta = rowsum(do * o)`` ([B, H_q, N] fp32) may be passed in;
@@ -590,8 +592,9 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     which picks that mode's :func:`default_config`) chooses the launch.
     Raises ``ValueError`` with :func:`unsupported_reason`'s sentence for
     inputs it does not cover. ``window_size`` (``causal=True``, the flat
-    and gluon modes only, no sinks): key ``j`` visible from query ``i`` iff
-    ``0 <= i - j < window_size``, lesson 08's window. ``stats``, a dict, receives what the compiler
+    and gluon modes only): key ``j`` visible from query ``i`` iff
+    ``0 <= i - j < window_size``, lesson 08's window; with ``sink_size`` (the gluon mode only) also every
+    ``j < sink_size`` with ``j <= i``. ``stats``, a dict, receives what the compiler
     made of the launch (registers per thread, spills, shared memory in bytes,
     warps per program; the flat mode's: its dK/dV kernel's, and with
     ``flat_dq`` its dQ kernel's under ``"dq"``; the gluon mode leaves it as it is). The gluon mode
@@ -604,12 +607,13 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
     elif mode is not None and mode != config.mode:
         raise ValueError(f"mode={mode!r} contradicts config.mode={config.mode!r}")
     if not _validated:
-        _validate_call(q, k, v, causal, config, window_size)
+        _validate_call(q, k, v, causal, config, window_size, sink_size)
     if config.mode == "gluon":
         from .hopper_ws_bwd import attention_backward, backward_validated
 
         return (backward_validated if _validated else attention_backward)(
-            q, k, v, o, lse, do, causal, sm_scale, window_size=window_size, num_buffers=config.num_stages,
+            q, k, v, o, lse, do, causal, sm_scale, window_size=window_size, sink_size=sink_size,
+            num_buffers=config.num_stages,
             block_m=config.block_m1, dq_block_n=config.block_n2)
     B, n_q_heads, N, D = q.shape
     n_kv_heads = k.shape[1]
@@ -665,6 +669,12 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
 # Triton kernels was measured faster than lesson 07's pair (results/tune_backward.json).
 AUTOGRAD_CONFIG: FastBackwardConfig | None = GLUON_DEFAULT
 
+# Whether autograd's backward takes the gluon mode for a window with sinks too (where the sinks select keys beyond
+# the window: under a window of at least N keys a call with sinks is one without). Its dK/dV program of the block
+# that holds the sink keys walks every later query block, where lesson 07's pair spreads those far queries over
+# programs of their own (backward._window_backward); benchmarks/route_check.py's "sinks" points time the two.
+GLUON_SINKS: bool = False
+
 
 def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=None, **mods) -> FastBackwardConfig | None:
     """The configuration autograd's backward runs for this call, or ``None`` for lesson 07's pair.
@@ -674,12 +684,15 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=No
     the flat and gluon modes with ``causal``, inputs :func:`supports` takes, and on a GPU a Hopper one (the CPU's
     interpreter runs it too, the gluon mode's inside :func:`.gluon_cpu.running`, which is how the tests check
     the route). Sinks under a window of at least ``N`` keys change nothing (every key a query sees is already
-    in its window), so there the call counts as one without sinks.
+    in its window), so there the call counts as one without sinks; other sinks take the gluon mode where
+    :data:`GLUON_SINKS` is set.
     """
     cfg = AUTOGRAD_CONFIG if config is None else config
     if sink_size and window_size is not None and window_size >= q.shape[2]:
         sink_size = 0  # the window holds every earlier key: the sinks select nothing more
-    if cfg is None or sink_size or any(m is not None for m in mods.values()):
+    if cfg is None or any(m is not None for m in mods.values()):
+        return None
+    if sink_size and not (GLUON_SINKS and cfg.mode == "gluon"):
         return None
     if window_size is not None and (cfg.mode not in WINDOW_MODES or not causal):
         return None
@@ -718,8 +731,9 @@ class FastBackwardFunction(FlashAttentionFunction):
         if cfg is None:
             return (*FlashAttentionFunction.backward(ctx, do), None)
         q, k, v, o, lse = ctx.saved_tensors[:5]
-        dq, dk, dv = attention_backward_fast(q, k, v, o, lse, do, ctx.causal, config=cfg, window_size=ctx.window[0],
-                                             _validated=True)
+        window_size, sink_size = ctx.window
+        dq, dk, dv = attention_backward_fast(q, k, v, o, lse, do, ctx.causal, config=cfg, window_size=window_size,
+                                             sink_size=sink_size if cfg.mode == "gluon" else 0, _validated=True)
         return (dq, dk, dv) + (None,) * 9
 
 
