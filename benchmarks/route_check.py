@@ -10,8 +10,9 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
 - ``training``: forward + backward, the window without sinks at W 256 / 1024 / 4096, N 4k / 16k / 64k, and plain
   causal at N 4k-16k (``AUTOGRAD_CONFIG = None`` for ``off``; the forward as shipped in both);
 - ``sinks``: forward + backward with 4 sinks at the same windows and lengths (where the window is shorter than N),
-  ``fast_backward.GLUON_SINKS`` as shipped against its opposite (``on``: the Gluon backward; ``off``: lesson 07's
-  pair), the forward as shipped in both.
+  the Gluon backward (``fast_backward.GLUON_SINKS = True``, ``on``) against lesson 07's pair (``False``, ``off``),
+  the forward as shipped in both; each row also says which of the two ``fast_backward.sink_walk_fits`` picks
+  (``model_picks_gluon``: what ships, ``GLUON_SINKS = None``).
 
 bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
 main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
@@ -56,14 +57,18 @@ SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_MIN_WINDOW=dispatch.GLUON
 def set_route(mode: str, on: bool) -> None:
     """``forward``: the two forward thresholds as shipped (``on``) or off, autograd's backward untouched (a forward
     never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped; ``sinks``:
-    ``GLUON_SINKS`` as shipped or its opposite, the rest as shipped."""
+    the Gluon backward for sinks always (``on``) or never, the rest as shipped."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_MIN_N = SHIPPED["GLUON_MIN_N"] if forward_on else None
     dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_WINDOW"] if forward_on else None
-    if mode == "training":
-        fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on else None
-    if mode == "sinks":
-        fast_backward.GLUON_SINKS = SHIPPED["GLUON_SINKS"] == on
+    fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on or mode != "training" else None
+    fast_backward.GLUON_SINKS = on if mode == "sinks" else SHIPPED["GLUON_SINKS"]
+
+
+def restore() -> None:
+    """Every switch as shipped."""
+    dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_N"], SHIPPED["GLUON_MIN_WINDOW"]
+    fast_backward.AUTOGRAD_CONFIG, fast_backward.GLUON_SINKS = SHIPPED["AUTOGRAD_CONFIG"], SHIPPED["GLUON_SINKS"]
 
 
 def make_step(mode, point):
@@ -99,15 +104,18 @@ def measure(mode, point, rounds):
     # each tensor against the same one with the route off: relative error of the norm, as the benches check
     row["rel_diff"] = max((torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float())).item()
                           for a, b in zip(results[True], results[False]))
+    if mode == "sinks":
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        row["model_picks_gluon"] = fast_backward.sink_walk_fits(1, 8, w, fast_backward.GLUON_DEFAULT.block_n1, sms)
     if row["rel_diff"] > cases.TOLERANCE:
-        set_route(mode, True)
+        restore()
         return dict(row, status="mismatch")
     times = {True: [], False: []}
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             set_route(mode, on)
             times[on].append(triton.testing.do_bench(step, warmup=25, rep=100))
-    set_route(mode, True)
+    restore()
     on_ms, off_ms = statistics.median(times[True]), statistics.median(times[False])
     return dict(row, status="ok", on_ms=on_ms, off_ms=off_ms, on_over_off=off_ms / on_ms)
 

@@ -371,7 +371,7 @@ def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_se
 @needs_interpreter
 def test_sinks_under_a_window_of_every_key_take_the_gluon_route(monkeypatch):
     """Sinks select nothing more under a window of at least N keys, so such a call takes the Gluon backward (as
-    one without sinks would) where sinks under a shorter window keep lesson 07's pair unless GLUON_SINKS is set;
+    one without sinks would) where sinks under a shorter window keep lesson 07's pair while GLUON_SINKS is False;
     the gradients are right against float64 with the sinks, and through the route the Gluon backward's own."""
     from course_utils import kernels
     from course_utils.kernels import fast_backward as fb
@@ -381,6 +381,7 @@ def test_sinks_under_a_window_of_every_key_take_the_gluon_route(monkeypatch):
     k, v = (torch.randn(1, 2, 128, 64, generator=g).half() for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
+    monkeypatch.setattr(fb, "GLUON_SINKS", False)
     calls = record_calls(monkeypatch, (hopper_ws_bwd, "backward_validated"))
     with gluon_cpu.running():
         assert fb.autograd_config(q, k, v, True, 127, 4) is None  # query 127 does not see key 0 but for the sinks
@@ -392,7 +393,7 @@ def test_sinks_under_a_window_of_every_key_take_the_gluon_route(monkeypatch):
                                              window_size=128, sink_size=4)
         for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
             assert _rel(got, ref) < 1e-2, name
-        monkeypatch.setattr(fb, "GLUON_SINKS", True)  # sinks beyond the window: the Gluon backward where it is set
+        monkeypatch.setattr(fb, "GLUON_SINKS", None)  # sinks beyond the window: the model's pick (here: it fits)
         assert fb.autograd_config(q, k, v, True, 40, 4) == fb.GLUON_DEFAULT
         q.grad = k.grad = v.grad = None
         kernels.flash_attention(q, k, v, True, window_size=40, sink_size=4).backward(do)
@@ -406,6 +407,18 @@ def test_sinks_under_a_window_of_every_key_take_the_gluon_route(monkeypatch):
     for name, got, same, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), direct, want):
         assert torch.equal(got, same), name
         assert _rel(got, ref) < 1e-2, name
+
+
+def test_the_sink_keys_program_fits_from_windows_of_an_sm_share():
+    """fast_backward.sink_walk_fits: the Gluon backward takes sinks where the program of the sink keys (N query rows)
+    walks no longer than an SM's share of the grid (each other program: about W + 128 rows)."""
+    from course_utils.kernels import fast_backward as fb
+
+    fits = fb.sink_walk_fits
+    assert not fits(1, 8, 1024, 128, 132) and fits(1, 8, 4096, 128, 132)  # the window grid: 32/8 heads, batch 1
+    assert fits(1, 8, 1984, 128, 132) and not fits(1, 8, 1983, 128, 132)  # 132 * 128 == 8 * (1984 + 128)
+    assert fits(4, 8, 1024, 128, 132) and not fits(1, 1, 4096, 128, 132)  # more sequences or heads, fewer
+    assert fits(1, 8, 256, 128, 0)  # the CPU's model (no SMs): programs run one after another
 
 
 @needs_interpreter

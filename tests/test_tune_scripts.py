@@ -358,11 +358,15 @@ def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipp
         route_check.set_route("forward", False)
         route_check.set_route("forward", True)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
-        route_check.set_route("sinks", False)  # the sinks' switch the other way, everything else as shipped
-        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
-        assert fb.GLUON_SINKS is not sinks
+        for on in (False, True):  # the Gluon backward for sinks never, then always; everything else as shipped
+            route_check.set_route("sinks", on)
+            assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
+            assert fb.GLUON_SINKS is on
+        route_check.set_route("training", False)
+        assert fb.GLUON_SINKS is sinks is None  # shipped: the model decides
         route_check.set_route("sinks", True)
-        assert fb.GLUON_SINKS is sinks
+        route_check.restore()
+        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS) == (*shipped, None)
     finally:
         dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG = shipped
         fb.GLUON_SINKS = sinks

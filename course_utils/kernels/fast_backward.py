@@ -93,6 +93,7 @@ import triton.language as tl
 
 from .backward import BackwardConfig, FlashAttentionFunction, launch_dq, launch_preprocess
 from .fast import refuse_specialised_on_gpu
+from .decode import _sm_count
 from .forward import _capability
 
 try:  # host-side TMA descriptors (Triton >= 3.3); without them use_tma is refused
@@ -102,7 +103,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["FastBackwardConfig", "CONFIGS", "default_config", "supports", "unsupported_reason",
            "attention_backward_fast", "MODES", "AUTOGRAD_CONFIG", "autograd_config", "FastBackwardFunction",
-           "flash_attention_fast_backward", "GLUON_DEFAULT", "WINDOW_MODES", "GLUON_SINKS"]
+           "flash_attention_fast_backward", "GLUON_DEFAULT", "WINDOW_MODES", "GLUON_SINKS", "sink_walk_fits"]
 
 MODES = ("fused", "atomic", "flat", "gluon")
 WINDOW_MODES = ("flat", "gluon")  # the modes that take lesson 08's window (without sinks)
@@ -670,10 +671,20 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
 AUTOGRAD_CONFIG: FastBackwardConfig | None = GLUON_DEFAULT
 
 # Whether autograd's backward takes the gluon mode for a window with sinks too (where the sinks select keys beyond
-# the window: under a window of at least N keys a call with sinks is one without). Its dK/dV program of the block
-# that holds the sink keys walks every later query block, where lesson 07's pair spreads those far queries over
-# programs of their own (backward._window_backward); benchmarks/route_check.py's "sinks" points time the two.
-GLUON_SINKS: bool = False
+# the window: under a window of at least N keys a call with sinks is one without): True always, False never, None
+# where sink_walk_fits says the sink keys' program ends in time. That dK/dV program walks every later query block,
+# where lesson 07's pair spreads those far queries over programs of their own (backward._window_backward);
+# benchmarks/route_check.py's "sinks" points time the two against each other.
+GLUON_SINKS: bool | None = None
+
+
+def sink_walk_fits(batch: int, n_kv_heads: int, window_size: int, block_n: int, n_sms: int) -> bool:
+    """Whether the Gluon backward's dK/dV program of the first key block (the sink keys: it walks all ``N`` query
+    rows) takes no longer than one SM's share of the whole grid, in which every other program walks about
+    ``window_size + block_n`` rows: ``n_sms * block_n <= batch * n_kv_heads * (window_size + block_n)`` (``N``
+    drops out: ``N / block_n`` programs a (batch, kv head)). It is launched first, so then it ends with the rest.
+    With one sequence, 8 kv heads and 128-key blocks on 132 SMs: windows from 1984 keys on."""
+    return n_sms * block_n <= batch * n_kv_heads * (window_size + block_n)
 
 
 def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=None, **mods) -> FastBackwardConfig | None:
@@ -684,15 +695,15 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=No
     the flat and gluon modes with ``causal``, inputs :func:`supports` takes, and on a GPU a Hopper one (the CPU's
     interpreter runs it too, the gluon mode's inside :func:`.gluon_cpu.running`, which is how the tests check
     the route). Sinks under a window of at least ``N`` keys change nothing (every key a query sees is already
-    in its window), so there the call counts as one without sinks; other sinks take the gluon mode where
-    :data:`GLUON_SINKS` is set.
+    in its window), so there the call counts as one without sinks; other sinks take the gluon mode as
+    :data:`GLUON_SINKS` says.
     """
     cfg = AUTOGRAD_CONFIG if config is None else config
     if sink_size and window_size is not None and window_size >= q.shape[2]:
         sink_size = 0  # the window holds every earlier key: the sinks select nothing more
     if cfg is None or any(m is not None for m in mods.values()):
         return None
-    if sink_size and not (GLUON_SINKS and cfg.mode == "gluon"):
+    if sink_size and not (cfg.mode == "gluon" and _gluon_takes_sinks(q, k, window_size, cfg)):
         return None
     if window_size is not None and (cfg.mode not in WINDOW_MODES or not causal):
         return None
@@ -704,6 +715,14 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=No
         if not gluon_cpu.can_run(q):  # asked before supports() imports Gluon: elsewhere it is never loaded
             return None
     return cfg if supports(q, k, v, cfg) else None
+
+
+def _gluon_takes_sinks(q, k, window_size, cfg: FastBackwardConfig) -> bool:
+    """:data:`GLUON_SINKS`, or where it is ``None`` :func:`sink_walk_fits` on this call's device (on a CPU, in the
+    Gluon model, every call fits: its programs run one after another)."""
+    if GLUON_SINKS is not None:
+        return GLUON_SINKS
+    return sink_walk_fits(q.shape[0], k.shape[1], int(window_size), cfg.block_n1, _sm_count(q.device))
 
 
 class FastBackwardFunction(FlashAttentionFunction):
