@@ -6,6 +6,7 @@ for, at the precision written, in the sentence that quotes it.
 """
 
 from course_utils import results
+from course_utils.kernels.fast_backward import sink_walk_fits
 
 from conftest import markdown_text, readme_text, training_ratios
 
@@ -268,9 +269,9 @@ BOUND_TRAINING = ("training_bench_h100_run5", "training_bench_h100_run6")
 BOUND_DECODE = ("decode_bench_h100_run5", "decode_bench_h100_run6")
 
 
-def _bound_window(mode: str) -> dict:
+def _bound_window(mode: str, names=BOUND_WINDOW) -> dict:
     points = {}
-    for name in BOUND_WINDOW:
+    for name in names:
         doc = results.load(name)
         assert doc["info"]["gpu"].startswith("NVIDIA H100") and len(doc["ratios"]) == 60
         assert all(r["status"] == "ok" for r in doc["rows"] if r["provider"] in ("course", "flex"))
@@ -345,3 +346,75 @@ def test_the_readme_quotes_the_bound_launches_as_measured():
                   f"`W = 256` at `N = 4k` read {f(min(train[(256, 0, 4096)]))} and {f(max(train[(256, 0, 4096)]))} "
                   "FlexAttention"):
         assert quote in lesson, quote
+
+
+FWDBOUND_WINDOW = ("window_bench_h100_fwdbound", "window_bench_h100_fwdbound_run2")
+FWDBOUND_TRAINING = ("training_bench_h100_run7", "training_bench_h100_run8")
+FWDBOUND_DECODE = ("decode_bench_h100_run7", "decode_bench_h100_run8")
+
+
+def fwdbound_quotes() -> list[str]:
+    """The thirty-seventh session's paragraph, each figure derived from results/: the window forward's launch bound
+    (host_step_h100's last two runs, one call), the sinks' route check (route_check_h100's fourth run) and the
+    three grids run twice after the change."""
+    vr, f = results.value_range, lambda x: f"{x:.2f}×"
+    runs = results.load("host_step_h100")["runs"]
+    base, bound = runs[5], runs[6]
+    assert (base["package"], bound["package"]) == ("b2ed599", "d61666e")
+    b, a = base["us"], bound["us"]
+    launch = {x["kernel"]: x for x in bound["launches"]}["_attn_fwd_fast_window_kernel"]
+    sinks = results.load("route_check_h100")["runs"][3]["rows"]
+    assert all(r["mode"] == "sinks" and r["status"] == "ok" for r in sinks) and len(sinks) == 8
+    by_w = {w: [r["on_over_off"] for r in sinks if r["window_size"] == w] for w in (256, 1024, 4096)}
+    agree = sum((r["on_over_off"] > 1) == r["model_picks_gluon"] for r in sinks)
+    train, fwd = _bound_window("training", FWDBOUND_WINDOW), _bound_window("forward", FWDBOUND_WINDOW)
+    before = _bound_window("training")
+    cudnn = training_ratios(FWDBOUND_TRAINING, "course", "sdpa_cudnn", lambda n: n >= 4096)
+    flash = training_ratios(FWDBOUND_TRAINING, "course", "sdpa_flash", lambda n: n >= 4096)
+    decode = [results.load(name)["summary"] for name in FWDBOUND_DECODE]
+    ratios = [s["course_vs_sdpa"] for run in decode for s in run]
+    ceiling = [s["course_vs_ceiling"] for run in decode for s in run if s["batch"] >= 16]
+    under = [sum(s["course_vs_sdpa"] < 1 for s in run) for run in decode]
+    below = sorted(1 - s["course_vs_sdpa"] for run in decode for s in run if s["course_vs_sdpa"] < 1)
+
+    def both(key):
+        return " and ".join(f(v) for v in train[key])
+
+    # the points the paragraph names in words
+    assert {k for k, v in train.items() if min(v) < 1.2} == {(256, 0, 4096), (256, 0, 8192), (1024, 0, 32768),
+                                                            (4096, 0, 16384)}
+    assert {k for k, v in fwd.items() if min(v) < 1.3} == {(1024, 0, n) for n in (8192, 16384, 32768, 65536)} | {
+        (4096, 0, n) for n in (16384, 32768, 65536)} | {(4096, 4, 65536)}
+    assert all(sink_walk_fits(1, 8, w, 128, 132) == (w >= 1984) for w in (1983, 1984, 4096))
+
+    return [
+        f"`kernel[grid]` {launch['kernel_grid_us']:.0f} µs against {launch['compiled_run_us']:.0f} µs for its launcher",
+        f"the forward's host time from {b['forward no grad']} to {a['forward no grad']} µs without grad and from "
+        f"{b['forward with grad (gluon route)']} to {a['forward with grad (gluon route)']} µs with it",
+        f"the step's from {b['step gluon']} to {a['step gluon']} µs",
+        f"the backward alone read {b['gluon: backward alone']} and {a['gluon: backward alone']} µs",
+        f"at W = 4096 **{vr(by_w[4096])}** lesson 07's pair, at W = 1024 {vr(by_w[1024])}, at W = 256 {vr(by_w[256])}",
+        f"the model's choice agrees with the measurement at {agree} of the {len(sinks)} points",
+        f"forward + backward **{vr([v for vs in train.values() for v in vs])}** FlexAttention, under the 1.2× target at "
+        f"{_under(train, 1.2)[0]} points in one run or both and {_under(train, 1.2)[1]} in both",
+        f"W = 256 without sinks at 4k read {both((256, 0, 4096))} "
+        f"({' and '.join(f(v) for v in before[(256, 0, 4096)])} in the two grids before)",
+        f"W = 4096 at 4k with 4 sinks {both((4096, 4, 4096))} "
+        f"({' and '.join(f(v) for v in before[(4096, 4, 4096)])})",
+        f"The forward: {vr([v for vs in fwd.values() for v in vs])}, under 1.3× at {_under(fwd, 1.3)[0]} points in one "
+        f"run or both and {_under(fwd, 1.3)[1]} in both",
+        f"training at N ≥ 4k {vr(cudnn)} cuDNN ({', '.join(f'{x:.3f}×' for x in cudnn)}), {vr(flash)} SDPA flash",
+        f"decoding {vr(ratios)} the best SDPA backend, under 1.0× at "
+        + (f"{under[0]}" if min(under) == max(under) else f"{min(under)}–{max(under)}")
+        + f" of the 19 points in each run by at most {100 * below[-1]:.1f}%",
+        f"{100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% of the read ceiling at B ≥ 16",
+    ]
+
+
+def test_the_readme_quotes_the_bound_window_forward_and_the_sinks_route_as_measured():
+    readme = readme_text()
+    for quote in fwdbound_quotes():
+        assert quote in readme, quote
+    w256 = _bound_window("training", FWDBOUND_WINDOW)[(256, 0, 4096)]
+    quote = f"two more runs of the grid read {' and '.join(f'{v:.2f}×' for v in sorted(w256))} there"
+    assert quote in markdown_text("08_sliding_window_and_sinks"), quote
