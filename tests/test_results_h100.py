@@ -281,6 +281,18 @@ def _bound_window(mode: str, names=BOUND_WINDOW) -> dict:
     return points
 
 
+def _training_and_decode(training_names, decode_names):
+    """Two training runs' course / cuDNN and course / SDPA flash at N >= 4k; two decode runs' summaries, their
+    course / best SDPA ratios, their course / ceiling at B >= 16 and each run's count of points under 1.0x."""
+    cudnn = training_ratios(training_names, "course", "sdpa_cudnn", lambda n: n >= 4096)
+    flash = training_ratios(training_names, "course", "sdpa_flash", lambda n: n >= 4096)
+    decode = [results.load(name)["summary"] for name in decode_names]
+    ratios = [s["course_vs_sdpa"] for run in decode for s in run]
+    ceiling = [s["course_vs_ceiling"] for run in decode for s in run if s["batch"] >= 16]
+    under = [sum(s["course_vs_sdpa"] < 1 for s in run) for run in decode]
+    return cudnn, flash, decode, ratios, ceiling, under
+
+
 def _under(points: dict, target: float) -> tuple[int, int]:
     """(points under ``target`` in one run or both, points under it in both)."""
     return sum(min(v) < target for v in points.values()), sum(max(v) < target for v in points.values())
@@ -305,12 +317,7 @@ def test_the_readme_quotes_the_bound_launches_as_measured():
     train, fwd = _bound_window("training"), _bound_window("forward")
     quick = {(q["window_size"], q["n"]): q["course_over_flex"]
              for q in results.load("window_bench_h100_hosttime")["ratios"] if q["mode"] == "training"}
-    cudnn = training_ratios(BOUND_TRAINING, "course", "sdpa_cudnn", lambda n: n >= 4096)
-    flash = training_ratios(BOUND_TRAINING, "course", "sdpa_flash", lambda n: n >= 4096)
-    decode = [results.load(name)["summary"] for name in BOUND_DECODE]
-    ratios = [s["course_vs_sdpa"] for run in decode for s in run]
-    ceiling = [s["course_vs_ceiling"] for run in decode for s in run if s["batch"] >= 16]
-    under = [sum(s["course_vs_sdpa"] < 1 for s in run) for run in decode]
+    cudnn, flash, decode, ratios, ceiling, under = _training_and_decode(BOUND_TRAINING, BOUND_DECODE)
     grid_us = [x["kernel_grid_us"] for x in bound["launches"]]
     run_us = [x["compiled_run_us"] for x in bound["launches"]]
     quotes = [
@@ -369,12 +376,7 @@ def fwdbound_quotes() -> list[str]:
     agree = sum((r["on_over_off"] > 1) == r["model_picks_gluon"] for r in sinks)
     train, fwd = _bound_window("training", FWDBOUND_WINDOW), _bound_window("forward", FWDBOUND_WINDOW)
     before = _bound_window("training")
-    cudnn = training_ratios(FWDBOUND_TRAINING, "course", "sdpa_cudnn", lambda n: n >= 4096)
-    flash = training_ratios(FWDBOUND_TRAINING, "course", "sdpa_flash", lambda n: n >= 4096)
-    decode = [results.load(name)["summary"] for name in FWDBOUND_DECODE]
-    ratios = [s["course_vs_sdpa"] for run in decode for s in run]
-    ceiling = [s["course_vs_ceiling"] for run in decode for s in run if s["batch"] >= 16]
-    under = [sum(s["course_vs_sdpa"] < 1 for s in run) for run in decode]
+    cudnn, flash, decode, ratios, ceiling, under = _training_and_decode(FWDBOUND_TRAINING, FWDBOUND_DECODE)
     below = sorted(1 - s["course_vs_sdpa"] for run in decode for s in run if s["course_vs_sdpa"] < 1)
 
     def both(key):
