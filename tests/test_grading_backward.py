@@ -243,6 +243,43 @@ def test_flash_correct_answer_written_differently_passes():
     assert check_flash_backward(lambda q, k, v, causal=False: PerQueryHeadPartials.apply(q, k, v, causal))
 
 
+def test_a_gqa_answer_that_stores_each_head_s_part_in_bf16_passes():
+    """A right GQA backward may store each query head's dK in bf16 and add the group's heads up after (the course's
+    PerQueryHeadPartials above; flash-attn 2's GQA backward). Where large parts cancel (rows of scores near +-150),
+    the two stores may move the sum by more than the plain tolerance allows: a GPU run rejected that answer once
+    (dk 0.082 expected, 0 got, from parts -8.17 and 8.25). Here both answers carry the same error of their
+    arithmetic, within the plain tolerance when the parts are added in float (the course's fused kernel); stored in
+    bf16 first, one element passes only with the check's extra tolerance (the roundoff of the parts' magnitudes),
+    and an answer off by twice the whole tolerance still fails."""
+    from course_utils.grading import inputs
+    from course_utils.grading.core import Run
+
+    rng = np.random.default_rng(0)
+    raw = [rng.standard_normal((1, h, 150, 64)) for h in (2, 1, 1, 2)]
+    inputs.shift_scores(raw[0], raw[1])
+    q, k, v, do = (torch.from_numpy(a).to(torch.bfloat16).double().numpy() for a in raw)
+    right = ref.attention_backward(q, k, v, do)[1]
+    _, parts, _ = ref.attention_backward(q, *(np.repeat(t, 2, axis=1) for t in (k, v)), do)
+    parts = parts + 0.025  # each head's part off by the same 0.025: its arithmetic's error
+    fused = parts.reshape(1, 1, 2, 150, 64).sum(axis=2)
+    stored = torch.from_numpy(parts).to(torch.bfloat16).double().numpy().reshape(1, 1, 2, 150, 64).sum(axis=2)
+    atol, rtol = p4.TOLERANCE["bfloat16"]
+    extra = p4._group_sum_roundoff(q, k, v, do, False, "bfloat16")[1]
+
+    def compare(got, extra_tol):
+        Run("check_flash_backward", 0).compare(got, right, case="c", what="dk", atol=atol, rtol=rtol,
+                                               extra_tol=extra_tol)
+
+    compare(fused, 0.0)
+    with pytest.raises(GradingError, match="dk is wrong in 1 of 9600 elements"):
+        compare(stored, 0.0)  # without the extra tolerance
+    compare(stored, extra)
+    far = right + 2 * (atol + rtol * np.abs(right) + extra) * (np.arange(right.size) == 7).reshape(right.shape)
+    with pytest.raises(GradingError, match="dk is wrong in 1 of 9600 elements"):
+        compare(far, extra)
+    assert p4._group_sum_roundoff(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), do, False, "bfloat16") == {}
+
+
 def _math_attention(q, k, v, causal=False):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 

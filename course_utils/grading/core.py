@@ -380,10 +380,13 @@ class Run:
         rtol: float,
         diagnoses: Iterable[Diagnosis] = (),
         axes: tuple[str, ...] | None = None,
+        extra_tol: np.ndarray | float = 0.0,
     ) -> float:
         """Compare ``actual`` with the float64 ``expected``; explain a mismatch.
 
-        Returns the largest absolute error. On a mismatch raises a
+        Each element's tolerance is ``atol + rtol * |expected| + extra_tol`` (``extra_tol``, an array of
+        ``expected``'s shape or a number: what a right answer's own roundings may add where ``expected`` is a sum of
+        large terms that cancel). Returns the largest absolute error. On a mismatch raises a
         :class:`GradingError` naming the largest error, its index (with axis
         names from ``axes``), how many elements are off, and the first
         diagnosis that matches.
@@ -393,7 +396,7 @@ class Run:
         expected = np.asarray(expected, dtype=np.float64)
         with np.errstate(all="ignore"):
             err = np.abs(actual - expected)
-            tol = atol + rtol * np.abs(expected)
+            tol = atol + rtol * np.abs(expected) + extra_tol
         bad_nan = ~np.isfinite(actual) & np.isfinite(expected)
         bad = (err > tol) | bad_nan
         if not bad.any():
