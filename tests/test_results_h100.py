@@ -417,6 +417,11 @@ def test_the_readme_quotes_the_bound_window_forward_and_the_sinks_route_as_measu
     readme = readme_text()
     for quote in fwdbound_quotes():
         assert quote in readme, quote
+    sinks = results.load("route_check_h100")["runs"][3]["rows"]
+    by_w = {w: results.value_range([r["on_over_off"] for r in sinks if r["window_size"] == w]) for w in (256, 1024, 4096)}
+    quote = (f"ran {by_w[4096]} the split kernels at `W = 4096`, {by_w[1024]} at `W = 1024` and {by_w[256]} at "
+             "`W = 256`")
+    assert quote in markdown_text("08_sliding_window_and_sinks"), quote
     w256 = _bound_window("training", FWDBOUND_WINDOW)[(256, 0, 4096)]
     quote = f"two more runs of the grid read {' and '.join(f'{v:.2f}×' for v in sorted(w256))} there"
     assert quote in markdown_text("08_sliding_window_and_sinks"), quote
