@@ -112,6 +112,8 @@ def test_a_window_is_refused_where_it_does_not_run():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="positive integer"):
             fb.attention_backward_fast(q, k, v, o, lse, do, True, config=SMALL[4], window_size=bad)
+    with pytest.raises(ValueError, match="sinks run in the gluon mode only, with a window"):
+        fb.attention_backward_fast(q, k, v, o, lse, do, True, config=SMALL[4], window_size=32, sink_size=4)
 
 
 @pytest.mark.parametrize("change, words", [
