@@ -106,7 +106,7 @@ __all__ = ["FastBackwardConfig", "CONFIGS", "default_config", "supports", "unsup
            "flash_attention_fast_backward", "GLUON_DEFAULT", "WINDOW_MODES", "GLUON_SINKS", "sink_walk_fits"]
 
 MODES = ("fused", "atomic", "flat", "gluon")
-WINDOW_MODES = ("flat", "gluon")  # the modes that take lesson 08's window (without sinks)
+WINDOW_MODES = ("flat", "gluon")  # the modes that take lesson 08's window (the gluon mode its sinks too)
 
 
 @dataclass(frozen=True)
@@ -691,7 +691,7 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=No
     """The configuration autograd's backward runs for this call, or ``None`` for lesson 07's pair.
 
     ``config`` (default :data:`AUTOGRAD_CONFIG`) where it applies: no lesson 12 keyword (``mods``:
-    ``cu_seqlens``, ``softcap``, ``alibi_slopes``, ``sink_logits``, all ``None``), no sinks, a window only in
+    ``cu_seqlens``, ``softcap``, ``alibi_slopes``, ``sink_logits``, all ``None``), a window only in
     the flat and gluon modes with ``causal``, inputs :func:`supports` takes, and on a GPU a Hopper one (the CPU's
     interpreter runs it too, the gluon mode's inside :func:`.gluon_cpu.running`, which is how the tests check
     the route). Sinks under a window of at least ``N`` keys change nothing (every key a query sees is already
