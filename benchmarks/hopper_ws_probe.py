@@ -16,11 +16,13 @@ process. By ``--kind`` (each written to its own file in results/):
   attention over the dequantised inputs (``rel_rms``, as ``bench fp8`` checks) and ``lse`` against the same;
   timed beside cuDNN's bf16 and the course's Triton FP8 kernel (``fp8.launch_fp8_hopper``) on the same e4m3
   inputs (``course`` in those rows).
-* ``window`` (``hopper_ws_window_probe.json``): ``hopper_ws.attention`` with lesson 08's window and sinks
+* ``window`` (``hopper_ws_window_probe.json``): ``hopper_ws.attention`` with lesson 08's window and sinks, its
+  serial and ping-pong loops, one program per tile or the persistent grid
   (bench window's inputs, float32 reference rows and tolerance), TFLOP/s of the visible pairs beside the
   course's window forward (``kernels.flash_attention_with_lse``) and FlexAttention, ``over_flex`` the ratio; and
   forward + backward (``hopper_ws_bwd.attention``, the Gluon forward and backward behind autograd, its gradients
-  checked against Flex's: ``train_err``) beside Flex's and the course's, ``train_over_flex``.
+  checked against Flex's: ``train_err``) beside Flex's and the course's, ``train_over_flex`` (not for the
+  persistent grid: that step's forward is the other).
 * ``bwd`` (``hopper_ws_bwd_probe.json``): ``hopper_ws_bwd.attention_backward`` (its dQ in Gluon or lesson
   07's); the relative error of dq, dk,
   dv against float32 autograd through SDPA's math; the backward's time beside lesson 07's pair
@@ -55,12 +57,14 @@ VARIANTS = [dict(num_buffers=2, loop="serial", fma=False), dict(num_buffers=2, l
             dict(kind="bwd", num_buffers=2, block_m=64, dq_kernel="lesson07", dq_block_n=64),  # dK/dV's share alone
             dict(kind="bwd", num_buffers=2, block_m=32, dq_kernel="gluon", dq_block_n=128),
             dict(kind="bwd", num_buffers=3, block_m=32, dq_kernel="gluon", dq_block_n=64)]
-VARIANTS += [dict(kind="window", num_buffers=2, loop="serial"), dict(kind="window", num_buffers=2, loop="pingpong")]
+VARIANTS += [dict(kind="window", num_buffers=2, loop="serial"), dict(kind="window", num_buffers=2, loop="pingpong"),
+             dict(kind="window", num_buffers=2, loop="serial", persistent=True),
+             dict(kind="window", num_buffers=2, loop="pingpong", persistent=True)]
 OUT = {"fwd": "hopper_ws_probe.json", "fp8": "hopper_ws_fp8_probe.json", "bwd": "hopper_ws_bwd_probe.json",
        "window": "hopper_ws_window_probe.json"}
 # lesson 08's window (bench window's shapes: B = 1, GQA 32/8, D = 128): window_size, sink_size, N
 WINDOW_CHECKS = [(256, 0, 2048), (200, 4, 2048), (1024, 4, 4096)]
-WINDOW_SPEED = [(1024, 0, 16384), (1024, 4, 16384), (256, 0, 16384), (4096, 4, 16384)]
+WINDOW_SPEED = [(1024, 0, 16384), (1024, 4, 16384), (256, 0, 16384), (4096, 4, 16384), (1024, 0, 65536)]
 
 
 def selected(kind: str, loops=None) -> list[dict]:
@@ -219,7 +223,8 @@ def _window_case(mode, window_size, sink_size, n, variant) -> dict:
     q, k, v = window.make_inputs(n)
     case = window.WindowCase(window_size, sink_size, n)
     run = lambda: hopper_ws.attention(q, k, v, True, window_size=window_size, sink_size=sink_size,  # noqa: E731
-                                      num_buffers=variant["num_buffers"], loop=variant["loop"])
+                                      num_buffers=variant["num_buffers"], loop=variant["loop"],
+                                      persistent=variant.get("persistent", False))
     got = run()
     torch.cuda.synchronize()
     err, lse_err = window.forward_error(got, window.reference_forward(q, k, v, window_size, sink_size))
@@ -231,6 +236,8 @@ def _window_case(mode, window_size, sink_size, n, variant) -> dict:
         out["flex"] = tflops(window.make_forward("flex", q, k, v, case))
         out["hopper_ws"] = max(out["hopper_ws"], tflops(run))
         out["over_flex"] = out["hopper_ws"] / out["flex"]
+        if variant.get("persistent"):  # the training step below runs the forward of one program per tile
+            return out
         # forward + backward: the Gluon forward and backward behind autograd (hopper_ws_bwd.attention), checked
         # against FlexAttention's gradients, beside Flex's and the course's training steps
         from course_utils.kernels import hopper_ws_bwd

@@ -96,6 +96,23 @@ def test_the_persistent_grid_walks_every_work_tile_once(causal, d, loop, n_progr
     assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("window,sinks,n,loop,n_programs", [
+    (256, 0, 768, "serial", 3), (200, 4, 640, "pingpong", 2), (128, 130, 512, "serial", 5),
+    (64, 1, 384, "serial", 64)])  # more programs than work tiles
+def test_the_persistent_grid_walks_each_work_tile_s_window(window, sinks, n, loop, n_programs):
+    """The persistent grid under lesson 08's window: each work tile's sink tiles, then its window's, the ring's
+    position running on across work tiles of different lengths (a block near the start sees fewer tiles)."""
+    g = torch.Generator().manual_seed(window + n_programs)
+    q, k, v = (torch.randn(2, h, n, 64, generator=g).bfloat16() for h in (4, 2, 2))
+    with gluon_cpu.running(seed=n_programs):
+        o, lse = hopper_ws._launch_persistent(q, k, v, True, 1 / 8, 2, loop, False, n_programs, window_size=window,
+                                              sink_size=sinks)
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=True, window_size=window,
+                                      sink_size=sinks)
+    assert _rel(o, ro) < 1e-2, _rel(o, ro)
+    assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
 def _backward(module, causal, d, block_m, buffers, dq_block_n, n=384, seed=0, window_size=None, sink_size=0):
     g = torch.Generator().manual_seed(n + d + block_m)
     q, do = (torch.randn(1, 4, n, d, generator=g).bfloat16() for _ in range(2))

@@ -29,7 +29,9 @@ FP8_CASES = [(True, 128, "serial", 2), (False, 128, "pingpong", 3), (True, 128, 
 # lesson 08's window (causal): D, loop, window_size, sink_size, FP8
 WINDOW_CASES = [(128, "serial", 1024, 4, False), (128, "pingpong", 256, 0, False), (64, "serial", 4096, 4, False),
                 (128, "serial", 1024, 4, True)]
-PERSISTENT_CASES = [(True, 128, "serial"), (False, 128, "pingpong")]  # the persistent grid: causal, D, loop
+# the persistent grid: causal, D, loop, window_size, sink_size
+PERSISTENT_CASES = [(True, 128, "serial", None, 0), (False, 128, "pingpong", None, 0), (True, 128, "serial", 1024, 4),
+                    (True, 128, "pingpong", 256, 0)]
 
 SCRIPT = r"""
 import json, sys, torch
@@ -55,12 +57,13 @@ for d, loop, window, sinks, fp8 in window_cases:
     launches_of.append(((q, k, v, True, 0.1, 2, loop, fp8, scales, 128, window, sinks),
                         f"window {d} {loop} {window} {sinks} {fp8}"))
 out = []
-for causal, d, loop in persistent_cases:
+for causal, d, loop, window, sinks in persistent_cases:
     q, k = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16), torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
     with targets._captured_launches() as launches:
-        hopper_ws._launch_persistent(q, k, k, causal, 0.1, 2, loop, False, 132)
+        hopper_ws._launch_persistent(q, k, k, causal, 0.1, 2, loop, False, 132, window_size=window, sink_size=sinks)
     (kernel, args, kwargs), = launches
-    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, f"persistent {causal} {d} {loop}", warnings=True)))
+    case = f"persistent {causal} {d} {loop}" + ("" if window is None else f" window {window} {sinks}")
+    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case, warnings=True)))
 for args, case in launches_of:
     with targets._captured_launches() as launches:
         hopper_ws._launch(*args)
@@ -284,6 +287,23 @@ def test_the_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n,
     g = torch.Generator(device="cuda").manual_seed(n + window)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
     o, lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, loop=loop)
+    ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True,
+                                      window_size=window, sink_size=sinks)
+    ro, rl = torch.from_numpy(ro).float().cuda(), torch.from_numpy(rl).float().cuda()
+    rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
+    assert rel < 1e-2, f"relative error of o: {rel:.2e}"
+    assert (lse - rl).abs().max().item() < 1e-2
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
+                                       "tests above and tests/test_gluon_cpu.py's model stand in on a CPU")
+@pytest.mark.parametrize("b,hq,hkv,n,window,sinks,loop", [
+    (1, 32, 8, 4096, 1024, 0, "serial"), (2, 8, 2, 2048, 300, 4, "pingpong"), (1, 4, 1, 1024, 64, 130, "serial")])
+def test_the_persistent_grid_with_a_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, window, sinks,
+                                                                                         loop):
+    g = torch.Generator(device="cuda").manual_seed(n + window)
+    q, k, v = (torch.randn(b, h, n, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+    o, lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, loop=loop, persistent=True)
     ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True,
                                       window_size=window, sink_size=sinks)
     ro, rl = torch.from_numpy(ro).float().cuda(), torch.from_numpy(rl).float().cuda()

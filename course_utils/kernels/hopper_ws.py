@@ -554,17 +554,21 @@ def _work_tile(tile, N, BH, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.co
 
 @gluon.jit
 def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                       N, BH, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       CAUSAL: gl.constexpr):
+                       N, BH, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """The producer of the persistent grid: per work tile, Q's two halves into the tile's Q buffer (two buffers,
     so the next tile's Q lands while this one runs), then its K/V tiles into the ring, whose position runs on
-    across work tiles."""
+    across work tiles. ``WINDOW``: each work tile's tiles of :func:`window_plan`, in its order."""
     HALF: gl.constexpr = BLOCK_M // 2
     NB: gl.constexpr = k_smem.type.shape[0]
     step = 0
     t = 0
     for tile in range(gl.program_id(0), (N // BLOCK_M) * BH, gl.num_programs(0)):
         start_m, q_row, kv_row, n_tiles = _work_tile(tile, N, BH, H, GROUP, BLOCK_M, CAUSAL)
+        lo = 0
+        ns = 0
+        if WINDOW:
+            lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
         buf = t % 2
         for half in gl.static_range(2):
             slot = buf * 2 + half
@@ -573,22 +577,29 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q
             tma.async_copy_global_to_shared(q_desc, [q_row + half * HALF, 0], q_bars.index(slot), q_smem.index(slot))
         for j in range(n_tiles):
             idx = (step + j) % NB
+            kv_tile = j
+            if WINDOW:
+                kv_tile = window_kv_tile(j, lo, ns)
             mbarrier.wait(empty_bars.index(idx), (((step + j) // NB) & 1) ^ 1)
             mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_bars.index(idx), k_smem.index(idx))
+            tma.async_copy_global_to_shared(k_desc, [kv_row + kv_tile * BLOCK_N, 0], k_bars.index(idx),
+                                            k_smem.index(idx))
             mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_bars.index(idx), v_smem.index(idx))
+            tma.async_copy_global_to_shared(v_desc, [kv_row + kv_tile * BLOCK_N, 0], v_bars.index(idx),
+                                            v_smem.index(idx))
         step += n_tiles
         t += 1
 
 
 @gluon.jit
 def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         turn_bars, o_ptr, lse_ptr, qk_scale, N, BH, H: gl.constexpr, GROUP: gl.constexpr,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                         LOOP: gl.constexpr, FMA: gl.constexpr):
+                         turn_bars, o_ptr, lse_ptr, qk_scale, N, BH, window_size, sink_size, H: gl.constexpr,
+                         GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr, WINDOW: gl.constexpr):
     """A consumer of the persistent grid: its 64 rows of each work tile (as :func:`_consumer`'s serial and
-    ping-pong loops, the ring's position running on), releasing the tile's Q half after its last ``Q Kᵀ``."""
+    ping-pong loops, the ring's position running on), releasing the tile's Q half after its last ``Q Kᵀ``.
+    ``WINDOW``: each work tile's :func:`window_plan`, masked where a tile crosses the window's edge or the
+    diagonal, as :func:`_consumer`'s window loop."""
     HALF: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = HALF_IDX * HALF
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -607,17 +618,33 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         q = q_smem.index(slot)
         mbarrier.wait(q_bars.index(slot), (t // 2) & 1)
-        n_full = n_tiles
-        if CAUSAL:
-            n_full = n_tiles - 1  # the diagonal tile, masked, after the loop
-        for j in range(n_full):
-            m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, j, m_i, l_i,
-                                     acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, 0, 0, BLOCK_N, BLOCK_N, False,
-                                     s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
-        if CAUSAL:
-            m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + n_full, n_full,
-                                     m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, 0, 0, BLOCK_N, BLOCK_N,
-                                     True, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
+        if WINDOW:
+            lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
+            for j in range(n_tiles):
+                kv_tile = window_kv_tile(j, lo, ns)
+                if window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M, BLOCK_N):
+                    m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j,
+                                             kv_tile, m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows,
+                                             window_size, sink_size, BLOCK_N, BLOCK_N, 2, s_layout, o_layout,
+                                             HALF_IDX, LOOP == "pingpong", FMA)
+                else:
+                    m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j,
+                                             kv_tile, m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows,
+                                             window_size, sink_size, BLOCK_N, BLOCK_N, 0, s_layout, o_layout,
+                                             HALF_IDX, LOOP == "pingpong", FMA)
+        else:
+            n_full = n_tiles
+            if CAUSAL:
+                n_full = n_tiles - 1  # the diagonal tile, masked, after the loop
+            for j in range(n_full):
+                m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, j, m_i,
+                                         l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, 0, 0, BLOCK_N, BLOCK_N,
+                                         False, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
+            if CAUSAL:
+                m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + n_full,
+                                         n_full, m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, 0, 0,
+                                         BLOCK_N, BLOCK_N, True, s_layout, o_layout, HALF_IDX, LOOP == "pingpong",
+                                         FMA)
         mbarrier.arrive(q_empty.index(slot), count=1)  # the tile's products have completed: its Q half is free
         acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         _store_rows(o_ptr, lse_ptr, acc, m_i + gl.log2(l_i), q_row + ROW0, s_layout, o_layout)
@@ -626,12 +653,13 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
 
 
 @gluon.jit
-def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, BH, H: gl.constexpr,
-                           GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                           LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr):
-    """:func:`attn_fwd_ws` as a persistent grid (16-bit, serial or ping-pong): two Q buffers of two halves each,
-    with a ready and an empty barrier per half-buffer, and the K/V ring."""
+def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, BH, window_size, sink_size,
+                           H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
+                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOOP: gl.constexpr,
+                           FMA: gl.constexpr, WINDOW: gl.constexpr):
+    """:func:`attn_fwd_ws` as a persistent grid (16-bit, serial or ping-pong, lesson 08's window with ``WINDOW``):
+    two Q buffers of two halves each, with a ready and an empty barrier per half-buffer, and the K/V ring."""
     HALF: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, HALF, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -653,19 +681,21 @@ def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, 
         mbarrier.init(empty_bars.index(i), count=2)
     gl.warp_specialize([
         (_persistent_consumer, (0, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                                o_ptr, lse_ptr, qk_scale, N, BH, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP,
-                                FMA)),
+                                o_ptr, lse_ptr, qk_scale, N, BH, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
+                                HEAD_DIM, CAUSAL, LOOP, FMA, WINDOW)),
         (_persistent_consumer, (1, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                                o_ptr, lse_ptr, qk_scale, N, BH, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, LOOP,
-                                FMA)),
+                                o_ptr, lse_ptr, qk_scale, N, BH, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
+                                HEAD_DIM, CAUSAL, LOOP, FMA, WINDOW)),
         (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars,
-                              empty_bars, N, BH, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)),
+                              empty_bars, N, BH, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
+                              WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, n_programs=None):
+def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, n_programs=None,
+                       window_size=None, sink_size=0):
     """:func:`attn_fwd_ws_persistent` for validated 16-bit inputs: ``n_programs`` (default one per SM) walk the
-    ``N / 128 * B * H`` work tiles."""
+    ``N / 128 * B * H`` work tiles; ``window_size`` / ``sink_size``: lesson 08's window (causal)."""
     b, h, n, d = q.shape
     q, k, v = (t.contiguous() for t in (q, k, v))
     o = torch.empty_like(q)
@@ -676,8 +706,9 @@ def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fm
     if n_programs is None:
         n_programs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
     attn_fwd_ws_persistent[(max(1, min(int(n_programs), work)), )](
-        q_desc, k_desc, v_desc, o, lse, sm_scale * LOG2E, n, b * h, h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
-        num_buffers, causal, CONSUMER_REGS, LOADER_REGS, loop, fma, num_warps=4, maxnreg=MAXNREG)
+        q_desc, k_desc, v_desc, o, lse, sm_scale * LOG2E, n, b * h, 0 if window_size is None else int(window_size),
+        int(sink_size), h, h // k.shape[1], BLOCK_M, BLOCK_N, d, num_buffers, causal, CONSUMER_REGS, LOADER_REGS, loop,
+        fma, window_size is not None, num_warps=4, maxnreg=MAXNREG)
     return o, lse
 
 
@@ -832,12 +863,11 @@ def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, sc
 LOOPS = ("serial", "pipelined", "pingpong", "overlap", "overlap_pingpong")
 
 
-def _validate_persistent(q, num_buffers, loop, window_size) -> None:
-    """The persistent grid's cover: the serial and ping-pong loops, no window, its tiles in shared memory."""
+def _validate_persistent(q, num_buffers, loop) -> None:
+    """The persistent grid's cover: the serial and ping-pong loops (with or without a window), its tiles in shared
+    memory."""
     if loop not in WINDOW_LOOPS:
         raise ValueError(f"the persistent grid runs loop in {WINDOW_LOOPS} (got {loop!r})")
-    if window_size is not None:
-        raise ValueError("the persistent grid takes no window")
     d = q.shape[-1]
     tiles = 2 * (4 * (BLOCK_M // 2) * d + 2 * num_buffers * BLOCK_N * d)  # two Q buffers of two halves, the ring
     if tiles > TARGETS[90][1]:
@@ -861,17 +891,18 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
     window, key ``j`` visible from query ``i`` iff ``j <= i`` and (``i - j < window_size`` or ``j <
     sink_size``); each program visits only its sink tiles and the window's.
     ``persistent``: one program per SM walks the (query block, head) tiles, the longest first, the next tile's Q
-    loading while this one runs (:func:`attn_fwd_ws_persistent`; serial or ping-pong, no window).
+    loading while this one runs (:func:`attn_fwd_ws_persistent`; serial or ping-pong, with or without a window).
     """
     _validate_inputs(q, k, v)
     _validate_options(num_buffers, loop, False)
     _validate_window(causal, window_size, sink_size, loop)
     if persistent:
-        _validate_persistent(q, num_buffers, loop, window_size)
+        _validate_persistent(q, num_buffers, loop)
     _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if persistent:
-        return _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop, fma)
+        return _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size,
+                                  sink_size=sink_size)
     return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size)
 
 
