@@ -703,7 +703,8 @@ def autograd_config(q, k, v, causal, window_size=None, sink_size=0, *, config=No
         sink_size = 0  # the window holds every earlier key: the sinks select nothing more
     if cfg is None or any(m is not None for m in mods.values()):
         return None
-    if sink_size and not (cfg.mode == "gluon" and _gluon_takes_sinks(q, k, window_size, cfg)):
+    if sink_size and not (window_size is not None and cfg.mode == "gluon" and _gluon_takes_sinks(q, k, window_size,
+                                                                                                 cfg)):
         return None
     if window_size is not None and (cfg.mode not in WINDOW_MODES or not causal):
         return None
