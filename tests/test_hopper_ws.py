@@ -212,8 +212,8 @@ def test_the_fp8_entrys_options_are_checked(options, message):
         hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, **options)
 
 
-def _reference(q, k, v, causal):
-    o, lse = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=causal)
+def _reference(q, k, v, causal, **window):
+    o, lse = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=causal, **window)
     return torch.from_numpy(o).float().cuda(), torch.from_numpy(lse).float().cuda()
 
 
@@ -276,37 +276,20 @@ def test_the_fp8_entry_matches_the_courses_fp8_kernel_on_a_hopper_gpu(b, hq, hkv
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
-                                       "tests above stand in on a CPU")
+                                       "tests above and tests/test_gluon_cpu.py's model stand in on a CPU")
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("b,hq,hkv,n,d,window,sinks,loop", [
     (1, 8, 2, 1024, 128, 256, 0, "serial"),
     (1, 8, 2, 1152, 128, 200, 4, "serial"),  # a window that is no multiple of the tile
     (2, 4, 4, 768, 64, 128, 130, "pingpong"),  # two sink tiles
     (1, 8, 2, 512, 128, 1000, 0, "serial"),  # wider than most rows' past
 ])
-def test_the_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, window, sinks, loop):
+def test_the_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, window, sinks, loop, persistent):
+    """One program per query block, or the persistent grid walking the blocks' windows in turn."""
     g = torch.Generator(device="cuda").manual_seed(n + window)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
-    o, lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, loop=loop)
-    ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True,
-                                      window_size=window, sink_size=sinks)
-    ro, rl = torch.from_numpy(ro).float().cuda(), torch.from_numpy(rl).float().cuda()
-    rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
-    assert rel < 1e-2, f"relative error of o: {rel:.2e}"
-    assert (lse - rl).abs().max().item() < 1e-2
-
-
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
-                                       "tests above and tests/test_gluon_cpu.py's model stand in on a CPU")
-@pytest.mark.parametrize("b,hq,hkv,n,window,sinks,loop", [
-    (1, 32, 8, 4096, 1024, 0, "serial"), (2, 8, 2, 2048, 300, 4, "pingpong"), (1, 4, 1, 1024, 64, 130, "serial")])
-def test_the_persistent_grid_with_a_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, window, sinks,
-                                                                                         loop):
-    g = torch.Generator(device="cuda").manual_seed(n + window)
-    q, k, v = (torch.randn(b, h, n, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
-    o, lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, loop=loop, persistent=True)
-    ro, rl = references.attention_lse(*(t.double().cpu().numpy() for t in (q, k, v)), causal=True,
-                                      window_size=window, sink_size=sinks)
-    ro, rl = torch.from_numpy(ro).float().cuda(), torch.from_numpy(rl).float().cuda()
+    o, lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, loop=loop, persistent=persistent)
+    ro, rl = _reference(q, k, v, True, window_size=window, sink_size=sinks)
     rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
     assert rel < 1e-2, f"relative error of o: {rel:.2e}"
     assert (lse - rl).abs().max().item() < 1e-2

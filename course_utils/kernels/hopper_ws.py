@@ -410,6 +410,51 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
 
 
 @gluon.jit
+def _causal_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step, n_tiles, m_i, l_i, acc, v_prev,
+                 qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+                 CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr,
+                 PINGPONG: gl.constexpr, FMA: gl.constexpr):
+    """Key tiles ``0 .. n_tiles - 1`` at ring positions from ``step`` (the serial and ping-pong loops): unmasked,
+    then under ``CAUSAL`` the diagonal tile, masked, last."""
+    n_full = n_tiles
+    if CAUSAL:
+        n_full = n_tiles - 1
+    for j in range(n_full):
+        m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, j, m_i, l_i,
+                                      acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, 0, 0, BLOCK_N,
+                                      SCALE_BLOCK, False, s_layout, o_layout, ME, PINGPONG, FMA)
+    if CAUSAL:
+        m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + n_full, n_full,
+                                      m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, 0, 0, BLOCK_N,
+                                      SCALE_BLOCK, True, s_layout, o_layout, ME, PINGPONG, FMA)
+    return m_i, l_i, acc, v_prev
+
+
+@gluon.jit
+def _window_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step, start_m, m_i, l_i, acc, v_prev,
+                 qk_scale, ks_ptr, vs_ptr, scale_base, rows, window_size, sink_size, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                 ME: gl.constexpr, PINGPONG: gl.constexpr, FMA: gl.constexpr):
+    """Query block ``start_m``'s tiles under lesson 08's window (:func:`window_plan`'s order: the sink tiles, then
+    the window's) at ring positions from ``step``, masked where they cross its edge or the diagonal; also returns
+    how many tiles that was."""
+    lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
+    for j in range(n_tiles):
+        kv_tile = window_kv_tile(j, lo, ns)
+        if window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M, BLOCK_N):
+            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, kv_tile,
+                                          m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                          window_size, sink_size, BLOCK_N, SCALE_BLOCK, 2, s_layout, o_layout, ME,
+                                          PINGPONG, FMA)
+        else:
+            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, kv_tile,
+                                          m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                          window_size, sink_size, BLOCK_N, SCALE_BLOCK, 0, s_layout, o_layout, ME,
+                                          PINGPONG, FMA)
+    return m_i, l_i, acc, v_prev, n_tiles
+
+
+@gluon.jit
 def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr,
               lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H: gl.constexpr,
               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -449,33 +494,16 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
                                                  m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
                                                  BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout, HALF_IDX,
                                                  LOOP == "overlap_pingpong", FMA)
-    elif WINDOW:  # the sink tiles, then the window's: masked where they cross its edge or the diagonal
-        lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
-        for j in range(n_tiles):
-            kv_tile = window_kv_tile(j, lo, ns)
-            if window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M, BLOCK_N):
-                m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile,
-                                              m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
-                                              window_size, sink_size, BLOCK_N, SCALE_BLOCK, 2, s_layout, o_layout,
-                                              HALF_IDX, LOOP == "pingpong", FMA)
-            else:
-                m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile,
-                                              m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
-                                              window_size, sink_size, BLOCK_N, SCALE_BLOCK, 0, s_layout, o_layout,
-                                              HALF_IDX, LOOP == "pingpong", FMA)
+    elif WINDOW:
+        m_i, l_i, acc, v_prev, _ = _window_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, 0, start_m,
+                                                m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                                window_size, sink_size, BLOCK_M, BLOCK_N, SCALE_BLOCK, s_layout,
+                                                o_layout, HALF_IDX, LOOP == "pingpong", FMA)
     else:
-        n_full = n_tiles
-        if CAUSAL:
-            n_full = n_tiles - 1  # the diagonal tile, masked, after the loop
-        for j in range(n_full):
-            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, j, m_i, l_i,
-                                          acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, 0, 0, BLOCK_N,
-                                          SCALE_BLOCK, False, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
-        if CAUSAL:
-            m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, n_full, n_full,
-                                          m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, 0, 0,
-                                          BLOCK_N, SCALE_BLOCK, True, s_layout, o_layout, HALF_IDX,
-                                          LOOP == "pingpong", FMA)
+        m_i, l_i, acc, v_prev = _causal_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, 0, n_tiles,
+                                             m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                             BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout, HALF_IDX,
+                                             LOOP == "pingpong", FMA)
     if FP8:
         acc = acc * gl.convert_layout(v_prev / l_i, gl.SliceLayout(1, o_layout))[:, None]
         lse2 = m_i + gl.log2(l_i) - 8.0  # l_i counted P in units of 1/256
@@ -618,33 +646,16 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         q = q_smem.index(slot)
         mbarrier.wait(q_bars.index(slot), (t // 2) & 1)
+        # no V scales in 16 bits: lse_ptr stands for the scale pointers, which are not read
         if WINDOW:
-            lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
-            for j in range(n_tiles):
-                kv_tile = window_kv_tile(j, lo, ns)
-                if window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M, BLOCK_N):
-                    m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j,
-                                             kv_tile, m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows,
-                                             window_size, sink_size, BLOCK_N, BLOCK_N, 2, s_layout, o_layout,
-                                             HALF_IDX, LOOP == "pingpong", FMA)
-                else:
-                    m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j,
-                                             kv_tile, m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows,
-                                             window_size, sink_size, BLOCK_N, BLOCK_N, 0, s_layout, o_layout,
-                                             HALF_IDX, LOOP == "pingpong", FMA)
+            m_i, l_i, acc, _, n_tiles = _window_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step,
+                                                     start_m, m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0,
+                                                     rows, window_size, sink_size, BLOCK_M, BLOCK_N, BLOCK_N,
+                                                     s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
         else:
-            n_full = n_tiles
-            if CAUSAL:
-                n_full = n_tiles - 1  # the diagonal tile, masked, after the loop
-            for j in range(n_full):
-                m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, j, m_i,
-                                         l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, 0, 0, BLOCK_N, BLOCK_N,
-                                         False, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
-            if CAUSAL:
-                m_i, l_i, acc, _ = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + n_full,
-                                         n_full, m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, 0, 0,
-                                         BLOCK_N, BLOCK_N, True, s_layout, o_layout, HALF_IDX, LOOP == "pingpong",
-                                         FMA)
+            m_i, l_i, acc, _ = _causal_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step, n_tiles,
+                                            m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, BLOCK_N, BLOCK_N,
+                                            CAUSAL, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
         mbarrier.arrive(q_empty.index(slot), count=1)  # the tile's products have completed: its Q half is free
         acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         _store_rows(o_ptr, lse_ptr, acc, m_i + gl.log2(l_i), q_row + ROW0, s_layout, o_layout)
