@@ -259,7 +259,7 @@ def test_a_gqa_answer_that_stores_each_head_s_part_in_bf16_passes():
     inputs.shift_scores(raw[0], raw[1])
     q, k, v, do = (torch.from_numpy(a).to(torch.bfloat16).double().numpy() for a in raw)
     right = ref.attention_backward(q, k, v, do)[1]
-    _, parts, _ = ref.attention_backward(q, *(np.repeat(t, 2, axis=1) for t in (k, v)), do)
+    _, parts, _ = ref.attention_backward(q, *ref.repeat_kv_heads(q, k, v), do)
     parts = parts + 0.025  # each head's part off by the same 0.025: its arithmetic's error
     fused = parts.reshape(1, 1, 2, 150, 64).sum(axis=2)
     stored = torch.from_numpy(parts).to(torch.bfloat16).double().numpy().reshape(1, 1, 2, 150, 64).sum(axis=2)
@@ -277,7 +277,7 @@ def test_a_gqa_answer_that_stores_each_head_s_part_in_bf16_passes():
     far = right + 2 * (atol + rtol * np.abs(right) + extra) * (np.arange(right.size) == 7).reshape(right.shape)
     with pytest.raises(GradingError, match="dk is wrong in 1 of 9600 elements"):
         compare(far, extra)
-    assert p4._group_sum_roundoff(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), do, False, "bfloat16") == {}
+    assert p4._group_sum_roundoff(q, *ref.repeat_kv_heads(q, k, v), do, False, "bfloat16") == {}
 
 
 def _math_attention(q, k, v, causal=False):

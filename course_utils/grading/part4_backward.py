@@ -342,8 +342,7 @@ def _group_sum_roundoff(q64, k64, v64, do64, causal, dtype_name) -> dict:
     group = q64.shape[1] // k64.shape[1]
     if group == 1:
         return {}
-    k_rep, v_rep = (np.repeat(t, group, axis=1) for t in (k64, v64))
-    _, dk_rep, dv_rep = ref.attention_backward(q64, k_rep, v_rep, do64, causal=causal)
+    _, dk_rep, dv_rep = ref.attention_backward(q64, *ref.repeat_kv_heads(q64, k64, v64), do64, causal=causal)
     shape = (k64.shape[0], k64.shape[1], group) + k64.shape[2:]
     return {which: ROUNDOFF[dtype_name] * np.abs(parts).reshape(shape).sum(axis=2)
             for which, parts in ((1, dk_rep), (2, dv_rep))}
