@@ -167,7 +167,7 @@ for step in "$@"; do
         --kernels gluon_serial gluon_overlap gluon_overlap_pingpong gluon_fp8_serial gluon_fp8_overlap fast_2_per_sm \
         --stem "${NCU_STEM:-ncu_forward_h100}" ;;
     gluonwin)
-      run gluonwin_probe "$PY" benchmarks/hopper_ws_probe.py --kind window --limit 180 \
+      run gluonwin_probe "$PY" benchmarks/hopper_ws_probe.py --kind window --limit 180 --persistent only \
         --out "$OUT/hopper_ws_window_probe.json" ;;
     tests0)
       run tests0 "${PYTEST[@]}" -n 8 --timeout 120 tests/test_gpu_fast.py tests/test_gpu_fast_window.py \

@@ -67,9 +67,11 @@ WINDOW_CHECKS = [(256, 0, 2048), (200, 4, 2048), (1024, 4, 4096)]
 WINDOW_SPEED = [(1024, 0, 16384), (1024, 4, 16384), (256, 0, 16384), (4096, 4, 16384), (1024, 0, 65536)]
 
 
-def selected(kind: str, loops=None) -> list[dict]:
-    """The variants of ``kind`` in the order they run, those with a consumer loop in ``loops`` if given."""
-    return [v for v in VARIANTS if v.get("kind", "fwd") == kind and (not loops or v.get("loop") in loops)]
+def selected(kind: str, loops=None, persistent=None) -> list[dict]:
+    """The variants of ``kind`` in the order they run, those with a consumer loop in ``loops`` if given, and
+    only the persistent grids (``persistent=True``) or only the others (``False``) if given."""
+    return [v for v in VARIANTS if v.get("kind", "fwd") == kind and (not loops or v.get("loop") in loops)
+            and (persistent is None or bool(v.get("persistent")) == persistent)]
 
 
 def case_fields(kind: str, case) -> dict:
@@ -295,6 +297,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="default results/" + ", ".join(f"{f} (--kind {k})" for k, f in OUT.items()))
     parser.add_argument("--limit", type=int, default=60, help="seconds per case before it counts as hung")
     parser.add_argument("--loops", nargs="+", help="only the variants with these consumer loops (default: all)")
+    parser.add_argument("--persistent", choices=("only", "none"),
+                        help="only the persistent grids' variants, or none of them (default: all)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: one case, as JSON, in this process
     args = parser.parse_args(argv)
     if args.case:
@@ -309,9 +313,11 @@ def main(argv=None) -> int:
     info = dict(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=__import__("triton").__version__,
                 command=f"python benchmarks/hopper_ws_probe.py --kind {args.kind}"
-                        + (f" --loops {' '.join(args.loops)}" if args.loops else ""), complete=False)
+                        + (f" --loops {' '.join(args.loops)}" if args.loops else "")
+                        + (f" --persistent {args.persistent}" if args.persistent else ""), complete=False)
     rows = []
-    for variant in selected(args.kind, args.loops):
+    persistent = {"only": True, "none": False}.get(args.persistent)
+    for variant in selected(args.kind, args.loops, persistent):
         ok = True
         checks, speed = (WINDOW_CHECKS, WINDOW_SPEED) if args.kind == "window" else (CHECKS, SPEED)
         for mode, cases in (("check", checks), ("speed", speed)):

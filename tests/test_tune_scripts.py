@@ -583,3 +583,11 @@ def test_the_gluon_probe_can_time_some_loops_only():
     assert picked == [v for v in probe.selected("fwd") if v["loop"] in ("overlap", "serial")]
     assert {v.get("persistent", False) for v in picked} == {False, True}  # serial persistent too
     assert probe.selected("fp8", ["pipelined"]) == [] and len(probe.selected("fp8")) == 5
+
+
+def test_the_gluon_probe_can_time_the_persistent_grids_alone():
+    """hopper_ws_probe --persistent only|none: the window kind's variants split by grid, nothing lost or repeated."""
+    probe = _load("hopper_ws_probe")
+    only, none = probe.selected("window", persistent=True), probe.selected("window", persistent=False)
+    assert only and none and all(v.get("persistent") for v in only) and not any(v.get("persistent") for v in none)
+    assert sorted(map(str, only + none)) == sorted(map(str, probe.selected("window")))
