@@ -297,15 +297,15 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
 @needs_interpreter
 @pytest.mark.parametrize("window,sinks", [(256, 0), (200, 4)])
 def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monkeypatch, window, sinks):
-    """dispatch.GLUON_MIN_WINDOW: 4096 by default (None: a window keeps lesson 08's kernels); set with GLUON_MIN_N, a window
-    at least that wide runs hopper_ws.attention with the window and sinks (o and lse bit for bit), where it can run;
-    a narrower one does not."""
+    """dispatch.GLUON_MIN_WINDOW: 1024 by default (None: a window keeps lesson 08's kernels); set with GLUON_MIN_N, a window
+    at least that wide runs hopper_ws.attention with the window and sinks on its persistent grid (o and lse bit for
+    bit; GLUON_WINDOW_PERSISTENT), where it can run; a narrower one does not."""
     from course_utils import kernels
     from course_utils.kernels import dispatch
 
     g = torch.Generator().manual_seed(window)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
     q, k, v = (torch.randn(1, h, 768, 128, generator=g).half() for h in (4, 2, 2))
-    assert dispatch.GLUON_MIN_WINDOW == 4096
+    assert dispatch.GLUON_MIN_WINDOW == 1024 and dispatch.GLUON_WINDOW_PERSISTENT is True
     monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", None)
     monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
     with gluon_cpu.running():
@@ -313,8 +313,14 @@ def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monk
         monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 200)
         assert dispatch.gluon_applies(q, k, v, window) and not dispatch.gluon_applies(q, k, v, 128)
         assert not dispatch.gluon_applies(q, k, v, window, min_n=1024)  # N below GLUON_MIN_N
+        calls = record_calls(monkeypatch, (hopper_ws, "_launch_persistent"), (hopper_ws, "_launch"))
         o, lse = kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
-        want_o, want_lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks)
+        assert calls == ["_launch_persistent"]
+        want_o, want_lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, persistent=True)
+        monkeypatch.setattr(dispatch, "GLUON_WINDOW_PERSISTENT", False)  # a program per tile
+        calls.clear()
+        kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
+        assert calls == ["_launch"]
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=True, window_size=window,
                                       sink_size=sinks)

@@ -315,8 +315,8 @@ def test_the_persistent_grid_matches_the_float64_reference_on_a_hopper_gpu(b, hq
                                                      (True, 2, 384, 4)])
 def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, causal, h_kv, window, sinks):
     """dispatch.GLUON_MIN_N set (and GLUON_MIN_WINDOW, for lesson 08's window and sinks):
-    kernels.flash_attention_with_lse runs hopper_ws.attention (the same o and lse bit for bit), right against
-    float64, and its gradients through autograd too (whichever backward applies)."""
+    kernels.flash_attention_with_lse runs hopper_ws.attention (the same o and lse bit for bit; a window on the
+    persistent grid), right against float64, and its gradients through autograd too (whichever backward applies)."""
     from course_utils.kernels import dispatch, flash_attention, flash_attention_with_lse
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -326,7 +326,7 @@ def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch,
     monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 384)
     mask = dict(window_size=window, sink_size=sinks)
     o, lse = flash_attention_with_lse(q, k, v, causal, **mask)
-    want_o, want_lse = hopper_ws.attention(q, k, v, causal, **mask)
+    want_o, want_lse = hopper_ws.attention(q, k, v, causal, **mask, persistent=window is not None)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     arrays = [t.double().cpu().numpy() for t in (q, k, v)]
     ref = torch.from_numpy(references.attention(*arrays, causal=causal, **mask))

@@ -484,9 +484,9 @@ def _training(mine: str, other: str = "sdpa_cudnn", n=lambda n: True) -> str:
     return results.value_range(training_ratios(GLUON_TRAINING, mine, other, n))
 
 
-def _window(key, where=lambda r: True) -> str:
-    """The range of ``key(row)`` over the speed rows of the window probe's H100 run that match ``where``."""
-    rows = [r for r in results.load("hopper_ws_window_probe_h100")["rows"] if r["mode"] == "speed" and where(r)]
+def _window(key, where=lambda r: True, name: str = "hopper_ws_window_probe_h100") -> str:
+    """The range of ``key(row)`` over the speed rows of a window probe's H100 run (``name``) that match ``where``."""
+    rows = [r for r in results.load(name)["rows"] if r["mode"] == "speed" and where(r)]
     return results.value_range([key(r) for r in rows])
 
 
@@ -544,6 +544,42 @@ def test_the_lesson_and_the_readme_quote_the_gluon_training_and_window_runs_as_r
     # the claims: the route faster than lesson 07's pair at every point of every run; level at W = 1024
     assert float(over_pair.split("–")[0].rstrip("×")) > 1
     assert _window(lambda r: r["hopper_ws"] / r["course"], lambda r: r["window_size"] == 1024) == "0.99–1.03×"
+
+
+PERSISTENT_WINDOW = "hopper_ws_window_probe_persistent_h100"
+
+
+def test_the_persistent_window_probe_checked_what_it_timed_and_the_route_follows_it():
+    """The thirty-eighth session's H100 probe of the persistent Gluon grid with a window: both loops, every check
+    passed against float64 before timing, five speed points each; the route (GLUON_MIN_WINDOW, GLUON_WINDOW_PERSISTENT)
+    sends windows from 1024 keys to it because it was ahead of the course's kernel at every W = 1024 and 4096 point
+    and behind at W = 256."""
+    from course_utils.kernels import dispatch
+
+    doc = results.load(PERSISTENT_WINDOW)
+    assert doc["info"]["gpu"].startswith("NVIDIA H100") and doc["info"]["complete"]
+    assert all(r["persistent"] and r["err"] < 1e-2 and r["lse_err"] < 1e-4 for r in doc["rows"])
+    speed = [r for r in doc["rows"] if r["mode"] == "speed"]
+    assert len(speed) == 10 and {r["loop"] for r in speed} == {"serial", "pingpong"}
+    over_course = {(r["window_size"], r["loop"], r["sink_size"], r["n"]): r["hopper_ws"] / r["course"] for r in speed}
+    assert all(ratio > 1 for (w, *_), ratio in over_course.items() if w >= 1024)
+    assert all(ratio < 1 for (w, *_), ratio in over_course.items() if w < 1024)
+    assert dispatch.GLUON_MIN_WINDOW == 1024 and dispatch.GLUON_WINDOW_PERSISTENT
+
+
+def test_the_lesson_and_the_readme_quote_the_persistent_window_probe_as_recorded():
+    text, readme = _markdown(), _readme()
+    over = {w: _window(lambda r: r["hopper_ws"] / r["course"], lambda r, w=w: r["window_size"] == w, PERSISTENT_WINDOW)
+            for w in (256, 1024, 4096)}
+    flex = _window(lambda r: r["over_flex"], lambda r: r["window_size"] == 1024, PERSISTENT_WINDOW)
+    course = _window(lambda r: r["course"] / r["flex"], lambda r: r["window_size"] == 1024, PERSISTENT_WINDOW)
+    quote = (f"it read **{over[1024]}** the course's window forward at W = 1024, {over[4096]} at W = 4096 and "
+             f"{over[256]} at W = 256, and {flex} FlexAttention's at W = 1024, where the course's read {course} in the "
+             "same processes")
+    assert quote in text, f"lesson 11 should quote the recorded persistent window probe: {quote!r}"
+    quote = (f"the window forward read **{over[1024]} the course's at W = 1024** ({flex} FlexAttention's, the course's "
+             f"{course}), {over[4096]} at W = 4096 and {over[256]} at W = 256")
+    assert quote in readme, f"the README should quote the recorded persistent window probe: {quote!r}"
 
 
 def test_the_readme_quotes_the_h100_decode_run_and_the_main_sweep_with_lesson_11s_forwards_as_recorded():

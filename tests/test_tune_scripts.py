@@ -347,12 +347,12 @@ def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipp
 
     shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG)
     sinks = fb.GLUON_SINKS
-    assert shipped == (8192, 4096, fb.GLUON_DEFAULT)  # the defaults the script times against their absence
+    assert shipped == (8192, 1024, fb.GLUON_DEFAULT)  # the defaults the script times against their absence
     try:
         route_check.set_route("forward", False)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (None, None, fb.GLUON_DEFAULT)
         route_check.set_route("training", False)
-        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (8192, 4096, None)
+        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (8192, 1024, None)
         route_check.set_route("training", True)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
         route_check.set_route("forward", False)

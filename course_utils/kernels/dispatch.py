@@ -8,7 +8,8 @@ of :mod:`.backward` come here; nothing here calls back up to the package::
         -> launch_forward (the one decision)
             -> forward.flash_attention_mods_forward    (lesson 12's keywords: every machine)
             -> hopper_ws.attention                     (from GLUON_MIN_N tokens on, where set; a window too
-                                                        from GLUON_MIN_WINDOW keys, where set)
+                                                        from GLUON_MIN_WINDOW keys, where set, on the persistent
+                                                        grid while GLUON_WINDOW_PERSISTENT)
             -> fast_window.attention_forward_window    (a window the Hopper kernel supports: lessons 06 + 08)
             -> forward.flash_attention_window_forward  (any other window: lesson 08, every machine)
             -> fast.attention_forward_tuned            (plain attention the Hopper kernel supports)
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from . import fast, fast_window, forward, gluon_cpu
 
-__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "gluon_applies"]
+__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "GLUON_WINDOW_PERSISTENT", "gluon_applies"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
@@ -30,11 +31,17 @@ __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "g
 # at N = 4096 and 0.92-1.01x below (the H200's probe: 1.03-1.06x at 4k and 16k). None: never.
 GLUON_MIN_N: int | None = 8192
 # The same kernel with lesson 08's window (and sinks): where the window is at least this wide (and N reaches
-# GLUON_MIN_N). On an H100 (results/hopper_ws_window_probe_h100.json, N = 16k) it ran 1.08-1.09x the course's window
-# forward at W = 4096, 0.99-1.03x at 1024 and 0.82-0.84x at 256: a program's loop is as long as its window, and the
-# Gluon forward wins on long loops as it does on long sequences (one point per W: the window bench's full grid is
-# the check). None: never.
-GLUON_MIN_WINDOW: int | None = 4096
+# GLUON_MIN_N), on its persistent grid (GLUON_WINDOW_PERSISTENT). One program per (query block, head) tile ran 1.08-1.09x
+# the course's window forward at W = 4096 but 0.99-1.03x at 1024 and 0.82-0.84x at 256 (an H100, N = 16k,
+# results/hopper_ws_window_probe_h100.json): a window's loop is short, and each program pays its prologue and
+# epilogue alone. The persistent grid loads the next tile's Q under this one's loop, and ran 1.06-1.11x the course's
+# window forward at W = 1024 (N = 16k and 64k, with and without sinks), 1.01-1.02x at 4096 and 0.94-0.97x at 256 (an
+# H100, results/hopper_ws_window_probe_persistent_h100.json, both timed in the same process). None: never.
+GLUON_MIN_WINDOW: int | None = 1024
+# Whether a window on the Gluon route runs the persistent grid (hopper_ws.attention(..., persistent=True)) rather
+# than a program per tile: at W = 1024, 16k, 1.06-1.11x the course's window forward against 1.00-1.03x (each
+# measured beside the course's kernel in its own process, in two H100 probes hours apart), level at W = 4096.
+GLUON_WINDOW_PERSISTENT: bool = True
 
 
 def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
@@ -83,7 +90,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     lesson kernels of :mod:`.forward`: lesson 08's window kernel for a window,
     lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest. Where :func:`gluon_applies` (only
     when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead, and so does a window
-    of at least :data:`GLUON_MIN_WINDOW` keys where that is set.
+    of at least :data:`GLUON_MIN_WINDOW` keys where that is set (its persistent grid while
+    :data:`GLUON_WINDOW_PERSISTENT`).
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
         return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
@@ -93,7 +101,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     if gluon_applies(q, k, v, window_size):
         from .hopper_ws import attention as gluon_attention
 
-        return gluon_attention(q, k, v, causal, window_size=window_size, sink_size=sink_size)
+        persistent = window_size is not None and GLUON_WINDOW_PERSISTENT
+        return gluon_attention(q, k, v, causal, window_size=window_size, sink_size=sink_size, persistent=persistent)
     supported = fast.is_supported(q, k, v)
     if window_size is not None:
         if supported:
