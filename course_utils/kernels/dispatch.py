@@ -39,7 +39,7 @@ GLUON_MIN_N: int | None = 8192
 # H100, results/hopper_ws_window_probe_persistent_h100.json, both timed in the same process). None: never.
 GLUON_MIN_WINDOW: int | None = 1024
 # Whether a window on the Gluon route runs the persistent grid (hopper_ws.attention(..., persistent=True)) rather
-# than a program per tile: at W = 1024, 16k, 1.06-1.11x the course's window forward against 1.00-1.03x (each
+# than a program per tile: at W = 1024, 16k, 1.06-1.11x the course's window forward against 0.99-1.03x (each
 # measured beside the course's kernel in its own process, in two H100 probes hours apart), level at W = 4096.
 GLUON_WINDOW_PERSISTENT: bool = True
 
