@@ -98,7 +98,8 @@ def test_the_persistent_grid_walks_every_work_tile_once(causal, d, loop, n_progr
 
 @pytest.mark.parametrize("window,sinks,n,loop,n_programs", [
     (256, 0, 768, "serial", 3), (200, 4, 640, "pingpong", 2), (128, 130, 512, "serial", 5),
-    (64, 1, 384, "serial", 64)])  # more programs than work tiles
+    (64, 1, 384, "serial", 64),  # more programs than work tiles
+    (1000, 2, 384, "pingpong", 4)])  # a window wider than N (the route passes it unclipped): plain causal work
 def test_the_persistent_grid_walks_each_work_tile_s_window(window, sinks, n, loop, n_programs):
     """The persistent grid under lesson 08's window: each work tile's sink tiles, then its window's, the ring's
     position running on across work tiles of different lengths (a block near the start sees fewer tiles)."""
