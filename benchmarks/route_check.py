@@ -106,8 +106,8 @@ def measure(mode, point, rounds):
                           for a, b in zip(results[True], results[False]))
     if mode == "sinks":
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        # window.make_inputs' batch of 1 and 8 kv heads
-        row["model_picks_gluon"] = fast_backward.sink_walk_fits(1, 8, w, fast_backward.GLUON_DEFAULT.block_n1, sms)
+        row["model_picks_gluon"] = fast_backward.sink_walk_fits(window.BATCH, window.N_KV_HEADS, w,
+                                                                fast_backward.GLUON_DEFAULT.block_n1, sms)
     if row["rel_diff"] > cases.TOLERANCE:
         restore()
         return dict(row, status="mismatch")

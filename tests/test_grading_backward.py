@@ -264,7 +264,9 @@ def test_a_gqa_answer_that_stores_each_head_s_part_in_bf16_passes():
     fused = parts.reshape(1, 1, 2, 150, 64).sum(axis=2)
     stored = torch.from_numpy(parts).to(torch.bfloat16).double().numpy().reshape(1, 1, 2, 150, 64).sum(axis=2)
     atol, rtol = p4.TOLERANCE["bfloat16"]
-    extra = p4._group_sum_roundoff(q, k, v, do, False, "bfloat16")[1]
+    bf16_roundoff = torch.finfo(torch.bfloat16).eps / 2
+    assert bf16_roundoff == 2.0**-8  # bf16's 8-bit significand
+    extra = p4._group_sum_roundoff(q, k, v, do, False, bf16_roundoff)[1]
 
     def compare(got, extra_tol):
         Run("check_flash_backward", 0).compare(got, right, case="c", what="dk", atol=atol, rtol=rtol,
@@ -277,7 +279,7 @@ def test_a_gqa_answer_that_stores_each_head_s_part_in_bf16_passes():
     far = right + 2 * (atol + rtol * np.abs(right) + extra) * (np.arange(right.size) == 7).reshape(right.shape)
     with pytest.raises(GradingError, match="dk is wrong in 1 of 9600 elements"):
         compare(far, extra)
-    assert p4._group_sum_roundoff(q, *ref.repeat_kv_heads(q, k, v), do, False, "bfloat16") == {}
+    assert p4._group_sum_roundoff(q, *ref.repeat_kv_heads(q, k, v), do, False, bf16_roundoff) == {}
 
 
 def _math_attention(q, k, v, causal=False):

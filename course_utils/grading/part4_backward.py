@@ -48,9 +48,6 @@ RTOL = 1e-5
 # dS before the matrix products. Every diagnosed mistake is far larger.
 TOLERANCE = {"float32": (3e-3, 3e-3), "float16": (2e-2, 2e-2), "bfloat16": (6e-2, 6e-2)}
 TOLERANCE_GPU_FP32 = (1e-2, 1e-2)
-# The unit roundoff of each dtype (2^-p, p the significand's bits): how far storing a value in it may move it,
-# relative to the value.
-ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 # One plain sentence (or two) per diagnosis; the tests look for these texts.
 MSG_DELTA = (
@@ -333,18 +330,19 @@ def _flash_cases(rng, device):
     return cases
 
 
-def _group_sum_roundoff(q64, k64, v64, do64, causal, dtype_name) -> dict:
+def _group_sum_roundoff(q64, k64, v64, do64, causal, roundoff: float) -> dict:
     """``{1: dk's, 2: dv's}`` extra tolerance for GQA/MQA (empty for MHA): a right answer may store each query head's
     dK and dV in the input dtype and then add the group's heads up (flash-attn 2's GQA backward does), and each of
-    those stores may move a head's part by the dtype's roundoff of it. Where the parts are large and cancel, that
-    is more than a tolerance relative to their sum allows, so each element may differ by the roundoff of the sum
-    of its parts' magnitudes (float64, from the reference's backward with each kv head repeated for its group)."""
+    those stores may move a head's part by ``roundoff`` (the dtype's unit roundoff, ``torch.finfo(dtype).eps / 2``)
+    of it. Where the parts are large and cancel, that is more than a tolerance relative to their sum allows, so
+    each element may differ by the roundoff of the sum of its parts' magnitudes (float64, from the reference's
+    backward with each kv head repeated for its group)."""
     group = q64.shape[1] // k64.shape[1]
     if group == 1:
         return {}
     _, dk_rep, dv_rep = ref.attention_backward(q64, *ref.repeat_kv_heads(q64, k64, v64), do64, causal=causal)
     shape = (k64.shape[0], k64.shape[1], group) + k64.shape[2:]
-    return {which: ROUNDOFF[dtype_name] * np.abs(parts).reshape(shape).sum(axis=2)
+    return {which: roundoff * np.abs(parts).reshape(shape).sum(axis=2)
             for which, parts in ((1, dk_rep), (2, dv_rep))}
 
 
@@ -413,7 +411,7 @@ def grade_flash_backward(fn, *, seed=None):
         if changed:
             raise run.fail(changed, name)
         right = ref.attention_backward(q64, k64, v64, do64, causal=causal)
-        extra = _group_sum_roundoff(q64, k64, v64, do64, causal, dtype_name)
+        extra = _group_sum_roundoff(q64, k64, v64, do64, causal, torch.finfo(dtype).eps / 2)
         for which, label, shape in ((2, "dv", v.shape), (1, "dk", k.shape), (0, "dq", q.shape)):
             got = run.array(grads[which], expected_shape=tuple(shape), case=name, name=label)
             run.compare(got, right[which], case=name, what=label, atol=atol, rtol=rtol, extra_tol=extra.get(which, 0.0),
