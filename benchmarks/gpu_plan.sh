@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes routecheck hoststep grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes routecheck fma hoststep grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -34,6 +34,8 @@
 #           then gluontrain
 #   routecheck benchmarks/route_check.py: each public entry with its Gluon route as shipped against the same call with
 #           the route off, forward (plain and window thresholds) and forward + backward (autograd's backward), one process
+#   fma     benchmarks/route_check.py --modes fma: the Gluon forward's route with the softmax's scale in one FMA
+#           (dispatch.GLUON_FMA) against without it, at every forward point where the route runs, one process
 #   hoststep benchmarks/host_step.py --profile: the short window step's host time, layer by layer, through the Gluon
 #           backward's route and lesson 07's (HOST_BASE=REV first measures that commit's package the same way, from
 #           `git archive REV course_utils`, in the same call; or HOST_BASE=DIR, a folder holding that package, carried)
@@ -149,6 +151,8 @@ for step in "$@"; do
       done ;;
     routecheck)
       run route_check "$PY" benchmarks/route_check.py --out "$OUT/route_check.json" ;;
+    fma)
+      run route_fma "$PY" benchmarks/route_check.py --modes fma --out "$OUT/route_check_fma.json" ;;
     hoststep)
       if [[ -d "${HOST_BASE:-}" ]]; then  # a folder holding course_utils (the device's .git may lack the commit)
         run host_step_base "$PY" benchmarks/host_step.py --package "$HOST_BASE"
@@ -205,7 +209,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (routes routecheck hoststep grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (routes routecheck fma hoststep grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done

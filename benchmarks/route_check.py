@@ -12,7 +12,10 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
 - ``sinks``: forward + backward with 4 sinks at the same windows and lengths (where the window is shorter than N),
   the Gluon backward (``fast_backward.GLUON_SINKS = True``, ``on``) against lesson 07's pair (``False``, ``off``),
   the forward as shipped in both; each row also says which of the two ``fast_backward.sink_walk_fits`` picks
-  (``model_picks_gluon``: what ships, ``GLUON_SINKS = None``).
+  (``model_picks_gluon``: what ships, ``GLUON_SINKS = None``);
+- ``fma``: the forward alone where the Gluon forward runs (plain causal from 8k, the windows as ``forward``), with
+  the softmax's scale in one fused multiply-add (``dispatch.GLUON_FMA = True``, ``on``) against without it
+  (``False``, ``off``).
 
 bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
 main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
@@ -47,18 +50,22 @@ FORWARD_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
 TRAINING_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
     (w, 0, n) for w in (256, 1024, 4096) for n in (4096, 16384, 65536)]
 SINK_POINTS = [(w, 4, n) for w in (256, 1024, 4096) for n in (4096, 16384, 65536) if w < n]
+FMA_POINTS = [p for p in FORWARD_POINTS if p[2] >= 8192]
 QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)],
-         "sinks": [(1024, 4, 16384)]}
-MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS}
+         "sinks": [(1024, 4, 16384)], "fma": [(None, 0, 16384), (1024, 0, 16384)]}
+MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS, "fma": FMA_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
-               AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS)
+               AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
+               GLUON_FMA=dispatch.GLUON_FMA)
 
 
 def set_route(mode: str, on: bool) -> None:
     """``forward``: the two forward thresholds as shipped (``on``) or off, autograd's backward untouched (a forward
     never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped; ``sinks``:
-    the Gluon backward for sinks always (``on``) or never, the rest as shipped."""
+    the Gluon backward for sinks always (``on``) or never, the rest as shipped; ``fma``: the Gluon forward's FMA
+    softmax on or off, the rest as shipped."""
     forward_on = on or mode != "forward"
+    dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
     dispatch.GLUON_MIN_N = SHIPPED["GLUON_MIN_N"] if forward_on else None
     dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_WINDOW"] if forward_on else None
     fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on or mode != "training" else None
@@ -69,6 +76,7 @@ def restore() -> None:
     """Every switch as shipped."""
     dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_N"], SHIPPED["GLUON_MIN_WINDOW"]
     fast_backward.AUTOGRAD_CONFIG, fast_backward.GLUON_SINKS = SHIPPED["AUTOGRAD_CONFIG"], SHIPPED["GLUON_SINKS"]
+    dispatch.GLUON_FMA = SHIPPED["GLUON_FMA"]
 
 
 def make_step(mode, point):
@@ -76,16 +84,17 @@ def make_step(mode, point):
     for plain causal attention the training bench's main case, 16k tokens a batch), as a zero-argument callable
     returning what it computed: ``(o,)`` or ``(o, dq, dk, dv)``."""
     w, s, n = point
+    backward = mode in ("training", "sinks")  # the other modes time the forward alone
     if w is None:
         q, k, v = cases.make_inputs(cases.STANDARD_SUITE[0], n)
-        if mode == "training":
+        if backward:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             return training.make_training_step("course", q, k, v, torch.randn_like(q), True)
         forward = training.make_training_forward("course", q, k, v, True)
         return lambda: (forward(),)
-    q, k, v = window.make_inputs(n, requires_grad=mode != "forward")
+    q, k, v = window.make_inputs(n, requires_grad=backward)
     case = window.WindowCase(w, s, n)
-    if mode != "forward":
+    if backward:
         return window.make_training_step("course", q, k, v, torch.randn_like(q), case)
     forward = window.make_forward("course", q, k, v, case)
     return lambda: forward()[:1]

@@ -300,7 +300,7 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
 def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monkeypatch, window, sinks):
     """dispatch.GLUON_MIN_WINDOW: 1024 by default (None: a window keeps lesson 08's kernels); set with GLUON_MIN_N, a window
     at least that wide runs hopper_ws.attention with the window and sinks on its persistent grid (o and lse bit for
-    bit; GLUON_WINDOW_PERSISTENT), where it can run; a narrower one does not."""
+    bit; GLUON_WINDOW_PERSISTENT), where it can run; a narrower one does not. GLUON_FMA passes ``fma``."""
     from course_utils import kernels
     from course_utils.kernels import dispatch
 
@@ -322,10 +322,17 @@ def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monk
         calls.clear()
         kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
         assert calls == ["_launch"]
+        assert dispatch.GLUON_FMA is False  # the softmax's scale in one FMA: off as shipped, the kernel's when on
+        monkeypatch.setattr(dispatch, "GLUON_FMA", True)
+        monkeypatch.setattr(dispatch, "GLUON_WINDOW_PERSISTENT", True)
+        o_fma, lse_fma = kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
+        want_fma = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, persistent=True, fma=True)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    assert torch.equal(o_fma, want_fma[0]) and torch.equal(lse_fma, want_fma[1])
     ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=True, window_size=window,
                                       sink_size=sinks)
-    assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+    for o, lse in ((o, lse), (o_fma, lse_fma)):
+        assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
 @needs_interpreter

@@ -326,7 +326,8 @@ def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch,
     monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 384)
     mask = dict(window_size=window, sink_size=sinks)
     o, lse = flash_attention_with_lse(q, k, v, causal, **mask)
-    want_o, want_lse = hopper_ws.attention(q, k, v, causal, **mask, persistent=window is not None)
+    want_o, want_lse = hopper_ws.attention(q, k, v, causal, **mask, persistent=window is not None,
+                                           fma=dispatch.GLUON_FMA)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     arrays = [t.double().cpu().numpy() for t in (q, k, v)]
     ref = torch.from_numpy(references.attention(*arrays, causal=causal, **mask))

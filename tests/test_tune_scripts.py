@@ -372,6 +372,31 @@ def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipp
         fb.GLUON_SINKS = sinks
 
 
+def test_route_check_s_fma_mode_turns_the_fma_softmax_and_nothing_else():
+    """``fma``: ``dispatch.GLUON_FMA`` on or off, every threshold and the backward as shipped; ``restore`` puts back
+    the shipped value. Its points are where the Gluon forward runs (N from GLUON_MIN_N), and time the forward alone."""
+    from course_utils.kernels import dispatch
+
+    shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS)
+    fma = dispatch.GLUON_FMA
+    try:
+        for on in (True, False):
+            route_check.set_route("fma", on)
+            assert dispatch.GLUON_FMA is on
+            assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS) == shipped
+        route_check.set_route("fma", not fma)
+        route_check.set_route("forward", False)  # another mode leaves the switch as shipped
+        assert dispatch.GLUON_FMA is fma
+        route_check.set_route("fma", not fma)
+        route_check.restore()
+        assert dispatch.GLUON_FMA is fma
+    finally:
+        dispatch.GLUON_FMA = fma
+        route_check.restore()
+    assert route_check.FMA_POINTS and all(n >= dispatch.GLUON_MIN_N for _, _, n in route_check.FMA_POINTS)
+    assert set(route_check.FMA_POINTS) < set(route_check.FORWARD_POINTS)
+
+
 def test_route_check_s_sink_points_have_sinks_beyond_their_window():
     """The ``sinks`` points: 4 sinks and a window shorter than N (under a longer one the sinks select nothing and the
     call takes the Gluon backward either way)."""

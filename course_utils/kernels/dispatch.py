@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from . import fast, fast_window, forward, gluon_cpu
 
-__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "GLUON_WINDOW_PERSISTENT", "gluon_applies"]
+__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "GLUON_WINDOW_PERSISTENT", "GLUON_FMA",
+           "gluon_applies"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
@@ -42,6 +43,12 @@ GLUON_MIN_WINDOW: int | None = 1024
 # than a program per tile: at W = 1024, 16k, 1.06-1.11x the course's window forward against 0.99-1.03x (each
 # measured beside the course's kernel in its own process, in two H100 probes hours apart), level at W = 4096.
 GLUON_WINDOW_PERSISTENT: bool = True
+# Whether the Gluon route folds the softmax's scale into one fused multiply-add per score (hopper_ws.attention's
+# fma=True: the max taken on the raw scores, exp2(s * scale - m) in one instruction). In two H100 probes of the
+# one-program-per-tile grid (results/hopper_ws_probe{,_overlap}_h100.json) the serial loop with it read 1.01-1.03x
+# the serial loop without it beside cuDNN in the same processes; benchmarks/route_check.py --modes fma times the
+# route itself both ways.
+GLUON_FMA: bool = False
 
 
 def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
@@ -91,7 +98,7 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest. Where :func:`gluon_applies` (only
     when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead, and so does a window
     of at least :data:`GLUON_MIN_WINDOW` keys where that is set (its persistent grid while
-    :data:`GLUON_WINDOW_PERSISTENT`).
+    :data:`GLUON_WINDOW_PERSISTENT`; the softmax's scale in one FMA while :data:`GLUON_FMA`).
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
         return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
@@ -102,7 +109,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
         from .hopper_ws import attention as gluon_attention
 
         persistent = window_size is not None and GLUON_WINDOW_PERSISTENT
-        return gluon_attention(q, k, v, causal, window_size=window_size, sink_size=sink_size, persistent=persistent)
+        return gluon_attention(q, k, v, causal, window_size=window_size, sink_size=sink_size, persistent=persistent,
+                               fma=GLUON_FMA)
     supported = fast.is_supported(q, k, v)
     if window_size is not None:
         if supported:
