@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes routecheck fma hoststep grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes routecheck fma hoststep grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -21,6 +21,7 @@
 #           then benchmarks/hopper_ws_probe.py (every forward loop checked, then timed beside cuDNN and the
 #           course's forward); the probes write after every case, so a step stopped by its budget keeps its rows
 #   gluonfwd the probe of `gluon` alone (after suite2, which runs the Gluon tests and lesson 11 under nbval)
+#   gluonfwdp the probe's persistent grids with the serial loop, with and without the FMA softmax (causal and not)
 #   gluon8  hopper_ws_probe.py --kind fp8: the FP8 entry (hopper_ws.attention_fp8) checked against float32
 #           attention on the dequantised inputs, timed beside cuDNN's bf16 and the course's Triton FP8 kernel
 #   gluonbwd hopper_ws_probe.py --kind bwd: the Gluon dK/dV kernel (hopper_ws_bwd) with lesson 07's dQ, gradients
@@ -121,6 +122,9 @@ for step in "$@"; do
       run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
     gluonfwd)
       run gluon_probe "$PY" benchmarks/hopper_ws_probe.py --out "$OUT/hopper_ws_probe.json" ;;
+    gluonfwdp)
+      run gluon_probe_persistent "$PY" benchmarks/hopper_ws_probe.py --persistent only --loops serial \
+        --out "$OUT/hopper_ws_probe_persistent.json" ;;
     gluonoverlap)
       run gluon_overlap "$PY" benchmarks/hopper_ws_probe.py --loops overlap overlap_pingpong serial \
         --out "$OUT/hopper_ws_probe_overlap.json"
@@ -209,7 +213,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (routes routecheck fma hoststep grids gluon gluonfwd gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (routes routecheck fma hoststep grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done

@@ -48,6 +48,7 @@ VARIANTS = [dict(num_buffers=2, loop="serial", fma=False), dict(num_buffers=2, l
             dict(num_buffers=2, loop="overlap", fma=True), dict(num_buffers=2, loop="pingpong", fma=False),
             dict(num_buffers=2, loop="pingpong", fma=True), dict(num_buffers=2, loop="serial", fma=True),
             dict(num_buffers=2, loop="serial", fma=False, persistent=True),
+            dict(num_buffers=2, loop="serial", fma=True, persistent=True),
             dict(num_buffers=2, loop="pingpong", fma=True, persistent=True),
             dict(num_buffers=2, loop="pipelined", fma=False),  # the most promising first: a run may be cut short
             dict(kind="fp8", num_buffers=2, loop="serial"), dict(kind="fp8", num_buffers=2, loop="overlap_pingpong"),

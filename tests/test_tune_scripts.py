@@ -616,3 +616,5 @@ def test_the_gluon_probe_can_time_the_persistent_grids_alone():
     only, none = probe.selected("window", persistent=True), probe.selected("window", persistent=False)
     assert only and none and all(v.get("persistent") for v in only) and not any(v.get("persistent") for v in none)
     assert sorted(map(str, only + none)) == sorted(map(str, probe.selected("window")))
+    # gpu_plan's gluonfwdp: the forward's persistent serial loop with and without the FMA softmax
+    assert [v["fma"] for v in probe.selected("fwd", ["serial"], persistent=True)] == [False, True]
