@@ -29,9 +29,10 @@ FP8_CASES = [(True, 128, "serial", 2), (False, 128, "pingpong", 3), (True, 128, 
 # lesson 08's window (causal): D, loop, window_size, sink_size, FP8
 WINDOW_CASES = [(128, "serial", 1024, 4, False), (128, "pingpong", 256, 0, False), (64, "serial", 4096, 4, False),
                 (128, "serial", 1024, 4, True)]
-# the persistent grid: causal, D, loop, window_size, sink_size
-PERSISTENT_CASES = [(True, 128, "serial", None, 0), (False, 128, "pingpong", None, 0), (True, 128, "serial", 1024, 4),
-                    (True, 128, "pingpong", 256, 0)]
+# the persistent grid: causal, D, loop, window_size, sink_size, fma
+PERSISTENT_CASES = [(True, 128, "serial", None, 0, False), (False, 128, "pingpong", None, 0, False),
+                    (True, 128, "serial", 1024, 4, False), (True, 128, "pingpong", 256, 0, False),
+                    (True, 128, "serial", 1024, 4, True)]
 
 SCRIPT = r"""
 import json, sys, torch
@@ -57,12 +58,13 @@ for d, loop, window, sinks, fp8 in window_cases:
     launches_of.append(((q, k, v, True, 0.1, 2, loop, fp8, scales, 128, window, sinks),
                         f"window {d} {loop} {window} {sinks} {fp8}"))
 out = []
-for causal, d, loop, window, sinks in persistent_cases:
+for causal, d, loop, window, sinks, fma in persistent_cases:
     q, k = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16), torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
     with targets._captured_launches() as launches:
-        hopper_ws._launch_persistent(q, k, k, causal, 0.1, 2, loop, False, 132, window_size=window, sink_size=sinks)
+        hopper_ws._launch_persistent(q, k, k, causal, 0.1, 2, loop, fma, 132, window_size=window, sink_size=sinks)
     (kernel, args, kwargs), = launches
-    case = f"persistent {causal} {d} {loop}" + ("" if window is None else f" window {window} {sinks}")
+    case = (f"persistent {causal} {d} {loop}" + ("" if window is None else f" window {window} {sinks}")
+            + (" fma" if fma else ""))
     out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case, warnings=True)))
 for args, case in launches_of:
     with targets._captured_launches() as launches:
@@ -277,6 +279,7 @@ def test_the_fp8_entry_matches_the_courses_fp8_kernel_on_a_hopper_gpu(b, hq, hkv
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
                                        "tests above and tests/test_gluon_cpu.py's model stand in on a CPU")
+@pytest.mark.parametrize("fma", [False, True])  # the softmax's scale in one FMA (dispatch.GLUON_FMA)
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("b,hq,hkv,n,d,window,sinks,loop", [
     (1, 8, 2, 1024, 128, 256, 0, "serial"),
@@ -284,11 +287,13 @@ def test_the_fp8_entry_matches_the_courses_fp8_kernel_on_a_hopper_gpu(b, hq, hkv
     (2, 4, 4, 768, 64, 128, 130, "pingpong"),  # two sink tiles
     (1, 8, 2, 512, 128, 1000, 0, "serial"),  # wider than most rows' past
 ])
-def test_the_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, window, sinks, loop, persistent):
+def test_the_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, window, sinks, loop, persistent,
+                                                                  fma):
     """One program per query block, or the persistent grid walking the blocks' windows in turn."""
     g = torch.Generator(device="cuda").manual_seed(n + window)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
-    o, lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, loop=loop, persistent=persistent)
+    o, lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, loop=loop, persistent=persistent,
+                                 fma=fma)
     ro, rl = _reference(q, k, v, True, window_size=window, sink_size=sinks)
     rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
     assert rel < 1e-2, f"relative error of o: {rel:.2e}"
@@ -297,12 +302,13 @@ def test_the_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n,
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
                                        "tests above stand in on a CPU")
+@pytest.mark.parametrize("fma", [False, True])
 @pytest.mark.parametrize("b,hq,hkv,n,d,causal,loop", [
     (2, 8, 2, 1024, 128, True, "serial"), (1, 32, 8, 2048, 128, False, "pingpong"), (1, 4, 4, 384, 64, True, "serial")])
-def test_the_persistent_grid_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal, loop):
+def test_the_persistent_grid_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal, loop, fma):
     g = torch.Generator(device="cuda").manual_seed(n + d)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
-    o, lse = hopper_ws.attention(q, k, v, causal, loop=loop, persistent=True)
+    o, lse = hopper_ws.attention(q, k, v, causal, loop=loop, persistent=True, fma=fma)
     ro, rl = _reference(q, k, v, causal)
     rel = (torch.linalg.vector_norm(o.float() - ro) / torch.linalg.vector_norm(ro)).item()
     assert rel < 1e-2, f"relative error of o: {rel:.2e}"
