@@ -43,9 +43,12 @@ def test_lean_decode_on_a_gpu_matches_reference(b, hq, hkv, t, n, lengths, per_s
 
 @pytest.mark.skipif(not HOPPER, reason="the lean schedule's routing is measured on Hopper")
 def test_long_caches_run_the_lean_kernels_and_short_ones_lesson_09s_with_the_pdl_combine():
+    """From LEAN_MIN_BLOCKS blocks the lean schedule, but at B = 1 (lesson 09's launch at most one program per SM)
+    the PDL launch at twice its splits; shorter caches lesson 09's kernels with the PDL combine."""
     long = fast_decode.LEAN_MIN_BLOCKS * 64
     for b, n, kernels, choice in (
-            (1, long, ["_lean_split_kernel", "_lean_combine_kernel"], "lean"),
+            (4, long, ["_lean_split_kernel", "_lean_combine_kernel"], "lean"),
+            (1, long, ["_split_released", "_combine_waiting"], "pdl num_splits=32"),
             (1, 16384, ["_split_released", "_combine_waiting"], "pdl num_splits=32")):
         q, k, v, seqlens, want = _cache(b, 32, 8, 1, n, 128, [n] * b, seed=n + b)
         with targets._captured_launches(launch=True) as launches:

@@ -111,6 +111,8 @@ def test_the_lean_schedule_starts_at_long_contiguous_caches():
     assert "paged" in lean_rule(LEAN_MIN_BLOCKS * 64, 64, paged=True)
     assert "Hopper only" in lean_rule(LEAN_MIN_BLOCKS * 64, 64, capability=(8, 0))  # an A100: not measured
     assert lean_rule(LEAN_MIN_BLOCKS * 64, 64, capability=(10, 0)) is None
+    assert "twice its splits" in lean_rule(LEAN_MIN_BLOCKS * 64, 64, pdl_doubles=True)  # B = 1: the PDL launch
+    assert "starts at" in lean_rule(LEAN_MIN_BLOCKS * 64 - 64, 64, pdl_doubles=True)
     assert DEVICE in ("cpu", "cuda")
 
 
@@ -137,8 +139,14 @@ def test_lesson_09s_kernels_through_the_pdl_wrappers_give_their_bits(page_size):
     (4, 65536, 8, 8),  # 256 programs: more than one per SM already
     (16, 1024, 1, 1),  # one split: no combine to add
     (16, 16384, 2, 2),
+    (1, 65536, 16, 32),  # from 64k the lean schedule, but at B = 1 the PDL launch doubles (lean_rule)
+    (1, 131072, 16, 32),
+    (16, 65536, 2, 2),  # the lean schedule's
+    (64, 65536, 1, 1),
 ])
 def test_the_pdl_split_rule_on_an_h200(batch, context, lesson_09, pdl):
+    """pdl_num_splits at the decode grid's points on 132 SMs; from a 64k context only B = 1 doubles, which is where
+    lean_reason gives the lean schedule's points to the PDL launch."""
     n_blocks = context // 64
     splits = decode.pick_num_splits(batch, 8, 1, context, torch.device("cpu"), 64, sm_count=132)
     assert splits == lesson_09

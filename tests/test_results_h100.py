@@ -151,8 +151,29 @@ def test_the_readme_quotes_the_h100_decode_sweeps_as_recorded():
                   f"the best read {results.value_range(best, '.3f')} cuDNN, the shipped one "
                   f"{results.value_range(shipped, '.3f')}",
                   f"PDL at twice the splits read {results.value_range(lean['pdl x2'], '.3f')} cuDNN, the equal-shares "
-                  f"schedule the package runs there {results.value_range(lean['package'], '.3f')}"):
+                  f"schedule the package ran there {results.value_range(lean['package'], '.3f')}"):
         assert quote in readme, quote
+
+
+def test_the_readme_quotes_the_h200_sweep_behind_b_1_from_64k():
+    """results/pdl_splits.json from a 64k context at B = 1: the PDL launch at twice lesson 09's splits against the
+    lean schedule ('course' there), per round (three decimals), as the README quotes them beside the H100's sweep;
+    the rule that follows from it (fast_decode.lean_rule) gives B = 1 the PDL launch and no other batch."""
+    import torch
+
+    from course_utils.kernels import decode, fast_decode
+
+    rows = {r["L"]: r for r in results.load("pdl_splits")["rows"] if r["B"] == 1 and r["L"] >= 65536}
+    assert set(rows) == {65536, 131072} and all(r["lean"] and r["splits"] == 16 for r in rows.values())
+    fmt = lambda v: results.value_range(v, ".3f")  # noqa: E731
+    at64, at128 = rows[65536]["ratio"], rows[131072]["ratio"]
+    assert min(at64["pdl x2"]) > max(at64["course"])  # ahead at 64k; at 128k the two overlap
+    readme = readme_text()
+    assert f"at 64k ({fmt(at64['pdl x2'])} against {fmt(at64['course'])}," in readme
+    assert f"the two level at 128k ({fmt(at128['pdl x2'])} against {fmt(at128['course'])})" in readme
+    for batch, context, doubles in ((1, 65536, True), (1, 131072, True), (4, 65536, False), (16, 131072, False)):
+        splits = decode.pick_num_splits(batch, 8, 1, context, torch.device("cpu"), 64, sm_count=132)
+        assert (fast_decode.pdl_num_splits(batch, 8, 1, context // 64, splits, 132) > splits) is doubles
 
 
 def test_the_readme_quotes_the_forwards_with_the_routes_on_as_recorded():

@@ -35,7 +35,10 @@ context the lean schedule read as much as lesson 09's splits or up to 2.5%
 more (``B = 1`` at 128k); at 16k and shorter it read less at 10 of 12 points
 (its programs loop over pieces, and short shares pay the merge), so
 :func:`launch_decode` uses it only from :data:`LEAN_MIN_BLOCKS` blocks on,
-for contiguous caches on a Hopper GPU (the only one it was measured on).
+for contiguous caches on a Hopper GPU (the only one it was measured on), and
+not where lesson 09's launch is at most one program per SM and the PDL launch
+below doubles it (``B = 1``): there twice lesson 09's splits read more on an
+H200 and on an H100 (:func:`lean_rule`).
 
 Elsewhere on Hopper (contiguous caches) :func:`launch_decode` runs lesson 09's
 two kernels themselves, called as functions from two wrappers
@@ -80,7 +83,8 @@ PROGRAMS_PER_SM = 3  # programs per SM the shares are cut for: 3 read the most o
 #                      H200 (results/NOTES.md, "Decoding in equal shares"); 3 is what one SM holds of the 3-stage launch
 MIN_SHARE_BLOCKS = 2  # never a share of fewer K/V blocks than this
 LEAN_MIN_BLOCKS = 1024  # the lean schedule from this many K/V blocks per sequence's capacity (64k keys of 64):
-#                         level with or ahead of lesson 09's splits there, mostly behind them at 16k and shorter
+#                         level with or ahead of lesson 09's splits there, mostly behind them at 16k and shorter;
+#                         not where the PDL launch doubles a launch of at most one program per SM (lean_rule)
 # Below that, lesson 09's kernels with the combine launched by PDL, at more splits where a launch of at most one
 # program per SM leaves room (pdl_num_splits; results/pdl_splits.json, an H200): twice lesson 09's count when the
 # doubled launch is still at most one program per SM and each split reads at least PDL_ONE_WAVE_MIN_BLOCKS blocks,
@@ -429,13 +433,20 @@ def lean_reason(q, k_cache, block_table=None) -> str | None:
     if q.device.type != "cuda" or decode._interpreted(q.device):
         return "not on a GPU: the interpreter runs lesson 09's kernels"
     block_n = decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
-    return lean_rule(k_cache.shape[2], block_n, paged=block_table is not None, capability=_capability(q.device))
+    paged = block_table is not None
+    pdl_doubles = not paged and _pdl_ok(q.device) and pdl_splits_of(q, k_cache) > decode.launch_splits(q, k_cache)
+    return lean_rule(k_cache.shape[2], block_n, paged=paged, capability=_capability(q.device),
+                     pdl_doubles=pdl_doubles)
 
 
 def lean_rule(capacity: int, block_n: int, *, paged: bool = False,
-              capability: tuple[int, int] = (9, 0)) -> str | None:
+              capability: tuple[int, int] = (9, 0), pdl_doubles: bool = False) -> str | None:
     """:func:`lean_reason`'s rule for a GPU: Hopper or newer (where it was measured) and a contiguous cache of at
-    least :data:`LEAN_MIN_BLOCKS` blocks."""
+    least :data:`LEAN_MIN_BLOCKS` blocks, unless ``pdl_doubles``: lesson 09's launch is at most one program per SM
+    and :func:`pdl_num_splits` doubles it (``B = 1`` on 132 SMs). There the PDL launch at twice the splits read
+    1.000-1.002x cuDNN at 64k against the lean schedule's 0.987x, and 0.995-0.996x against 0.995-0.997x at 128k
+    (an H200, ``results/pdl_splits.json``); 0.996-0.997x against 0.981-0.993x at both (an H100,
+    ``results/tune_decode_lean_h100.json``), each pair in the same run."""
     if tuple(capability) < (9, 0):
         return (f"compute capability {capability[0]}.{capability[1]}: the lean schedule was measured on Hopper only, "
                 "other GPUs keep lesson 09's splits")
@@ -443,6 +454,9 @@ def lean_rule(capacity: int, block_n: int, *, paged: bool = False,
         return "a paged cache: pick_num_splits has measured rules for pages, the lean schedule was not measured"
     if triton.cdiv(capacity, block_n) < LEAN_MIN_BLOCKS:
         return f"a cache of {capacity} keys: the lean schedule starts at {LEAN_MIN_BLOCKS} blocks of {block_n}"
+    if pdl_doubles:
+        return ("lesson 09's launch has at most one program per SM, and the PDL combine at twice its splits reads "
+                "more than the lean schedule there")
     return None
 
 
