@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: routes routecheck fma hoststep grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: newgpu routes routecheck fma hoststep grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -52,6 +52,8 @@
 #   ncugluon Nsight Compute of the Gluon forward's serial loop, FA3's overlap and overlap + ping-pong + FMA, the FP8
 #           entry's serial loop and overlap, and lesson 06's two-per-SM kernel, in one run (ncu_forward.py --stem
 #           $NCU_STEM, default ncu_forward_h100: name it after the GPU the call got)
+#   newgpu  the GPU test files of the thirty-ninth session's changes: test_hopper_ws.py (the window and persistent
+#           grids with the FMA softmax, the route with GLUON_FMA) and test_gpu_fast_decode.py (B = 1 from 64k on PDL)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
@@ -177,6 +179,8 @@ for step in "$@"; do
     gluonwin)
       run gluonwin_probe "$PY" benchmarks/hopper_ws_probe.py --kind window --limit 180 --persistent only \
         --out "$OUT/hopper_ws_window_probe.json" ;;
+    newgpu)
+      run newgpu "${PYTEST[@]}" -n 4 --dist loadfile tests/test_hopper_ws.py tests/test_gpu_fast_decode.py ;;
     tests0)
       run tests0 "${PYTEST[@]}" -n 8 --timeout 120 tests/test_gpu_fast.py tests/test_gpu_fast_window.py \
         tests/test_gpu_fast_backward.py tests/test_gpu_fast_decode.py tests/test_kernels_fp8.py \
@@ -213,7 +217,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (routes routecheck fma hoststep grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (newgpu routes routecheck fma hoststep grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done
