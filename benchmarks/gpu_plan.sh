@@ -53,7 +53,8 @@
 #           entry's serial loop and overlap, and lesson 06's two-per-SM kernel, in one run (ncu_forward.py --stem
 #           $NCU_STEM, default ncu_forward_h100: name it after the GPU the call got)
 #   newgpu  the GPU test files of the thirty-ninth session's changes: test_hopper_ws.py (the window and persistent
-#           grids with the FMA softmax, the route with GLUON_FMA) and test_gpu_fast_decode.py (B = 1 from 64k on PDL)
+#           grids with the FMA softmax, the route with GLUON_FMA; its GPU tests only, not the sm_90 compiles CI runs)
+#           and test_gpu_fast_decode.py (B = 1 from 64k on PDL)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
@@ -180,7 +181,8 @@ for step in "$@"; do
       run gluonwin_probe "$PY" benchmarks/hopper_ws_probe.py --kind window --limit 180 --persistent only \
         --out "$OUT/hopper_ws_window_probe.json" ;;
     newgpu)
-      run newgpu "${PYTEST[@]}" -n 4 --dist loadfile tests/test_hopper_ws.py tests/test_gpu_fast_decode.py ;;
+      run newgpu "${PYTEST[@]}" -n 4 --dist loadfile tests/test_hopper_ws.py tests/test_gpu_fast_decode.py \
+        -k "hopper_gpu or decode or caches or pdl or paged" ;;
     tests0)
       run tests0 "${PYTEST[@]}" -n 8 --timeout 120 tests/test_gpu_fast.py tests/test_gpu_fast_window.py \
         tests/test_gpu_fast_backward.py tests/test_gpu_fast_decode.py tests/test_kernels_fp8.py \
