@@ -289,7 +289,7 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
         assert not dispatch.gluon_applies(q[..., :64], k[..., :64], v[..., :64], min_n=256)  # D = 64: not timed
         monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
         o, lse = kernels.flash_attention_with_lse(q, k, v, causal)
-        want_o, want_lse = hopper_ws.attention(q, k, v, causal)
+        want_o, want_lse = hopper_ws.attention(q, k, v, causal, fma=True)  # dispatch.GLUON_FMA, as shipped
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=causal)
     assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
@@ -317,21 +317,22 @@ def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monk
         calls = record_calls(monkeypatch, (hopper_ws, "_launch_persistent"), (hopper_ws, "_launch"))
         o, lse = kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
         assert calls == ["_launch_persistent"]
-        want_o, want_lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, persistent=True)
+        want_o, want_lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, persistent=True,
+                                               fma=True)
         monkeypatch.setattr(dispatch, "GLUON_WINDOW_PERSISTENT", False)  # a program per tile
         calls.clear()
         kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
         assert calls == ["_launch"]
-        assert dispatch.GLUON_FMA is False  # the softmax's scale in one FMA: off as shipped, the kernel's when on
-        monkeypatch.setattr(dispatch, "GLUON_FMA", True)
+        assert dispatch.GLUON_FMA is True  # the softmax's scale in one FMA, as shipped; off, the kernel without it
+        monkeypatch.setattr(dispatch, "GLUON_FMA", False)
         monkeypatch.setattr(dispatch, "GLUON_WINDOW_PERSISTENT", True)
-        o_fma, lse_fma = kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
-        want_fma = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, persistent=True, fma=True)
+        o_plain, lse_plain = kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
+        want_plain = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, persistent=True)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
-    assert torch.equal(o_fma, want_fma[0]) and torch.equal(lse_fma, want_fma[1])
+    assert torch.equal(o_plain, want_plain[0]) and torch.equal(lse_plain, want_plain[1])
     ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=True, window_size=window,
                                       sink_size=sinks)
-    for o, lse in ((o, lse), (o_fma, lse_fma)):
+    for o, lse in ((o, lse), (o_plain, lse_plain)):
         assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 

@@ -5,6 +5,8 @@ Each run checked every output before timing it; each figure quoted is recomputed
 for, at the precision written, in the sentence that quotes it.
 """
 
+import statistics
+
 from course_utils import results
 from course_utils.kernels.fast_backward import sink_walk_fits
 
@@ -447,3 +449,66 @@ def test_the_readme_quotes_the_bound_window_forward_and_the_sinks_route_as_measu
     w256 = _bound_window("training", FWDBOUND_WINDOW)[(256, 0, 4096)]
     quote = f"two more runs of the grid read {' and '.join(f'{v:.2f}×' for v in sorted(w256))} there"
     assert quote in markdown_text("08_sliding_window_and_sinks"), quote
+
+
+def test_the_readme_quotes_the_thirty_ninth_session_s_h100_runs_as_recorded():
+    """The window grid with the persistent Gluon route (merged from three calls), its W = 4096 rerun, the FMA route
+    check, and the decode and training runs with B = 1 from 64k on the PDL launch: every quoted number derived."""
+    fmt = lambda v: results.value_range(list(v))  # noqa: E731
+    grid = results.load("window_bench_h100_persistent")
+    ratios = {m: {(r["window_size"], r["sink_size"], r["n"]): r["course_over_flex"] for r in grid["ratios"]
+                  if r["mode"] == m} for m in ("forward", "training")}
+    assert all(len(v) == 30 for v in ratios.values())
+    fwd, train = ratios["forward"], ratios["training"]
+    under_fwd = sorted(k for k, v in fwd.items() if v < 1.3)
+    assert under_fwd == [(1024, 0, 16384), (1024, 0, 32768), (4096, 0, 65536), (4096, 4, 32768), (4096, 4, 65536)]
+    under_before = [sum(r["course_over_flex"] < 1.3 for r in results.load(name)["ratios"] if r["mode"] == "forward")
+                    for name in ("window_bench_h100_fwdbound", "window_bench_h100_fwdbound_run2")]
+    under_train = sorted(k for k, v in train.items() if v < 1.2)
+    assert under_train == [(256, 0, 4096), (1024, 0, 4096), (4096, 0, 32768), (4096, 0, 65536)]
+    rerun = {(r["window_size"], r["n"]): r["course_over_flex"] for r in results.load(
+        "window_bench_h100_persistent_w4096")["ratios"] if r["mode"] == "training"}
+    fma = results.load("route_check_fma_h100")
+    assert fma["shipped"]["GLUON_FMA"] is False and all(r["status"] == "ok" for r in fma["rows"])
+    plain = [r["on_over_off"] for r in fma["rows"] if r["window_size"] is None]
+    windows = [r["on_over_off"] for r in fma["rows"] if r["window_size"] is not None]
+    decode = {(s["batch"], s["context"]): s for s in results.load("decode_bench_h100_run9")["summary"]}
+    dec = [s["course_vs_sdpa"] for s in decode.values()]
+    ceiling = [s["course_vs_ceiling"] for b, _ in decode for s in [decode[(b, _)]] if b >= 16]
+    assert all(decode[(1, c)]["num_splits"] == "pdl num_splits=32" for c in (65536, 131072))
+    before = [s["course_vs_sdpa"] for name in ("decode_bench_h100_run7", "decode_bench_h100_run8")
+              for s in results.load(name)["summary"] if s["batch"] == 1 and s["context"] >= 65536]
+    cudnn = training_ratios(("training_bench_h100_run9",), "course", "sdpa_cudnn", lambda n: n >= 4096)
+    flash = training_ratios(("training_bench_h100_run9",), "course", "sdpa_flash", lambda n: n >= 4096)
+    w4096 = [fwd[(4096, 0, n)] for n in (16384, 32768, 65536)]
+    quotes = [
+        f"the forward **{fmt(fwd.values())}** FlexAttention, under 1.3× at {len(under_fwd)} of the 30 points",
+        f"1.3× at {len(under_fwd)} of the 30 points (W = 1024 without sinks at 16k and 32k, W = 4096 without sinks at "
+        f"64k, with 4 sinks at 32k and 64k: {fmt([fwd[k] for k in under_fwd])}), against {under_before[0]} and "
+        f"{under_before[1]} in the two grids before",
+        f"W = 4096 without sinks from 16k read {', '.join(f'{v:.2f}×' for v in w4096[:2])} and {w4096[2]:.2f}×",
+        f"Forward + backward {fmt(train.values())}, under 1.2× at {len(under_train)} points",
+        f"(steps paced by the host, {train[(256, 0, 4096)]:.2f}× and {train[(1024, 0, 4096)]:.2f}×)",
+        f"at 32k ({train[(4096, 0, 32768)]:.2f}×) and at 64k ({train[(4096, 0, 65536)]:.2f}×; the same point in the "
+        f"next call read {rerun[(4096, 65536)]:.2f}×",
+        f"the public forward {plain[0]:.3f}× and {plain[1]:.3f}× as fast with it at plain causal 8k and 16k, "
+        f"{fmt(windows)} (median {statistics.median(windows):.3f}×) at the {len(windows)} window points",
+        f"those two points read {fmt([decode[(1, c)]['course_vs_sdpa'] for c in (65536, 131072)])} the best SDPA "
+        f"backend ({fmt(before)} in the runs before)",
+        f"the grid {fmt(dec)}, under 1.0× at {sum(v < 1 for v in dec)} of the 19 points by at most "
+        f"{1 - min(dec):.1%}",
+        f"{results.value_range([100 * v for v in ceiling], '.0f', '%')} of the read ceiling at B ≥ 16",
+        f"Training at N ≥ 4k {fmt(cudnn)} cuDNN, {fmt(flash)} SDPA flash",
+    ]
+    readme = readme_text()
+    for quote in quotes:
+        assert quote in readme, quote
+
+
+def test_lesson_11_quotes_the_fma_route_check():
+    """Lesson 11's sentence on dispatch.GLUON_FMA: the route check's two plain causal points, as recorded."""
+    rows = [r for r in results.load("route_check_fma_h100")["rows"] if r["window_size"] is None]
+    assert [r["n"] for r in rows] == [8192, 16384]
+    text = " ".join(markdown_text("11_hopper_and_fp8").split())
+    assert (f"public forward {rows[0]['on_over_off']:.3f}× and {rows[1]['on_over_off']:.3f}× as fast with the causal "
+            "mask at 8k and 16k in the route check") in text
