@@ -37,7 +37,8 @@
 #           the route off, forward (plain and window thresholds) and forward + backward (autograd's backward), one process
 #   fma     benchmarks/route_check.py --modes fma: the Gluon forward's route with the softmax's scale in one FMA
 #           (dispatch.GLUON_FMA) against without it, at every forward point where the route runs, one process, four
-#           rounds (the route checks of the same route on and off have read 0.93-1.03x at W = 1024)
+#           rounds (the route checks of the same route on and off have read 0.93-1.03x at W = 1024); and --modes
+#           persistent: plain attention without the causal mask on the persistent grid against a program per tile
 #   hoststep benchmarks/host_step.py --profile: the short window step's host time, layer by layer, through the Gluon
 #           backward's route and lesson 07's (HOST_BASE=REV first measures that commit's package the same way, from
 #           `git archive REV course_utils`, in the same call; or HOST_BASE=DIR, a folder holding that package, carried)
@@ -160,7 +161,7 @@ for step in "$@"; do
     routecheck)
       run route_check "$PY" benchmarks/route_check.py --out "$OUT/route_check.json" ;;
     fma)
-      run route_fma "$PY" benchmarks/route_check.py --modes fma --rounds 4 --out "$OUT/route_check_fma.json" ;;
+      run route_fma "$PY" benchmarks/route_check.py --modes fma persistent --rounds 4 --out "$OUT/route_check_fma.json" ;;
     hoststep)
       if [[ -d "${HOST_BASE:-}" ]]; then  # a folder holding course_utils (the device's .git may lack the commit)
         run host_step_base "$PY" benchmarks/host_step.py --package "$HOST_BASE"

@@ -273,8 +273,9 @@ def test_every_launch_of_the_gluon_backward_computes_the_gradients(d, causal):
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monkeypatch, causal):
     """dispatch.GLUON_MIN_N: 8192 by default (None: the route is off); set, plain attention of at least that many tokens
-    at D = 128 runs hopper_ws.attention (the same o and lse bit for bit) where it can run: a Hopper GPU, here its
-    model. A window, a shorter N, D = 64 or a CPU outside the model keep the course's kernels."""
+    at D = 128 runs hopper_ws.attention (the same o and lse bit for bit; without the causal mask on its persistent
+    grid) where it can run: a Hopper GPU, here its model. A window, a shorter N, D = 64 or a CPU outside the model
+    keep the course's kernels."""
     from course_utils import kernels
     from course_utils.kernels import dispatch
 
@@ -288,8 +289,17 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
         assert not dispatch.gluon_applies(q, k, v, 64, min_n=256)  # a window: lesson 08's kernels
         assert not dispatch.gluon_applies(q[..., :64], k[..., :64], v[..., :64], min_n=256)  # D = 64: not timed
         monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
+        assert dispatch.GLUON_NONCAUSAL_PERSISTENT is True and dispatch.GLUON_FMA is True
+        calls = record_calls(monkeypatch, (hopper_ws, "_launch_persistent"), (hopper_ws, "_launch"))
         o, lse = kernels.flash_attention_with_lse(q, k, v, causal)
-        want_o, want_lse = hopper_ws.attention(q, k, v, causal, fma=True)  # dispatch.GLUON_FMA, as shipped
+        # without the causal mask the persistent grid (GLUON_NONCAUSAL_PERSISTENT), with it a program per tile
+        assert calls == (["_launch"] if causal else ["_launch_persistent"])
+        want_o, want_lse = hopper_ws.attention(q, k, v, causal, fma=True, persistent=not causal)
+        if not causal:  # switched off: a program per tile
+            monkeypatch.setattr(dispatch, "GLUON_NONCAUSAL_PERSISTENT", False)
+            calls.clear()
+            kernels.flash_attention_with_lse(q, k, v, causal)
+            assert calls == ["_launch"]
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=causal)
     assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4

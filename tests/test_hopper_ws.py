@@ -304,7 +304,8 @@ def test_the_window_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n,
                                        "tests above stand in on a CPU")
 @pytest.mark.parametrize("fma", [False, True])
 @pytest.mark.parametrize("b,hq,hkv,n,d,causal,loop", [
-    (2, 8, 2, 1024, 128, True, "serial"), (1, 32, 8, 2048, 128, False, "pingpong"), (1, 4, 4, 384, 64, True, "serial")])
+    (2, 8, 2, 1024, 128, True, "serial"), (1, 32, 8, 2048, 128, False, "pingpong"), (1, 4, 4, 384, 64, True, "serial"),
+    (2, 8, 2, 1024, 128, False, "serial")])  # the route's launch without the causal mask (GLUON_NONCAUSAL_PERSISTENT)
 def test_the_persistent_grid_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal, loop, fma):
     g = torch.Generator(device="cuda").manual_seed(n + d)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
@@ -332,8 +333,9 @@ def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch,
     monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 384)
     mask = dict(window_size=window, sink_size=sinks)
     o, lse = flash_attention_with_lse(q, k, v, causal, **mask)
-    want_o, want_lse = hopper_ws.attention(q, k, v, causal, **mask, persistent=window is not None,
-                                           fma=dispatch.GLUON_FMA)
+    persistent = dispatch.GLUON_WINDOW_PERSISTENT if window is not None else not causal and \
+        dispatch.GLUON_NONCAUSAL_PERSISTENT
+    want_o, want_lse = hopper_ws.attention(q, k, v, causal, **mask, persistent=persistent, fma=dispatch.GLUON_FMA)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     arrays = [t.double().cpu().numpy() for t in (q, k, v)]
     ref = torch.from_numpy(references.attention(*arrays, causal=causal, **mask))

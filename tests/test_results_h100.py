@@ -512,3 +512,19 @@ def test_lesson_11_quotes_the_fma_route_check():
     text = " ".join(markdown_text("11_hopper_and_fp8").split())
     assert (f"public forward {rows[0]['on_over_off']:.3f}× and {rows[1]['on_over_off']:.3f}× as fast with the causal "
             "mask at 8k and 16k in the route check") in text
+
+
+def test_the_readme_quotes_the_probes_behind_the_noncausal_persistent_route():
+    """dispatch.GLUON_NONCAUSAL_PERSISTENT's evidence: the two H100 forward probes' serial loop without the FMA softmax,
+    persistent grid against a program per tile, each beside cuDNN; causal, the persistent grid read less."""
+    by = {}
+    for name in ("hopper_ws_probe_h100", "hopper_ws_probe_overlap_h100"):
+        for r in results.load(name)["rows"]:
+            if r.get("mode") == "speed" and "hopper_ws" in r and r["loop"] == "serial" and not r["fma"]:
+                by.setdefault((r["causal"], r["n"], bool(r.get("persistent"))), []).append(r["hopper_ws"] / r["cudnn"])
+    persistent, per_tile = by[(False, 16384, True)], by[(False, 16384, False)]
+    assert len(persistent) == len(per_tile) == 2 and min(persistent) > max(per_tile)
+    assert max(by[(True, 16384, True)]) < min(by[(True, 16384, False)])  # causal: the persistent grid read less
+    quote = (f"{persistent[0]:.3f}× and {persistent[1]:.3f}× cuDNN against {per_tile[0]:.3f}× and {per_tile[1]:.3f}× "
+             "for a program per tile in the two forward probes at 16k")
+    assert quote in readme_text(), quote

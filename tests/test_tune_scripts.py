@@ -397,6 +397,32 @@ def test_route_check_s_fma_mode_turns_the_fma_softmax_and_nothing_else():
     assert set(route_check.FMA_POINTS) < set(route_check.FORWARD_POINTS)
 
 
+def test_route_check_s_persistent_mode_turns_the_noncausal_persistent_grid_and_nothing_else():
+    """``persistent``: ``dispatch.GLUON_NONCAUSAL_PERSISTENT`` on or off, everything else as shipped; its points are
+    plain attention from GLUON_MIN_N, the one mode timed without the causal mask."""
+    from course_utils.kernels import dispatch
+
+    shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA)
+    persistent = dispatch.GLUON_NONCAUSAL_PERSISTENT
+    try:
+        for on in (False, True):
+            route_check.set_route("persistent", on)
+            assert dispatch.GLUON_NONCAUSAL_PERSISTENT is on
+            assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS,
+                    dispatch.GLUON_FMA) == shipped
+        route_check.set_route("persistent", not persistent)
+        route_check.set_route("fma", True)  # another mode leaves it as shipped
+        assert dispatch.GLUON_NONCAUSAL_PERSISTENT is persistent
+        route_check.set_route("persistent", not persistent)
+        route_check.restore()
+        assert dispatch.GLUON_NONCAUSAL_PERSISTENT is persistent and dispatch.GLUON_FMA is shipped[-1]
+    finally:
+        dispatch.GLUON_NONCAUSAL_PERSISTENT = persistent
+        route_check.restore()
+    points = route_check.PERSISTENT_POINTS
+    assert points and all(w is None and n >= dispatch.GLUON_MIN_N for w, _, n in points)
+
+
 def test_route_check_s_sink_points_have_sinks_beyond_their_window():
     """The ``sinks`` points: 4 sinks and a window shorter than N (under a longer one the sinks select nothing and the
     call takes the Gluon backward either way)."""

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from . import fast, fast_window, forward, gluon_cpu
 
-__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "GLUON_WINDOW_PERSISTENT", "GLUON_FMA",
-           "gluon_applies"]
+__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "GLUON_WINDOW_PERSISTENT",
+           "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "gluon_applies"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
@@ -43,6 +43,14 @@ GLUON_MIN_WINDOW: int | None = 1024
 # than a program per tile: at W = 1024, 16k, 1.06-1.11x the course's window forward against 0.99-1.03x (each
 # measured beside the course's kernel in its own process, in two H100 probes hours apart), level at W = 4096.
 GLUON_WINDOW_PERSISTENT: bool = True
+# Whether plain attention without the causal mask on the Gluon route runs the persistent grid: every work tile is
+# as long as every other, and the next tile's Q lands under this one's loop. In two H100 probes at non-causal 16k
+# (results/hopper_ws_probe{,_overlap}_h100.json, the serial loop without the FMA softmax, each beside cuDNN in its own
+# process) it read 0.954x and 0.943x cuDNN against the one-program-per-tile grid's 0.914x and 0.909x (0.940x and
+# 0.934x with the FMA softmax). Under the causal mask the persistent grid lost (0.92x against 0.96x at 16k, 0.92x
+# against 0.93x at 4k), so causal attention keeps a program per tile. Timed at 16k only; route_check.py --modes
+# persistent times the route both ways at 8k and 16k.
+GLUON_NONCAUSAL_PERSISTENT: bool = True
 # Whether the Gluon route folds the softmax's scale into one fused multiply-add per score (hopper_ws.attention's
 # fma=True: the max taken on the raw scores, exp2(s * scale - m) in one instruction). In two H100 probes of the
 # one-program-per-tile grid (results/hopper_ws_probe{,_overlap}_h100.json) the serial loop with it read 1.01-1.03x
@@ -99,7 +107,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest. Where :func:`gluon_applies` (only
     when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead, and so does a window
     of at least :data:`GLUON_MIN_WINDOW` keys where that is set (its persistent grid while
-    :data:`GLUON_WINDOW_PERSISTENT`; the softmax's scale in one FMA while :data:`GLUON_FMA`).
+    :data:`GLUON_WINDOW_PERSISTENT`, and without the causal mask while :data:`GLUON_NONCAUSAL_PERSISTENT`; the
+    softmax's scale in one FMA while :data:`GLUON_FMA`).
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
         return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
@@ -109,7 +118,7 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     if gluon_applies(q, k, v, window_size):
         from .hopper_ws import attention as gluon_attention
 
-        persistent = window_size is not None and GLUON_WINDOW_PERSISTENT
+        persistent = GLUON_WINDOW_PERSISTENT if window_size is not None else not causal and GLUON_NONCAUSAL_PERSISTENT
         return gluon_attention(q, k, v, causal, window_size=window_size, sink_size=sink_size, persistent=persistent,
                                fma=GLUON_FMA)
     supported = fast.is_supported(q, k, v)
