@@ -216,6 +216,12 @@ def readme_text() -> str:
     return " ".join((REPO / "README.md").read_text().split())
 
 
+def assert_quoted(text: str, quotes) -> None:
+    """Each of ``quotes`` appears in ``text`` word for word (the failure names the missing one)."""
+    for quote in quotes:
+        assert quote in text, quote
+
+
 def training_ratios(runs, mine: str, other: str = "sdpa_cudnn", n=lambda n: True) -> list[float]:
     """Over the recorded training-bench runs ``runs`` (results/ names): ``other``'s time over ``mine``'s (``mine``'s
     speed relative to ``other``) at every N matching ``n``, one value per run and N."""

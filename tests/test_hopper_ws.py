@@ -333,9 +333,8 @@ def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch,
     monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 384)
     mask = dict(window_size=window, sink_size=sinks)
     o, lse = flash_attention_with_lse(q, k, v, causal, **mask)
-    persistent = dispatch.GLUON_WINDOW_PERSISTENT if window is not None else not causal and \
-        dispatch.GLUON_NONCAUSAL_PERSISTENT
-    want_o, want_lse = hopper_ws.attention(q, k, v, causal, **mask, persistent=persistent, fma=dispatch.GLUON_FMA)
+    want_o, want_lse = hopper_ws.attention(q, k, v, causal, **mask, persistent=dispatch.gluon_persistent(causal, window),
+                                           fma=dispatch.GLUON_FMA)
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     arrays = [t.double().cpu().numpy() for t in (q, k, v)]
     ref = torch.from_numpy(references.attention(*arrays, causal=causal, **mask))

@@ -10,7 +10,7 @@ import statistics
 from course_utils import results
 from course_utils.kernels.fast_backward import sink_walk_fits
 
-from conftest import markdown_text, readme_text, training_ratios
+from conftest import assert_quoted, markdown_text, readme_text, training_ratios
 
 TRAINING = ("training_bench_h100", "training_bench_h100_run2", "training_bench_h100_run3")
 WINDOW = ("window_bench_h100", "window_bench_h100_run2")
@@ -87,8 +87,7 @@ def test_the_readme_and_lesson_08_quote_the_h100_window_grids_as_recorded():
         f"at W = 256 without sinks and N = 4k ({results.value_range(trn[(256, 0, 4096)])})",
     ]
     readme = readme_text()
-    for quote in quotes:
-        assert quote in readme, quote
+    assert_quoted(readme, quotes)
     # the points the README names as under the targets in both runs
     assert {p for p, vs in below_fwd.items() if max(vs) < 1.3} == {
         (1024, 0, 16384), (1024, 0, 65536), (4096, 4, 65536), (4096, 0, 16384), (4096, 0, 32768), (4096, 0, 65536)}
@@ -277,8 +276,7 @@ def test_the_readme_quotes_the_host_time_trim_as_measured():
     ]
     assert quick[(1024, 4096)] >= 1.2 > max(quick[(256, 4096)], quick[(256, 8192)])
     readme = readme_text()
-    for quote in quotes:
-        assert quote in readme, quote
+    assert_quoted(readme, quotes)
     lesson = markdown_text("08_sliding_window_and_sinks")
     for quote in (f"from {before['step gluon']} µs to {after['step gluon']} µs",
                   f"`W = 1024` at `N = 4k` from {vr(grid[(1024, 0, 4096)])} to {f(quick[(1024, 4096)])} FlexAttention "
@@ -367,8 +365,7 @@ def test_the_readme_quotes_the_bound_launches_as_measured():
         f"{100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% of the read ceiling at B ≥ 16",
     ]
     readme = readme_text()
-    for quote in quotes:
-        assert quote in readme, quote
+    assert_quoted(readme, quotes)
     lesson = markdown_text("08_sliding_window_and_sinks")
     times = [x["kernel_grid_us"] / x["compiled_run_us"] for x in bound["launches"]]
     for quote in (f"from {b['step gluon']} µs to {a['step gluon']} µs",
@@ -501,8 +498,7 @@ def test_the_readme_quotes_the_thirty_ninth_session_s_h100_runs_as_recorded():
         f"Training at N ≥ 4k {fmt(cudnn)} cuDNN, {fmt(flash)} SDPA flash",
     ]
     readme = readme_text()
-    for quote in quotes:
-        assert quote in readme, quote
+    assert_quoted(readme, quotes)
 
 
 def test_lesson_11_quotes_the_fma_route_check():

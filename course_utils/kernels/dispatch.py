@@ -8,8 +8,8 @@ of :mod:`.backward` come here; nothing here calls back up to the package::
         -> launch_forward (the one decision)
             -> forward.flash_attention_mods_forward    (lesson 12's keywords: every machine)
             -> hopper_ws.attention                     (from GLUON_MIN_N tokens on, where set; a window too
-                                                        from GLUON_MIN_WINDOW keys, where set, on the persistent
-                                                        grid while GLUON_WINDOW_PERSISTENT)
+                                                        from GLUON_MIN_WINDOW keys, where set; on the persistent
+                                                        grid where gluon_persistent says so)
             -> fast_window.attention_forward_window    (a window the Hopper kernel supports: lessons 06 + 08)
             -> forward.flash_attention_window_forward  (any other window: lesson 08, every machine)
             -> fast.attention_forward_tuned            (plain attention the Hopper kernel supports)
@@ -24,7 +24,7 @@ from __future__ import annotations
 from . import fast, fast_window, forward, gluon_cpu
 
 __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "GLUON_WINDOW_PERSISTENT",
-           "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "gluon_applies"]
+           "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "gluon_applies", "gluon_persistent"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
@@ -93,6 +93,15 @@ def gluon_applies(q, k, v, window_size=None, *, min_n: int | None = None, min_wi
     return unsupported_reason(q, k, v) is None
 
 
+def gluon_persistent(causal: bool, window_size=None) -> bool:
+    """Whether a call on the Gluon route runs :func:`.hopper_ws.attention`'s persistent grid: a window while
+    :data:`GLUON_WINDOW_PERSISTENT`, plain attention without the causal mask while :data:`GLUON_NONCAUSAL_PERSISTENT`,
+    causal attention never (its rows' unequal lengths, longest first, already fill a grid of one program per tile)."""
+    if window_size is not None:
+        return GLUON_WINDOW_PERSISTENT
+    return not causal and GLUON_NONCAUSAL_PERSISTENT
+
+
 def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
                    alibi_slopes=None, sink_logits=None):
     """``(o, lse)`` by the one kernel that fits, for a call :func:`check_call` has accepted.
@@ -106,9 +115,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     lesson kernels of :mod:`.forward`: lesson 08's window kernel for a window,
     lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest. Where :func:`gluon_applies` (only
     when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead, and so does a window
-    of at least :data:`GLUON_MIN_WINDOW` keys where that is set (its persistent grid while
-    :data:`GLUON_WINDOW_PERSISTENT`, and without the causal mask while :data:`GLUON_NONCAUSAL_PERSISTENT`; the
-    softmax's scale in one FMA while :data:`GLUON_FMA`).
+    of at least :data:`GLUON_MIN_WINDOW` keys where that is set (on its persistent grid where
+    :func:`gluon_persistent` says so; the softmax's scale in one FMA while :data:`GLUON_FMA`).
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
         return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
@@ -118,9 +126,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     if gluon_applies(q, k, v, window_size):
         from .hopper_ws import attention as gluon_attention
 
-        persistent = GLUON_WINDOW_PERSISTENT if window_size is not None else not causal and GLUON_NONCAUSAL_PERSISTENT
-        return gluon_attention(q, k, v, causal, window_size=window_size, sink_size=sink_size, persistent=persistent,
-                               fma=GLUON_FMA)
+        return gluon_attention(q, k, v, causal, window_size=window_size, sink_size=sink_size,
+                               persistent=gluon_persistent(causal, window_size), fma=GLUON_FMA)
     supported = fast.is_supported(q, k, v)
     if window_size is not None:
         if supported:

@@ -433,10 +433,12 @@ def lean_reason(q, k_cache, block_table=None) -> str | None:
     if q.device.type != "cuda" or decode._interpreted(q.device):
         return "not on a GPU: the interpreter runs lesson 09's kernels"
     block_n = decode.decode_config(q.shape[3], q.dtype, q.device)["BLOCK_N"]
-    paged = block_table is not None
-    pdl_doubles = not paged and _pdl_ok(q.device) and pdl_splits_of(q, k_cache) > decode.launch_splits(q, k_cache)
-    return lean_rule(k_cache.shape[2], block_n, paged=paged, capability=_capability(q.device),
-                     pdl_doubles=pdl_doubles)
+    rule = dict(paged=block_table is not None, capability=_capability(q.device))
+    reason = lean_rule(k_cache.shape[2], block_n, **rule)
+    if reason is None and _pdl_ok(q.device):  # a long contiguous cache: does the PDL launch double lesson 09's?
+        reason = lean_rule(k_cache.shape[2], block_n, **rule,
+                           pdl_doubles=pdl_splits_of(q, k_cache) > decode.launch_splits(q, k_cache))
+    return reason
 
 
 def lean_rule(capacity: int, block_n: int, *, paged: bool = False,
