@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: newgpu routes routecheck fma hoststep grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: newgpu routes routecheck fma hoststep stepstate grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -42,6 +42,9 @@
 #   hoststep benchmarks/host_step.py --profile: the short window step's host time, layer by layer, through the Gluon
 #           backward's route and lesson 07's (HOST_BASE=REV first measures that commit's package the same way, from
 #           `git archive REV course_utils`, in the same call; or HOST_BASE=DIR, a folder holding that package, carried)
+#   stepstate benchmarks/step_state.py: the window grid's W = 256, 4k training step timed before and after
+#           FlexAttention's compile in one process, then with Python's cyclic collector frozen and off (the H200's grid
+#           read it at 0.53-0.88 ms, the route check at 0.32 ms)
 #   gluontrain python -m course_utils.bench --training --gluon: forward + backward with the Gluon backward behind
 #           autograd (after the Gluon forward, after the course's) beside lesson 07's pair, SDPA flash and cuDNN
 #           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
@@ -162,6 +165,8 @@ for step in "$@"; do
       run route_check "$PY" benchmarks/route_check.py --out "$OUT/route_check.json" ;;
     fma)
       run route_fma "$PY" benchmarks/route_check.py --modes fma persistent --rounds 4 --out "$OUT/route_check_fma.json" ;;
+    stepstate)
+      run step_state "$PY" benchmarks/step_state.py --out "$OUT/step_state.json" ;;
     hoststep)
       if [[ -d "${HOST_BASE:-}" ]]; then  # a folder holding course_utils (the device's .git may lack the commit)
         run host_step_base "$PY" benchmarks/host_step.py --package "$HOST_BASE"

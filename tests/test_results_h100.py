@@ -193,44 +193,6 @@ def test_the_readme_quotes_the_forwards_with_the_routes_on_as_recorded():
         assert quote in readme, quote
 
 
-def test_the_readme_s_targets_table_is_the_recorded_runs():
-    """The table at the top of the README's speed section: each measured cell derived again, each verdict from it."""
-    long = lambda n: n >= 4096  # noqa: E731
-    ladder = [s for s in results.load("fp8_bench_routes_h100")["summary"] if s["n"] >= 4096]
-    cudnn, flash = _training("sdpa_cudnn", long), _training("sdpa_flash", long)
-    fwd, trn = _window_points("forward"), _window_points("training")
-    decode = _decode_points()
-    ratios = [s["course_vs_sdpa"] for runs in decode.values() for s in runs]
-    ceiling = [s["course_vs_ceiling"] for (b, _), runs in decode.items() if b >= 16 for s in runs]
-    every = lambda points: results.value_range([v for vs in points.values() for v in vs])  # noqa: E731
-    in_both = lambda points, target: sum(max(vs) < target for vs in points.values())  # noqa: E731
-    bf16 = [s["course_bf16_over_cudnn"] for s in ladder]
-    fp8 = [s["course_fp8_over_cudnn"] for s in ladder]
-    rows = [
-        f"| forward, bf16 (`kernels.flash_attention`), N ≥ 4k, causal and not | ≥ 1.0× cuDNN | "
-        f"{results.value_range(bf16)} | {'yes' if min(bf16) >= 1 else 'no'} |",
-        f"| forward, FP8 (`kernels.flash_attention_fp8`), N ≥ 4k, causal and not | ≥ 1.4× cuDNN's bf16 | "
-        f"{results.value_range(fp8)} | {'yes' if min(fp8) >= 1.4 else 'no'} |",
-        f"| forward + backward, N ≥ 4k | ≥ 0.9× cuDNN | {results.value_range(cudnn)} (3 runs) | "
-        f"at {sum(v >= 0.9 for v in cudnn)} of {len(cudnn)} points |",
-        f"| forward + backward, N ≥ 4k | ≥ 1.5× SDPA flash | {results.value_range(flash)} (3 runs) | "
-        f"{'yes' if min(flash) >= 1.5 else 'no'} |",
-        f"| window forward, W 256–4096, S 0 and 4, N 4k–64k | ≥ 1.3× FlexAttention at every point | {every(fwd)} (2 runs) "
-        f"| no: under at {in_both(fwd, 1.3)} of {len(fwd)} points in both runs |",
-        f"| window forward + backward, the same grid | ≥ 1.2× FlexAttention at every point | {every(trn)} (2 runs) | "
-        f"no: under at {in_both(trn, 1.2)} of {len(trn)} points in both runs |",
-        f"| decode, B 1–64, contexts 1k–128k | ≥ 1.0× the best SDPA backend at every point | "
-        f"{results.value_range(ratios)} (4 runs) | no: under at "
-        f"{sum(all(s['course_vs_sdpa'] < 1 for s in runs) for runs in decode.values())} of {len(decode)} points in every run |",
-        f"| decode, B ≥ 16 | ≥ 90% of the read ceiling | {100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% (4 runs) | "
-        f"{'yes' if min(ceiling) >= 0.9 else 'no'} |",
-    ]
-    text = readme_text()
-    for row in rows:
-        assert row in text, row
-    assert in_both(fwd, 1.3) > 0 and in_both(trn, 1.2) > 0  # the window rows' "no"
-
-
 def test_lesson_11_quotes_the_public_entries_with_the_routes_on_as_recorded():
     long = lambda n: n >= 4096  # noqa: E731
     cudnn, flash = _training("sdpa_cudnn", long), _training("sdpa_flash", long)

@@ -1,5 +1,5 @@
 """benchmarks/tune_fast.py, tune_backward.py, tune_window.py, tune_decode.py, tune_decode_variants.py, tune_fp8.py, host_overhead.py,
-ncu_backward.py, route_check.py and host_step.py on the CPU.
+ncu_backward.py, route_check.py, host_step.py and step_state.py on the CPU.
 
 Every configuration they time is a valid launch that computes the right
 thing (checked here in Triton's interpreter, on a GPU compiled), so that a
@@ -41,6 +41,7 @@ host_overhead = _load("host_overhead")
 ncu_backward = _load("ncu_backward")
 route_check = _load("route_check")
 host_step = _load("host_step")
+step_state = _load("step_state")
 FAST = list(dict.fromkeys(list(fb.CONFIGS) + [fb.FastBackwardConfig(*c)
                                                 for c in tune_backward.EXTRA + tune_backward.FLAT]))
 
@@ -331,6 +332,27 @@ def test_host_step_explains_itself_without_a_gpu(capsys):
     assert host_step.main([]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("course_utils from ") and out[-1] == bench.NO_GPU_MESSAGE
+
+
+@pytest.mark.interpreter("without a GPU the script has nothing to time")
+def test_step_state_explains_itself_without_a_gpu(tmp_path, capsys):
+    assert step_state.main(["--out", str(tmp_path / "s.json")]) == 0
+    assert capsys.readouterr().out.strip() == bench.NO_GPU_MESSAGE
+    assert not (tmp_path / "s.json").exists()
+
+
+def test_step_state_s_clock_counts_the_collector_s_runs_while_installed():
+    """step_state.GcClock: each collection by generation and the time it took, only inside its ``with`` block."""
+    import gc
+
+    with step_state.GcClock() as clock:
+        gc.collect(0)
+        gc.collect()
+    assert clock.runs[0] >= 1 and clock.runs[2] >= 1 and clock.seconds > 0
+    assert clock not in gc.callbacks
+    runs = list(clock.runs)
+    gc.collect()
+    assert clock.runs == runs
 
 
 @pytest.mark.interpreter("without a GPU the script has nothing to time")

@@ -1,0 +1,128 @@
+"""Does the short window training step slow down once FlexAttention has been compiled in the same process?
+
+    python benchmarks/step_state.py [--out PATH]
+
+The window grid (``python -m course_utils.bench window``) times the course's forward + backward at W = 256, N = 4k
+right after FlexAttention's at the same point, in one process. There it read 0.62-0.67 ms on an H200 in three runs,
+while ``benchmarks/route_check.py`` (no FlexAttention in its process) timed the same step at 0.32 ms on the same
+machine. This probe times that step (``window.make_training_step``, ``do_bench`` with the grid's ``--quick``
+settings, three times) and its host enqueue time (``host_overhead.host_ms``) in one process:
+
+1. ``fresh``: before anything else;
+2. ``after flex``: after FlexAttention's training step at the same point has been compiled and timed;
+3. ``after flex, gc frozen``: the same, with every object alive moved out of the collector's generations
+   (``gc.freeze()``);
+4. ``after flex, gc off``: with the cyclic collector disabled.
+
+For each it also counts the collector's runs per step and the time they took (``gc.callbacks``). Points: W = 256 and
+1024 without sinks, N = 4k (batch 1, GQA 32/8, D = 128, bf16). Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(1, str(HERE))
+
+
+class GcClock:
+    """Counts the cyclic collector's runs by generation and the seconds they took, while installed."""
+
+    def __init__(self):
+        self.runs = [0, 0, 0]
+        self.seconds = 0.0
+        self._t0 = None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.runs[info["generation"]] += 1
+            self._t0 = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def measure(step, label, reps=100):
+    """do_bench (the grid's --quick settings) three times, the host time, and the collector's share per step."""
+    import host_overhead as ho
+    import torch
+    import triton
+
+    times = [triton.testing.do_bench(step, warmup=10, rep=40, return_mode="median") for _ in range(3)]
+    host = min(ho.host_ms(step, 50) for _ in range(3))
+    torch.cuda.synchronize()
+    with GcClock() as clock:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    row = dict(state=label, do_bench_ms=times, host_ms=host, wall_ms_per_step=wall * 1e3 / reps,
+               gc_runs_per_step=[r / reps for r in clock.runs], gc_ms_per_step=clock.seconds * 1e3 / reps,
+               gc_objects=len(gc.get_objects()))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="write the rows here (JSON)")
+    args = parser.parse_args(argv)
+    import course_utils  # noqa: F401  (first, as in every notebook)
+    import torch
+    import triton
+
+    from course_utils import bench
+    from course_utils.bench import window
+
+    if not bench.gpu_available():
+        print(bench.NO_GPU_MESSAGE)
+        return 0
+    rows = []
+    n = 4096
+    q, k, v = window.make_inputs(n, requires_grad=True)
+    do = torch.randn_like(q)
+    cases = [window.WindowCase(w, 0, n) for w in (256, 1024)]
+    steps = {case.window_size: window.make_training_step("course", q, k, v, do, case) for case in cases}
+    for w, step in steps.items():
+        step()
+        rows.append(dict(measure(step, "fresh"), window_size=w))
+    for case in cases:
+        flex = window.make_training_step("flex", q, k, v, do, case)
+        flex()
+        flex_ms = statistics.median(triton.testing.do_bench(flex, warmup=10, rep=40, return_mode="median")
+                                    for _ in range(3))
+        rows.append(dict(state="flex", window_size=case.window_size, do_bench_ms=[flex_ms]))
+        print(json.dumps(rows[-1]), flush=True)
+    for w, step in steps.items():
+        rows.append(dict(measure(step, "after flex"), window_size=w))
+    gc.freeze()
+    for w, step in steps.items():
+        rows.append(dict(measure(step, "after flex, gc frozen"), window_size=w))
+    gc.unfreeze()
+    gc.disable()
+    for w, step in steps.items():
+        rows.append(dict(measure(step, "after flex, gc off"), window_size=w))
+    gc.enable()
+    if args.out:
+        args.out.write_text(json.dumps(dict(info=bench.environment_info(), rows=rows), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
