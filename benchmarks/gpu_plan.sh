@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: newgpu routes routecheck fma hoststep stepstate grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: newgpu routes routecheck fma hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -44,7 +44,10 @@
 #           `git archive REV course_utils`, in the same call; or HOST_BASE=DIR, a folder holding that package, carried)
 #   stepstate benchmarks/step_state.py: the window grid's W = 256, 4k training step timed before and after
 #           FlexAttention's compile in one process, then with Python's cyclic collector frozen and off (the H200's grid
-#           read it at 0.53-0.88 ms, the route check at 0.32 ms)
+#           read it at 0.53-0.88 ms, the route check at 0.32 ms); then the first state alone pinned to each NUMA node
+#   decode16 benchmarks/tune_decode.py at B = 16, 1k and 4k (one and two splits, 2-4 stages): the two decode points
+#           furthest under cuDNN in the H200's three grids (0.984-0.996x) run one split at 4 stages, which the H100's
+#           sweep put 2% behind 3 stages at 1k
 #   gluontrain python -m course_utils.bench --training --gluon: forward + backward with the Gluon backward behind
 #           autograd (after the Gluon forward, after the course's) beside lesson 07's pair, SDPA flash and cuDNN
 #           (in-process: run it after gluonbwd's probe has shown that the kernels finish)
@@ -165,8 +168,15 @@ for step in "$@"; do
       run route_check "$PY" benchmarks/route_check.py --out "$OUT/route_check.json" ;;
     fma)
       run route_fma "$PY" benchmarks/route_check.py --modes fma persistent --rounds 4 --out "$OUT/route_check_fma.json" ;;
+    decode16)
+      run tune_decode_b16 "$PY" benchmarks/tune_decode.py --points 16:1024 16:4096 \
+        --candidates 64:4:2 64:4:3 64:4:4 128:4:2 --counts 1 2 --out "$OUT/tune_decode_b16.json" ;;
     stepstate)
-      run step_state "$PY" benchmarks/step_state.py --out "$OUT/step_state.json" ;;
+      run step_state "$PY" benchmarks/step_state.py --out "$OUT/step_state.json"
+      for node in 0 1; do
+        run "step_state_node$node" "$PY" benchmarks/step_state.py --node "$node" --fresh-only \
+          --out "$OUT/step_state_node$node.json"
+      done ;;
     hoststep)
       if [[ -d "${HOST_BASE:-}" ]]; then  # a folder holding course_utils (the device's .git may lack the commit)
         run host_step_base "$PY" benchmarks/host_step.py --package "$HOST_BASE"

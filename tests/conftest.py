@@ -222,6 +222,30 @@ def assert_quoted(text: str, quotes) -> None:
         assert quote in text, quote
 
 
+def window_points(runs, mode: str) -> dict:
+    """Over the recorded window grids ``runs`` (results/ names): (W, S, N) -> the course / FlexAttention ratio of each
+    run, in run order, for ``mode`` ("forward" or "training")."""
+    from course_utils import results
+
+    points = {}
+    for name in runs:
+        for q in results.load(name)["ratios"]:
+            if q["mode"] == mode:
+                points.setdefault((q["window_size"], q["sink_size"], q["n"]), []).append(q["course_over_flex"])
+    return points
+
+
+def decode_points(runs) -> dict:
+    """Over the recorded decode grids ``runs``: (B, context) -> each run's summary row, in run order."""
+    from course_utils import results
+
+    points = {}
+    for name in runs:
+        for s in results.load(name)["summary"]:
+            points.setdefault((s["batch"], s["context"]), []).append(s)
+    return points
+
+
 def training_ratios(runs, mine: str, other: str = "sdpa_cudnn", n=lambda n: True) -> list[float]:
     """Over the recorded training-bench runs ``runs`` (results/ names): ``other``'s time over ``mine``'s (``mine``'s
     speed relative to ``other``) at every N matching ``n``, one value per run and N."""

@@ -10,7 +10,7 @@ import statistics
 from course_utils import results
 from course_utils.kernels.fast_backward import sink_walk_fits
 
-from conftest import assert_quoted, markdown_text, readme_text, training_ratios
+from conftest import assert_quoted, decode_points, markdown_text, readme_text, training_ratios, window_points
 
 TRAINING = ("training_bench_h100", "training_bench_h100_run2", "training_bench_h100_run3")
 WINDOW = ("window_bench_h100", "window_bench_h100_run2")
@@ -23,21 +23,11 @@ def _training(other: str, n=lambda n: True) -> list[float]:
 
 
 def _window_points(mode: str) -> dict:
-    """(W, S, N) -> the course / FlexAttention ratio of each recorded run, for ``mode``."""
-    points = {}
-    for name in WINDOW:
-        for q in results.load(name)["ratios"]:
-            if q["mode"] == mode:
-                points.setdefault((q["window_size"], q["sink_size"], q["n"]), []).append(q["course_over_flex"])
-    return points
+    return window_points(WINDOW, mode)
 
 
 def _decode_points() -> dict:
-    points = {}
-    for name in DECODE:
-        for s in results.load(name)["summary"]:
-            points.setdefault((s["batch"], s["context"]), []).append(s)
-    return points
+    return decode_points(DECODE)
 
 
 def test_the_h100_grids_are_complete_and_checked_what_they_timed():

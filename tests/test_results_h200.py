@@ -10,7 +10,7 @@ import statistics
 
 from course_utils import results
 
-from conftest import assert_quoted, readme_text, training_ratios
+from conftest import assert_quoted, decode_points, markdown_text, readme_text, training_ratios, window_points
 
 TRAINING = ("training_bench_h200", "training_bench_h200_run2", "training_bench_h200_run3")
 WINDOW = ("window_bench_h200", "window_bench_h200_run2", "window_bench_h200_run3")
@@ -22,21 +22,11 @@ fmt = lambda values: results.value_range(list(values))  # noqa: E731
 
 
 def _window_points(mode: str) -> dict:
-    """(W, S, N) -> the course / FlexAttention ratio of each run, in run order, for ``mode``."""
-    points = {}
-    for name in WINDOW:
-        for q in results.load(name)["ratios"]:
-            if q["mode"] == mode:
-                points.setdefault((q["window_size"], q["sink_size"], q["n"]), []).append(q["course_over_flex"])
-    return points
+    return window_points(WINDOW, mode)
 
 
 def _decode_points() -> dict:
-    points = {}
-    for name in DECODE:
-        for s in results.load(name)["summary"]:
-            points.setdefault((s["batch"], s["context"]), []).append(s)
-    return points
+    return decode_points(DECODE)
 
 
 def _ladder(key: str, causal=None) -> list[float]:
@@ -207,3 +197,20 @@ def test_the_readme_quotes_nsight_compute_on_the_h200():
     assert all(abs(pipe - v) < 0.5 for v in h100)
     quote = f"the Gluon forward's counters as on the H100: its tensor pipes busy {pipe:.1f}% of the time"
     assert quote in readme_text(), quote
+
+
+def test_lesson_11_quotes_the_h200_runs():
+    """Lesson 11's paragraph on the routes: the H200's ladders and training runs, derived again."""
+    cudnn = training_ratios(TRAINING, "course", "sdpa_cudnn", LONG)
+    quote = (f"the same switches read **{fmt(_ladder('course_bf16_over_cudnn', True))} cuDNN** for the public bf16 "
+             f"entry with the causal mask and {fmt(_ladder('course_bf16_over_cudnn', False))} without it, "
+             f"**{fmt(_ladder('course_fp8_over_cudnn'))} cuDNN's bf16** for the FP8 entry, and **{fmt(cudnn)} cuDNN** "
+             f"for forward + backward ({sum(v >= 0.9 for v in cudnn)} of {len(cudnn)} points at 0.9× or more), "
+             f"{fmt(training_ratios(TRAINING, 'course', 'sdpa_flash', LONG))} SDPA flash")
+    causal = [s for name in LADDER for s in results.load(name)["summary"] if LONG(s["n"]) and s["causal"]]
+    reached = [s for s in causal if s["course_bf16_over_cudnn"] >= 1]
+    assert len(causal) == 6 and len(reached) == 1
+    quote_reached = (f"The causal bf16 forward reached cuDNN at one of its six readings (N = {reached[0]['n'] // 1024}k, "
+                     f"{reached[0]['course_bf16_over_cudnn']:.2f}×)")
+    assert quote_reached in markdown_text("11_hopper_and_fp8"), quote_reached
+    assert quote in markdown_text("11_hopper_and_fp8"), quote

@@ -341,6 +341,23 @@ def test_step_state_explains_itself_without_a_gpu(tmp_path, capsys):
     assert not (tmp_path / "s.json").exists()
 
 
+def test_step_state_reads_the_numa_nodes_and_where_it_runs(monkeypatch, capsys):
+    """step_state.node_cpus parses a node's cpulist; placement names this process's CPU among those it may use;
+    --node of a node this machine lacks says so and pins nothing."""
+    import os
+
+    lists = {"/sys/devices/system/node/node1/cpulist": "0-2,8,10-11"}
+    monkeypatch.setattr(step_state, "_read", lambda path: lists.get(str(path)))
+    assert step_state.node_cpus(1) == {0, 1, 2, 8, 10, 11} and step_state.node_cpus(7) == set()
+    monkeypatch.undo()
+    where = step_state.placement()
+    assert where["cpu"] in os.sched_getaffinity(0) and where["allowed_cpus"] == len(os.sched_getaffinity(0))
+    assert where["cpu_node"] in where["nodes"] or not where["nodes"]
+    before = os.sched_getaffinity(0)
+    assert step_state.main(["--node", "4096", "--fresh-only"]) == 0
+    assert capsys.readouterr().out.strip() == "no NUMA node 4096 here" and os.sched_getaffinity(0) == before
+
+
 def test_step_state_s_clock_counts_the_collector_s_runs_while_installed():
     """step_state.GcClock: each collection by generation and the time it took, only inside its ``with`` block."""
     import gc
