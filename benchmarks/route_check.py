@@ -17,7 +17,11 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
   the softmax's scale in one fused multiply-add (``dispatch.GLUON_FMA = True``, ``on``) against without it
   (``False``, ``off``);
 - ``persistent``: the forward alone without the causal mask at 8k and 16k, on the Gluon forward's persistent grid
-  (``dispatch.GLUON_NONCAUSAL_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``).
+  (``dispatch.GLUON_NONCAUSAL_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``);
+- ``min4k`` and ``min4k_noncausal``: the forward alone at 4k (16k tokens a batch), causal and not, with the Gluon
+  forward's threshold lowered to 4096 tokens (``dispatch.GLUON_MIN_N = MIN_N_CANDIDATE``, ``on``) against the
+  shipped threshold, which leaves 4k to lesson 06's fast kernel (``off``); the Gluon forward with its switches as
+  shipped (the FMA softmax; the persistent grid without the causal mask).
 
 bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
 main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
@@ -53,11 +57,15 @@ TRAINING_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
     (w, 0, n) for w in (256, 1024, 4096) for n in (4096, 16384, 65536)]
 SINK_POINTS = [(w, 4, n) for w in (256, 1024, 4096) for n in (4096, 16384, 65536) if w < n]
 FMA_POINTS = [p for p in FORWARD_POINTS if p[2] >= 8192]
-PERSISTENT_POINTS = [(None, 0, n) for n in (8192, 16384)]  # without the causal mask (the one mode that drops it)
+PERSISTENT_POINTS = [(None, 0, n) for n in (8192, 16384)]  # without the causal mask
+MIN_N_CANDIDATE = 4096  # the threshold ``min4k`` times against the shipped one
+MIN_N_POINTS = [(None, 0, MIN_N_CANDIDATE)]
+NONCAUSAL_MODES = ("persistent", "min4k_noncausal")  # the modes timed without the causal mask
 QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)],
-         "sinks": [(1024, 4, 16384)], "fma": [(None, 0, 16384), (1024, 0, 16384)], "persistent": [(None, 0, 16384)]}
+         "sinks": [(1024, 4, 16384)], "fma": [(None, 0, 16384), (1024, 0, 16384)], "persistent": [(None, 0, 16384)],
+         "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS}
 MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS, "fma": FMA_POINTS,
-         "persistent": PERSISTENT_POINTS}
+         "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
                GLUON_FMA=dispatch.GLUON_FMA, GLUON_NONCAUSAL_PERSISTENT=dispatch.GLUON_NONCAUSAL_PERSISTENT)
@@ -67,11 +75,14 @@ def set_route(mode: str, on: bool) -> None:
     """``forward``: the two forward thresholds as shipped (``on``) or off, autograd's backward untouched (a forward
     never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped; ``sinks``:
     the Gluon backward for sinks always (``on``) or never, the rest as shipped; ``fma``: the Gluon forward's FMA
-    softmax on or off, the rest as shipped; ``persistent``: the persistent grid without the causal mask on or off."""
+    softmax on or off, the rest as shipped; ``persistent``: the persistent grid without the causal mask on or off;
+    ``min4k`` / ``min4k_noncausal``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or as shipped."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = on if mode == "persistent" else SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
     dispatch.GLUON_MIN_N = SHIPPED["GLUON_MIN_N"] if forward_on else None
+    if on and mode.startswith("min4k"):
+        dispatch.GLUON_MIN_N = MIN_N_CANDIDATE
     dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_WINDOW"] if forward_on else None
     fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on or mode != "training" else None
     fast_backward.GLUON_SINKS = on if mode == "sinks" else SHIPPED["GLUON_SINKS"]
@@ -91,7 +102,7 @@ def make_step(mode, point):
     returning what it computed: ``(o,)`` or ``(o, dq, dk, dv)``."""
     w, s, n = point
     backward = mode in ("training", "sinks")  # the other modes time the forward alone
-    causal = mode != "persistent"
+    causal = mode not in NONCAUSAL_MODES
     if w is None:
         q, k, v = cases.make_inputs(cases.STANDARD_SUITE[0], n)
         if backward:
@@ -154,7 +165,7 @@ def main(argv=None):
             row = measure(mode, point, args.rounds)
             rows.append(row)
             w, s, n = point
-            what = ("not causal" if mode == "persistent" else "causal") if w is None else f"W={w} S={s}"
+            what = ("not causal" if mode in NONCAUSAL_MODES else "causal") if w is None else f"W={w} S={s}"
             print(f"{mode:9s} {what:14s} N={n:6d}: " + (f"on {row['on_ms']:.3f} ms, off {row['off_ms']:.3f} ms, "
                                                           f"route {row['on_over_off']:.3f}x" if row["status"] == "ok"
                                                           else f"{row['status']} (rel diff {row['rel_diff']:.3g})"),

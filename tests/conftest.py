@@ -216,6 +216,11 @@ def readme_text() -> str:
     return " ".join((REPO / "README.md").read_text().split())
 
 
+def speed_text() -> str:
+    """results/SPEED.md (the measured speed run by run, beyond the README's latest), whitespace runs as single spaces."""
+    return " ".join((REPO / "results" / "SPEED.md").read_text().split())
+
+
 def assert_quoted(text: str, quotes) -> None:
     """Each of ``quotes`` appears in ``text`` word for word (the failure names the missing one)."""
     for quote in quotes:

@@ -283,7 +283,8 @@ def test_training_table_shows_ratios_and_failures():
                                   "ncu_forward_h100", "hopper_ws_probe_overlap_h100", "hopper_ws_fp8_probe_overlap_h100",
                                   "hopper_ws_bwd_probe_h100", "fp8_bench_gluon_h100", "fp8_bench_gluon_h100_run2",
                                   "ncu_forward_h100_fixed", "fp8_bench_gluon_h100_run3", "training_bench_gluon_h100",
-                                  "training_bench_gluon_h100_run2", "training_bench_gluon_h100_run3"])
+                                  "training_bench_gluon_h100_run2", "training_bench_gluon_h100_run3",
+                                  "fp8_bench_routes_h200", "fp8_bench_routes_h200_run2"])
 def test_packaged_results_are_the_recorded_ones(name):
     """A pip install (Colab) has no results/ folder: the lessons read course_utils/data/ there."""
     from pathlib import Path

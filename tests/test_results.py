@@ -16,7 +16,7 @@ import pytest
 
 from course_utils import results
 
-from conftest import markdown_text
+from conftest import markdown_text, speed_text
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
 ROOT = SOLUTIONS.parent
@@ -288,19 +288,19 @@ def test_lesson_07_counts_the_backward_s_time_from_the_recorded_profile():
         assert quote in text, f"lesson 07 should quote the recorded profile: {quote!r}"
     assert dq["duration_us"] / 3 < cudnn["duration_us"] / 5 < dkdv["duration_us"] / 4, \
         "the lesson says the dQ kernel is faster per product than cuDNN's and the dK/dV kernel slower"
-    readme = " ".join((SOLUTIONS.parent / "README.md").read_text().split())
+    readme = speed_text()
     for quote in (f"({dkdv['tensor_pipe_pct']:.1f}% in dK/dV, {dq['tensor_pipe_pct']:.1f}% in dQ, "
                   f"{cudnn['tensor_pipe_pct']:.1f}% in cuDNN's backward kernel)",
                   f"{dkdv['duration_us'] / 4:.0f} µs per product in dK/dV, {dq['duration_us'] / 3:.0f} in dQ, "
                   f"{cudnn['duration_us'] / 5:.0f} in cuDNN's kernel",
                   f"would need {needed:.0f} µs per product"):
-        assert quote in readme, f"the README should quote the recorded profile: {quote!r}"
+        assert quote in readme, f"results/SPEED.md should quote the recorded profile: {quote!r}"
 
 
-def test_the_readme_quotes_the_decode_variants_from_the_recorded_run():
-    """The README's sentence on the two decode rewrites: each range is the recorded one, over every point and round,
+def test_the_speed_record_quotes_the_decode_variants_from_the_recorded_run():
+    """results/SPEED.md's sentence on the two decode rewrites: each range is the recorded one, over every point and round,
     and neither variant reached cuDNN in any round at B = 1 or at B = 16 with 1k-4k contexts."""
-    readme = " ".join((SOLUTIONS.parent / "README.md").read_text().split())
+    readme = speed_text()
     fig = {key: results.figure("decode_variants", f"{key}_over_cudnn") for key in ("course", "tma", "fused")}
     assert (f"descriptors read {fig['tma']} cuDNN and the combine fused into the split kernel {fig['fused']}, "
             f"against the course's {fig['course']} in the same run; neither reached cuDNN at B = 1 or at B = 16 "
@@ -313,8 +313,8 @@ def test_the_readme_quotes_the_decode_variants_from_the_recorded_run():
 
 def test_the_short_window_reruns_are_quoted_as_recorded():
     """results/window_short_calls.json (two reruns of lesson 08's shortest points after short forwards went to pointer
-    loads): lesson 08 and the README quote its forward ratio at W = 256, N = 4k without sinks over both runs, the
-    README also the other forward points and forward + backward without sinks; each run's ratios are its rows'."""
+    loads): lesson 08 and results/SPEED.md quote its forward ratio at W = 256, N = 4k without sinks over both runs, the
+    results/SPEED.md also the other forward points and forward + backward without sinks; each run's ratios are its rows'."""
     doc = results.load("window_short_calls")
     assert len(doc["runs"]) == 2
     for run in doc["runs"]:
@@ -334,15 +334,15 @@ def test_the_short_window_reruns_are_quoted_as_recorded():
     others = span(lambda r: r["mode"] == "forward" and not short(r))
     training = span(lambda r: r["mode"] == "training" and r["sink_size"] == 0)
     assert f"the shortest points read **{fwd} FlexAttention at that one**" in markdown_text(W08)
-    readme = " ".join((SOLUTIONS.parent / "README.md").read_text().split())
+    readme = speed_text()
     assert f"**{fwd}** FlexAttention's forward at W = 256, N = 4k without sinks, and {others} at the other" in readme
     assert f"forward + backward there stayed host-bound ({training} without sinks)" in readme
 
 
-def test_the_readme_quotes_both_decode_runs_and_the_lean_points():
-    """The README's decode sentence: the shipped run's and the second run's ranges over the grid, how many points
+def test_the_speed_record_quotes_both_decode_runs_and_the_lean_points():
+    """results/SPEED.md's decode sentence: the shipped run's and the second run's ranges over the grid, how many points
     read below the best SDPA backend in each, and the lean schedule's points (context >= 64k) in both runs."""
-    readme = " ".join((SOLUTIONS.parent / "README.md").read_text().split())
+    readme = speed_text()
     runs = [results.load("decode_bench")["summary"], results.load("decode_bench_run2")["summary"]]
 
     def span(values):

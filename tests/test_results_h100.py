@@ -1,5 +1,5 @@
 """Issue 24's three full grids, run on an H100 with lesson 11's kernels behind the public entries (the defaults since
-the thirty-fourth session): the README's and lesson 08's sentences about them, derived again from the JSON.
+the thirty-fourth session): results/SPEED.md's and lesson 08's sentences about them, derived again from the JSON.
 
 Each run checked every output before timing it; each figure quoted is recomputed here from ``results/`` and looked
 for, at the precision written, in the sentence that quotes it.
@@ -10,7 +10,7 @@ import statistics
 from course_utils import results
 from course_utils.kernels.fast_backward import sink_walk_fits
 
-from conftest import assert_quoted, decode_points, markdown_text, readme_text, training_ratios, window_points
+from conftest import assert_quoted, decode_points, markdown_text, speed_text, training_ratios, window_points
 
 TRAINING = ("training_bench_h100", "training_bench_h100_run2", "training_bench_h100_run3")
 WINDOW = ("window_bench_h100", "window_bench_h100_run2")
@@ -49,7 +49,7 @@ def test_the_h100_grids_are_complete_and_checked_what_they_timed():
     assert all(len(runs) == len(DECODE) for runs in _decode_points().values())
 
 
-def test_the_readme_quotes_the_h100_training_runs_as_recorded():
+def test_the_speed_record_quotes_the_h100_training_runs_as_recorded():
     """The public entry's forward + backward (its Gluon backward on Hopper) against cuDNN and SDPA flash."""
     long = lambda n: n >= 4096  # noqa: E731
     cudnn, flash = _training("sdpa_cudnn", long), _training("sdpa_flash", long)
@@ -58,11 +58,11 @@ def test_the_readme_quotes_the_h100_training_runs_as_recorded():
              f"{len(cudnn)} points at 0.9× or more; the other {len(under)} at "
              f"{' and '.join(f'{v:.3f}×' for v in under)}) and **{results.value_range(flash)} SDPA flash**, "
              f"{results.value_range(_training('sdpa_cudnn', lambda n: n < 4096))} cuDNN at N = 1k and 2k")
-    assert quote in readme_text(), quote
-    assert min(flash) >= 1.5  # the README says the 1.5x target is met at every point
+    assert quote in speed_text(), quote
+    assert min(flash) >= 1.5  # results/SPEED.md says the 1.5x target is met at every point
 
 
-def test_the_readme_and_lesson_08_quote_the_h100_window_grids_as_recorded():
+def test_the_speed_record_and_lesson_08_quote_the_h100_window_grids_as_recorded():
     fwd, trn = _window_points("forward"), _window_points("training")
     every = lambda points: results.value_range([v for vs in points.values() for v in vs])  # noqa: E731
     below_fwd = {p: vs for p, vs in fwd.items() if min(vs) < 1.3}
@@ -76,9 +76,9 @@ def test_the_readme_and_lesson_08_quote_the_h100_window_grids_as_recorded():
         f"W = 4096 without sinks from N = 16k ({results.value_range([v for (w, s, n), vs in fwd.items() for v in vs if w == 4096 and s == 0 and n >= 16384])} forward",
         f"at W = 256 without sinks and N = 4k ({results.value_range(trn[(256, 0, 4096)])})",
     ]
-    readme = readme_text()
+    readme = speed_text()
     assert_quoted(readme, quotes)
-    # the points the README names as under the targets in both runs
+    # the points results/SPEED.md names as under the targets in both runs
     assert {p for p, vs in below_fwd.items() if max(vs) < 1.3} == {
         (1024, 0, 16384), (1024, 0, 65536), (4096, 4, 65536), (4096, 0, 16384), (4096, 0, 32768), (4096, 0, 65536)}
     assert {p for p, vs in below_trn.items() if max(vs) < 1.2} == {
@@ -101,7 +101,7 @@ def test_the_readme_and_lesson_08_quote_the_h100_window_grids_as_recorded():
         assert quote in lesson, quote
 
 
-def test_the_readme_quotes_the_h100_decode_runs_as_recorded():
+def test_the_speed_record_quotes_the_h100_decode_runs_as_recorded():
     points = _decode_points()
     ratios = [s["course_vs_sdpa"] for runs in points.values() for s in runs]
     always = sorted(p for p, runs in points.items() if all(s["course_vs_sdpa"] < 1 for s in runs))
@@ -110,13 +110,13 @@ def test_the_readme_quotes_the_h100_decode_runs_as_recorded():
     quote = (f"**{results.value_range(ratios)}** the best SDPA backend (cuDNN at every point), under 1.0× at "
              f"{min(counts)}–{max(counts)} of the 19 points in each run by at most {100 * (1 - min(ratios)):.1f}%, "
              f"{len(always)} of them in all four runs")
-    readme = readme_text()
+    readme = speed_text()
     assert quote in readme, quote
     assert f"{100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% of the read ceiling at B ≥ 16 in all four" in readme
     assert {b for b, _ in always} == {1, 4, 16, 64} and all((16, c) in always for c in (1024, 4096, 16384, 65536))
 
 
-def test_the_readme_quotes_the_h100_decode_sweeps_as_recorded():
+def test_the_speed_record_quotes_the_h100_decode_sweeps_as_recorded():
     """tune_decode.py on the H100 at five of the points under cuDNN: the best launch, the shipped one, and --lean's
     PDL at twice the splits against what the package runs, from a 64k context at B = 1."""
     by = {}
@@ -137,7 +137,7 @@ def test_the_readme_quotes_the_h100_decode_sweeps_as_recorded():
     for r in results.load("tune_decode_lean_h100")["rows"]:
         if r["batch"] == 1:
             lean.setdefault(r["name"], []).append(r["over_cudnn"])
-    readme = readme_text()
+    readme = speed_text()
     for quote in (f"{min(counts)}–{max(counts)} launches a point",
                   f"the best read {results.value_range(best, '.3f')} cuDNN, the shipped one "
                   f"{results.value_range(shipped, '.3f')}",
@@ -146,9 +146,9 @@ def test_the_readme_quotes_the_h100_decode_sweeps_as_recorded():
         assert quote in readme, quote
 
 
-def test_the_readme_quotes_the_h200_sweep_behind_b_1_from_64k():
+def test_the_speed_record_quotes_the_h200_sweep_behind_b_1_from_64k():
     """results/pdl_splits.json from a 64k context at B = 1: the PDL launch at twice lesson 09's splits against the
-    lean schedule ('course' there), per round (three decimals), as the README quotes them beside the H100's sweep;
+    lean schedule ('course' there), per round (three decimals), as results/SPEED.md quotes them beside the H100's sweep;
     the rule that follows from it (fast_decode.lean_rule) gives B = 1 the PDL launch and no other batch."""
     import torch
 
@@ -159,7 +159,7 @@ def test_the_readme_quotes_the_h200_sweep_behind_b_1_from_64k():
     fmt = lambda v: results.value_range(v, ".3f")  # noqa: E731
     at64, at128 = rows[65536]["ratio"], rows[131072]["ratio"]
     assert min(at64["pdl x2"]) > max(at64["course"])  # ahead at 64k; at 128k the two overlap
-    readme = readme_text()
+    readme = speed_text()
     assert f"at 64k ({fmt(at64['pdl x2'])} against {fmt(at64['course'])}," in readme
     assert f"the two level at 128k ({fmt(at128['pdl x2'])} against {fmt(at128['course'])})" in readme
     for batch, context, doubles in ((1, 65536, True), (1, 131072, True), (4, 65536, False), (16, 131072, False)):
@@ -167,7 +167,7 @@ def test_the_readme_quotes_the_h200_sweep_behind_b_1_from_64k():
         assert (fast_decode.pdl_num_splits(batch, 8, 1, context // 64, splits, 132) > splits) is doubles
 
 
-def test_the_readme_quotes_the_forwards_with_the_routes_on_as_recorded():
+def test_the_speed_record_quotes_the_forwards_with_the_routes_on_as_recorded():
     """Lesson 11's ladder and a main sweep run with the routes on: the public entries' ratios to cuDNN's bf16."""
     ladder = [s for s in results.load("fp8_bench_routes_h100")["summary"] if s["n"] >= 4096]
     doc = results.load("forward_bench_lesson11_h100_run3")
@@ -175,7 +175,7 @@ def test_the_readme_quotes_the_forwards_with_the_routes_on_as_recorded():
     by = {(r["case"], r["n"], r["provider"]): r["tflops"] for r in doc["rows"]}
     sweep = {(case, p): results.value_range([by[(case, n, p)] / by[(case, n, "sdpa_cudnn")] for n in (4096, 8192, 16384)])
              for case in ("main", "noncausal") for p in ("gluon_bf16", "gluon_fp8")}
-    readme = readme_text()
+    readme = speed_text()
     for quote in (f"at **{results.value_range([s['course_bf16_over_cudnn'] for s in ladder])} cuDNN** at N ≥ 4k",
                   f"at **{results.value_range([s['course_fp8_over_cudnn'] for s in ladder])} cuDNN's bf16** (medians",
                   f"Gluon FP8 {sweep[('main', 'gluon_fp8')]} / {sweep[('noncausal', 'gluon_fp8')]} cuDNN's bf16, Gluon bf16 "
@@ -195,7 +195,7 @@ def test_lesson_11_quotes_the_public_entries_with_the_routes_on_as_recorded():
     assert quote in markdown_text("11_hopper_and_fp8"), quote
 
 
-def test_the_readme_quotes_the_host_time_trim_as_measured():
+def test_the_speed_record_quotes_the_host_time_trim_as_measured():
     """The thirty-fifth session's paragraph: the short window step's host time before and after (host_step_h100),
     the Gluon backward's route against lesson 07's pair before and after (route_check_h100), the quick rerun of the
     window grid's shortest points against the grid's two runs, and the fourth training run, each derived again."""
@@ -227,7 +227,7 @@ def test_the_readme_quotes_the_host_time_trim_as_measured():
         f"{vr(cudnn)} cuDNN at N ≥ 4k ({', '.join(f'{x:.3f}×' for x in cudnn)}), {vr(flash)} SDPA flash",
     ]
     assert quick[(1024, 4096)] >= 1.2 > max(quick[(256, 4096)], quick[(256, 8192)])
-    readme = readme_text()
+    readme = speed_text()
     assert_quoted(readme, quotes)
     lesson = markdown_text("08_sliding_window_and_sinks")
     for quote in (f"from {before['step gluon']} µs to {after['step gluon']} µs",
@@ -271,7 +271,7 @@ def _under(points: dict, target: float) -> tuple[int, int]:
     return sum(min(v) < target for v in points.values()), sum(max(v) < target for v in points.values())
 
 
-def test_the_readme_quotes_the_bound_launches_as_measured():
+def test_the_speed_record_quotes_the_bound_launches_as_measured():
     """The thirty-sixth session's paragraph: the short window step's host time with the backward's launches bound
     (host_step_h100's last two runs, one call), the route check again, and the three grids run twice after the
     change (window, training, decode), each figure derived again; lesson 08 quotes the step and the W = 256 point."""
@@ -316,7 +316,7 @@ def test_the_readme_quotes_the_bound_launches_as_measured():
         f"decoding {vr(ratios)} the best SDPA backend, under 1.0× at {under[0]} of the 19 points in each run",
         f"{100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% of the read ceiling at B ≥ 16",
     ]
-    readme = readme_text()
+    readme = speed_text()
     assert_quoted(readme, quotes)
     lesson = markdown_text("08_sliding_window_and_sinks")
     times = [x["kernel_grid_us"] / x["compiled_run_us"] for x in bound["launches"]]
@@ -386,8 +386,8 @@ def fwdbound_quotes() -> list[str]:
     ]
 
 
-def test_the_readme_quotes_the_bound_window_forward_and_the_sinks_route_as_measured():
-    readme = readme_text()
+def test_the_speed_record_quotes_the_bound_window_forward_and_the_sinks_route_as_measured():
+    readme = speed_text()
     for quote in fwdbound_quotes():
         assert quote in readme, quote
     sinks = results.load("route_check_h100")["runs"][3]["rows"]
@@ -400,7 +400,7 @@ def test_the_readme_quotes_the_bound_window_forward_and_the_sinks_route_as_measu
     assert quote in markdown_text("08_sliding_window_and_sinks"), quote
 
 
-def test_the_readme_quotes_the_thirty_ninth_session_s_h100_runs_as_recorded():
+def test_the_speed_record_quotes_the_thirty_ninth_session_s_h100_runs_as_recorded():
     """The window grid with the persistent Gluon route (merged from three calls), its W = 4096 rerun, the FMA route
     check, and the decode and training runs with B = 1 from 64k on the PDL launch: every quoted number derived."""
     fmt = lambda v: results.value_range(list(v))  # noqa: E731
@@ -449,7 +449,7 @@ def test_the_readme_quotes_the_thirty_ninth_session_s_h100_runs_as_recorded():
         f"{results.value_range([100 * v for v in ceiling], '.0f', '%')} of the read ceiling at B ≥ 16",
         f"Training at N ≥ 4k {fmt(cudnn)} cuDNN, {fmt(flash)} SDPA flash",
     ]
-    readme = readme_text()
+    readme = speed_text()
     assert_quoted(readme, quotes)
 
 
@@ -462,7 +462,7 @@ def test_lesson_11_quotes_the_fma_route_check():
             "mask at 8k and 16k in the route check") in text
 
 
-def test_the_readme_quotes_the_probes_behind_the_noncausal_persistent_route():
+def test_the_speed_record_quotes_the_probes_behind_the_noncausal_persistent_route():
     """dispatch.GLUON_NONCAUSAL_PERSISTENT's evidence: the two H100 forward probes' serial loop without the FMA softmax,
     persistent grid against a program per tile, each beside cuDNN; causal, the persistent grid read less."""
     by = {}
@@ -475,4 +475,4 @@ def test_the_readme_quotes_the_probes_behind_the_noncausal_persistent_route():
     assert max(by[(True, 16384, True)]) < min(by[(True, 16384, False)])  # causal: the persistent grid read less
     quote = (f"{persistent[0]:.3f}× and {persistent[1]:.3f}× cuDNN against {per_tile[0]:.3f}× and {per_tile[1]:.3f}× "
              "for a program per tile in the two forward probes at 16k")
-    assert quote in readme_text(), quote
+    assert quote in speed_text(), quote

@@ -11,7 +11,7 @@ import torch
 from course_utils import results
 from course_utils.kernels import fp8
 
-from conftest import markdown_text, readme_text, training_ratios
+from conftest import markdown_text, speed_text, training_ratios
 
 LESSON = Path(__file__).resolve().parent.parent / "solutions" / "11_hopper_and_fp8.ipynb"
 
@@ -98,8 +98,8 @@ def test_the_hopper_launch_at_d128_is_the_fastest_register_capped_one():
     assert f"the {100 * (min(gains) - 1):.1f}–{100 * (max(gains) - 1):.1f}% the caps gained in their sweep" in _markdown()
 
 
-def test_the_readme_quotes_the_cubic_exponentials_losses_as_recorded():
-    """README: half the exponentials as a cubic, FP8 (tune_fp8_hopper run 3) and bf16 (tune_fast_variants), each
+def test_the_speed_record_quotes_the_cubic_exponentials_losses_as_recorded():
+    """results/SPEED.md: half the exponentials as a cubic, FP8 (tune_fp8_hopper run 3) and bf16 (tune_fast_variants), each
     against the same launch without it in the same run."""
     rows = [r for r in results.load("tune_fp8_hopper")["runs"][2]["rows"] if r.get("ms")]
     keys = ("n", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -111,7 +111,7 @@ def test_the_readme_quotes_the_cubic_exponentials_losses_as_recorded():
             if "exp_poly=True" in r["name"]:
                 base = next(o for o in run["rows"] if o["n"] == r["n"] and o["name"] == r["name"].replace(" exp_poly=True", ""))
                 bf16_loss.append(1 - r["tflops"] / base["tflops"])
-    readme = " ".join((LESSON.parent.parent / "README.md").read_text().split())
+    readme = speed_text()
     assert (f"{100 * min(fp8_loss):.0f}–{100 * max(fp8_loss):.0f}% slower in FP8, {100 * min(bf16_loss):.0f}–"
             f"{100 * max(bf16_loss):.0f}% in lesson 06's bf16 kernel") in readme
 
@@ -199,16 +199,16 @@ def test_the_hand_specialised_kernel_was_right_wherever_it_was_timed():
         assert same and all(p["hopper_ws"] < r["hopper_ws"] for r in same)
 
 
-def test_the_readme_quotes_the_hand_specialised_kernels_ratios_as_recorded():
-    readme = " ".join((LESSON.parent.parent / "README.md").read_text().split())
+def test_the_speed_record_quotes_the_hand_specialised_kernels_ratios_as_recorded():
+    readme = speed_text()
     over_cudnn = results.figure("hopper_ws_probe", "over_cudnn", loop="serial", fma=False)
     over_course = results.figure("hopper_ws_probe", "over_course", loop="serial", fma=False)
     assert f"**{over_cudnn} cuDNN and {over_course} the course's forward**" in readme
 
 
-def test_fa3s_schedules_ran_right_and_slower_where_lesson_11_and_the_readme_say():
+def test_fa3s_schedules_ran_right_and_slower_where_lesson_11_and_the_speed_record_say():
     """Run 3 of results/hopper_ws_probe.json timed FA3's overlap (alone, and with ping-pong and the FMA softmax):
-    each timed case slower than the simple loop of the same run and case; the lesson and the README quote the
+    each timed case slower than the simple loop of the same run and case; the lesson and results/SPEED.md quote the
     ratios to cuDNN as recorded."""
     table = results.rows("hopper_ws_probe")
     key = lambda r: (r["run"], r["causal"], r["N"], r["B"])  # noqa: E731
@@ -222,12 +222,8 @@ def test_fa3s_schedules_ran_right_and_slower_where_lesson_11_and_the_readme_say(
     text = _markdown()
     assert f"was slower still, {overlap} cuDNN" in text
     assert f"`fma=True`) {both}" in text
-    readme = " ".join((LESSON.parent.parent / "README.md").read_text().split())
+    readme = speed_text()
     assert f"`P V` {overlap} cuDNN, with ping-pong and the FMA softmax {both}" in readme
-
-
-def _readme() -> str:
-    return readme_text()
 
 
 def test_the_h100_probes_checked_every_variant_they_timed():
@@ -249,14 +245,14 @@ def test_the_h100_probes_checked_every_variant_they_timed():
         assert failed and all("OutOfMemoryError" in r["error"] and r["n"] == 16384 and r["causal"] for r in failed)
 
 
-def test_the_lesson_and_the_readme_quote_the_h100_runs_as_recorded():
+def test_the_lesson_and_the_speed_record_quote_the_h100_runs_as_recorded():
     fwd, f8 = "hopper_ws_probe_h100", "hopper_ws_fp8_probe_h100"
     fig = results.figure
     serial = fig(fwd, "over_cudnn", loop="serial", fma=False, persistent=False)
     overlap = fig(fwd, "over_cudnn", loop="overlap", fma=False)
     both = fig(fwd, "over_cudnn", loop="overlap_pingpong")
     fp8_serial = fig(f8, "over_cudnn", loop="serial")
-    text, readme = _markdown(), _readme()
+    text, readme = _markdown(), speed_text()
     assert f"the simple loop **{serial} cuDNN** and {fig(fwd, 'over_course', loop='serial', fma=False, persistent=False)}" \
         in text
     assert f"ping-pong alone {fig(fwd, 'over_cudnn', loop='pingpong', fma=False)}" in text
@@ -293,7 +289,7 @@ def test_the_h100_counters_quoted_are_the_recorded_ones():
     k = doc["kernels"]
     serial, overlap, both, fast2 = (k[n] for n in ("gluon_serial", "gluon_overlap", "gluon_overlap_pingpong",
                                                    "fast_2_per_sm"))
-    text, readme = _markdown(), _readme()
+    text, readme = _markdown(), speed_text()
     assert (f"busy **{serial['tensor_pipe_pct']:.1f}%** of the active cycles in {serial['duration_us']:.0f} µs, level with "
             f"lesson 06's two-per-SM kernel ({fast2['tensor_pipe_pct']:.1f}%, {fast2['duration_us']:.0f} µs)") in text
     assert f"drops that to **{overlap['tensor_pipe_pct']:.1f}%** ({overlap['duration_us']:.0f} µs)" in text
@@ -355,7 +351,7 @@ def test_the_serialised_overlap_is_quoted_as_compiled():
             f"{fp8_serial['byte_permutes']}") in text
     assert (f"{fp8_new['byte_permutes']} byte permutes, {fp8_new['instructions']} instructions instead of "
             f"{fp8_old['instructions']}") in text
-    readme = _readme()
+    readme = speed_text()
     assert (f"(warning C7513; {old['arrive']} `WARPGROUP` fence pairs for {old['products']} products). Keeping P alive "
             f"through the wait removes it ({new['arrive']} pairs;") in readme
 
@@ -372,7 +368,7 @@ def _ladder(provider: str, **where) -> str:
 
 
 def _fixed_figures() -> dict:
-    """What lesson 11 and the README quote of the thirty-second session's H100 runs, derived from the JSON."""
+    """What lesson 11 and results/SPEED.md quote of the thirty-second session's H100 runs, derived from the JSON."""
     fwd, f8, bwd = "hopper_ws_probe_overlap_h100", "hopper_ws_fp8_probe_overlap_h100", "hopper_ws_bwd_probe_h100"
     fig = results.figure
     k = results.load("ncu_forward_h100_fixed")["kernels"]
@@ -421,9 +417,9 @@ def test_the_fixed_overlap_and_the_gluon_backward_runs_checked_what_they_timed()
         assert all(r["status"] == "ok" for r in doc["rows"]) and len(doc["rows"]) == 2 * 10 * 6
 
 
-def test_the_lesson_and_the_readme_quote_the_fixed_loops_and_the_backward_as_recorded():
+def test_the_lesson_and_the_speed_record_quote_the_fixed_loops_and_the_backward_as_recorded():
     f = _fixed_figures()
-    text, readme = _markdown(), _readme()
+    text, readme = _markdown(), speed_text()
     quotes = [
         f"FA3's overlap went from 0.78–0.79× cuDNN to **{f['overlap']}**, and with ping-pong from 0.58–0.63× to "
         f"**{f['both']}**",
@@ -447,7 +443,7 @@ def test_the_lesson_and_the_readme_quote_the_fixed_loops_and_the_backward_as_rec
                   f"Gluon bf16 {f['gluon_bf16']} ({f['gluon_bf16_causal_16k']} causal at 16k)",
                   f"**{f['bwd']} cuDNN's backward**, {f['bwd_course']} lesson 07's pair; with the course's forward a "
                   f"training step at **{f['train']} cuDNN's**"):
-        assert quote in readme, f"the README should quote the recorded H100 runs: {quote!r}"
+        assert quote in readme, f"results/SPEED.md should quote the recorded H100 runs: {quote!r}"
     # the claims the prose makes: the fixed overlap no faster than the simple loop of the same case; FA3's
     # schedules far above their serialised times; the FP8 overlap below its simple loop; the backward's default
     # launch the fastest of the probe's and above lesson 07's pair everywhere
@@ -517,8 +513,8 @@ def test_the_training_bench_renders_a_recorded_run_as_it_printed_it():
         results.RESULTS_DIR / "training_bench_gluon_h100_run2.md").read_text()
 
 
-def test_the_lesson_and_the_readme_quote_the_gluon_training_and_window_runs_as_recorded():
-    text, readme = _markdown(), _readme()
+def test_the_lesson_and_the_speed_record_quote_the_gluon_training_and_window_runs_as_recorded():
+    text, readme = _markdown(), speed_text()
     route = _training("course_gluon_bwd")
     route_4k_16k = _training("course_gluon_bwd", n=lambda n: n != 8192)
     route_8k = _training("course_gluon_bwd", n=lambda n: n == 8192)
@@ -538,7 +534,7 @@ def test_the_lesson_and_the_readme_quote_the_gluon_training_and_window_runs_as_r
     for quote in (f"the course's forward with the Gluon backward behind autograd at **{route} cuDNN's** forward + "
                   f"backward ({route_4k_16k} at N = 4k and 16k, {route_8k} at 8k), {over_pair} lesson 07's pair",
                   f"the Gluon window forward **{window}** FlexAttention's (the course's {course_window} in the same processes)"):
-        assert quote in readme, f"the README should quote the recorded H100 runs: {quote!r}"
+        assert quote in readme, f"results/SPEED.md should quote the recorded H100 runs: {quote!r}"
     lesson07 = markdown_text("07_backward")
     assert f"(`fast_backward.AUTOGRAD_CONFIG`, {over_pair} this pair in a training step)" in lesson07
     # the claims: the route faster than lesson 07's pair at every point of every run; level at W = 1024
@@ -567,8 +563,8 @@ def test_the_persistent_window_probe_checked_what_it_timed_and_the_route_follows
     assert dispatch.GLUON_MIN_WINDOW == 1024 and dispatch.GLUON_WINDOW_PERSISTENT
 
 
-def test_the_lesson_and_the_readme_quote_the_persistent_window_probe_as_recorded():
-    text, readme = _markdown(), _readme()
+def test_the_lesson_and_the_speed_record_quote_the_persistent_window_probe_as_recorded():
+    text, readme = _markdown(), speed_text()
     over = {w: _window(lambda r: r["hopper_ws"] / r["course"], lambda r, w=w: r["window_size"] == w, PERSISTENT_WINDOW)
             for w in (256, 1024, 4096)}
     flex = _window(lambda r: r["over_flex"], lambda r: r["window_size"] == 1024, PERSISTENT_WINDOW)
@@ -579,12 +575,12 @@ def test_the_lesson_and_the_readme_quote_the_persistent_window_probe_as_recorded
     assert quote in text, f"lesson 11 should quote the recorded persistent window probe: {quote!r}"
     quote = (f"the window forward read **{over[1024]} the course's at W = 1024** ({flex} FlexAttention's, the course's "
              f"{course}), {over[4096]} at W = 4096 and {over[256]} at W = 256")
-    assert quote in readme, f"the README should quote the recorded persistent window probe: {quote!r}"
+    assert quote in readme, f"results/SPEED.md should quote the recorded persistent window probe: {quote!r}"
 
 
-def test_the_readme_quotes_the_h100_decode_run_and_the_main_sweep_with_lesson_11s_forwards_as_recorded():
-    """The README's H100 sentences on decoding and on the main sweep's lesson 11 providers, derived again."""
-    readme = _readme()
+def test_the_speed_record_quotes_the_h100_decode_run_and_the_main_sweep_with_lesson_11s_forwards_as_recorded():
+    """results/SPEED.md's H100 sentences on decoding and on the main sweep's lesson 11 providers, derived again."""
+    readme = speed_text()
     summary = results.load("decode_bench_h100")["summary"]
     ratios = [s["course_vs_sdpa"] for s in summary]
     below = [r for r in ratios if r < 1]

@@ -462,6 +462,32 @@ def test_route_check_s_persistent_mode_turns_the_noncausal_persistent_grid_and_n
     assert points and all(w is None and n >= dispatch.GLUON_MIN_N for w, _, n in points)
 
 
+def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
+    """``min4k`` / ``min4k_noncausal``: ``dispatch.GLUON_MIN_N`` at the candidate (on) or as shipped (off), the other
+    switches as shipped; their one point is at the candidate, below the shipped threshold (so ``off`` runs lesson
+    06's kernel there), the second without the causal mask."""
+    from course_utils.kernels import dispatch
+
+    others = (dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
+              dispatch.GLUON_NONCAUSAL_PERSISTENT)
+    shipped = dispatch.GLUON_MIN_N
+    try:
+        for mode in ("min4k", "min4k_noncausal"):
+            for on, want in ((True, route_check.MIN_N_CANDIDATE), (False, shipped)):
+                route_check.set_route(mode, on)
+                assert dispatch.GLUON_MIN_N == want
+                assert (dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
+                        dispatch.GLUON_NONCAUSAL_PERSISTENT) == others
+        route_check.set_route("min4k", True)
+        route_check.set_route("fma", True)  # another mode puts the threshold back
+        assert dispatch.GLUON_MIN_N == shipped
+    finally:
+        route_check.restore()
+    assert dispatch.GLUON_MIN_N == shipped
+    assert route_check.MIN_N_POINTS == [(None, 0, route_check.MIN_N_CANDIDATE)] and route_check.MIN_N_CANDIDATE < shipped
+    assert "min4k_noncausal" in route_check.NONCAUSAL_MODES and "min4k" not in route_check.NONCAUSAL_MODES
+
+
 def test_route_check_s_sink_points_have_sinks_beyond_their_window():
     """The ``sinks`` points: 4 sinks and a window shorter than N (under a longer one the sinks select nothing and the
     call takes the Gluon backward either way)."""
