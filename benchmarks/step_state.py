@@ -1,11 +1,13 @@
-"""Does the short window training step slow down once FlexAttention has been compiled in the same process?
+"""What slows the short window training step in the window grid's process: FlexAttention's compile, Python's
+collector, or where the process runs?
 
-    python benchmarks/step_state.py [--out PATH]
+    python benchmarks/step_state.py [--out PATH] [--node N] [--fresh-only]
 
 The window grid (``python -m course_utils.bench window``) times the course's forward + backward at W = 256, N = 4k
-right after FlexAttention's at the same point, in one process. There it read 0.62-0.67 ms on an H200 in three runs,
-while ``benchmarks/route_check.py`` (no FlexAttention in its process) timed the same step at 0.32 ms on the same
-machine. This probe times that step (``window.make_training_step``, ``do_bench`` with the grid's ``--quick``
+right after FlexAttention's at the same point, in one process. There it read 0.67, 0.88 and 0.53 ms on an H200 in
+three runs, and FlexAttention's step 0.64, 0.82 and 0.51 ms, while ``benchmarks/route_check.py`` (no FlexAttention
+in its process) timed the same step at 0.32 ms on the same machine (``results/route_check_h200.json``). This probe
+times that step (``window.make_training_step``, ``do_bench`` with the grid's ``--quick``
 settings, three times) and its host enqueue time (``host_overhead.host_ms``) in one process:
 
 1. ``fresh``: before anything else;

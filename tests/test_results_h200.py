@@ -214,3 +214,28 @@ def test_lesson_11_quotes_the_h200_runs():
                      f"{reached[0]['course_bf16_over_cudnn']:.2f}×)")
     assert quote_reached in markdown_text("11_hopper_and_fp8"), quote_reached
     assert quote in markdown_text("11_hopper_and_fp8"), quote
+
+
+def test_lesson_08_quotes_the_h200_grids():
+    """Lesson 08's two H200 sentences: the forward over the three grids with the route on, and the host-paced point
+    (the grid's course and FlexAttention steps, run by run, against the route check's)."""
+    fwd, trn = _window_points("forward"), _window_points("training")
+    text = markdown_text("08_sliding_window_and_sinks")
+    check = {(r["mode"], r["window_size"], r["n"]): r for r in results.load("route_check_h200")["rows"]}
+    ms = {p: [r["ms"] for name in WINDOW for r in results.load(name)["rows"]
+              if r["provider"] == p and r["mode"] == "training" and r["window_size"] == 256
+              and r["sink_size"] == 0 and r["n"] == 4096] for p in ("course", "flex")}
+    under = [k for k, v in fwd.items() if min(v) < 1.3]
+    assert under == [(4096, 0, 65536)]
+    quotes = [
+        f"read the forward at **{fmt(v for vs in fwd.values() for v in vs)} FlexAttention**. Only W = 4096 without "
+        f"sinks at 64k stayed under 1.3×, at {', '.join(f'{v:.2f}×' for v in fwd[under[0]][:2])} and "
+        f"{fwd[under[0]][2]:.2f}×",
+        f"three runs of the grid read that point at {', '.join(f'{v:.2f}×' for v in trn[(256, 0, 4096)][:2])} and "
+        f"{trn[(256, 0, 4096)][2]:.2f}× FlexAttention. The course's step took "
+        f"{', '.join(f'{v:.2f}' for v in ms['course'][:2])} and {ms['course'][2]:.2f} ms there, and FlexAttention's, "
+        f"timed just before it in the same process, {', '.join(f'{v:.2f}' for v in ms['flex'][:2])} and "
+        f"{ms['flex'][2]:.2f} ms",
+        f"timed the same step at {check[('training', 256, 4096)]['on_ms']:.2f} ms",
+    ]
+    assert_quoted(text, quotes)
