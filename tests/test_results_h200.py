@@ -239,3 +239,23 @@ def test_lesson_08_quotes_the_h200_grids():
         f"timed the same step at {check[('training', 256, 4096)]['on_ms']:.2f} ms",
     ]
     assert_quoted(text, quotes)
+
+
+def test_lessons_07_and_09_quote_the_h200_runs():
+    """Lesson 07: the training runs with the routes beside the lesson pair's recorded table; lesson 09: the decode
+    grids' range, ceiling and the points under cuDNN in every run."""
+    cudnn = training_ratios(TRAINING, "course", "sdpa_cudnn", LONG)
+    flash = training_ratios(TRAINING, "course", "sdpa_flash", LONG)
+    pair = [training_ratios(("training_bench",), "course", other, LONG) for other in ("sdpa_cudnn", "sdpa_flash")]
+    assert max(pair[0]) < min(cudnn) and max(pair[1]) < min(flash)
+    quote = (f"read **{fmt(cudnn)} cuDNN's** forward + backward at N ≥ 4k and {fmt(flash)} SDPA flash. This lesson's "
+             f"pair read {fmt(pair[0])} and {fmt(pair[1])} in the table below")
+    assert quote in markdown_text("07_backward"), quote
+    decode = _decode_points()
+    ratios = [s["course_vs_sdpa"] for runs in decode.values() for s in runs]
+    ceiling = [s["course_vs_ceiling"] for (b, _), runs in decode.items() if b >= 16 for s in runs]
+    short = sum(all(s["course_vs_sdpa"] < 1 for s in runs) for runs in decode.values())
+    quote = (f"read **{fmt(ratios)} the best SDPA backend** and {100 * min(ceiling):.0f}–{100 * max(ceiling):.0f}% of "
+             f"the read ceiling at `B ≥ 16`. The course stayed under cuDNN at the same {short} of {len(decode)} points "
+             f"in every run, by at most {1 - min(ratios):.1%}")
+    assert quote in markdown_text("09_decoding"), quote
