@@ -259,3 +259,14 @@ def test_lessons_07_and_09_quote_the_h200_runs():
              f"the read ceiling at `B ≥ 16`. The course stayed under cuDNN at the same {short} of {len(decode)} points "
              f"in every run, by at most {1 - min(ratios):.1%}")
     assert quote in markdown_text("09_decoding"), quote
+
+
+def test_the_readme_compares_the_h200_runs_with_the_last_runs_before_the_routes():
+    """The training and window bullets' "before": the H200's recorded runs of 2026-12-04 (lesson 07's pair; lesson 06's
+    machinery for the window forward), derived again."""
+    before = [fmt(training_ratios(("training_bench",), "course", other, LONG)) for other in ("sdpa_cudnn", "sdpa_flash")]
+    window = window_points(("window_bench",), "forward")
+    assert results.load("training_bench")["info"]["gpu"] == results.load("window_bench")["info"]["gpu"] == "NVIDIA H200"
+    quotes = [f"lesson 07's pair) read {before[0]} and {before[1]}.",
+              f"read the forward at {fmt(v for vs in window.values() for v in vs)}. The forward + backward"]
+    assert_quoted(readme_text(), quotes)
