@@ -21,7 +21,10 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
 - ``min4k`` and ``min4k_noncausal``: the forward alone at 4k (16k tokens a batch), causal and not, with the Gluon
   forward's threshold lowered to 4096 tokens (``dispatch.GLUON_MIN_N = MIN_N_CANDIDATE``, ``on``) against the
   shipped threshold, which leaves 4k to lesson 06's fast kernel (``off``); the Gluon forward with its switches as
-  shipped (the FMA softmax; the persistent grid without the causal mask).
+  shipped (the FMA softmax; the persistent grid without the causal mask);
+- ``fp8persistent`` and ``fp8persistent_noncausal``: ``kernels.flash_attention_fp8`` on e4m3 inputs quantised once
+  (as ``bench fp8`` times it), N 4k-16k (16k tokens a batch), causal and not, with its Gluon route on the persistent
+  grid (``fp8.GLUON_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``).
 
 bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
 main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
@@ -49,7 +52,7 @@ import torch  # noqa: E402
 
 from course_utils import bench  # noqa: E402
 from course_utils.bench import cases, training, window  # noqa: E402
-from course_utils.kernels import dispatch, fast_backward  # noqa: E402
+from course_utils.kernels import dispatch, fast_backward, fp8  # noqa: E402
 
 FORWARD_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
     (w, s, n) for w in (1024, 4096) for s in (0, 4) for n in (8192, 16384, 32768, 65536)]
@@ -60,15 +63,20 @@ FMA_POINTS = [p for p in FORWARD_POINTS if p[2] >= 8192]
 PERSISTENT_POINTS = [(None, 0, n) for n in (8192, 16384)]  # without the causal mask
 MIN_N_CANDIDATE = 4096  # the threshold ``min4k`` times against the shipped one
 MIN_N_POINTS = [(None, 0, MIN_N_CANDIDATE)]
-NONCAUSAL_MODES = ("persistent", "min4k_noncausal")  # the modes timed without the causal mask
+FP8_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # flash_attention_fp8's Gluon route (from fp8.GLUON_MIN_N)
+NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal")  # timed without the causal mask
+FP8_MODES = ("fp8persistent", "fp8persistent_noncausal")
 QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)],
          "sinks": [(1024, 4, 16384)], "fma": [(None, 0, 16384), (1024, 0, 16384)], "persistent": [(None, 0, 16384)],
-         "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS}
+         "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS, "fp8persistent": [(None, 0, 16384)],
+         "fp8persistent_noncausal": [(None, 0, 16384)]}
 MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS, "fma": FMA_POINTS,
-         "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS}
+         "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS,
+         "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
-               GLUON_FMA=dispatch.GLUON_FMA, GLUON_NONCAUSAL_PERSISTENT=dispatch.GLUON_NONCAUSAL_PERSISTENT)
+               GLUON_FMA=dispatch.GLUON_FMA, GLUON_NONCAUSAL_PERSISTENT=dispatch.GLUON_NONCAUSAL_PERSISTENT,
+               FP8_GLUON_PERSISTENT=fp8.GLUON_PERSISTENT)
 
 
 def set_route(mode: str, on: bool) -> None:
@@ -76,7 +84,8 @@ def set_route(mode: str, on: bool) -> None:
     never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped; ``sinks``:
     the Gluon backward for sinks always (``on``) or never, the rest as shipped; ``fma``: the Gluon forward's FMA
     softmax on or off, the rest as shipped; ``persistent``: the persistent grid without the causal mask on or off;
-    ``min4k`` / ``min4k_noncausal``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or as shipped."""
+    ``min4k`` / ``min4k_noncausal``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or as shipped;
+    ``fp8persistent`` / ``fp8persistent_noncausal``: the FP8 route's persistent grid on or off."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = on if mode == "persistent" else SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
@@ -86,6 +95,7 @@ def set_route(mode: str, on: bool) -> None:
     dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_WINDOW"] if forward_on else None
     fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on or mode != "training" else None
     fast_backward.GLUON_SINKS = on if mode == "sinks" else SHIPPED["GLUON_SINKS"]
+    fp8.GLUON_PERSISTENT = on if mode in FP8_MODES else SHIPPED["FP8_GLUON_PERSISTENT"]
 
 
 def restore() -> None:
@@ -94,6 +104,7 @@ def restore() -> None:
     fast_backward.AUTOGRAD_CONFIG, fast_backward.GLUON_SINKS = SHIPPED["AUTOGRAD_CONFIG"], SHIPPED["GLUON_SINKS"]
     dispatch.GLUON_FMA = SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
+    fp8.GLUON_PERSISTENT = SHIPPED["FP8_GLUON_PERSISTENT"]
 
 
 def make_step(mode, point):
@@ -103,6 +114,12 @@ def make_step(mode, point):
     w, s, n = point
     backward = mode in ("training", "sinks")  # the other modes time the forward alone
     causal = mode not in NONCAUSAL_MODES
+    if mode in FP8_MODES:  # bench fp8's inputs and its course_fp8 provider
+        from course_utils.bench import fp8 as fp8_bench
+
+        q, k, v = fp8_bench.make_inputs(n, max(1, fp8_bench.TOKENS // n))
+        forward = fp8_bench.make_forward("course_fp8", q, k, v, causal)
+        return lambda: (forward(),)
     if w is None:
         q, k, v = cases.make_inputs(cases.STANDARD_SUITE[0], n)
         if backward:

@@ -114,6 +114,30 @@ def test_the_persistent_grid_walks_each_work_tile_s_window(window, sinks, n, loo
     assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("causal,d,loop,buffers,block_size,n_programs,window,sinks", [
+    (True, 128, "serial", 3, 128, 3, None, 0), (False, 64, "pingpong", 2, 256, 5, None, 0),
+    (True, 64, "serial", 2, 128, 64, None, 0),  # more programs than work tiles
+    (True, 64, "pingpong", 3, 128, 4, 300, 4)])
+def test_the_persistent_grid_walks_every_fp8_work_tile_once(causal, d, loop, buffers, block_size, n_programs, window,
+                                                            sinks):
+    """FP8 on the persistent grid: each work tile's q_scale (its head's and query block's) and its tiles' k and v
+    scales, V transposed, the ring running on across work tiles; as accurate as the one-program-per-tile entry."""
+    g = torch.Generator().manual_seed(d + n_programs)
+    q, k, v = (torch.randn(2, h, 512, d, generator=g) for h in (4, 2, 2))
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t, block_size) for t in (q, k, v))
+    vt8 = v8.transpose(2, 3).contiguous()
+    hopper_ws._validate_fp8_inputs(q8, k8, vt8, qs, ks, vs, block_size)
+    hopper_ws._validate_persistent(q8, buffers, loop)
+    with gluon_cpu.running(seed=n_programs):
+        o, lse = hopper_ws._launch_persistent(q8, k8, vt8, causal, 1 / math.sqrt(d), buffers, loop, False, n_programs,
+                                              window_size=window, sink_size=sinks, scales=(qs, ks, vs),
+                                              block_size=block_size)
+    deq = [fp8.dequantize_fp8(x, s, block_size).double().numpy() for x, s in ((q8, qs), (k8, ks), (v8, vs))]
+    ro, rl = references.attention_lse(*deq, causal=causal, window_size=window, sink_size=sinks)
+    assert o.dtype == torch.bfloat16 and _rel(o, ro) < 0.035, _rel(o, ro)
+    assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
 def _backward(module, causal, d, block_m, buffers, dq_block_n, n=384, seed=0, window_size=None, sink_size=0):
     g = torch.Generator().manual_seed(n + d + block_m)
     q, do = (torch.randn(1, 4, n, d, generator=g).bfloat16() for _ in range(2))
@@ -370,10 +394,16 @@ def test_the_gluon_fp8_entry_is_the_route_flash_attention_fp8_takes_when_it_is_s
         o = flash_attention_fp8(q8, k8, v8, causal, q_scale=qs, k_scale=ks, v_scale=vs)
         from_bf16 = flash_attention_fp8(q, k, v, causal)  # quantised inside, the same e4m3 inputs
         want = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, causal)[0]
+        monkeypatch.setattr(fp8, "GLUON_PERSISTENT", True)  # the route on the entry's persistent grid
+        calls = record_calls(monkeypatch, (hopper_ws, "_launch_persistent"), (hopper_ws, "_launch"))
+        o_persistent = flash_attention_fp8(q8, k8, v8, causal, q_scale=qs, k_scale=ks, v_scale=vs)
+        assert calls == ["_launch_persistent"]
+        want_persistent = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, persistent=True)[0]
     assert o.dtype == torch.float32 and torch.equal(o, want.float()) and torch.equal(from_bf16, o)
+    assert torch.equal(o_persistent, want_persistent.float())
     ref = references.attention(*(fp8.dequantize_fp8(t, s).double().numpy() for t, s in ((q8, qs), (k8, ks), (v8, vs))),
                                causal=causal)
-    assert _rel(o, ref) < 5e-2
+    assert _rel(o, ref) < 5e-2 and _rel(o_persistent, ref) < 5e-2
 
 
 @needs_interpreter

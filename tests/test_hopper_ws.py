@@ -33,11 +33,14 @@ WINDOW_CASES = [(128, "serial", 1024, 4, False), (128, "pingpong", 256, 0, False
 PERSISTENT_CASES = [(True, 128, "serial", None, 0, False), (False, 128, "pingpong", None, 0, False),
                     (True, 128, "serial", 1024, 4, False), (True, 128, "pingpong", 256, 0, False),
                     (True, 128, "serial", 1024, 4, True)]
+# FP8 (attention_fp8's tiles) on the persistent grid: causal, D, loop, window_size, sink_size, buffers
+PERSISTENT_FP8_CASES = [(True, 128, "serial", None, 0, 3), (False, 128, "pingpong", None, 0, 2),
+                        (True, 128, "serial", 1024, 4, 2)]
 
 SCRIPT = r"""
 import json, sys, torch
 from course_utils.kernels import hopper_ws, targets
-cases, fp8_cases, window_cases, persistent_cases = json.loads(sys.argv[1])
+cases, fp8_cases, window_cases, persistent_cases, persistent_fp8_cases = json.loads(sys.argv[1])
 launches_of = []
 for causal, d, loop, fma, buffers in cases:
     q = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16)
@@ -66,6 +69,17 @@ for causal, d, loop, window, sinks, fma in persistent_cases:
     case = (f"persistent {causal} {d} {loop}" + ("" if window is None else f" window {window} {sinks}")
             + (" fma" if fma else ""))
     out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case, warnings=True)))
+for causal, d, loop, window, sinks, buffers in persistent_fp8_cases:
+    q8 = torch.empty(1, 32, 1024, d, dtype=torch.float8_e4m3fn)
+    k8 = torch.empty(1, 8, 1024, d, dtype=torch.float8_e4m3fn)
+    vt8 = torch.empty(1, 8, d, 1024, dtype=torch.float8_e4m3fn)
+    scales = (torch.ones(1, 32, 8), torch.ones(1, 8, 8), torch.ones(1, 8, 8))
+    with targets._captured_launches() as launches:
+        hopper_ws._launch_persistent(q8, k8, vt8, causal, 0.1, buffers, loop, True, 132, window_size=window,
+                                     sink_size=sinks, scales=scales)
+    (kernel, args, kwargs), = launches
+    case = f"fp8 persistent {causal} {d} {loop} {buffers}" + ("" if window is None else f" window {window} {sinks}")
+    out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case, warnings=True)))
 for args, case in launches_of:
     with targets._captured_launches() as launches:
         hopper_ws._launch(*args)
@@ -79,14 +93,16 @@ print(json.dumps(out))
 def compiled():
     # Triton's compiler (not the interpreter), no GPU in sight: the machine code for sm_90
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, FP8_CASES, WINDOW_CASES, PERSISTENT_CASES])], capture_output=True, text=True, env=env,
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, FP8_CASES, WINDOW_CASES, PERSISTENT_CASES,
+                                                                      PERSISTENT_FP8_CASES])], capture_output=True, text=True, env=env,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_it_compiles_to_a_loader_and_two_consumers(compiled):
-    assert len(compiled) == len(CASES) + len(FP8_CASES) + len(WINDOW_CASES) + len(PERSISTENT_CASES)
+    assert len(compiled) == len(CASES) + len(FP8_CASES) + len(WINDOW_CASES) + len(PERSISTENT_CASES) + len(
+        PERSISTENT_FP8_CASES)
     for r in compiled:
         assert r["num_warps"] == 12, r  # 4 + 4 + the loader's warp, in warpgroups
         names = [p[0] for p in r["partitions"]]
@@ -113,7 +129,8 @@ def test_no_loop_makes_ptxas_serialise_its_wgmma(compiled):
     24, and no overlap left; Triton 3.8's compiler does not make that mistake, so this check bites with 3.6.
     Every loop must compile without either, but the pipelined one: with two score tiles live it runs short of
     registers (C7511 with both versions), one reason it measured slower."""
-    assert len(compiled) == len(CASES) + len(FP8_CASES) + len(WINDOW_CASES) + len(PERSISTENT_CASES)
+    assert len(compiled) == len(CASES) + len(FP8_CASES) + len(WINDOW_CASES) + len(PERSISTENT_CASES) + len(
+        PERSISTENT_FP8_CASES)
     for r in compiled:
         if r["case"] == "True 128 pipelined False 2":
             assert len(r["ptxas_warnings"]) == 1 and "(C7511)" in r["ptxas_warnings"][0], r["ptxas_warnings"]
@@ -143,6 +160,14 @@ def test_the_fp8_entry_multiplies_e4m3_tiles_of_half_the_memory(compiled):
             assert all(w.endswith(("bf16.bf16", "f16.f16")) for w in r["wgmma"]) and r["wgmma"], r
     bf16, fp8 = by_case["True 128 serial False 2"]["shared_bytes"], by_case["fp8 True 128 serial 2"]["shared_bytes"]
     assert 0 < 2 * fp8 - bf16 <= 512, (bf16, fp8)  # the tiles halve; only the barriers' bytes stay
+    # the persistent grid's FP8 tiles: the same products, and two Q buffers of e4m3 beside three K/V slots
+    for causal, d, loop, window, sinks, buffers in PERSISTENT_FP8_CASES:
+        window_case = "" if window is None else f" window {window} {sinks}"
+        r = by_case[f"fp8 persistent {causal} {d} {loop} {buffers}{window_case}"]
+        assert set(r["wgmma"]) == {"m64n128k32.f32.e4m3.e4m3", f"m64n{d}k32.f32.e4m3.e4m3"}, r["wgmma"]
+    bf16 = by_case["persistent True 128 serial"]["shared_bytes"]  # 2 slots: 4 Q halves + 4 K/V tiles of bf16
+    fp8_3 = by_case["fp8 persistent True 128 serial 3"]["shared_bytes"]  # 3 slots: 4 Q halves + 6 tiles of e4m3
+    assert fp8_3 - bf16 // 2 == pytest.approx(2 * 128 * 128, abs=512), (bf16, fp8_3)  # one more K and V slot in e4m3
 
 
 @pytest.mark.parametrize("shapes,dtype,message", [
@@ -205,7 +230,8 @@ def test_the_fp8_entry_refuses_inputs_not_made_by_quantize_fp8(change, message):
 
 @pytest.mark.parametrize("options,message", [(dict(block_size=64), "block_size must be a power of two of at least 128"),
                                              (dict(num_buffers=5), "num_buffers must be 2, 3 or 4 with FP8"),
-                                             (dict(loop="pipelined"), "bf16/fp16 only")])
+                                             (dict(loop="pipelined"), "bf16/fp16 only"),
+                                             (dict(persistent=True, loop="overlap"), "persistent grid runs loop")])
 def test_the_fp8_entrys_options_are_checked(options, message):
     q8, k8, vt8, qs, ks, vs = _fp8_inputs()
     if "block_size" in options:
@@ -273,6 +299,35 @@ def test_the_fp8_entry_matches_the_courses_fp8_kernel_on_a_hopper_gpu(b, hq, hkv
     ro, rl = _reference(*deq, causal)
     assert o.dtype == torch.bfloat16 and o.shape == q8.shape
     torch.testing.assert_close(o.float(), lesson.float(), atol=3e-2, rtol=3e-2)
+    assert rel_rms(o, ro) < 0.05, rel_rms(o, ro)
+    assert (lse - rl).abs().max().item() < 2e-2
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
+                                       "tests above and tests/test_gluon_cpu.py's model stand in on a CPU")
+@pytest.mark.parametrize("b,hq,hkv,n,d,causal,loop,buffers,block_size,window,sinks", [
+    (2, 8, 2, 1024, 128, True, "serial", 3, 128, None, 0),
+    (1, 32, 8, 2048, 128, False, "pingpong", 2, 256, None, 0),  # two key tiles to a scale block
+    (1, 4, 4, 640, 64, True, "serial", 2, 128, None, 0),  # MHA, D = 64
+    (1, 8, 2, 1152, 128, True, "serial", 2, 128, 200, 4),  # lesson 08's window and sinks
+])
+def test_the_fp8_persistent_grid_matches_the_fp8_entry_on_a_hopper_gpu(b, hq, hkv, n, d, causal, loop, buffers,
+                                                                       block_size, window, sinks):
+    """attention_fp8(persistent=True): the same arithmetic as one program per tile, so the same o to bf16's
+    rounding, and right against float64 attention over the dequantised inputs."""
+    from course_utils.bench.fp8 import rel_rms
+    from course_utils.kernels import fp8
+
+    q8, k8, vt8, qs, ks, vs = _fp8_inputs(b, hq, hkv, n, d, block_size, "cuda")
+    mask = dict(window_size=window, sink_size=sinks)
+    o, lse = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, block_size=block_size, loop=loop,
+                                     num_buffers=buffers, persistent=True, **mask)
+    want_o, want_lse = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, block_size=block_size, loop=loop,
+                                               **mask)
+    torch.testing.assert_close(o, want_o, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    deq = (fp8.dequantize_fp8(x, s, block_size) for x, s in ((q8, qs), (k8, ks), (vt8.transpose(2, 3), vs)))
+    ro, rl = _reference(*deq, causal, **({} if window is None else mask))
     assert rel_rms(o, ro) < 0.05, rel_rms(o, ro)
     assert (lse - rl).abs().max().item() < 2e-2
 

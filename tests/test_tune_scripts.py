@@ -488,6 +488,33 @@ def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
     assert "min4k_noncausal" in route_check.NONCAUSAL_MODES and "min4k" not in route_check.NONCAUSAL_MODES
 
 
+def test_route_check_s_fp8_modes_turn_the_fp8_persistent_grid_and_nothing_else():
+    """``fp8persistent`` / ``fp8persistent_noncausal``: ``fp8.GLUON_PERSISTENT`` on or off, every bf16 switch as
+    shipped; their points are where flash_attention_fp8's Gluon route runs (N from fp8.GLUON_MIN_N), the second
+    without the causal mask."""
+    from course_utils.kernels import dispatch, fp8
+
+    others = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
+              dispatch.GLUON_NONCAUSAL_PERSISTENT)
+    shipped = fp8.GLUON_PERSISTENT
+    try:
+        for mode in route_check.FP8_MODES:
+            for on in (True, False):
+                route_check.set_route(mode, on)
+                assert fp8.GLUON_PERSISTENT is on
+                assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS,
+                        dispatch.GLUON_FMA, dispatch.GLUON_NONCAUSAL_PERSISTENT) == others
+        route_check.set_route("fp8persistent", not shipped)
+        route_check.set_route("fma", True)  # another mode puts it back
+        assert fp8.GLUON_PERSISTENT is shipped
+        route_check.set_route("fp8persistent", not shipped)
+    finally:
+        route_check.restore()
+    assert fp8.GLUON_PERSISTENT is shipped
+    assert route_check.FP8_POINTS and all(w is None and n >= fp8.GLUON_MIN_N for w, _, n in route_check.FP8_POINTS)
+    assert "fp8persistent_noncausal" in route_check.NONCAUSAL_MODES and "fp8persistent" not in route_check.NONCAUSAL_MODES
+
+
 def test_route_check_s_sink_points_have_sinks_beyond_their_window():
     """The ``sinks`` points: 4 sinks and a window shorter than N (under a longer one the sinks select nothing and the
     call takes the Gluon backward either way)."""

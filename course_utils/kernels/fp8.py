@@ -99,6 +99,7 @@ __all__ = [
     "hopper_unsupported_reason",
     "launch_fp8_hopper",
     "GLUON_MIN_N",
+    "GLUON_PERSISTENT",
     "gluon_fp8_applies",
     "_fp8_hopper_kernel",
 ]
@@ -858,6 +859,10 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
 # 1.01-1.16x this module's Hopper launch at N >= 4096 and 0.84-0.95x at N <= 2048 (the two main sweeps,
 # results/forward_bench_lesson11_h100*.json: 0.94-1.16x at N >= 4096, 0.83-0.96x below). None: never.
 GLUON_MIN_N: int | None = 4096
+# Whether that route runs the entry's persistent grid (hopper_ws.attention_fp8(..., persistent=True): one program per
+# SM walking the work tiles, the next tile's Q loading under this one's loop) rather than a program per tile. Off
+# until timed: benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal times the route both ways.
+GLUON_PERSISTENT: bool = False
 
 
 def gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size: int = 128, *,
@@ -888,7 +893,8 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
     GPU (float32 in the CPU interpreter). ``q`` is ``[B, Hq, N, D]``, ``k,
     v`` ``[B, Hkv, N, D]`` (``Hq`` a multiple of ``Hkv``), any strides, ``16 <=
     D <= 256``. Bad input raises a ``ValueError`` of one sentence. Where :data:`GLUON_MIN_N` is set and
-    :func:`gluon_fp8_applies`, lesson 11's Gluon FP8 entry computes it.
+    :func:`gluon_fp8_applies`, lesson 11's Gluon FP8 entry computes it (on its persistent grid while
+    :data:`GLUON_PERSISTENT`).
     """
     fp8_in = validate_fp8(q, k, v, q_scale, k_scale, v_scale, block_size)
     if fp8_in:
@@ -901,7 +907,8 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
     if gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size):
         from .hopper_ws import attention_fp8 as gluon_fp8
 
-        return gluon_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size=block_size)[0].to(out_dtype)
+        return gluon_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size=block_size,
+                         persistent=GLUON_PERSISTENT)[0].to(out_dtype)
     if hopper_unsupported_reason(q8, block_size, causal=causal) is None:
         return launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
     return launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)

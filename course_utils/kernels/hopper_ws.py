@@ -504,13 +504,21 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
                                              m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
                                              BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout, HALF_IDX,
                                              LOOP == "pingpong", FMA)
+    acc, lse2 = _normalise(acc, m_i, l_i, v_prev, o_layout, FP8)
+    _store_rows(o_ptr, lse_ptr, acc, lse2, q_row + ROW0, s_layout, o_layout)
+
+
+@gluon.jit
+def _normalise(acc, m_i, l_i, v_prev, o_layout: gl.constexpr, FP8: gl.constexpr):
+    """A consumer's rows at the end of their keys: ``o`` (``acc`` over the softmax's sum; FP8 also back from the
+    last tile's ``v_scale`` units) and ``lse`` in base 2 (FP8's ``l_i`` counted P in units of 1/256)."""
     if FP8:
         acc = acc * gl.convert_layout(v_prev / l_i, gl.SliceLayout(1, o_layout))[:, None]
-        lse2 = m_i + gl.log2(l_i) - 8.0  # l_i counted P in units of 1/256
+        lse2 = m_i + gl.log2(l_i) - 8.0
     else:
         acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         lse2 = m_i + gl.log2(l_i)
-    _store_rows(o_ptr, lse_ptr, acc, lse2, q_row + ROW0, s_layout, o_layout)
+    return acc, lse2
 
 
 @gluon.jit
@@ -583,10 +591,11 @@ def _work_tile(tile, N, BH, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.co
 @gluon.jit
 def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
                        N, BH, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr, WINDOW: gl.constexpr):
     """The producer of the persistent grid: per work tile, Q's two halves into the tile's Q buffer (two buffers,
     so the next tile's Q lands while this one runs), then its K/V tiles into the ring, whose position runs on
-    across work tiles. ``WINDOW``: each work tile's tiles of :func:`window_plan`, in its order."""
+    across work tiles. ``V_T`` (FP8): V transposed, as :func:`_load_partition` reads it. ``WINDOW``: each work
+    tile's tiles of :func:`window_plan`, in its order."""
     HALF: gl.constexpr = BLOCK_M // 2
     NB: gl.constexpr = k_smem.type.shape[0]
     step = 0
@@ -613,28 +622,35 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q
             tma.async_copy_global_to_shared(k_desc, [kv_row + kv_tile * BLOCK_N, 0], k_bars.index(idx),
                                             k_smem.index(idx))
             mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + kv_tile * BLOCK_N, 0], v_bars.index(idx),
-                                            v_smem.index(idx))
+            if V_T:
+                tma.async_copy_global_to_shared(v_desc, [kv_row // N * v_smem.type.shape[1], kv_tile * BLOCK_N],
+                                                v_bars.index(idx), v_smem.index(idx))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [kv_row + kv_tile * BLOCK_N, 0], v_bars.index(idx),
+                                                v_smem.index(idx))
         step += n_tiles
         t += 1
 
 
 @gluon.jit
 def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         turn_bars, o_ptr, lse_ptr, qk_scale, N, BH, window_size, sink_size, H: gl.constexpr,
-                         GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr, WINDOW: gl.constexpr):
+                         turn_bars, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, window_size,
+                         sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         HEAD_DIM: gl.constexpr, SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr,
+                         FMA: gl.constexpr, WINDOW: gl.constexpr):
     """A consumer of the persistent grid: its 64 rows of each work tile (as :func:`_consumer`'s serial and
     ping-pong loops, the ring's position running on), releasing the tile's Q half after its last ``Q Kᵀ``.
     ``WINDOW``: each work tile's :func:`window_plan`, masked where a tile crosses the window's edge or the
-    diagonal, as :func:`_consumer`'s window loop."""
+    diagonal, as :func:`_consumer`'s window loop. FP8 (e4m3 tiles): each work tile's scales as in
+    :func:`_consumer`."""
+    FP8: gl.constexpr = v_smem.dtype.is_fp8()
     HALF: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = HALF_IDX * HALF
+    K_INSTR: gl.constexpr = 32 if FP8 else 16  # as in _consumer
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N, K_INSTR])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    one = gl.to_tensor(1.0)  # no V scales in 16 bits
+                                                       instr_shape=[16, HEAD_DIM, K_INSTR])
     step = 0
     t = 0
     for tile in range(gl.program_id(0), (N // BLOCK_M) * BH, gl.num_programs(0)):
@@ -644,37 +660,46 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
         m_i = gl.full([HALF], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+        v_prev = gl.to_tensor(1.0)
+        scale_base = kv_row // N * N_SB  # the kv head's first k_scale / v_scale (FP8)
+        tile_qk_scale = qk_scale
+        if FP8:
+            tile_qk_scale = qk_scale * gl.load(qs_ptr + tile % BH * N_SB + start_m * BLOCK_M // SCALE_BLOCK)
         q = q_smem.index(slot)
         mbarrier.wait(q_bars.index(slot), (t // 2) & 1)
-        # no V scales in 16 bits: lse_ptr stands for the scale pointers, which are not read
         if WINDOW:
-            m_i, l_i, acc, _, n_tiles = _window_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step,
-                                                     start_m, m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0,
-                                                     rows, window_size, sink_size, BLOCK_M, BLOCK_N, BLOCK_N,
-                                                     s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
+            m_i, l_i, acc, v_prev, n_tiles = _window_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars,
+                                                          step, start_m, m_i, l_i, acc, v_prev, tile_qk_scale, ks_ptr,
+                                                          vs_ptr, scale_base, rows, window_size, sink_size, BLOCK_M,
+                                                          BLOCK_N, SCALE_BLOCK, s_layout, o_layout, HALF_IDX,
+                                                          LOOP == "pingpong", FMA)
         else:
-            m_i, l_i, acc, _ = _causal_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step, n_tiles,
-                                            m_i, l_i, acc, one, qk_scale, lse_ptr, lse_ptr, 0, rows, BLOCK_N, BLOCK_N,
-                                            CAUSAL, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
+            m_i, l_i, acc, v_prev = _causal_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step,
+                                                 n_tiles, m_i, l_i, acc, v_prev, tile_qk_scale, ks_ptr, vs_ptr,
+                                                 scale_base, rows, BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout,
+                                                 HALF_IDX, LOOP == "pingpong", FMA)
         mbarrier.arrive(q_empty.index(slot), count=1)  # the tile's products have completed: its Q half is free
-        acc = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        _store_rows(o_ptr, lse_ptr, acc, m_i + gl.log2(l_i), q_row + ROW0, s_layout, o_layout)
+        acc, lse2 = _normalise(acc, m_i, l_i, v_prev, o_layout, FP8)
+        _store_rows(o_ptr, lse_ptr, acc, lse2, q_row + ROW0, s_layout, o_layout)
         step += n_tiles
         t += 1
 
 
 @gluon.jit
-def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, BH, window_size, sink_size,
-                           H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
-                           CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOOP: gl.constexpr,
-                           FMA: gl.constexpr, WINDOW: gl.constexpr):
-    """:func:`attn_fwd_ws` as a persistent grid (16-bit, serial or ping-pong, lesson 08's window with ``WINDOW``):
-    two Q buffers of two halves each, with a ready and an empty barrier per half-buffer, and the K/V ring."""
+def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH,
+                           window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
+                           SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr, WINDOW: gl.constexpr):
+    """:func:`attn_fwd_ws` as a persistent grid (serial or ping-pong, lesson 08's window with ``WINDOW``; FP8 as
+    :func:`attn_fwd_ws` takes it): two Q buffers of two halves each, with a ready and an empty barrier per
+    half-buffer, and the K/V ring."""
     HALF: gl.constexpr = BLOCK_M // 2
+    V_T: gl.constexpr = v_desc.dtype.is_fp8()
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, HALF, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, BLOCK_N, HEAD_DIM], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_BUF, v_desc.block_type.shape[0],
+                                                      v_desc.block_type.shape[1]], v_desc.layout)
     q_bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -692,34 +717,55 @@ def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qk_scale, N, 
         mbarrier.init(empty_bars.index(i), count=2)
     gl.warp_specialize([
         (_persistent_consumer, (0, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                                o_ptr, lse_ptr, qk_scale, N, BH, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
-                                HEAD_DIM, CAUSAL, LOOP, FMA, WINDOW)),
+                                o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, window_size, sink_size,
+                                H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
         (_persistent_consumer, (1, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                                o_ptr, lse_ptr, qk_scale, N, BH, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
-                                HEAD_DIM, CAUSAL, LOOP, FMA, WINDOW)),
+                                o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, window_size, sink_size,
+                                H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
         (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars,
-                              empty_bars, N, BH, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
+                              empty_bars, N, BH, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T,
                               WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, n_programs=None,
-                       window_size=None, sink_size=0):
-    """:func:`attn_fwd_ws_persistent` for validated 16-bit inputs: ``n_programs`` (default one per SM) walk the
-    ``N / 128 * B * H`` work tiles; ``window_size`` / ``sink_size``: lesson 08's window (causal)."""
+def _operands(q, k, v, scales):
+    """The launches' shared setup: ``o`` (bf16 from FP8, else ``q``'s dtype), ``lse``, the three TMA descriptors
+    over the rows of all heads in one 2-D view (N is a multiple of the boxes, so no box crosses into the next
+    head; FP8's V^T ``[B * H_kv * D, N]``, a tile D rows of BLOCK_N keys, the keys contiguous), and the scales
+    with their blocks per head (``lse`` stands for the scales in 16 bits: not read)."""
     b, h, n, d = q.shape
+    fp8 = q.dtype == _FP8
     q, k, v = (t.contiguous() for t in (q, k, v))
-    o = torch.empty_like(q)
+    o = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if fp8 else q.dtype)
     lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
-    q_desc, k_desc, v_desc = (_descriptor(t.view(-1, d), [rows, d])
-                              for t, rows in ((q, BLOCK_M // 2), (k, BLOCK_N), (v, BLOCK_N)))
+    q_desc = _descriptor(q.view(-1, d), [BLOCK_M // 2, d])
+    k_desc = _descriptor(k.view(-1, d), [BLOCK_N, d])
+    if fp8:
+        v_desc = _descriptor(v.view(-1, n), [d, BLOCK_N])
+        qs, ks, vs = (s.contiguous() for s in scales)
+        n_sb = qs.shape[-1]
+    else:
+        v_desc = _descriptor(v.view(-1, d), [BLOCK_N, d])
+        qs = ks = vs = lse
+        n_sb = 1
+    return o, lse, (q_desc, k_desc, v_desc), (qs, ks, vs), n_sb
+
+
+def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, n_programs=None,
+                       window_size=None, sink_size=0, scales=None, block_size=BLOCK_M):
+    """:func:`attn_fwd_ws_persistent` for validated inputs: ``n_programs`` (default one per SM) walk the
+    ``N / 128 * B * H`` work tiles; ``window_size`` / ``sink_size``: lesson 08's window (causal); FP8 as
+    :func:`_launch` takes it (``fma`` implied)."""
+    b, h, n, d = q.shape
+    o, lse, descs, scale_ptrs, n_sb = _operands(q, k, v, scales)
     work = n // BLOCK_M * b * h
     if n_programs is None:
         n_programs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
     attn_fwd_ws_persistent[(max(1, min(int(n_programs), work)), )](
-        q_desc, k_desc, v_desc, o, lse, sm_scale * LOG2E, n, b * h, 0 if window_size is None else int(window_size),
-        int(sink_size), h, h // k.shape[1], BLOCK_M, BLOCK_N, d, num_buffers, causal, CONSUMER_REGS, LOADER_REGS, loop,
-        fma, window_size is not None, num_warps=4, maxnreg=MAXNREG)
+        *descs, o, lse, *scale_ptrs, sm_scale * LOG2E, n, n_sb, b * h,
+        0 if window_size is None else int(window_size), int(sink_size), h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
+        num_buffers, block_size, causal, CONSUMER_REGS, LOADER_REGS, loop, fma or q.dtype == _FP8,
+        window_size is not None, num_warps=4, maxnreg=MAXNREG)
     return o, lse
 
 
@@ -848,23 +894,10 @@ def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, sc
     ``sink_size`` sinks."""
     b, h, n, d = q.shape
     fp8 = q.dtype == _FP8
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    o = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if fp8 else q.dtype)
-    lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
-    # rows of all heads in one 2-D view: N is a multiple of the boxes, so no box crosses into the next head
-    q_desc = _descriptor(q.view(-1, d), [BLOCK_M // 2, d])
-    k_desc = _descriptor(k.view(-1, d), [BLOCK_N, d])
-    if fp8:  # V^T [B * H_kv * D, N]: a tile is D rows of BLOCK_N keys, the keys contiguous
-        v_desc = _descriptor(v.view(-1, n), [d, BLOCK_N])
-        qs, ks, vs = (s.contiguous() for s in scales)
-        n_sb = qs.shape[-1]
-    else:
-        v_desc = _descriptor(v.view(-1, d), [BLOCK_N, d])
-        qs = ks = vs = lse  # not read
-        n_sb = 1
+    o, lse, descs, (qs, ks, vs), n_sb = _operands(q, k, v, scales)
     grid = (n // BLOCK_M, b * h)
     window = window_size is not None
-    attn_fwd_ws[grid](q_desc, k_desc, v_desc, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb,
+    attn_fwd_ws[grid](*descs, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb,
                       int(window_size) if window else 0, int(sink_size), h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
                       num_buffers, block_size, causal, CONSUMER_REGS, LOADER_REGS, loop, fma or fp8, window,
                       num_warps=4, maxnreg=MAXNREG)
@@ -876,15 +909,16 @@ LOOPS = ("serial", "pipelined", "pingpong", "overlap", "overlap_pingpong")
 
 def _validate_persistent(q, num_buffers, loop) -> None:
     """The persistent grid's cover: the serial and ping-pong loops (with or without a window), its tiles in shared
-    memory."""
+    memory (an FP8 tile is half a bf16 one)."""
     if loop not in WINDOW_LOOPS:
         raise ValueError(f"the persistent grid runs loop in {WINDOW_LOOPS} (got {loop!r})")
     d = q.shape[-1]
-    tiles = 2 * (4 * (BLOCK_M // 2) * d + 2 * num_buffers * BLOCK_N * d)  # two Q buffers of two halves, the ring
+    # two Q buffers of two halves, the ring of K and V tiles
+    tiles = q.element_size() * (4 * (BLOCK_M // 2) * d + 2 * num_buffers * BLOCK_N * d)
     if tiles > TARGETS[90][1]:
         raise ValueError(f"the persistent grid's tiles need {tiles // 1024} KiB of shared memory at D = {d} with "
                          f"num_buffers={num_buffers}, more than Hopper's {TARGETS[90][1] // 1024} KiB: take 2 "
-                         "buffers")
+                         "buffers")  # FP8's four slots fit (160 KiB at D = 128)
 
 
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, window_size: int | None = None,
@@ -918,7 +952,8 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
 
 
 def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
-                  window_size: int | None = None, sink_size: int = 0, num_buffers: int = 2, loop: str = "serial"):
+                  window_size: int | None = None, sink_size: int = 0, num_buffers: int = 2, loop: str = "serial",
+                  persistent: bool = False):
     """``(o, lse)`` of attention over e4m3 inputs on a Hopper GPU: the same three partitions with both products
     in FP8 (``wgmma`` at twice bf16's rate), ``o`` bf16.
 
@@ -928,11 +963,17 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     ``fp8.launch_fp8_hopper``'s: the scales folded into one FMA per score, P quantised as ``256 p``
     (``fp8.P_SCALE``), the accumulator carried in units of the tile's ``v_scale``. ``num_buffers`` 2-4 (an FP8
     tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``; ``window_size``, ``sink_size``
-    as in :func:`attention`.
+    and ``persistent`` (serial or ping-pong; all four slots fit) as in :func:`attention`.
     """
     _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
     _validate_options(num_buffers, loop, True)
     _validate_window(causal, window_size, sink_size, loop)
+    if persistent:
+        _validate_persistent(q8, num_buffers, loop)
     _validate_device(q8)
-    return _launch(q8, k8, vt8, causal, 1.0 / math.sqrt(q8.shape[-1]), num_buffers, loop, True,
-                   (q_scale, k_scale, v_scale), block_size, window_size, sink_size)
+    scales, sm_scale = (q_scale, k_scale, v_scale), 1.0 / math.sqrt(q8.shape[-1])
+    if persistent:
+        return _launch_persistent(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, window_size=window_size,
+                                  sink_size=sink_size, scales=scales, block_size=block_size)
+    return _launch(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, scales, block_size, window_size,
+                   sink_size)
