@@ -49,10 +49,11 @@
 #           causal and not, with the Gluon forward's threshold at 4096 against as shipped (8192: lesson 06's kernel at
 #           4k). The H200's persistent probe read the Gluon forward with the FMA softmax 1.075x the course's at causal
 #           4k (results/hopper_ws_probe_persistent_h200.json), where the ladder's bf16 entry is furthest under cuDNN
-#   fp8persistent benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal, four rounds:
-#           flash_attention_fp8 (e4m3 inputs, N 4k-16k, causal and not) with its Gluon route on the entry's persistent
-#           grid (fp8.GLUON_PERSISTENT) against a program per tile; then the new GPU tests of that grid
-#           (test_hopper_ws.py -k fp8_persistent)
+#   fp8persistent benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal fp8transpose, four
+#           rounds: flash_attention_fp8 (e4m3 inputs, N 4k-16k, causal and not) with its Gluon route on the entry's
+#           persistent grid (fp8.GLUON_PERSISTENT) against a program per tile, and with V's K-major copy by
+#           fp8.transpose_tiled (fp8.FAST_TRANSPOSE) against torch's; then the new GPU tests of that grid and that
+#           copy (test_hopper_ws.py, test_kernels_fp8.py -k transpose)
 #   decode16 benchmarks/tune_decode.py at B = 16, 1k and 4k (one and two splits, 2-4 stages): the two decode points
 #           furthest under cuDNN in the H200's three grids (0.984-0.996x) run one split at 4 stages, which the H100's
 #           sweep put 2% behind 3 stages at 1k
@@ -180,9 +181,11 @@ for step in "$@"; do
       run route_min4k "$PY" benchmarks/route_check.py --modes min4k min4k_noncausal --rounds 4 \
         --out "$OUT/route_check_min4k.json" ;;
     fp8persistent)
-      run route_fp8p "$PY" benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal --rounds 4 \
+      run route_fp8p "$PY" benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal fp8transpose \
+        --rounds 4 \
         --out "$OUT/route_check_fp8persistent.json"
-      run test_fp8p "${PYTEST[@]}" tests/test_hopper_ws.py -k "fp8_persistent or compiles or fp8_entry" ;;
+      run test_fp8p "${PYTEST[@]}" tests/test_hopper_ws.py tests/test_kernels_fp8.py -k \
+        "fp8_persistent or compiles or fp8_entry or transpose" ;;
     decode16)
       run tune_decode_b16 "$PY" benchmarks/tune_decode.py --points 16:1024 16:4096 \
         --candidates 64:4:2 64:4:3 64:4:4 128:4:2 --counts 1 2 --out "$OUT/tune_decode_b16.json" ;;

@@ -24,7 +24,9 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
   shipped (the FMA softmax; the persistent grid without the causal mask);
 - ``fp8persistent`` and ``fp8persistent_noncausal``: ``kernels.flash_attention_fp8`` on e4m3 inputs quantised once
   (as ``bench fp8`` times it), N 4k-16k (16k tokens a batch), causal and not, with its Gluon route on the persistent
-  grid (``fp8.GLUON_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``).
+  grid (``fp8.GLUON_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``);
+- ``fp8transpose``: the same calls (causal), V's K-major copy made by ``fp8.transpose_tiled``
+  (``fp8.FAST_TRANSPOSE = True``, ``on``) against torch's strided copy (``False``, ``off``).
 
 bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
 main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
@@ -65,18 +67,18 @@ MIN_N_CANDIDATE = 4096  # the threshold ``min4k`` times against the shipped one
 MIN_N_POINTS = [(None, 0, MIN_N_CANDIDATE)]
 FP8_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # flash_attention_fp8's Gluon route (from fp8.GLUON_MIN_N)
 NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal")  # timed without the causal mask
-FP8_MODES = ("fp8persistent", "fp8persistent_noncausal")
+FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose")  # flash_attention_fp8's calls
 QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)],
          "sinks": [(1024, 4, 16384)], "fma": [(None, 0, 16384), (1024, 0, 16384)], "persistent": [(None, 0, 16384)],
          "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS, "fp8persistent": [(None, 0, 16384)],
-         "fp8persistent_noncausal": [(None, 0, 16384)]}
+         "fp8persistent_noncausal": [(None, 0, 16384)], "fp8transpose": [(None, 0, 4096)]}
 MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS, "fma": FMA_POINTS,
          "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS,
-         "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS}
+         "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS, "fp8transpose": FP8_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
                GLUON_FMA=dispatch.GLUON_FMA, GLUON_NONCAUSAL_PERSISTENT=dispatch.GLUON_NONCAUSAL_PERSISTENT,
-               FP8_GLUON_PERSISTENT=fp8.GLUON_PERSISTENT)
+               FP8_GLUON_PERSISTENT=fp8.GLUON_PERSISTENT, FP8_FAST_TRANSPOSE=fp8.FAST_TRANSPOSE)
 
 
 def set_route(mode: str, on: bool) -> None:
@@ -85,7 +87,8 @@ def set_route(mode: str, on: bool) -> None:
     the Gluon backward for sinks always (``on``) or never, the rest as shipped; ``fma``: the Gluon forward's FMA
     softmax on or off, the rest as shipped; ``persistent``: the persistent grid without the causal mask on or off;
     ``min4k`` / ``min4k_noncausal``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or as shipped;
-    ``fp8persistent`` / ``fp8persistent_noncausal``: the FP8 route's persistent grid on or off."""
+    ``fp8persistent`` / ``fp8persistent_noncausal``: the FP8 route's persistent grid on or off; ``fp8transpose``:
+    the FP8 entry's tiled transpose of V on or off."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = on if mode == "persistent" else SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
@@ -95,7 +98,8 @@ def set_route(mode: str, on: bool) -> None:
     dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_WINDOW"] if forward_on else None
     fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on or mode != "training" else None
     fast_backward.GLUON_SINKS = on if mode == "sinks" else SHIPPED["GLUON_SINKS"]
-    fp8.GLUON_PERSISTENT = on if mode in FP8_MODES else SHIPPED["FP8_GLUON_PERSISTENT"]
+    fp8.GLUON_PERSISTENT = on if mode.startswith("fp8persistent") else SHIPPED["FP8_GLUON_PERSISTENT"]
+    fp8.FAST_TRANSPOSE = on if mode == "fp8transpose" else SHIPPED["FP8_FAST_TRANSPOSE"]
 
 
 def restore() -> None:
@@ -104,7 +108,7 @@ def restore() -> None:
     fast_backward.AUTOGRAD_CONFIG, fast_backward.GLUON_SINKS = SHIPPED["AUTOGRAD_CONFIG"], SHIPPED["GLUON_SINKS"]
     dispatch.GLUON_FMA = SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
-    fp8.GLUON_PERSISTENT = SHIPPED["FP8_GLUON_PERSISTENT"]
+    fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE = SHIPPED["FP8_GLUON_PERSISTENT"], SHIPPED["FP8_FAST_TRANSPOSE"]
 
 
 def make_step(mode, point):

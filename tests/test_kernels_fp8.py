@@ -14,7 +14,7 @@ import triton.errors
 
 from course_utils import references as ref
 from course_utils.kernels import flash_attention_fp8, fp8, quantize_fp8
-from conftest import DEVICE, skip_if_specialised_on_gpu
+from conftest import DEVICE, record_calls, skip_if_specialised_on_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 HIGH = torch.float32 if DEVICE == "cpu" else torch.bfloat16
@@ -370,6 +370,33 @@ def test_lpt_schedule_covers_every_tile_once_within_four_thirds():
         assert len(schedule) == n_programs
         assert sorted(t for program in schedule for t in program) == sorted(tiles)
         assert fp8.schedule_makespan(schedule, tiles, costs) <= 4 / 3 * lower_bound(costs, n_programs) + 1e-9
+
+
+@pytest.mark.parametrize("shape,permuted", [((1, 2, 256, 128), False), ((2, 3, 200, 72), True)])
+def test_the_tiled_transpose_gives_torch_s_k_major_copy(shape, permuted):
+    """fp8.transpose_tiled (FAST_TRANSPOSE's copy of V, keys contiguous): torch's transpose byte for byte, edge tiles
+    and any strides included."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    v = torch.randn(*shape, generator=gen)
+    if permuted:  # strides of a [B, N, H, D] buffer viewed as [B, H, N, D]
+        v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    v8 = v.to(torch.float8_e4m3fn).to(DEVICE)
+    vt8 = fp8.transpose_tiled(v8)
+    assert vt8.dtype == torch.float8_e4m3fn and vt8.shape == (*shape[:2], shape[3], shape[2]) and vt8.is_contiguous()
+    assert torch.equal(vt8.view(torch.uint8).cpu(), v8.transpose(2, 3).contiguous().view(torch.uint8).cpu())
+
+
+def test_the_fp8_entry_gives_the_same_output_with_either_transpose(monkeypatch):
+    """FAST_TRANSPOSE changes how V's K-major copy is made on a GPU, nothing else: the entry's output is identical
+    (on a CPU torch's copy stays)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 128, 64, generator=gen).to(DEVICE) for h in (2, 1, 1))
+    want = flash_attention_fp8(q, k, v, True)
+    monkeypatch.setattr(fp8, "FAST_TRANSPOSE", True)
+    calls = record_calls(monkeypatch, (fp8, "transpose_tiled"))
+    got = flash_attention_fp8(q, k, v, True)
+    assert torch.equal(got, want)
+    assert calls == ([] if DEVICE == "cpu" else ["transpose_tiled"])
 
 
 # -- one copy: the lesson defines the same kernels ----------------------------------------

@@ -488,29 +488,30 @@ def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
     assert "min4k_noncausal" in route_check.NONCAUSAL_MODES and "min4k" not in route_check.NONCAUSAL_MODES
 
 
-def test_route_check_s_fp8_modes_turn_the_fp8_persistent_grid_and_nothing_else():
-    """``fp8persistent`` / ``fp8persistent_noncausal``: ``fp8.GLUON_PERSISTENT`` on or off, every bf16 switch as
-    shipped; their points are where flash_attention_fp8's Gluon route runs (N from fp8.GLUON_MIN_N), the second
+def test_route_check_s_fp8_modes_turn_one_fp8_switch_and_nothing_else():
+    """``fp8persistent`` / ``fp8persistent_noncausal``: ``fp8.GLUON_PERSISTENT`` on or off; ``fp8transpose``:
+    ``fp8.FAST_TRANSPOSE`` on or off; every other switch as shipped; their points are where flash_attention_fp8's Gluon route runs (N from fp8.GLUON_MIN_N), the second
     without the causal mask."""
     from course_utils.kernels import dispatch, fp8
 
     others = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
               dispatch.GLUON_NONCAUSAL_PERSISTENT)
-    shipped = fp8.GLUON_PERSISTENT
+    shipped = (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE)
     try:
         for mode in route_check.FP8_MODES:
             for on in (True, False):
                 route_check.set_route(mode, on)
-                assert fp8.GLUON_PERSISTENT is on
+                want = (on, shipped[1]) if mode.startswith("fp8persistent") else (shipped[0], on)
+                assert (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE) == want, mode
                 assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS,
                         dispatch.GLUON_FMA, dispatch.GLUON_NONCAUSAL_PERSISTENT) == others
-        route_check.set_route("fp8persistent", not shipped)
-        route_check.set_route("fma", True)  # another mode puts it back
-        assert fp8.GLUON_PERSISTENT is shipped
-        route_check.set_route("fp8persistent", not shipped)
+        route_check.set_route("fp8persistent", not shipped[0])
+        route_check.set_route("fma", True)  # another mode puts them back
+        assert (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE) == shipped
+        route_check.set_route("fp8transpose", not shipped[1])
     finally:
         route_check.restore()
-    assert fp8.GLUON_PERSISTENT is shipped
+    assert (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE) == shipped
     assert route_check.FP8_POINTS and all(w is None and n >= fp8.GLUON_MIN_N for w, _, n in route_check.FP8_POINTS)
     assert "fp8persistent_noncausal" in route_check.NONCAUSAL_MODES and "fp8persistent" not in route_check.NONCAUSAL_MODES
 

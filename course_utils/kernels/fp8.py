@@ -100,6 +100,10 @@ __all__ = [
     "launch_fp8_hopper",
     "GLUON_MIN_N",
     "GLUON_PERSISTENT",
+    "FAST_TRANSPOSE",
+    "transpose_keys",
+    "transpose_tiled",
+    "_transpose_tiles_kernel",
     "gluon_fp8_applies",
     "_fp8_hopper_kernel",
 ]
@@ -160,6 +164,45 @@ def dequantize_fp8(x8, scale, block_size: int = 128):
     n = x8.shape[2]
     per_row = scale.float().repeat_interleave(block_size, dim=2)[:, :, :n]
     return x8.float() * per_row[..., None]
+
+
+@triton.jit
+def _transpose_tiles_kernel(X, Y, stride_xb, stride_xh, stride_xn, stride_xd, H, N, D, BLOCK: tl.constexpr):
+    """``Y[b, h, :, :] = X[b, h, :, :]ᵀ`` for one ``BLOCK x BLOCK`` tile of bytes: read along X's rows, written
+    along Y's (``tl.trans`` moves the tile between the two through the registers' layouts)."""
+    bh = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # keys
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # head dims
+    mask = (rows[:, None] < N) & (cols[None, :] < D)
+    x = tl.load(X + (bh // H) * stride_xb + (bh % H) * stride_xh + rows[:, None] * stride_xn
+                + cols[None, :] * stride_xd, mask=mask)
+    y = Y + bh.to(tl.int64) * D * N + cols[:, None] * N + rows[None, :]
+    tl.store(y, tl.trans(x), mask=tl.trans(mask))
+
+
+# Whether flash_attention_fp8 makes V's K-major copy with _transpose_tiles_kernel (one pass, 64 x 64 tiles) instead of
+# torch's strided copy. Off until timed: benchmarks/route_check.py --modes fp8transpose times the entry both ways.
+FAST_TRANSPOSE: bool = False
+
+
+def transpose_keys(v8):
+    """V's K-major copy ``[B, H, D, N]`` (the keys contiguous) of the e4m3 ``v8`` ``[B, H, N, D]``, any strides: on a
+    GPU while :data:`FAST_TRANSPOSE` by :func:`_transpose_tiles_kernel` (its bytes), else torch's copy."""
+    if not (FAST_TRANSPOSE and v8.is_cuda):
+        return v8.transpose(2, 3).contiguous()
+    return transpose_tiled(v8)
+
+
+def transpose_tiled(v8):
+    """:func:`transpose_keys`'s copy by :func:`_transpose_tiles_kernel`, on any device Triton runs on (the CPU's
+    interpreter included), for a tensor of one-byte elements."""
+    b, h, n, d = v8.shape
+    vt8 = torch.empty((b, h, d, n), device=v8.device, dtype=v8.dtype)
+    x, y = v8.view(torch.uint8), vt8.view(torch.uint8)
+    block = 64
+    _transpose_tiles_kernel[(triton.cdiv(n, block), triton.cdiv(d, block), b * h)](
+        x, y, *x.stride(), h, n, d, BLOCK=block)
+    return vt8
 
 
 # -----------------------------------------------------------------------------
@@ -903,7 +946,7 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
     else:
         out_dtype = q.dtype
         (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_fp8(t, block_size) for t in (q, k, v))
-    vt8 = v8.transpose(2, 3).contiguous()  # K-major: [B, Hkv, D, N], the keys contiguous
+    vt8 = transpose_keys(v8)  # K-major: [B, Hkv, D, N], the keys contiguous
     if gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size):
         from .hopper_ws import attention_fp8 as gluon_fp8
 
