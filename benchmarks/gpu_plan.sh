@@ -52,8 +52,8 @@
 #   fp8persistent benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal fp8transpose, four
 #           rounds: flash_attention_fp8 (e4m3 inputs, N 4k-16k, causal and not) with its Gluon route on the entry's
 #           persistent grid (fp8.GLUON_PERSISTENT) against a program per tile, and with V's K-major copy by
-#           fp8.transpose_tiled (fp8.FAST_TRANSPOSE) against torch's; then the new GPU tests of that grid and that
-#           copy (test_hopper_ws.py, test_kernels_fp8.py -k transpose)
+#           fp8.transpose_tiled (fp8.FAST_TRANSPOSE) against torch's; then test_hopper_ws.py whole (the launches
+#           share their setup and epilogue with that grid now) and the transpose's tests
 #   decode16 benchmarks/tune_decode.py at B = 16, 1k and 4k (one and two splits, 2-4 stages): the two decode points
 #           furthest under cuDNN in the H200's three grids (0.984-0.996x) run one split at 4 stages, which the H100's
 #           sweep put 2% behind 3 stages at 1k
@@ -184,8 +184,8 @@ for step in "$@"; do
       run route_fp8p "$PY" benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal fp8transpose \
         --rounds 4 \
         --out "$OUT/route_check_fp8persistent.json"
-      run test_fp8p "${PYTEST[@]}" tests/test_hopper_ws.py tests/test_kernels_fp8.py -k \
-        "fp8_persistent or compiles or fp8_entry or transpose" ;;
+      run test_fp8p "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py "tests/test_kernels_fp8.py::test_the_tiled_transpose_gives_torch_s_k_major_copy" \
+        "tests/test_kernels_fp8.py::test_the_fp8_entry_gives_the_same_output_with_either_transpose" ;;
     decode16)
       run tune_decode_b16 "$PY" benchmarks/tune_decode.py --points 16:1024 16:4096 \
         --candidates 64:4:2 64:4:3 64:4:4 128:4:2 --counts 1 2 --out "$OUT/tune_decode_b16.json" ;;

@@ -10,7 +10,7 @@ import statistics
 from course_utils import results
 from course_utils.kernels.fast_backward import sink_walk_fits
 
-from conftest import assert_quoted, decode_points, markdown_text, speed_text, training_ratios, window_points
+from conftest import assert_quoted, decode_points, markdown_text, readme_text, speed_text, training_ratios, window_points
 
 TRAINING = ("training_bench_h100", "training_bench_h100_run2", "training_bench_h100_run3")
 WINDOW = ("window_bench_h100", "window_bench_h100_run2")
@@ -476,3 +476,74 @@ def test_the_speed_record_quotes_the_probes_behind_the_noncausal_persistent_rout
     quote = (f"{persistent[0]:.3f}× and {persistent[1]:.3f}× cuDNN against {per_tile[0]:.3f}× and {per_tile[1]:.3f}× "
              "for a program per tile in the two forward probes at 16k")
     assert quote in speed_text(), quote
+
+
+def test_lesson_11_quotes_the_fp8_transpose_route_checks():
+    """fp8.FAST_TRANSPOSE's evidence (lesson 11, after exercise 4): the two H100 route checks of the FP8 entry with V's
+    tiled transpose against torch's copy, each point's range over the two runs; and the persistent grid's check, which
+    read under 1.0x at every point (fp8.GLUON_PERSISTENT stays off)."""
+    by = {}
+    for name in ("route_check_fp8_h100", "route_check_fp8_min4k_h100_run2"):
+        for r in results.load(name)["rows"]:
+            assert r["status"] == "ok", r
+            by.setdefault((r["mode"], r["n"]), []).append(r["on_over_off"])
+    transpose = {n: results.value_range(by[("fp8transpose", n)]) for n in (4096, 8192, 16384)}
+    assert all(len(by[("fp8transpose", n)]) == 2 and min(by[("fp8transpose", n)]) > 1.0 for n in (4096, 8192, 16384))
+    quote = (f"ran **{transpose[4096]}** as fast at 4k, {transpose[8192]} at 8k and {transpose[16384]} at 16k: at 4k the "
+             "attention itself is short enough")
+    assert quote in " ".join(markdown_text("11_hopper_and_fp8").split()), quote
+    persistent = [v for (mode, _), vs in by.items() if mode.startswith("fp8persistent") for v in vs]
+    assert len(persistent) == 6 and max(persistent) < 1.0
+
+
+def _route_rows(*names) -> dict:
+    by = {}
+    for name in names:
+        for r in results.load(name)["rows"]:
+            assert r["status"] == "ok", r
+            by.setdefault((r["mode"], r["n"]), []).append(r["on_over_off"])
+    return by
+
+
+def test_the_readme_quotes_the_forty_first_session_s_h100_runs_as_recorded():
+    """The README's bullet on the H100 runs of the forty-first session: the transpose's route checks, lesson 11's ladder
+    with it (two runs) beside the H100's last one, the noise in the second run, the FP8 persistent grid and the bf16
+    threshold at 4k, each figure recomputed from results/."""
+    rc = _route_rows("route_check_fp8_h100", "route_check_fp8_min4k_h100_run2", "route_check_min4k_h100")
+    ladders = [results.load(n)["summary"] for n in ("fp8_bench_transpose_h100", "fp8_bench_transpose_h100_run2")]
+    fp8 = lambda keep: [s["course_fp8_over_cudnn"] for run in ladders for s in run if keep(s["n"])]  # noqa: E731
+    before = [s["course_fp8_over_cudnn"] for s in results.load("fp8_bench_routes_h100")["summary"] if s["n"] >= 4096]
+    noisy = next(s for s in ladders[1] if s["n"] == 16384 and s["causal"])
+    persistent = [v for (mode, _), vs in rc.items() if mode.startswith("fp8persistent") for v in vs]
+    vr = results.value_range
+    quotes = [
+        f"made it {vr(rc[('fp8transpose', 4096)])} / {vr(rc[('fp8transpose', 8192)])} / "
+        f"{vr(rc[('fp8transpose', 16384)])} as fast at 4k / 8k / 16k in two route checks",
+        f"the FP8 entry **{vr(fp8(lambda n: n >= 4096))} cuDNN's bf16** at N ≥ 4k, {vr(fp8(lambda n: n == 16384))} at 16k "
+        f"and {vr(fp8(lambda n: n == 4096))} at 4k, where the H100's last ladder",
+        f"read {vr(before)}. The runs are noisy: in the second, the public bf16 entry's ratio to cuDNN spanned "
+        f"{noisy['course_bf16_over_cudnn_min']:.2f}–{noisy['course_bf16_over_cudnn_max']:.2f}× over its two repeats at "
+        "causal 16k",
+        f"persistent grid read {vr(persistent)} a program per tile and stays off",
+        f"read {vr(rc[('min4k', 4096)], '.3f')} causal and {vr(rc[('min4k_noncausal', 4096)], '.3f')} without the mask "
+        "against lesson 06's kernel",
+    ]
+    text = readme_text()
+    for quote in quotes:
+        assert " ".join(quote.split()) in text, quote
+
+
+def test_the_readme_quotes_the_step_state_probe_as_recorded():
+    """The README's sentence on benchmarks/step_state.py's H100 run: the W = 256 step fresh, after FlexAttention's
+    compile, in a second process, the collector's runs and the host's enqueue time, from results/step_state_h100*.json."""
+    rows = results.load("step_state_h100")["rows"] + results.load("step_state_h100_node0")["rows"]
+    at = lambda state, skip=0: [r for r in rows if r["state"] == state and r.get("window_size") == 256][skip]  # noqa: E731
+    fresh, after, second = at("fresh"), at("after flex"), at("fresh", 1)
+    gc_runs = max(max(r["gc_runs_per_step"]) for r in rows if r.get("gc_runs_per_step"))
+    host = [r["host_ms"] for r in rows if r.get("window_size") == 256 and r.get("host_ms")]
+    vr = lambda v: results.value_range(v, unit="")  # noqa: E731
+    quote = (f"the step read {vr(fresh['do_bench_ms'])} ms fresh and {vr(after['do_bench_ms'])} ms after "
+             f"FlexAttention's compile in one process, the collector ran in at most {round(gc_runs * 100)} of 100 "
+             f"steps, and a second process read {vr(second['do_bench_ms'])} ms (the host has one NUMA node). The host's "
+             f"time to enqueue the step moved with it ({vr(host)} ms)")
+    assert quote in readme_text(), quote

@@ -181,8 +181,10 @@ def _transpose_tiles_kernel(X, Y, stride_xb, stride_xh, stride_xn, stride_xd, H,
 
 
 # Whether flash_attention_fp8 makes V's K-major copy with _transpose_tiles_kernel (one pass, 64 x 64 tiles) instead of
-# torch's strided copy. Off until timed: benchmarks/route_check.py --modes fp8transpose times the entry both ways.
-FAST_TRANSPOSE: bool = False
+# torch's strided copy, which the entry pays on every call. On an H100 (benchmarks/route_check.py --modes
+# fp8transpose, two runs, results/route_check_fp8_h100.json and route_check_fp8_min4k_h100_run2.json) the entry ran
+# 1.10x and 1.10x at 4k, 1.07x and 1.05x at 8k, 1.03x and 1.03x at 16k (causal, e4m3 inputs, 16k tokens a batch).
+FAST_TRANSPOSE: bool = True
 
 
 def transpose_keys(v8):
@@ -903,8 +905,9 @@ def launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool, bloc
 # results/forward_bench_lesson11_h100*.json: 0.94-1.16x at N >= 4096, 0.83-0.96x below). None: never.
 GLUON_MIN_N: int | None = 4096
 # Whether that route runs the entry's persistent grid (hopper_ws.attention_fp8(..., persistent=True): one program per
-# SM walking the work tiles, the next tile's Q loading under this one's loop) rather than a program per tile. Off
-# until timed: benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal times the route both ways.
+# SM walking the work tiles, the next tile's Q loading under this one's loop) rather than a program per tile. Off:
+# on an H100 the persistent grid ran 0.95-0.995x a program per tile causal and 0.94-0.95x without the mask, N 4k-16k
+# (benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal, results/route_check_fp8_h100.json).
 GLUON_PERSISTENT: bool = False
 
 

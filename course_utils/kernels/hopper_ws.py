@@ -41,6 +41,10 @@ bf16 forward, 1.03-1.12x the course's Triton FP8 kernel (``results/hopper_ws_fp8
 tiles longest first, two Q buffers so that the next tile's Q lands while this one runs, the K/V ring's position
 running on across tiles (compiled with no spills, 192 KiB of shared memory at D = 128; run on the CPU by
 :mod:`.gluon_cpu`, checked on an H200 and an H100; on the H100 0.95x cuDNN at non-causal 16k, one case).
+``attention_fp8(..., persistent=True)`` runs the FP8 tiles on the same grid (each work tile's ``q_scale``, its key
+tiles' scales, V transposed; all four K/V slots fit in 160 KiB; run on the CPU by :mod:`.gluon_cpu` and compiled
+for sm_90 without spills, checked on an H100; there 0.94-0.995x a program per tile, N 4k-16k,
+``results/route_check_fp8_h100.json``, so ``fp8.GLUON_PERSISTENT`` leaves it off).
 
 On a CPU Triton cannot run it (Gluon has no interpreter): ``tests/test_hopper_ws.py`` compiles it for sm_90
 there, and :mod:`.gluon_cpu` runs its Python with a model of the barriers, copies and products
