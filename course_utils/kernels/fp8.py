@@ -170,13 +170,13 @@ def dequantize_fp8(x8, scale, block_size: int = 128):
 def _transpose_tiles_kernel(X, Y, stride_xb, stride_xh, stride_xn, stride_xd, H, N, D, BLOCK: tl.constexpr):
     """``Y[b, h, :, :] = X[b, h, :, :]ᵀ`` for one ``BLOCK x BLOCK`` tile of bytes: read along X's rows, written
     along Y's (``tl.trans`` moves the tile between the two through the registers' layouts)."""
-    bh = tl.program_id(2)
+    bh = tl.program_id(2).to(tl.int64)  # a head's offset in bytes can pass 2**31 in a long cache
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # keys
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # head dims
     mask = (rows[:, None] < N) & (cols[None, :] < D)
     x = tl.load(X + (bh // H) * stride_xb + (bh % H) * stride_xh + rows[:, None] * stride_xn
                 + cols[None, :] * stride_xd, mask=mask)
-    y = Y + bh.to(tl.int64) * D * N + cols[:, None] * N + rows[None, :]
+    y = Y + bh * D * N + cols[:, None] * N + rows[None, :]
     tl.store(y, tl.trans(x), mask=tl.trans(mask))
 
 
