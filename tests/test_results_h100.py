@@ -489,8 +489,8 @@ def test_lesson_11_quotes_the_fp8_transpose_route_checks():
             by.setdefault((r["mode"], r["n"]), []).append(r["on_over_off"])
     transpose = {n: results.value_range(by[("fp8transpose", n)]) for n in (4096, 8192, 16384)}
     assert all(len(by[("fp8transpose", n)]) == 2 and min(by[("fp8transpose", n)]) > 1.0 for n in (4096, 8192, 16384))
-    quote = (f"ran **{transpose[4096]}** as fast at 4k, {transpose[8192]} at 8k and {transpose[16384]} at 16k: at 4k the "
-             "attention itself is short enough")
+    quote = (f"ran **{transpose[4096]}** as fast at 4k, {transpose[8192]} at 8k and {transpose[16384]} at 16k as with "
+             "torch's copy: at 4k the attention itself is short enough")
     assert quote in " ".join(markdown_text("11_hopper_and_fp8").split()), quote
     persistent = [v for (mode, _), vs in by.items() if mode.startswith("fp8persistent") for v in vs]
     assert len(persistent) == 6 and max(persistent) < 1.0
