@@ -184,8 +184,8 @@ for step in "$@"; do
       run route_fp8p "$PY" benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal fp8transpose \
         --rounds 4 \
         --out "$OUT/route_check_fp8persistent.json"
-      run test_fp8p "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py "tests/test_kernels_fp8.py::test_the_tiled_transpose_gives_torch_s_k_major_copy" \
-        "tests/test_kernels_fp8.py::test_the_fp8_entry_gives_the_same_output_with_either_transpose" ;;
+      run test_fp8p "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py tests/test_kernels_fp8.py -k \
+        "hopper_ws or transpose" ;;
     decode16)
       run tune_decode_b16 "$PY" benchmarks/tune_decode.py --points 16:1024 16:4096 \
         --candidates 64:4:2 64:4:3 64:4:4 128:4:2 --counts 1 2 --out "$OUT/tune_decode_b16.json" ;;

@@ -188,8 +188,8 @@ def test_a_loader_that_waits_for_the_phase_itself_deadlocks(tmp_path):
 
 
 def test_a_copy_its_barrier_was_not_told_of_is_refused(tmp_path):
-    planted = _planted(tmp_path, hopper_ws, "        mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)\n"
-                       "        if V_T:", "        if V_T:", "planted_ws_expect")
+    planted = _planted(tmp_path, hopper_ws, "    mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)\n"
+                       "    if V_T:", "    if V_T:", "planted_ws_expect")
     with pytest.raises(RuntimeError, match="more bytes than its barrier expected"):
         _forward(planted, False, 64)
 

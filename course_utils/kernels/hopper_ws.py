@@ -154,15 +154,23 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ba
         if WINDOW:
             kv_tile = window_kv_tile(j, lo, ns)
         mbarrier.wait(empty_bars.index(idx), phase ^ 1)  # a fresh barrier counts as released: the first pass waits not
-        mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + kv_tile * BLOCK_N, 0], k_bars.index(idx),
-                                        k_smem.index(idx))
-        mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
-        if V_T:
-            tma.async_copy_global_to_shared(v_desc, [vt_row, kv_tile * BLOCK_N], v_bars.index(idx), v_smem.index(idx))
-        else:
-            tma.async_copy_global_to_shared(v_desc, [kv_row + kv_tile * BLOCK_N, 0], v_bars.index(idx),
-                                            v_smem.index(idx))
+        _copy_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, idx, kv_row, vt_row, kv_tile, BLOCK_N, V_T)
+
+
+@gluon.jit
+def _copy_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, idx, kv_row, vt_row, kv_tile, BLOCK_N: gl.constexpr,
+             V_T: gl.constexpr):
+    """Key tile ``kv_tile`` of the kv head whose rows start at ``kv_row``: K, then V, into ring slot ``idx``, each
+    copy announced on its own ready barrier. ``V_T`` (FP8): V transposed, ``[B * H_kv * D, N]``, whose tile is the
+    ``[D, BLOCK_N]`` box at the tile's keys in the kv head's rows from ``vt_row``."""
+    mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [kv_row + kv_tile * BLOCK_N, 0], k_bars.index(idx), k_smem.index(idx))
+    mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
+    if V_T:
+        tma.async_copy_global_to_shared(v_desc, [vt_row, kv_tile * BLOCK_N], v_bars.index(idx), v_smem.index(idx))
+    else:
+        tma.async_copy_global_to_shared(v_desc, [kv_row + kv_tile * BLOCK_N, 0], v_bars.index(idx),
+                                        v_smem.index(idx))
 
 
 @gluon.jit
@@ -459,6 +467,18 @@ def _window_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step,
 
 
 @gluon.jit
+def _block_scales(qk_scale, qs_ptr, off_hz, start_m, kv_row, N, N_SB, BLOCK_M: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+                  FP8: gl.constexpr):
+    """Query block ``start_m`` of (batch, query head) ``off_hz``: its score scale and its kv head's first k_scale /
+    v_scale. FP8: the block's rows lie in one scale block, so its ``q_scale`` is one number folded into
+    ``qk_scale``; in 16 bits ``qk_scale`` as it is (the scales are not read)."""
+    scale_base = kv_row // N * N_SB
+    if FP8:
+        qk_scale = qk_scale * gl.load(qs_ptr + off_hz * N_SB + start_m * BLOCK_M // SCALE_BLOCK)
+    return qk_scale, scale_base
+
+
+@gluon.jit
 def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr,
               lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H: gl.constexpr,
               GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -485,9 +505,8 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     v_prev = gl.to_tensor(1.0)
-    scale_base = kv_row // N * N_SB  # the kv head's first k_scale / v_scale
-    if FP8:
-        qk_scale = qk_scale * gl.load(qs_ptr + gl.program_id(1) * N_SB + start_m * BLOCK_M // SCALE_BLOCK)
+    qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, gl.program_id(1), start_m, kv_row, N, N_SB, BLOCK_M,
+                                         SCALE_BLOCK, FP8)
     q = q_smem.index(HALF_IDX)
     mbarrier.wait(q_bars.index(HALF_IDX), 0)
     if LOOP == "pipelined":
@@ -598,14 +617,15 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q
                        BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr, WINDOW: gl.constexpr):
     """The producer of the persistent grid: per work tile, Q's two halves into the tile's Q buffer (two buffers,
     so the next tile's Q lands while this one runs), then its K/V tiles into the ring, whose position runs on
-    across work tiles. ``V_T`` (FP8): V transposed, as :func:`_load_partition` reads it. ``WINDOW``: each work
-    tile's tiles of :func:`window_plan`, in its order."""
+    across work tiles (:func:`_copy_kv`, as :func:`_load_partition`). ``WINDOW``: each work tile's tiles of
+    :func:`window_plan`, in its order."""
     HALF: gl.constexpr = BLOCK_M // 2
     NB: gl.constexpr = k_smem.type.shape[0]
     step = 0
     t = 0
     for tile in range(gl.program_id(0), (N // BLOCK_M) * BH, gl.num_programs(0)):
         start_m, q_row, kv_row, n_tiles = _work_tile(tile, N, BH, H, GROUP, BLOCK_M, CAUSAL)
+        vt_row = kv_row // N * v_smem.type.shape[1]  # used with V_T only
         lo = 0
         ns = 0
         if WINDOW:
@@ -622,16 +642,7 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q
             if WINDOW:
                 kv_tile = window_kv_tile(j, lo, ns)
             mbarrier.wait(empty_bars.index(idx), (((step + j) // NB) & 1) ^ 1)
-            mbarrier.expect(k_bars.index(idx), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + kv_tile * BLOCK_N, 0], k_bars.index(idx),
-                                            k_smem.index(idx))
-            mbarrier.expect(v_bars.index(idx), v_desc.block_type.nbytes)
-            if V_T:
-                tma.async_copy_global_to_shared(v_desc, [kv_row // N * v_smem.type.shape[1], kv_tile * BLOCK_N],
-                                                v_bars.index(idx), v_smem.index(idx))
-            else:
-                tma.async_copy_global_to_shared(v_desc, [kv_row + kv_tile * BLOCK_N, 0], v_bars.index(idx),
-                                                v_smem.index(idx))
+            _copy_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, idx, kv_row, vt_row, kv_tile, BLOCK_N, V_T)
         step += n_tiles
         t += 1
 
@@ -665,10 +676,8 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
         l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         v_prev = gl.to_tensor(1.0)
-        scale_base = kv_row // N * N_SB  # the kv head's first k_scale / v_scale (FP8)
-        tile_qk_scale = qk_scale
-        if FP8:
-            tile_qk_scale = qk_scale * gl.load(qs_ptr + tile % BH * N_SB + start_m * BLOCK_M // SCALE_BLOCK)
+        tile_qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, tile % BH, start_m, kv_row, N, N_SB, BLOCK_M,
+                                                  SCALE_BLOCK, FP8)
         q = q_smem.index(slot)
         mbarrier.wait(q_bars.index(slot), (t // 2) & 1)
         if WINDOW:
@@ -919,10 +928,10 @@ def _validate_persistent(q, num_buffers, loop) -> None:
     d = q.shape[-1]
     # two Q buffers of two halves, the ring of K and V tiles
     tiles = q.element_size() * (4 * (BLOCK_M // 2) * d + 2 * num_buffers * BLOCK_N * d)
-    if tiles > TARGETS[90][1]:
+    if tiles > TARGETS[90][1]:  # 16-bit tiles only: FP8's four slots fit (160 KiB at D = 128)
         raise ValueError(f"the persistent grid's tiles need {tiles // 1024} KiB of shared memory at D = {d} with "
                          f"num_buffers={num_buffers}, more than Hopper's {TARGETS[90][1] // 1024} KiB: take 2 "
-                         "buffers")  # FP8's four slots fit (160 KiB at D = 128)
+                         "buffers")
 
 
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, window_size: int | None = None,
