@@ -19,9 +19,9 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
 - ``persistent``: the forward alone without the causal mask at 8k and 16k, on the Gluon forward's persistent grid
   (``dispatch.GLUON_NONCAUSAL_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``);
 - ``min4k`` and ``min4k_noncausal``: the forward alone at 4k (16k tokens a batch), causal and not, with the Gluon
-  forward's threshold lowered to 4096 tokens (``dispatch.GLUON_MIN_N = MIN_N_CANDIDATE``, ``on``) against the
-  shipped threshold, which leaves 4k to lesson 06's fast kernel (``off``); the Gluon forward with its switches as
-  shipped (the FMA softmax; the persistent grid without the causal mask);
+  forward's threshold at 4096 tokens (``dispatch.GLUON_MIN_N = MIN_N_CANDIDATE``, as shipped, ``on``) against the
+  threshold before it, 8192 (``MIN_N_BEFORE``), which leaves 4k to lesson 06's fast kernel (``off``); the Gluon
+  forward with its switches as shipped (the FMA softmax; the persistent grid without the causal mask);
 - ``fp8persistent`` and ``fp8persistent_noncausal``: ``kernels.flash_attention_fp8`` on e4m3 inputs quantised once
   (as ``bench fp8`` times it), N 4k-16k (16k tokens a batch), causal and not, with its Gluon route on the persistent
   grid (``fp8.GLUON_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``);
@@ -63,7 +63,8 @@ TRAINING_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
 SINK_POINTS = [(w, 4, n) for w in (256, 1024, 4096) for n in (4096, 16384, 65536) if w < n]
 FMA_POINTS = [p for p in FORWARD_POINTS if p[2] >= 8192]
 PERSISTENT_POINTS = [(None, 0, n) for n in (8192, 16384)]  # without the causal mask
-MIN_N_CANDIDATE = 4096  # the threshold ``min4k`` times against the shipped one
+MIN_N_CANDIDATE = 4096  # the threshold ``min4k`` times (``on``) ...
+MIN_N_BEFORE = 8192  # ... against the one before it (``off``: 4k runs lesson 06's kernel)
 MIN_N_POINTS = [(None, 0, MIN_N_CANDIDATE)]
 FP8_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # flash_attention_fp8's Gluon route (from fp8.GLUON_MIN_N)
 NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal")  # timed without the causal mask
@@ -86,15 +87,16 @@ def set_route(mode: str, on: bool) -> None:
     never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped; ``sinks``:
     the Gluon backward for sinks always (``on``) or never, the rest as shipped; ``fma``: the Gluon forward's FMA
     softmax on or off, the rest as shipped; ``persistent``: the persistent grid without the causal mask on or off;
-    ``min4k`` / ``min4k_noncausal``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or as shipped;
+    ``min4k`` / ``min4k_noncausal``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or
+    :data:`MIN_N_BEFORE`;
     ``fp8persistent`` / ``fp8persistent_noncausal``: the FP8 route's persistent grid on or off; ``fp8transpose``:
     the FP8 entry's tiled transpose of V on or off."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = on if mode == "persistent" else SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
     dispatch.GLUON_MIN_N = SHIPPED["GLUON_MIN_N"] if forward_on else None
-    if on and mode.startswith("min4k"):
-        dispatch.GLUON_MIN_N = MIN_N_CANDIDATE
+    if mode.startswith("min4k"):
+        dispatch.GLUON_MIN_N = MIN_N_CANDIDATE if on else MIN_N_BEFORE
     dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_WINDOW"] if forward_on else None
     fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on or mode != "training" else None
     fast_backward.GLUON_SINKS = on if mode == "sinks" else SHIPPED["GLUON_SINKS"]

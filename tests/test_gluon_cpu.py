@@ -296,7 +296,7 @@ def test_every_launch_of_the_gluon_backward_computes_the_gradients(d, causal):
 @needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monkeypatch, causal):
-    """dispatch.GLUON_MIN_N: 8192 by default (None: the route is off); set, plain attention of at least that many tokens
+    """dispatch.GLUON_MIN_N: 4096 by default (None: the route is off); set, plain attention of at least that many tokens
     at D = 128 runs hopper_ws.attention (the same o and lse bit for bit; without the causal mask on its persistent
     grid) where it can run: a Hopper GPU, here its model. A window, a shorter N, D = 64 or a CPU outside the model
     keep the course's kernels."""
@@ -305,7 +305,7 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
 
     g = torch.Generator().manual_seed(5)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
     q, k, v = (torch.randn(1, h, 256, 128, generator=g).half() for h in (4, 2, 2))
-    assert dispatch.GLUON_MIN_N == 8192 and not dispatch.gluon_applies(q, k, v)  # N = 256
+    assert dispatch.GLUON_MIN_N == 4096 and not dispatch.gluon_applies(q, k, v)  # N = 256
     assert not dispatch.gluon_applies(q, k, v, min_n=256)  # a CPU outside the model
     with gluon_cpu.running():
         assert dispatch.gluon_applies(q, k, v, min_n=256)

@@ -386,12 +386,12 @@ def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipp
 
     shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG)
     sinks = fb.GLUON_SINKS
-    assert shipped == (8192, 1024, fb.GLUON_DEFAULT)  # the defaults the script times against their absence
+    assert shipped == (4096, 1024, fb.GLUON_DEFAULT)  # the defaults the script times against their absence
     try:
         route_check.set_route("forward", False)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (None, None, fb.GLUON_DEFAULT)
         route_check.set_route("training", False)
-        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (8192, 1024, None)
+        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (4096, 1024, None)
         route_check.set_route("training", True)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
         route_check.set_route("forward", False)
@@ -463,9 +463,9 @@ def test_route_check_s_persistent_mode_turns_the_noncausal_persistent_grid_and_n
 
 
 def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
-    """``min4k`` / ``min4k_noncausal``: ``dispatch.GLUON_MIN_N`` at the candidate (on) or as shipped (off), the other
-    switches as shipped; their one point is at the candidate, below the shipped threshold (so ``off`` runs lesson
-    06's kernel there), the second without the causal mask."""
+    """``min4k`` / ``min4k_noncausal``: ``dispatch.GLUON_MIN_N`` at the candidate, as shipped (on), or at the
+    threshold before it (off), the other switches as shipped; their one point is at the candidate, below the
+    threshold before (so ``off`` runs lesson 06's kernel there), the second without the causal mask."""
     from course_utils.kernels import dispatch
 
     others = (dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
@@ -473,18 +473,19 @@ def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
     shipped = dispatch.GLUON_MIN_N
     try:
         for mode in ("min4k", "min4k_noncausal"):
-            for on, want in ((True, route_check.MIN_N_CANDIDATE), (False, shipped)):
+            for on, want in ((True, route_check.MIN_N_CANDIDATE), (False, route_check.MIN_N_BEFORE)):
                 route_check.set_route(mode, on)
                 assert dispatch.GLUON_MIN_N == want
                 assert (dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
                         dispatch.GLUON_NONCAUSAL_PERSISTENT) == others
-        route_check.set_route("min4k", True)
+        route_check.set_route("min4k", False)
         route_check.set_route("fma", True)  # another mode puts the threshold back
         assert dispatch.GLUON_MIN_N == shipped
     finally:
         route_check.restore()
     assert dispatch.GLUON_MIN_N == shipped
-    assert route_check.MIN_N_POINTS == [(None, 0, route_check.MIN_N_CANDIDATE)] and route_check.MIN_N_CANDIDATE < shipped
+    assert route_check.MIN_N_CANDIDATE == shipped < route_check.MIN_N_BEFORE
+    assert route_check.MIN_N_POINTS == [(None, 0, route_check.MIN_N_CANDIDATE)]
     assert "min4k_noncausal" in route_check.NONCAUSAL_MODES and "min4k" not in route_check.NONCAUSAL_MODES
 
 

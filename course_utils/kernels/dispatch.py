@@ -29,8 +29,10 @@ __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "G
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
 # sweeps (results/forward_bench_lesson11_h100*.json), it ran 1.01-1.09x the course's forward at N >= 8192, 0.96-1.05x
-# at N = 4096 and 0.92-1.01x below (the H200's probe: 1.03-1.06x at 4k and 16k). None: never.
-GLUON_MIN_N: int | None = 8192
+# at N = 4096 and 0.92-1.01x below (the H200's probe: 1.03-1.06x at 4k and 16k). Lowered from 8192 to 4096 after
+# the public forward at 4k read 1.029-1.031x with the causal mask and 1.002-1.048x without it with this route against
+# lesson 06's kernel (results/route_check_min4k_h100.json, two route checks, four rounds each). None: never.
+GLUON_MIN_N: int | None = 4096
 # The same kernel with lesson 08's window (and sinks): where the window is at least this wide (and N reaches
 # GLUON_MIN_N), on its persistent grid (GLUON_WINDOW_PERSISTENT). One program per (query block, head) tile ran 1.08-1.09x
 # the course's window forward at W = 4096 but 0.99-1.03x at 1024 and 0.82-0.84x at 256 (an H100, N = 16k,
