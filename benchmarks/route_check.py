@@ -21,7 +21,9 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
 - ``min4k`` and ``min4k_noncausal``: the forward alone at 4k (16k tokens a batch), causal and not, with the Gluon
   forward's threshold at 4096 tokens (``dispatch.GLUON_MIN_N = MIN_N_CANDIDATE``, as shipped, ``on``) against the
   threshold before it, 8192 (``MIN_N_BEFORE``), which leaves 4k to lesson 06's fast kernel (``off``); the Gluon
-  forward with its switches as shipped (the FMA softmax; the persistent grid without the causal mask);
+  forward with its switches as shipped (the FMA softmax; the persistent grid without the causal mask); and
+  ``min4k_window``: the same thresholds with lesson 08's window at 4k (W 1024 / 4096, S 0 / 4, batch 1), which the
+  Gluon forward's persistent grid takes from GLUON_MIN_N on (against lesson 08's kernels, ``off``);
 - ``fp8persistent`` and ``fp8persistent_noncausal``: ``kernels.flash_attention_fp8`` on e4m3 inputs quantised once
   (as ``bench fp8`` times it), N 4k-16k (16k tokens a batch), causal and not, with its Gluon route on the persistent
   grid (``fp8.GLUON_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``);
@@ -66,15 +68,18 @@ PERSISTENT_POINTS = [(None, 0, n) for n in (8192, 16384)]  # without the causal 
 MIN_N_CANDIDATE = 4096  # the threshold ``min4k`` times (``on``) ...
 MIN_N_BEFORE = 8192  # ... against the one before it (``off``: 4k runs lesson 06's kernel)
 MIN_N_POINTS = [(None, 0, MIN_N_CANDIDATE)]
+MIN_N_WINDOW_POINTS = [(w, s, MIN_N_CANDIDATE) for w in (1024, 4096) for s in (0, 4)]  # windows the route takes
 FP8_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # flash_attention_fp8's Gluon route (from fp8.GLUON_MIN_N)
 NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal")  # timed without the causal mask
 FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose")  # flash_attention_fp8's calls
 QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)],
          "sinks": [(1024, 4, 16384)], "fma": [(None, 0, 16384), (1024, 0, 16384)], "persistent": [(None, 0, 16384)],
-         "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS, "fp8persistent": [(None, 0, 16384)],
+         "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS, "min4k_window": MIN_N_WINDOW_POINTS[:1],
+         "fp8persistent": [(None, 0, 16384)],
          "fp8persistent_noncausal": [(None, 0, 16384)], "fp8transpose": [(None, 0, 4096)]}
 MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS, "fma": FMA_POINTS,
          "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS,
+         "min4k_window": MIN_N_WINDOW_POINTS,
          "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS, "fp8transpose": FP8_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
@@ -87,7 +92,7 @@ def set_route(mode: str, on: bool) -> None:
     never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped; ``sinks``:
     the Gluon backward for sinks always (``on``) or never, the rest as shipped; ``fma``: the Gluon forward's FMA
     softmax on or off, the rest as shipped; ``persistent``: the persistent grid without the causal mask on or off;
-    ``min4k`` / ``min4k_noncausal``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or
+    ``min4k`` / ``min4k_noncausal`` / ``min4k_window``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or
     :data:`MIN_N_BEFORE`;
     ``fp8persistent`` / ``fp8persistent_noncausal``: the FP8 route's persistent grid on or off; ``fp8transpose``:
     the FP8 entry's tiled transpose of V on or off."""

@@ -463,16 +463,17 @@ def test_route_check_s_persistent_mode_turns_the_noncausal_persistent_grid_and_n
 
 
 def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
-    """``min4k`` / ``min4k_noncausal``: ``dispatch.GLUON_MIN_N`` at the candidate, as shipped (on), or at the
+    """``min4k`` / ``min4k_noncausal`` / ``min4k_window``: ``dispatch.GLUON_MIN_N`` at the candidate, as shipped (on), or at the
     threshold before it (off), the other switches as shipped; their one point is at the candidate, below the
-    threshold before (so ``off`` runs lesson 06's kernel there), the second without the causal mask."""
+    threshold before (so ``off`` runs lesson 06's kernel there), the second without the causal mask; the third's
+    points are lesson 08's windows the route takes at the candidate."""
     from course_utils.kernels import dispatch
 
     others = (dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
               dispatch.GLUON_NONCAUSAL_PERSISTENT)
     shipped = dispatch.GLUON_MIN_N
     try:
-        for mode in ("min4k", "min4k_noncausal"):
+        for mode in ("min4k", "min4k_noncausal", "min4k_window"):
             for on, want in ((True, route_check.MIN_N_CANDIDATE), (False, route_check.MIN_N_BEFORE)):
                 route_check.set_route(mode, on)
                 assert dispatch.GLUON_MIN_N == want
@@ -486,6 +487,9 @@ def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
     assert dispatch.GLUON_MIN_N == shipped
     assert route_check.MIN_N_CANDIDATE == shipped < route_check.MIN_N_BEFORE
     assert route_check.MIN_N_POINTS == [(None, 0, route_check.MIN_N_CANDIDATE)]
+    windows = route_check.MIN_N_WINDOW_POINTS  # windows wide enough for the route, at the candidate
+    assert windows and all(w >= dispatch.GLUON_MIN_WINDOW and n == route_check.MIN_N_CANDIDATE for w, _, n in windows)
+    assert {s for _, s, _ in windows} == {0, 4} and "min4k_window" not in route_check.NONCAUSAL_MODES
     assert "min4k_noncausal" in route_check.NONCAUSAL_MODES and "min4k" not in route_check.NONCAUSAL_MODES
 
 
