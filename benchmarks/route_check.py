@@ -1,12 +1,12 @@
 """The Gluon routes' thresholds, timed: each public entry with its route as shipped against the same call with it off.
 
-``kernels.dispatch.GLUON_MIN_N`` / ``GLUON_MIN_WINDOW`` send long forwards and wide windows to lesson 11's Gluon
-forward, and ``fast_backward.AUTOGRAD_CONFIG`` sends autograd's backward to its Gluon backward. Each was set from a
+``kernels.dispatch.GLUON_MIN_N`` / ``GLUON_WINDOW_MIN_N`` / ``GLUON_MIN_WINDOW`` send long forwards and long, wide
+windows to lesson 11's Gluon forward, and ``fast_backward.AUTOGRAD_CONFIG`` sends autograd's backward to its Gluon backward. Each was set from a
 few points (results/GPU_VALIDATION.md); this script times, in one process and alternating the order in each of
 ``--rounds`` rounds, ``kernels.flash_attention`` with the switch as shipped (``on``) and switched off (``off``):
 
 - ``forward``: plain causal at N 4k-16k (16k tokens per batch), and the window at W 1024 / 4096, S 0 / 4, N 8k-64k
-  (batch 1), the forward alone (``GLUON_MIN_N`` and ``GLUON_MIN_WINDOW`` set to ``None`` for ``off``);
+  (batch 1), the forward alone (the three thresholds set to ``None`` for ``off``);
 - ``training``: forward + backward, the window without sinks at W 256 / 1024 / 4096, N 4k / 16k / 64k, and plain
   causal at N 4k-16k (``AUTOGRAD_CONFIG = None`` for ``off``; the forward as shipped in both);
 - ``sinks``: forward + backward with 4 sinks at the same windows and lengths (where the window is shorter than N),
@@ -22,8 +22,9 @@ few points (results/GPU_VALIDATION.md); this script times, in one process and al
   forward's threshold at 4096 tokens (``dispatch.GLUON_MIN_N = MIN_N_CANDIDATE``, as shipped, ``on``) against the
   threshold before it, 8192 (``MIN_N_BEFORE``), which leaves 4k to lesson 06's fast kernel (``off``); the Gluon
   forward with its switches as shipped (the FMA softmax; the persistent grid without the causal mask); and
-  ``min4k_window``: the same thresholds with lesson 08's window at 4k (W 1024 / 4096, S 0 / 4, batch 1), which the
-  Gluon forward's persistent grid takes from GLUON_MIN_N on (against lesson 08's kernels, ``off``);
+  ``min4k_window``: lesson 08's window at 4k (W 1024 / 4096, S 0 / 4, batch 1) with the window's own threshold
+  lowered to 4096 (``dispatch.GLUON_WINDOW_MIN_N = MIN_N_CANDIDATE``, ``on``: the Gluon forward's persistent grid)
+  against 8192 as shipped (``off``: lesson 08's kernels);
 - ``fp8persistent`` and ``fp8persistent_noncausal``: ``kernels.flash_attention_fp8`` on e4m3 inputs quantised once
   (as ``bench fp8`` times it), N 4k-16k (16k tokens a batch), causal and not, with its Gluon route on the persistent
   grid (``fp8.GLUON_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``);
@@ -68,7 +69,7 @@ PERSISTENT_POINTS = [(None, 0, n) for n in (8192, 16384)]  # without the causal 
 MIN_N_CANDIDATE = 4096  # the threshold ``min4k`` times (``on``) ...
 MIN_N_BEFORE = 8192  # ... against the one before it (``off``: 4k runs lesson 06's kernel)
 MIN_N_POINTS = [(None, 0, MIN_N_CANDIDATE)]
-MIN_N_WINDOW_POINTS = [(w, s, MIN_N_CANDIDATE) for w in (1024, 4096) for s in (0, 4)]  # windows the route takes
+MIN_N_WINDOW_POINTS = [(w, s, MIN_N_CANDIDATE) for w in (1024, 4096) for s in (0, 4)]  # windows wide enough
 FP8_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # flash_attention_fp8's Gluon route (from fp8.GLUON_MIN_N)
 NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal")  # timed without the causal mask
 FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose")  # flash_attention_fp8's calls
@@ -81,7 +82,8 @@ MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_P
          "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS,
          "min4k_window": MIN_N_WINDOW_POINTS,
          "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS, "fp8transpose": FP8_POINTS}
-SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
+SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_WINDOW_MIN_N=dispatch.GLUON_WINDOW_MIN_N,
+               GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
                GLUON_FMA=dispatch.GLUON_FMA, GLUON_NONCAUSAL_PERSISTENT=dispatch.GLUON_NONCAUSAL_PERSISTENT,
                FP8_GLUON_PERSISTENT=fp8.GLUON_PERSISTENT, FP8_FAST_TRANSPOSE=fp8.FAST_TRANSPOSE)
@@ -92,16 +94,19 @@ def set_route(mode: str, on: bool) -> None:
     never runs it); ``training``: autograd's backward as shipped or off, with the forward as shipped; ``sinks``:
     the Gluon backward for sinks always (``on``) or never, the rest as shipped; ``fma``: the Gluon forward's FMA
     softmax on or off, the rest as shipped; ``persistent``: the persistent grid without the causal mask on or off;
-    ``min4k`` / ``min4k_noncausal`` / ``min4k_window``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or
-    :data:`MIN_N_BEFORE`;
+    ``min4k`` / ``min4k_noncausal``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or
+    :data:`MIN_N_BEFORE`; ``min4k_window``: the window's threshold the same way;
     ``fp8persistent`` / ``fp8persistent_noncausal``: the FP8 route's persistent grid on or off; ``fp8transpose``:
     the FP8 entry's tiled transpose of V on or off."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = on if mode == "persistent" else SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
     dispatch.GLUON_MIN_N = SHIPPED["GLUON_MIN_N"] if forward_on else None
-    if mode.startswith("min4k"):
+    dispatch.GLUON_WINDOW_MIN_N = SHIPPED["GLUON_WINDOW_MIN_N"] if forward_on else None
+    if mode in ("min4k", "min4k_noncausal"):
         dispatch.GLUON_MIN_N = MIN_N_CANDIDATE if on else MIN_N_BEFORE
+    if mode == "min4k_window":
+        dispatch.GLUON_WINDOW_MIN_N = MIN_N_CANDIDATE if on else MIN_N_BEFORE
     dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_WINDOW"] if forward_on else None
     fast_backward.AUTOGRAD_CONFIG = SHIPPED["AUTOGRAD_CONFIG"] if on or mode != "training" else None
     fast_backward.GLUON_SINKS = on if mode == "sinks" else SHIPPED["GLUON_SINKS"]
@@ -112,6 +117,7 @@ def set_route(mode: str, on: bool) -> None:
 def restore() -> None:
     """Every switch as shipped."""
     dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW = SHIPPED["GLUON_MIN_N"], SHIPPED["GLUON_MIN_WINDOW"]
+    dispatch.GLUON_WINDOW_MIN_N = SHIPPED["GLUON_WINDOW_MIN_N"]
     fast_backward.AUTOGRAD_CONFIG, fast_backward.GLUON_SINKS = SHIPPED["AUTOGRAD_CONFIG"], SHIPPED["GLUON_SINKS"]
     dispatch.GLUON_FMA = SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]

@@ -332,22 +332,30 @@ def test_the_gluon_forward_is_the_route_launch_forward_takes_when_it_is_set(monk
 @needs_interpreter
 @pytest.mark.parametrize("window,sinks", [(256, 0), (200, 4)])
 def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monkeypatch, window, sinks):
-    """dispatch.GLUON_MIN_WINDOW: 1024 by default (None: a window keeps lesson 08's kernels); set with GLUON_MIN_N, a window
-    at least that wide runs hopper_ws.attention with the window and sinks on its persistent grid (o and lse bit for
-    bit; GLUON_WINDOW_PERSISTENT), where it can run; a narrower one does not. GLUON_FMA passes ``fma``."""
+    """dispatch.GLUON_MIN_WINDOW: 1024 by default (None: a window keeps lesson 08's kernels); set with
+    GLUON_WINDOW_MIN_N (8192 by default; plain attention's GLUON_MIN_N does not send a window), a window at least that
+    wide runs hopper_ws.attention with the window and sinks on its persistent grid (o and lse bit for bit;
+    GLUON_WINDOW_PERSISTENT), where it can run; a narrower one does not. GLUON_FMA passes ``fma``."""
     from course_utils import kernels
     from course_utils.kernels import dispatch
 
     g = torch.Generator().manual_seed(window)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
     q, k, v = (torch.randn(1, h, 768, 128, generator=g).half() for h in (4, 2, 2))
     assert dispatch.GLUON_MIN_WINDOW == 1024 and dispatch.GLUON_WINDOW_PERSISTENT is True
-    monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", None)
+    assert dispatch.GLUON_WINDOW_MIN_N == 8192
     monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
+    monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 200)
     with gluon_cpu.running():
+        assert not dispatch.gluon_applies(q, k, v, window)  # N below GLUON_WINDOW_MIN_N: lesson 08's kernels
+        monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", None)
+        monkeypatch.setattr(dispatch, "GLUON_WINDOW_MIN_N", 256)
         assert not dispatch.gluon_applies(q, k, v, window)  # no GLUON_MIN_WINDOW: lesson 08's kernels
         monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 200)
         assert dispatch.gluon_applies(q, k, v, window) and not dispatch.gluon_applies(q, k, v, 128)
-        assert not dispatch.gluon_applies(q, k, v, window, min_n=1024)  # N below GLUON_MIN_N
+        assert not dispatch.gluon_applies(q, k, v, window, min_n=1024)  # N below GLUON_WINDOW_MIN_N
+        monkeypatch.setattr(dispatch, "GLUON_MIN_N", None)  # plain attention's threshold leaves windows alone
+        assert dispatch.gluon_applies(q, k, v, window) and not dispatch.gluon_applies(q, k, v)
+        monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
         calls = record_calls(monkeypatch, (hopper_ws, "_launch_persistent"), (hopper_ws, "_launch"))
         o, lse = kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
         assert calls == ["_launch_persistent"]

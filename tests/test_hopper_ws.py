@@ -376,7 +376,7 @@ def test_the_persistent_grid_matches_the_float64_reference_on_a_hopper_gpu(b, hq
 @pytest.mark.parametrize("causal,h_kv,window,sinks", [(True, 2, None, 0), (False, 8, None, 0), (True, 2, 512, 0),
                                                      (True, 2, 384, 4)])
 def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, causal, h_kv, window, sinks):
-    """dispatch.GLUON_MIN_N set (and GLUON_MIN_WINDOW, for lesson 08's window and sinks):
+    """dispatch.GLUON_MIN_N set (and GLUON_WINDOW_MIN_N and GLUON_MIN_WINDOW, for lesson 08's window and sinks):
     kernels.flash_attention_with_lse runs hopper_ws.attention (the same o and lse bit for bit; a window on the
     persistent grid), right against float64, and its gradients through autograd too (whichever backward applies)."""
     from course_utils.kernels import dispatch, flash_attention, flash_attention_with_lse
@@ -385,6 +385,7 @@ def test_the_gluon_route_of_kernels_flash_attention_on_a_hopper_gpu(monkeypatch,
     q = torch.randn(1, 8, 1536, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v, do = (torch.randn(1, h, 1536, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (h_kv, h_kv, 8))
     monkeypatch.setattr(dispatch, "GLUON_MIN_N", 1024)
+    monkeypatch.setattr(dispatch, "GLUON_WINDOW_MIN_N", 1024)
     monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 384)
     mask = dict(window_size=window, sink_size=sinks)
     o, lse = flash_attention_with_lse(q, k, v, causal, **mask)

@@ -558,3 +558,59 @@ def test_lesson_11_quotes_the_threshold_s_route_checks_at_4k_as_recorded():
     quote = (f"at 4k the public forward read {vr(rc[('min4k', 4096)])} as fast with the causal mask and "
              f"{vr(rc[('min4k_noncausal', 4096)])} without it with this route in two route checks on the H100")
     assert quote in " ".join(markdown_text("11_hopper_and_fp8").split()), quote
+
+
+def test_lesson_11_quotes_the_window_at_4k_that_keeps_its_own_threshold_as_recorded():
+    """Lesson 11's reason for ``dispatch.GLUON_WINDOW_MIN_N``: the window forward at W = 1024 without sinks, 4k, in the
+    two H100 grids with the window's route from 4k against the five grids before it (H100 and H200)."""
+    def ms(names):
+        return [r["ms"] for name in names for r in results.load(name)["rows"]
+                if r["provider"] == "course" and r["mode"] == "forward" and r["window_size"] == 1024
+                and r["sink_size"] == 0 and r["n"] == 4096]
+
+    after = ms(["window_bench_h100_min4k", "window_bench_h100_min4k_run2"])
+    before = ms(["window_bench_h100_persistent", "window_bench_h100_run2", "window_bench_h200", "window_bench_h200_run2",
+                 "window_bench_h200_run3"])
+    assert len(after) == 2 and len(before) == 5 and min(after) > max(before)
+    vr = results.value_range
+    quote = (f"the forward at W = 1024 without sinks, N = 4k read {vr(after, '.2f', ' ms')}, where lesson 08's kernel "
+             f"had read {vr(before, '.2f', ' ms')} in the five grids before")
+    assert quote in " ".join(markdown_text("11_hopper_and_fp8").split()), quote
+
+
+def test_the_readme_quotes_the_forty_second_session_s_h100_runs_as_recorded():
+    """The README's bullet on the forty-second session: the four route checks of the Gluon forward at 4k, then the
+    training bench, lesson 11's ladder and the decode grid, two runs each, recomputed from results/."""
+    rc = {}
+    for name in ("route_check_min4k_h100", "route_check_fp8_min4k_h100_run2", "route_check_min4k_h100_run3",
+                 "route_check_h100_min4k"):
+        for r in results.load(name)["rows"]:
+            if r["mode"] in ("min4k", "min4k_noncausal"):
+                rc.setdefault(r["mode"], []).append(r["on_over_off"])
+    assert len(rc["min4k"]) == len(rc["min4k_noncausal"]) == 4
+    runs = ["training_bench_h100_min4k", "training_bench_h100_min4k_run2"]
+    cudnn = training_ratios(runs, "course", n=lambda n: n >= 4096)
+    flash = training_ratios(runs, "course", "sdpa_flash", n=lambda n: n >= 4096)
+    first_4k = training_ratios(runs[:1], "course", n=lambda n: n == 4096)
+    under = [r for r in cudnn if r < 0.9]
+    ladders = [results.load(n)["summary"] for n in ("fp8_bench_gluon_h100_min4k", "fp8_bench_gluon_h100_min4k_run2")]
+    entry = lambda key: [s[key] for run in ladders for s in run if s["n"] >= 4096]  # noqa: E731
+    decode = decode_points(["decode_bench_h100_min4k", "decode_bench_h100_min4k_run2"])
+    unders = {sum(v[i]["course_vs_sdpa"] < 1.0 for v in decode.values()) for i in range(2)}
+    ceiling = [s["course_vs_ceiling"] * 100 for (b, _), v in decode.items() if b >= 16 for s in v]
+    vr = results.value_range
+    assert len(unders) == 1 and len(under) == 1 and under == first_4k and len(cudnn) == 6
+    quotes = [
+        f"read it {vr(rc['min4k'], '.3f')} lesson 06's kernel with the causal mask and "
+        f"{vr(rc['min4k_noncausal'], '.3f')} without it",
+        f"**{vr(cudnn)} cuDNN** at N ≥ 4k, under 0.9× at one of the six points ({under[0]:.3f}×, N = 4k in the "
+        f"first run), and **{vr(flash)} SDPA flash**",
+        f"the FP8 entry **{vr(entry('course_fp8_over_cudnn'))} cuDNN's bf16** at N ≥ 4k, the bf16 entry "
+        f"**{vr(entry('course_bf16_over_cudnn'))}**",
+        f"**{vr([s['course_vs_sdpa'] for v in decode.values() for s in v])}** the best SDPA backend, under 1.0× at "
+        f"{unders.pop()} of the {len(decode)} points in each run, and {vr(ceiling, '.0f', '%')} of the read ceiling at "
+        "B ≥ 16",
+    ]
+    text = readme_text()
+    for quote in quotes:
+        assert " ".join(quote.split()) in text, quote

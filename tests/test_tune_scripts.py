@@ -385,13 +385,15 @@ def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipp
     from course_utils.kernels import dispatch
 
     shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG)
-    sinks = fb.GLUON_SINKS
-    assert shipped == (4096, 1024, fb.GLUON_DEFAULT)  # the defaults the script times against their absence
+    sinks, window_min_n = fb.GLUON_SINKS, dispatch.GLUON_WINDOW_MIN_N
+    assert shipped == (4096, 1024, fb.GLUON_DEFAULT) and window_min_n == 8192  # what the script times against none
     try:
         route_check.set_route("forward", False)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (None, None, fb.GLUON_DEFAULT)
+        assert dispatch.GLUON_WINDOW_MIN_N is None
         route_check.set_route("training", False)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == (4096, 1024, None)
+        assert dispatch.GLUON_WINDOW_MIN_N == window_min_n
         route_check.set_route("training", True)
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG) == shipped
         route_check.set_route("forward", False)
@@ -406,9 +408,10 @@ def test_route_check_turns_off_one_pass_s_route_at_a_time_and_restores_the_shipp
         route_check.set_route("sinks", True)
         route_check.restore()
         assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS) == (*shipped, None)
+        assert dispatch.GLUON_WINDOW_MIN_N == window_min_n
     finally:
         dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG = shipped
-        fb.GLUON_SINKS = sinks
+        fb.GLUON_SINKS, dispatch.GLUON_WINDOW_MIN_N = sinks, window_min_n
 
 
 def test_route_check_s_fma_mode_turns_the_fma_softmax_and_nothing_else():
@@ -463,32 +466,35 @@ def test_route_check_s_persistent_mode_turns_the_noncausal_persistent_grid_and_n
 
 
 def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
-    """``min4k`` / ``min4k_noncausal`` / ``min4k_window``: ``dispatch.GLUON_MIN_N`` at the candidate, as shipped (on), or at the
-    threshold before it (off), the other switches as shipped; their one point is at the candidate, below the
-    threshold before (so ``off`` runs lesson 06's kernel there), the second without the causal mask; the third's
-    points are lesson 08's windows the route takes at the candidate."""
+    """``min4k`` / ``min4k_noncausal``: ``dispatch.GLUON_MIN_N`` at the candidate, as shipped (on), or at the
+    threshold before it (off); ``min4k_window``: ``dispatch.GLUON_WINDOW_MIN_N`` at the candidate (on) or as shipped,
+    the threshold before (off); the other switches as shipped. The first two's one point is at the candidate, below
+    the threshold before (so ``off`` runs lesson 06's kernel there), the second without the causal mask; the third's
+    points are lesson 08's windows wide enough for the route, at the candidate."""
     from course_utils.kernels import dispatch
 
     others = (dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
               dispatch.GLUON_NONCAUSAL_PERSISTENT)
-    shipped = dispatch.GLUON_MIN_N
+    shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_WINDOW_MIN_N)
+    candidate, before = route_check.MIN_N_CANDIDATE, route_check.MIN_N_BEFORE
     try:
-        for mode in ("min4k", "min4k_noncausal", "min4k_window"):
-            for on, want in ((True, route_check.MIN_N_CANDIDATE), (False, route_check.MIN_N_BEFORE)):
+        for mode, moved in (("min4k", 0), ("min4k_noncausal", 0), ("min4k_window", 1)):
+            for on, want in ((True, candidate), (False, before)):
                 route_check.set_route(mode, on)
-                assert dispatch.GLUON_MIN_N == want
+                thresholds = (dispatch.GLUON_MIN_N, dispatch.GLUON_WINDOW_MIN_N)
+                assert thresholds[moved] == want and thresholds[1 - moved] == shipped[1 - moved], mode
                 assert (dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
                         dispatch.GLUON_NONCAUSAL_PERSISTENT) == others
         route_check.set_route("min4k", False)
-        route_check.set_route("fma", True)  # another mode puts the threshold back
-        assert dispatch.GLUON_MIN_N == shipped
+        route_check.set_route("fma", True)  # another mode puts the thresholds back
+        assert (dispatch.GLUON_MIN_N, dispatch.GLUON_WINDOW_MIN_N) == shipped
+        route_check.set_route("min4k_window", True)
     finally:
         route_check.restore()
-    assert dispatch.GLUON_MIN_N == shipped
-    assert route_check.MIN_N_CANDIDATE == shipped < route_check.MIN_N_BEFORE
-    assert route_check.MIN_N_POINTS == [(None, 0, route_check.MIN_N_CANDIDATE)]
+    assert (dispatch.GLUON_MIN_N, dispatch.GLUON_WINDOW_MIN_N) == shipped == (candidate, before)
+    assert route_check.MIN_N_POINTS == [(None, 0, candidate)]
     windows = route_check.MIN_N_WINDOW_POINTS  # windows wide enough for the route, at the candidate
-    assert windows and all(w >= dispatch.GLUON_MIN_WINDOW and n == route_check.MIN_N_CANDIDATE for w, _, n in windows)
+    assert windows and all(w >= dispatch.GLUON_MIN_WINDOW and n == candidate for w, _, n in windows)
     assert {s for _, s, _ in windows} == {0, 4} and "min4k_window" not in route_check.NONCAUSAL_MODES
     assert "min4k_noncausal" in route_check.NONCAUSAL_MODES and "min4k" not in route_check.NONCAUSAL_MODES
 

@@ -8,7 +8,8 @@ of :mod:`.backward` come here; nothing here calls back up to the package::
         -> launch_forward (the one decision)
             -> forward.flash_attention_mods_forward    (lesson 12's keywords: every machine)
             -> hopper_ws.attention                     (from GLUON_MIN_N tokens on, where set; a window too
-                                                        from GLUON_MIN_WINDOW keys, where set; on the persistent
+                                                        from GLUON_MIN_WINDOW keys and GLUON_WINDOW_MIN_N
+                                                        tokens, where set; on the persistent
                                                         grid where gluon_persistent says so)
             -> fast_window.attention_forward_window    (a window the Hopper kernel supports: lessons 06 + 08)
             -> forward.flash_attention_window_forward  (any other window: lesson 08, every machine)
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from . import fast, fast_window, forward, gluon_cpu
 
-__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "GLUON_WINDOW_PERSISTENT",
+__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_WINDOW_MIN_N", "GLUON_MIN_WINDOW", "GLUON_WINDOW_PERSISTENT",
            "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "gluon_applies", "gluon_persistent"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
@@ -33,8 +34,14 @@ __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_MIN_WINDOW", "G
 # the public forward at 4k read 1.029-1.031x with the causal mask and 1.002-1.048x without it with this route against
 # lesson 06's kernel (results/route_check_min4k_h100.json, two route checks, four rounds each). None: never.
 GLUON_MIN_N: int | None = 4096
+# Lesson 08's window goes there from this many tokens (and GLUON_MIN_WINDOW keys wide), a threshold of its own since
+# GLUON_MIN_N came down to 4096: the window's route was timed from 8k (the route checks and persistent probes below),
+# and in the two H100 grids run with it from 4k (results/window_bench_h100_min4k*.md) the forward at W = 1024 without
+# sinks, 4k read 0.19-0.22 ms, where lesson 08's kernel had read 0.16 ms in the five grids before (H100 and H200,
+# results/window_bench_h{100,200}*.md). None: never.
+GLUON_WINDOW_MIN_N: int | None = 8192
 # The same kernel with lesson 08's window (and sinks): where the window is at least this wide (and N reaches
-# GLUON_MIN_N), on its persistent grid (GLUON_WINDOW_PERSISTENT). One program per (query block, head) tile ran 1.08-1.09x
+# GLUON_WINDOW_MIN_N), on its persistent grid (GLUON_WINDOW_PERSISTENT). One program per (query block, head) tile ran 1.08-1.09x
 # the course's window forward at W = 4096 but 0.99-1.03x at 1024 and 0.82-0.84x at 256 (an H100, N = 16k,
 # results/hopper_ws_window_probe_h100.json): a window's loop is short, and each program pays its prologue and
 # epilogue alone. The persistent grid loads the next tile's Q under this one's loop, and ran 1.06-1.11x the course's
@@ -78,11 +85,13 @@ def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqle
 
 def gluon_applies(q, k, v, window_size=None, *, min_n: int | None = None, min_window: int | None = None) -> bool:
     """Whether :func:`launch_forward` runs lesson 11's Gluon forward for this call: ``min_n`` (default
-    :data:`GLUON_MIN_N`) set and reached, no window or one at least ``min_window`` wide (default
+    :data:`GLUON_MIN_N`, or :data:`GLUON_WINDOW_MIN_N` for a window) set and reached, no window or one at least
+    ``min_window`` wide (default
     :data:`GLUON_MIN_WINDOW`, which must be set for a window to go there), D = 128 (the head dim it was timed
     at), and inputs ``hopper_ws.attention`` takes on this machine (a Hopper GPU, or the CPU inside
     ``gluon_cpu.running()``)."""
-    min_n = GLUON_MIN_N if min_n is None else min_n
+    if min_n is None:
+        min_n = GLUON_MIN_N if window_size is None else GLUON_WINDOW_MIN_N
     min_window = GLUON_MIN_WINDOW if min_window is None else min_window
     if min_n is None or q.shape[-1] != 128 or q.shape[2] < min_n:
         return False
@@ -117,7 +126,7 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     lesson kernels of :mod:`.forward`: lesson 08's window kernel for a window,
     lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest. Where :func:`gluon_applies` (only
     when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead, and so does a window
-    of at least :data:`GLUON_MIN_WINDOW` keys where that is set (on its persistent grid where
+    of at least :data:`GLUON_MIN_WINDOW` keys from :data:`GLUON_WINDOW_MIN_N` tokens where those are set (on its persistent grid where
     :func:`gluon_persistent` says so; the softmax's scale in one FMA while :data:`GLUON_FMA`).
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
