@@ -46,9 +46,11 @@
 #           FlexAttention's compile in one process, then with Python's cyclic collector frozen and off (the H200's grid
 #           read it at 0.53-0.88 ms, the route check at 0.32 ms); then the first state alone pinned to each NUMA node
 #   min4k   benchmarks/route_check.py --modes min4k min4k_noncausal min4k_window, four rounds: the public forward at 4k (B = 4),
-#           causal and not, and lesson 08's windows at 4k (W 1024 / 4096, S 0 / 4), with the Gluon forward's threshold
-#           at 4096 (as shipped) against 8192 (the threshold before: lesson 06's and 08's kernels at 4k). The H200's persistent probe read the Gluon forward with the FMA softmax 1.075x the course's at causal
-#           4k (results/hopper_ws_probe_persistent_h200.json), where the ladder's bf16 entry is furthest under cuDNN
+#           causal and not, with the Gluon forward's threshold at 4096 (as shipped) against 8192 (the threshold before:
+#           lesson 06's kernel at 4k); then lesson 08's windows at 4k (W 1024 / 4096, S 0 / 4) with the window's own
+#           threshold (dispatch.GLUON_WINDOW_MIN_N) at 4096 against 8192 as shipped (lesson 08's kernels at 4k). The
+#           H200's persistent probe read the Gluon forward with the FMA softmax 1.075x the course's at causal 4k
+#           (results/hopper_ws_probe_persistent_h200.json), where the ladder's bf16 entry is furthest under cuDNN
 #   fp8persistent benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal fp8transpose, four
 #           rounds: flash_attention_fp8 (e4m3 inputs, N 4k-16k, causal and not) with its Gluon route on the entry's
 #           persistent grid (fp8.GLUON_PERSISTENT) against a program per tile, and with V's K-major copy by

@@ -551,12 +551,13 @@ def test_the_readme_quotes_the_step_state_probe_as_recorded():
 
 def test_lesson_11_quotes_the_threshold_s_route_checks_at_4k_as_recorded():
     """Lesson 11's sentence on ``dispatch.GLUON_MIN_N = 4096``: the public forward at 4k with the Gluon route against
-    lesson 06's kernel, causal and not, over the two H100 route checks that timed it."""
-    rc = _route_rows("route_check_fp8_min4k_h100_run2", "route_check_min4k_h100")
+    lesson 06's kernel, causal and not, over the four H100 route checks that timed it."""
+    rc = _route_rows("route_check_fp8_min4k_h100_run2", "route_check_min4k_h100", "route_check_min4k_h100_run3",
+                     "route_check_h100_min4k")
     vr = results.value_range
-    assert len(rc[("min4k", 4096)]) == len(rc[("min4k_noncausal", 4096)]) == 2
+    assert len(rc[("min4k", 4096)]) == len(rc[("min4k_noncausal", 4096)]) == 4
     quote = (f"at 4k the public forward read {vr(rc[('min4k', 4096)])} as fast with the causal mask and "
-             f"{vr(rc[('min4k_noncausal', 4096)])} without it with this route in two route checks on the H100")
+             f"{vr(rc[('min4k_noncausal', 4096)])} without it with this route in four route checks on the H100")
     assert quote in " ".join(markdown_text("11_hopper_and_fp8").split()), quote
 
 
