@@ -1,9 +1,10 @@
 """The Gluon routes' thresholds, timed: each public entry with its route as shipped against the same call with it off.
 
 ``kernels.dispatch.GLUON_MIN_N`` / ``GLUON_WINDOW_MIN_N`` / ``GLUON_MIN_WINDOW`` send long forwards and long, wide
-windows to lesson 11's Gluon forward, and ``fast_backward.AUTOGRAD_CONFIG`` sends autograd's backward to its Gluon backward. Each was set from a
-few points (results/GPU_VALIDATION.md); this script times, in one process and alternating the order in each of
-``--rounds`` rounds, ``kernels.flash_attention`` with the switch as shipped (``on``) and switched off (``off``):
+windows to lesson 11's Gluon forward, and ``fast_backward.AUTOGRAD_CONFIG`` sends autograd's backward to its Gluon
+backward. Each was set from a few points (results/GPU_VALIDATION.md); this script times, in one process and
+alternating the order in each of ``--rounds`` rounds, ``kernels.flash_attention`` with the switch as shipped (``on``)
+and switched off (``off``):
 
 - ``forward``: plain causal at N 4k-16k (16k tokens per batch), and the window at W 1024 / 4096, S 0 / 4, N 8k-64k
   (batch 1), the forward alone (the three thresholds set to ``None`` for ``off``);

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 from . import fast, fast_window, forward, gluon_cpu
 
-__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_WINDOW_MIN_N", "GLUON_MIN_WINDOW", "GLUON_WINDOW_PERSISTENT",
-           "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "gluon_applies", "gluon_persistent"]
+__all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_WINDOW_MIN_N", "GLUON_MIN_WINDOW",
+           "GLUON_WINDOW_PERSISTENT", "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "gluon_applies", "gluon_persistent"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
 # sweeps (results/forward_bench_lesson11_h100*.json), it ran 1.01-1.09x the course's forward at N >= 8192, 0.96-1.05x
 # at N = 4096 and 0.92-1.01x below (the H200's probe: 1.03-1.06x at 4k and 16k). Lowered from 8192 to 4096 after
-# the public forward at 4k read 1.029-1.031x with the causal mask and 1.002-1.048x without it with this route against
-# lesson 06's kernel (results/route_check_min4k_h100.json, two route checks, four rounds each). None: never.
+# the public forward at 4k read 1.027-1.034x with the causal mask and 0.994-1.048x without it with this route against
+# lesson 06's kernel (four H100 route checks of four rounds each: results/route_check_min4k_h100*.json,
+# route_check_fp8_min4k_h100_run2.json, route_check_h100_min4k.json). None: never.
 GLUON_MIN_N: int | None = 4096
 # Lesson 08's window goes there from this many tokens (and GLUON_MIN_WINDOW keys wide), a threshold of its own since
 # GLUON_MIN_N came down to 4096: the window's route was timed from 8k (the route checks and persistent probes below),
@@ -41,8 +42,8 @@ GLUON_MIN_N: int | None = 4096
 # results/window_bench_h{100,200}*.md). None: never.
 GLUON_WINDOW_MIN_N: int | None = 8192
 # The same kernel with lesson 08's window (and sinks): where the window is at least this wide (and N reaches
-# GLUON_WINDOW_MIN_N), on its persistent grid (GLUON_WINDOW_PERSISTENT). One program per (query block, head) tile ran 1.08-1.09x
-# the course's window forward at W = 4096 but 0.99-1.03x at 1024 and 0.82-0.84x at 256 (an H100, N = 16k,
+# GLUON_WINDOW_MIN_N), on its persistent grid (GLUON_WINDOW_PERSISTENT). One program per (query block, head) tile ran
+# 1.08-1.09x the course's window forward at W = 4096 but 0.99-1.03x at 1024 and 0.82-0.84x at 256 (an H100, N = 16k,
 # results/hopper_ws_window_probe_h100.json): a window's loop is short, and each program pays its prologue and
 # epilogue alone. The persistent grid loads the next tile's Q under this one's loop, and ran 1.06-1.11x the course's
 # window forward at W = 1024 (N = 16k and 64k, with and without sinks), 1.01-1.02x at 4096 and 0.94-0.97x at 256 (an
@@ -86,9 +87,8 @@ def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqle
 def gluon_applies(q, k, v, window_size=None, *, min_n: int | None = None, min_window: int | None = None) -> bool:
     """Whether :func:`launch_forward` runs lesson 11's Gluon forward for this call: ``min_n`` (default
     :data:`GLUON_MIN_N`, or :data:`GLUON_WINDOW_MIN_N` for a window) set and reached, no window or one at least
-    ``min_window`` wide (default
-    :data:`GLUON_MIN_WINDOW`, which must be set for a window to go there), D = 128 (the head dim it was timed
-    at), and inputs ``hopper_ws.attention`` takes on this machine (a Hopper GPU, or the CPU inside
+    ``min_window`` wide (default :data:`GLUON_MIN_WINDOW`, which must be set for a window to go there), D = 128 (the
+    head dim it was timed at), and inputs ``hopper_ws.attention`` takes on this machine (a Hopper GPU, or the CPU inside
     ``gluon_cpu.running()``)."""
     if min_n is None:
         min_n = GLUON_MIN_N if window_size is None else GLUON_WINDOW_MIN_N
@@ -126,8 +126,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     lesson kernels of :mod:`.forward`: lesson 08's window kernel for a window,
     lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest. Where :func:`gluon_applies` (only
     when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead, and so does a window
-    of at least :data:`GLUON_MIN_WINDOW` keys from :data:`GLUON_WINDOW_MIN_N` tokens where those are set (on its persistent grid where
-    :func:`gluon_persistent` says so; the softmax's scale in one FMA while :data:`GLUON_FMA`).
+    of at least :data:`GLUON_MIN_WINDOW` keys from :data:`GLUON_WINDOW_MIN_N` tokens where those are set (on its
+    persistent grid where :func:`gluon_persistent` says so; the softmax's scale in one FMA while :data:`GLUON_FMA`).
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
         return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
