@@ -478,15 +478,22 @@ def test_the_speed_record_quotes_the_probes_behind_the_noncausal_persistent_rout
     assert quote in speed_text(), quote
 
 
+def _route_rows(*names) -> dict:
+    """Over the recorded route checks ``names`` (results/ names, every row timed): (mode, N) -> each run's speed of
+    the route against itself off (``on_over_off``), in run order."""
+    by = {}
+    for name in names:
+        for r in results.load(name)["rows"]:
+            assert r["status"] == "ok", r
+            by.setdefault((r["mode"], r["n"]), []).append(r["on_over_off"])
+    return by
+
+
 def test_lesson_11_quotes_the_fp8_transpose_route_checks():
     """fp8.FAST_TRANSPOSE's evidence (lesson 11, after exercise 4): the two H100 route checks of the FP8 entry with V's
     tiled transpose against torch's copy, each point's range over the two runs; and the persistent grid's check, which
     read under 1.0x at every point (fp8.GLUON_PERSISTENT stays off)."""
-    by = {}
-    for name in ("route_check_fp8_h100", "route_check_fp8_min4k_h100_run2"):
-        for r in results.load(name)["rows"]:
-            assert r["status"] == "ok", r
-            by.setdefault((r["mode"], r["n"]), []).append(r["on_over_off"])
+    by = _route_rows("route_check_fp8_h100", "route_check_fp8_min4k_h100_run2")
     transpose = {n: results.value_range(by[("fp8transpose", n)]) for n in (4096, 8192, 16384)}
     assert all(len(by[("fp8transpose", n)]) == 2 and min(by[("fp8transpose", n)]) > 1.0 for n in (4096, 8192, 16384))
     quote = (f"ran **{transpose[4096]}** as fast at 4k, {transpose[8192]} at 8k and {transpose[16384]} at 16k as with "
@@ -494,15 +501,6 @@ def test_lesson_11_quotes_the_fp8_transpose_route_checks():
     assert quote in " ".join(markdown_text("11_hopper_and_fp8").split()), quote
     persistent = [v for (mode, _), vs in by.items() if mode.startswith("fp8persistent") for v in vs]
     assert len(persistent) == 6 and max(persistent) < 1.0
-
-
-def _route_rows(*names) -> dict:
-    by = {}
-    for name in names:
-        for r in results.load(name)["rows"]:
-            assert r["status"] == "ok", r
-            by.setdefault((r["mode"], r["n"]), []).append(r["on_over_off"])
-    return by
 
 
 def test_the_readme_quotes_the_forty_first_session_s_h100_runs_as_recorded():
@@ -582,12 +580,9 @@ def test_lesson_11_quotes_the_window_at_4k_that_keeps_its_own_threshold_as_recor
 def test_the_readme_quotes_the_forty_second_session_s_h100_runs_as_recorded():
     """The README's bullet on the forty-second session: the four route checks of the Gluon forward at 4k, then the
     training bench, lesson 11's ladder and the decode grid, two runs each, recomputed from results/."""
-    rc = {}
-    for name in ("route_check_min4k_h100", "route_check_fp8_min4k_h100_run2", "route_check_min4k_h100_run3",
-                 "route_check_h100_min4k"):
-        for r in results.load(name)["rows"]:
-            if r["mode"] in ("min4k", "min4k_noncausal"):
-                rc.setdefault(r["mode"], []).append(r["on_over_off"])
+    routes = _route_rows("route_check_min4k_h100", "route_check_fp8_min4k_h100_run2", "route_check_min4k_h100_run3",
+                         "route_check_h100_min4k")
+    rc = {mode: routes[(mode, 4096)] for mode in ("min4k", "min4k_noncausal")}
     assert len(rc["min4k"]) == len(rc["min4k_noncausal"]) == 4
     runs = ["training_bench_h100_min4k", "training_bench_h100_min4k_run2"]
     cudnn = training_ratios(runs, "course", n=lambda n: n >= 4096)
