@@ -115,6 +115,96 @@ def test_check_output_passes_right_answers_and_flags_wrong_ones():
     assert bench.check_output((right, lse), ref)[1] > 1.0
 
 
+def _checked_problem():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, 96, 16, generator=g) for h in (4, 2, 2))
+    return q, k, v, bench.reference_slice(q, k, v, causal=True, rows=8)
+
+
+@pytest.fixture
+def fake_do_bench(monkeypatch):
+    """``triton.testing.do_bench`` needs a GPU: a stand-in that calls the function once and reads 2 ms."""
+    import triton.testing
+
+    calls = []
+
+    def do_bench(fn, warmup=25, rep=100, return_mode="mean"):
+        calls.append(fn)
+        fn()
+        return 2.0
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    return calls
+
+
+def test_a_checked_forward_is_timed_only_when_right(fake_do_bench):
+    from course_utils.bench.measure import time_checked_forward
+
+    q, k, v, ref = _checked_problem()
+    scale = 1 / math.sqrt(16)
+    right = time_checked_forward(dict(note=""), lambda: lambda: bench.naive_attention(q, k, v, True, scale), ref, 4e12)
+    assert right["ms"] == 2.0 and right["tflops"] == pytest.approx(2000.0) and right["rel_err"] < 1e-5
+    assert len(fake_do_bench) == 1
+    wrong = time_checked_forward(dict(note="", ms=None), lambda: lambda: bench.naive_attention(q, k, v, False, scale),
+                                 ref, 4e12)
+    assert wrong["status"] == "wrong" and wrong["ms"] is None and wrong["rel_err"] > bench.TOLERANCE
+    bad_lse = time_checked_forward(
+        dict(note="", ms=None), lambda: lambda: (bench.naive_attention(q, k, v, True, scale), torch.zeros(1, 4, 96)),
+        ref, 4e12)
+    assert bad_lse["status"] == "wrong" and bad_lse["note"].startswith("lse off by")
+    assert len(fake_do_bench) == 1  # neither wrong answer was timed
+
+
+@pytest.mark.parametrize("exc,status,note", [
+    (RuntimeError("CUDA out of memory. Tried to allocate 2 GiB\nmore"), "OOM", "out of memory"),
+    (MemoryError("host allocation of 80 GB"), "OOM", "host allocation of 80 GB"),
+    (ValueError("SDPA has no soft-cap (it is not a bias): not timed"), "n/a", "SDPA has no soft-cap"),
+    (TypeError("first line\nsecond line"), "error", "TypeError: first line"),
+])
+def test_a_provider_that_raises_is_recorded_not_raised(fake_do_bench, exc, status, note):
+    from course_utils.bench.measure import time_checked_forward, time_checked_training
+
+    def make():
+        raise exc
+
+    *_, ref = _checked_problem()
+    row = time_checked_forward(dict(note="", ms=None, status="ok"), make, ref, 1.0)
+    assert row["status"] == status and row["note"].startswith(note) and "second line" not in row["note"]
+    row, got = time_checked_training(dict(note="", ms=None, status="ok", rel_err=None), make, 1.0, ref=ref)
+    assert row["status"] == status and got is None and not fake_do_bench
+
+
+def test_a_checked_training_step_compares_gradients_then_times(fake_do_bench):
+    from course_utils.bench.measure import relative_error, time_checked_training
+
+    q, k, v, ref = _checked_problem()
+    scale = 1 / math.sqrt(16)
+    o = bench.naive_attention(q, k, v, True, scale)
+    grads = (torch.ones_like(q), torch.ones_like(k), torch.ones_like(v))
+
+    def row():
+        return dict(note="", ms=None, status="ok", rel_err=None)
+
+    def grads_error(got, want):
+        return max(relative_error(a, b) for a, b in zip(got, want))
+
+    # Against the float32 gradients.
+    r, got = time_checked_training(row(), lambda: lambda: (o,) + grads, 7e12, ref=ref, want=(o,) + grads,
+                                   grads_error=grads_error)
+    assert r["status"] == "ok" and r["rel_err"] == 0.0 and r["tflops"] == pytest.approx(3500.0) and len(got) == 4
+    # Against another provider's, where there is no float32 reference: the note says so; None entries are skipped.
+    r, _ = time_checked_training(dict(row(), note="held fixed"), lambda: lambda: (o,) + grads + (None,), 7e12,
+                                 ref=ref, baseline=(o,) + grads + (torch.zeros(3),), baseline_note="checked against B")
+    assert r["status"] == "ok" and r["note"] == "held fixed; checked against B"
+    # A gradient that is off, or a forward output that is: wrong, not timed, nothing returned.
+    r, got = time_checked_training(row(), lambda: lambda: (o, 2 * grads[0]) + grads[1:], 7e12, ref=ref,
+                                   want=(o,) + grads, grads_error=grads_error)
+    assert r["status"] == "wrong" and r["rel_err"] == pytest.approx(1.0) and got is None
+    r, got = time_checked_training(row(), lambda: lambda: (o.flip(-2),) + grads, 7e12, ref=ref)
+    assert r["status"] == "wrong" and r["note"] == "the forward output o" and got is None
+    assert len(fake_do_bench) == 2
+
+
 # ----------------------------------------------------------------------------
 # Writing results (fake measurements)
 # ----------------------------------------------------------------------------

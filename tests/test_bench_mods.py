@@ -59,8 +59,14 @@ def test_flops_count_visible_pairs_only():
 
 
 def test_timing_helpers_come_from_bench():
-    assert bench_mods.tflops is bench.tflops and bench_mods.gpu_available is bench.gpu_available
-    assert bench_mods.environment_info is bench.environment_info
+    from course_utils.bench import report
+    from course_utils.bench.measure import time_checked_forward, time_checked_training
+
+    assert bench_mods.gpu_available is bench.gpu_available and bench_mods.environment_info is bench.environment_info
+    # The check-then-time path, the output check and the ratio/merge helpers: one definition, in bench.
+    assert bench_mods.forward_error is bench.check_output
+    assert bench_mods.time_checked_forward is time_checked_forward and bench_mods.time_checked_training is time_checked_training
+    assert bench_mods.course_over_flex is report.course_over_flex and bench_mods.merge_rows_by is report.merge_rows_by
 
 
 def test_main_without_gpu_says_so(monkeypatch, capsys, tmp_path):
@@ -164,12 +170,9 @@ def test_sdpa_bias_gives_the_reference(mod):
 
 def test_sdpa_has_no_softcap_and_is_not_timed_there():
     (q, k, v), extra, _ = _small("softcap")
-    row = bench_mods._row("sdpa", bench_mods.ModsCase("softcap", 4, q.shape[-2]), "forward")
-    try:
-        bench_mods.make_forward("sdpa", q, k, v, bench_mods.ModsCase("softcap", 4, q.shape[-2]), extra)
-    except ValueError as exc:
-        bench_mods._fail(row, exc)
-    assert row["status"] == "n/a" and "soft-cap" in row["note"]
+    case = bench_mods.ModsCase("softcap", 4, q.shape[-2])
+    row = bench_mods.measure_forward("sdpa", case, q, k, v, extra, ref=None)  # refused before anything runs
+    assert row["status"] == "n/a" and "soft-cap" in row["note"] and row["ms"] is None
 
 
 def test_flex_functions_and_sink_fold_give_the_reference():

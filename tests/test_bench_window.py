@@ -43,8 +43,14 @@ def test_flops_count_visible_pairs_only():
 
 
 def test_timing_helpers_come_from_bench():
-    assert bench_window.tflops is bench.tflops and bench_window.gpu_available is bench.gpu_available
-    assert bench_window.environment_info is bench.environment_info
+    from course_utils.bench import report
+    from course_utils.bench.measure import time_checked_forward, time_checked_training
+
+    assert bench_window.gpu_available is bench.gpu_available and bench_window.environment_info is bench.environment_info
+    # The check-then-time path, the output check and the ratio/merge helpers: one definition, in bench.
+    assert bench_window.forward_error is bench.check_output
+    assert bench_window.time_checked_forward is time_checked_forward and bench_window.time_checked_training is time_checked_training
+    assert bench_window.course_over_flex is report.course_over_flex and bench_window.merge_rows_by is report.merge_rows_by
 
 
 def test_main_without_gpu_says_so(monkeypatch, capsys, tmp_path):

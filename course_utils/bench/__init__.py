@@ -38,10 +38,11 @@ The package, one job per module:
 
 - ``cases``: the sweep's cases, the providers' names, the FLOP count, the inputs;
 - ``providers``: the attention implementations side by side;
-- ``measure``: check each output against a reference, then time it; the machine's ceilings;
+- ``measure``: check each output against a reference, then time it (lessons 08 and 12's benches too); the
+  machine's ceilings;
 - ``ladder``: lesson 06's tuning ladder;
 - ``training``: forward + backward (``--training``);
-- ``report``: CSV/JSON/markdown writing and reading the recorded results back;
+- ``report``: CSV/JSON/markdown writing and reading the recorded results back; the FlexAttention ratios;
 - ``plots``: the PNG;
 - ``cli``: the command line (``python -m course_utils.bench``).
 """

@@ -7,6 +7,8 @@ import math
 from .cases import LESSON11_PROVIDERS, PROVIDERS, TOLERANCE, Case, attention_flops, make_inputs, tflops
 from .providers import make_provider
 
+LSE_TOLERANCE = 5e-2  # the largest |lse error| a provider that returns lse may have against the float32 reference
+
 
 def reference_slice(q, k, v, causal: bool, rows: int = 64):
     """Float32 reference for batch 0, the first and last query heads, first/last ``rows`` queries.
@@ -40,14 +42,21 @@ def check_output(result, ref) -> tuple[float, float | None]:
     heads, idx, o_ref, lse_ref = ref
     o, lse = (result if isinstance(result, tuple) else (result, None))
     o_s = torch.stack([o[0, h, idx].float() for h in heads])
-    rel = (torch.linalg.vector_norm(o_s - o_ref) / torch.linalg.vector_norm(o_ref)).item()
+    rel = relative_error(o_s, o_ref)
     lse_err = None
     if lse is not None:
         lse_s = torch.stack([lse[0, h, idx].float() for h in heads])
         lse_err = (lse_s - lse_ref).abs().max().item()
-    if not math.isfinite(rel):
-        rel = float("inf")
     return rel, lse_err
+
+
+def relative_error(got, want) -> float:
+    """``|got - want| / |want|`` (vector norms, in float32); infinity where that is not a finite number."""
+    import torch
+
+    want = want.float()
+    rel = (torch.linalg.vector_norm(got.float() - want) / torch.linalg.vector_norm(want)).item()
+    return rel if math.isfinite(rel) else float("inf")
 
 
 def peak_memory_mib(fn) -> float:
@@ -80,6 +89,87 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def record_failure(row: dict, exc: BaseException) -> None:
+    """Say in ``row`` why a provider was not timed: ``OOM`` (the GPU's memory, or the host's), ``n/a`` (a provider
+    that cannot express the case raises a ValueError that says it is "not timed"), else ``error`` with the
+    exception's first line."""
+    if isinstance(exc, MemoryError) or is_oom(exc):
+        row["status"], row["note"] = "OOM", str(exc)[:120] if isinstance(exc, MemoryError) else "out of memory"
+    elif isinstance(exc, ValueError) and "not timed" in str(exc):
+        row["status"], row["note"] = "n/a", str(exc)[:120]
+    else:
+        text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        row["status"], row["note"] = "error", f"{type(exc).__name__}: {text}"
+
+
+def time_checked_forward(row: dict, make, ref, flops: float, warmup=25, rep=100, tol=TOLERANCE) -> dict:
+    """Fill ``row`` for one forward provider of lessons 08 and 12's benches: ``make()`` builds the call, its
+    output (``o`` or ``(o, lse)``) is checked against ``ref`` (:func:`reference_slice`'s tuple) and timed only if
+    right, ``flops`` counting the visible pairs. A failure is recorded, not raised (:func:`record_failure`)."""
+    import torch
+    import triton
+
+    try:
+        fn = make()
+        result = fn()  # compiles
+        rel, lse_err = check_output(result, ref)
+        del result
+        row["rel_err"] = rel
+        lse_wrong = lse_err is not None and lse_err > LSE_TOLERANCE
+        if not rel <= tol or lse_wrong:
+            row["status"] = "wrong"
+            row["note"] = f"lse off by {lse_err:.3g}" if lse_wrong else ""
+            return row
+        row["ms"] = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+        row["tflops"] = tflops(flops, row["ms"])
+    except Exception as exc:  # one provider failing must not stop the sweep
+        record_failure(row, exc)
+    finally:
+        torch.cuda.empty_cache()
+    return row
+
+
+def time_checked_training(row: dict, make, flops: float, *, ref=None, want=None, grads_error=None, baseline=None,
+                          baseline_note="checked against FlexAttention", warmup=25, rep=100,
+                          tol=TOLERANCE) -> tuple[dict, tuple | None]:
+    """Fill ``row`` for one forward + backward provider of lessons 08 and 12's benches; returns ``(row, got)``.
+
+    ``make()`` builds the step, which returns ``(o, dq, dk, dv, ...)`` (None where a provider has no such
+    gradient). ``ref``: the forward's float32 slice, always checked first; ``want``: the float32 gradients of the
+    first GQA group, compared by ``grads_error(got, want)``; where there is none (large N), ``baseline`` (another
+    provider's ``got``, FlexAttention's) is compared instead and ``baseline_note`` added to the row's note. Timed
+    only if right; ``got`` is None unless it was.
+    """
+    import torch
+    import triton
+
+    got = None
+    try:
+        step = make()
+        got = tuple(None if t is None else t.detach() for t in step())
+        if ref is not None:
+            rel_o = check_output(got[0], ref)[0]
+            if not rel_o <= tol:
+                row["status"], row["rel_err"], row["note"] = "wrong", rel_o, "the forward output o"
+                return row, None
+        if want is not None:
+            row["rel_err"] = grads_error(got, want)
+        elif baseline is not None:
+            row["rel_err"] = max(relative_error(a, b) for a, b in zip(got, baseline) if a is not None and b is not None)
+            row["note"] = (row["note"] + "; " if row["note"] else "") + baseline_note
+        if row["rel_err"] is not None and not row["rel_err"] <= tol:
+            row["status"] = "wrong"
+            return row, None
+        row["ms"] = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
+        row["tflops"] = tflops(flops, row["ms"])
+    except Exception as exc:  # one provider failing must not stop the sweep
+        record_failure(row, exc)
+        got = None
+    finally:
+        torch.cuda.empty_cache()
+    return row, got
+
+
 def measure(name: str, case: Case, n: int, q, k, v, ref, warmup_ms=25, rep_ms=100) -> dict:
     """One row of the results: check ``name`` on these inputs, then time it."""
     import torch
@@ -97,7 +187,7 @@ def measure(name: str, case: Case, n: int, q, k, v, ref, warmup_ms=25, rep_ms=10
         rel, lse_err = check_output(result, ref)
         del result
         row["rel_err"] = rel
-        if lse_err is not None and lse_err > 5e-2:
+        if lse_err is not None and lse_err > LSE_TOLERANCE:
             row["status"], row["note"] = "wrong", f"lse off by {lse_err:.3g}"
             return row
         if not rel <= tolerance(name):
@@ -112,11 +202,7 @@ def measure(name: str, case: Case, n: int, q, k, v, ref, warmup_ms=25, rep_ms=10
 
             row["note"] = row["note"] or (fast.best_config(case.causal) or "")
     except Exception as exc:  # one provider failing must not stop the sweep
-        if is_oom(exc):
-            row["status"], row["note"] = "OOM", "out of memory"
-        else:
-            row["status"] = "error"
-            row["note"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ''}"
+        record_failure(row, exc)
     finally:
         torch.cuda.empty_cache()
     return row

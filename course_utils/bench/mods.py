@@ -37,7 +37,10 @@ import math
 import sys
 from pathlib import Path
 
-from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available, is_oom, tflops
+from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available
+from .measure import check_output as forward_error  # noqa: F401  (the forward's check, one definition)
+from .measure import relative_error, time_checked_forward, time_checked_training
+from .report import course_over_flex, find_row, merge_rows_by
 from .window import _cell  # a table cell of the same benchmark rows
 
 from .cases import RESULTS_DIR  # the repository's results/ (one definition)
@@ -355,20 +358,6 @@ def reference_forward(q, k, v, extra, rows: int = 64):
     return heads, idx, torch.stack(outs), torch.stack(lses)
 
 
-def forward_error(result, ref) -> tuple[float, float | None]:
-    """Relative error (norm) of ``o`` on the reference's slice, and the largest ``lse`` error if given."""
-    import torch
-
-    heads, idx, o_ref, lse_ref = ref
-    o, lse = result if isinstance(result, tuple) else (result, None)
-    o_s = torch.stack([o[0, h, idx].float() for h in heads])
-    rel = (torch.linalg.vector_norm(o_s - o_ref) / torch.linalg.vector_norm(o_ref)).item()
-    lse_err = None
-    if lse is not None:
-        lse_err = (torch.stack([lse[0, h, idx].float() for h in heads]) - lse_ref).abs().max().item()
-    return (rel if math.isfinite(rel) else float("inf")), lse_err
-
-
 def reference_group_grads(q, k, v, do, extra):
     """Float32 ``(o, dq, dk, dv, dsink)`` of batch 0's first GQA group (query heads 0..group-1, kv head 0)."""
     import torch
@@ -396,8 +385,6 @@ def reference_group_grads(q, k, v, do, extra):
 
 def grads_error(got, want) -> float:
     """Largest relative error (norm) over ``(o, dq, dk, dv[, dsink])`` of the first GQA group."""
-    import torch
-
     o, dq, dk, dv, dsink = got
     group = want[1].shape[0]
     pieces = [(o[0, :group], want[0]), (dq[0, :group], want[1]), (dk[0, :1], want[2]), (dv[0, :1], want[3])]
@@ -405,8 +392,7 @@ def grads_error(got, want) -> float:
         if dsink is None:
             return float("inf")
         pieces.append((dsink[:group], want[4]))
-    errs = [(torch.linalg.vector_norm(a.float() - b) / torch.linalg.vector_norm(b)).item() for a, b in pieces]
-    return max(e if math.isfinite(e) else float("inf") for e in errs)
+    return max(relative_error(a, b) for a, b in pieces)
 
 
 # --------------------------------------------------------------------------- #
@@ -420,82 +406,30 @@ def _row(provider, case, mode):
                 status="ok", rel_err=None, note="")
 
 
-def _fail(row, exc):
-    if isinstance(exc, MemoryError) or is_oom(exc):
-        row["status"], row["note"] = "OOM", str(exc)[:120] if isinstance(exc, MemoryError) else "out of memory"
-    elif isinstance(exc, ValueError) and "not timed" in str(exc):
-        row["status"], row["note"] = "n/a", str(exc)[:120]
-    else:
-        text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
-        row["status"], row["note"] = "error", f"{type(exc).__name__}: {text}"
-
-
 def _flops(row, training):
     cu = [0, row["n"]] if row["provider"] == "causal" else cu_seqlens_for(row["n"], row["n_docs"])
     return mods_flops(cu, training=training)
 
 
 def measure_forward(name, case, q, k, v, extra, ref, warmup=25, rep=100) -> dict:
-    import torch
-    import triton
-
+    """Check then time one provider's forward (:func:`~course_utils.bench.measure.time_checked_forward`)."""
     row = _row(name, case, "forward")
-    try:
-        fn = make_forward(name, q, k, v, case, extra)
-        result = fn()  # compiles
-        rel, lse_err = forward_error(result, ref)
-        del result
-        row["rel_err"] = rel
-        if not rel <= TOLERANCE or (lse_err is not None and lse_err > 5e-2):
-            row["status"] = "wrong"
-            row["note"] = f"lse off by {lse_err:.3g}" if lse_err is not None and lse_err > 5e-2 else ""
-            return row
-        row["ms"] = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-        row["tflops"] = tflops(_flops(row, False), row["ms"])
-    except Exception as exc:  # one provider failing must not stop the sweep
-        _fail(row, exc)
-    finally:
-        torch.cuda.empty_cache()
-    return row
+    return time_checked_forward(row, lambda: make_forward(name, q, k, v, case, extra), ref, _flops(row, False),
+                                warmup, rep, tol=TOLERANCE)
 
 
 def measure_training(name, case, q, k, v, do, extra, want, warmup=25, rep=100, baseline=None,
                      ref=None) -> tuple[dict, object]:
     """Check then time forward + backward (``want``: the float32 gradients of the first GQA group, or None)."""
-    import torch
-    import triton
-
     row = _row(name, case, "training")
-    got = None
-    try:
-        step = make_training_step(name, q, k, v, do, case, extra)
-        got = tuple(None if t is None else t.detach() for t in step())
-        if ref is not None:
-            rel_o = forward_error(got[0], ref)[0]
-            if not rel_o <= TOLERANCE:
-                row["status"], row["rel_err"], row["note"] = "wrong", rel_o, "the forward output o"
-                return row, None
-        if name == "sdpa" and extra.get("sink_logits") is not None:
-            want = None if want is None else want[:4] + (None,)  # SDPA's bias is built once: no dsink
-            baseline = None if baseline is None else baseline[:4] + (None,)
-            row["note"] = "sink logits held fixed (no dsink)"
-        if want is not None:
-            row["rel_err"] = grads_error(got, want)
-        elif baseline is not None:
-            row["rel_err"] = max((torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float())).item()
-                                 for a, b in zip(got, baseline) if a is not None and b is not None)
-            row["note"] = (row["note"] + "; " if row["note"] else "") + "checked against FlexAttention"
-        if row["rel_err"] is not None and not row["rel_err"] <= TOLERANCE:
-            row["status"] = "wrong"
-            return row, None
-        row["ms"] = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
-        row["tflops"] = tflops(_flops(row, True), row["ms"])
-    except Exception as exc:
-        _fail(row, exc)
-        got = None
-    finally:
-        torch.cuda.empty_cache()
-    return row, got
+    if name == "sdpa" and extra.get("sink_logits") is not None:
+        want = None if want is None else want[:4] + (None,)  # SDPA's bias is built once: no dsink
+        baseline = None if baseline is None else baseline[:4] + (None,)
+        row["note"] = "sink logits held fixed (no dsink)"
+    return time_checked_training(row, lambda: make_training_step(name, q, k, v, do, case, extra), _flops(row, True),
+                                 ref=ref, want=want, grads_error=grads_error, baseline=baseline,
+                                 baseline_note="checked against FlexAttention", warmup=warmup, rep=rep,
+                                 tol=TOLERANCE)
 
 
 def format_row(row: dict) -> str:
@@ -557,24 +491,12 @@ def run(mods=MODS, docs=DOCS, ns=NS, training=True, log=print, warmup=25, rep=10
 # Results
 # --------------------------------------------------------------------------- #
 def _find(rows, provider, mode, mod, n_docs, n):
-    for r in rows:
-        if (r["provider"], r["mode"], r["n"]) == (provider, mode, n) and (
-                provider == "causal" or (r["mod"], r["n_docs"]) == (mod, n_docs)):
-            return r
-    return None
+    return find_row(rows, provider, mode, n, dict(mod=mod, n_docs=n_docs))
 
 
 def ratios(rows: list[dict]) -> list[dict]:
     """course / FlexAttention TFLOP/s for every (mode, mod, documents, N) where both were timed."""
-    out = []
-    for r in rows:
-        if r["provider"] != "course" or not r["tflops"]:
-            continue
-        flex = _find(rows, "flex", r["mode"], r["mod"], r["n_docs"], r["n"])
-        if flex and flex["tflops"]:
-            out.append(dict(mode=r["mode"], mod=r["mod"], n_docs=r["n_docs"], n=r["n"],
-                            course_over_flex=r["tflops"] / flex["tflops"]))
-    return out
+    return course_over_flex(rows, ("mod", "n_docs"))
 
 
 def markdown(rows: list[dict], info: dict | None = None) -> str:
@@ -629,8 +551,7 @@ def _key(row):
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     """``old`` with every row that ``new`` measures again replaced, then the rest of ``new``."""
-    fresh = {_key(r) for r in new}
-    return [r for r in old if _key(r) not in fresh] + list(new)
+    return merge_rows_by(old, new, _key)
 
 
 def write_results(rows: list[dict], out_dir: Path, info: dict | None = None) -> dict:

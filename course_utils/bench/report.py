@@ -76,6 +76,36 @@ def _cell(row: dict | None, field: str, fmt: str) -> str:
     return format(row[field], fmt)
 
 
+def find_row(rows: list[dict], provider: str, mode: str, n: int, case: dict) -> dict | None:
+    """Lessons 08 and 12's benches: the row of ``provider`` in ``mode`` ("forward" or "training") at ``n`` whose
+    fields match ``case`` (``{"window_size": 1024, "sink_size": 4}``, ...); the plain causal rows match any case."""
+    for r in rows:
+        if (r["provider"], r["mode"], r["n"]) == (provider, mode, n) and (
+                provider == "causal" or all(r[f] == value for f, value in case.items())):
+            return r
+    return None
+
+
+def course_over_flex(rows: list[dict], fields: tuple) -> list[dict]:
+    """course / FlexAttention TFLOP/s for every (mode, the case's ``fields``, N) where both were timed."""
+    out = []
+    for r in rows:
+        if r["provider"] != "course" or not r["tflops"]:
+            continue
+        case = {f: r[f] for f in fields}
+        flex = find_row(rows, "flex", r["mode"], r["n"], case)
+        if flex and flex["tflops"]:
+            out.append(dict(mode=r["mode"], **case, n=r["n"], course_over_flex=r["tflops"] / flex["tflops"]))
+    return out
+
+
+def merge_rows_by(old: list[dict], new: list[dict], key) -> list[dict]:
+    """``old`` with every row that ``new`` measures again replaced (the same ``key(row)``), then the rest of
+    ``new``: a sweep split over several runs (``--append``)."""
+    fresh = {key(r) for r in new}
+    return [r for r in old if key(r) not in fresh] + list(new)
+
+
 def markdown_tables(rows: list[dict], cases: list[dict] | None = None, info: dict | None = None) -> str:
     """The results as markdown: per case, TFLOP/s with ratio columns, then peak memory."""
     lines = []

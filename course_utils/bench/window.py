@@ -36,7 +36,10 @@ import math
 import sys
 from pathlib import Path
 
-from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available, is_oom, tflops
+from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available
+from .measure import check_output as forward_error  # noqa: F401  (the forward's check, one definition)
+from .measure import relative_error, time_checked_forward, time_checked_training
+from .report import course_over_flex, find_row, merge_rows_by
 
 from .cases import RESULTS_DIR  # the repository's results/ (one definition)
 STEM = "window_bench"
@@ -244,20 +247,6 @@ def reference_forward(q, k, v, window_size, sink_size, rows: int = 64):
     return heads, idx, torch.stack(outs), torch.stack(lses)
 
 
-def forward_error(result, ref) -> tuple[float, float | None]:
-    """Relative error (norm) of ``o`` on the reference's slice, and the largest ``lse`` error if given."""
-    import torch
-
-    heads, idx, o_ref, lse_ref = ref
-    o, lse = result if isinstance(result, tuple) else (result, None)
-    o_s = torch.stack([o[0, h, idx].float() for h in heads])
-    rel = (torch.linalg.vector_norm(o_s - o_ref) / torch.linalg.vector_norm(o_ref)).item()
-    lse_err = None
-    if lse is not None:
-        lse_err = (torch.stack([lse[0, h, idx].float() for h in heads]) - lse_ref).abs().max().item()
-    return (rel if math.isfinite(rel) else float("inf")), lse_err
-
-
 def reference_group_grads(q, k, v, do, window_size, sink_size):
     """Float32 ``(o, dq, dk, dv)`` of batch 0's first GQA group (query heads 0..group-1, kv head 0), by autograd."""
     import torch
@@ -277,13 +266,10 @@ def reference_group_grads(q, k, v, do, window_size, sink_size):
 
 def grads_error(got, want) -> float:
     """Largest relative error (norm) over ``(o, dq, dk, dv)`` of the first GQA group."""
-    import torch
-
     o, dq, dk, dv = got
     group = want[1].shape[0]
     pieces = (o[0, :group], dq[0, :group], dk[0, :1], dv[0, :1])
-    errs = [(torch.linalg.vector_norm(a.float() - b) / torch.linalg.vector_norm(b)).item() for a, b in zip(pieces, want)]
-    return max(e if math.isfinite(e) else float("inf") for e in errs)
+    return max(relative_error(a, b) for a, b in zip(pieces, want))
 
 
 # --------------------------------------------------------------------------- #
@@ -296,37 +282,16 @@ def _row(provider, case, mode):
                 ms=None, tflops=None, status="ok", rel_err=None, note="")
 
 
-def _fail(row, exc):
-    if isinstance(exc, MemoryError) or is_oom(exc):
-        row["status"], row["note"] = "OOM", str(exc)[:120] if isinstance(exc, MemoryError) else "out of memory"
-    else:
-        text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
-        row["status"], row["note"] = "error", f"{type(exc).__name__}: {text}"
+def _flops(row, training):
+    window = row["window_size"]
+    return window_flops(row["n"], window, row["sink_size"] if window else 0, training=training)
 
 
 def measure_forward(name, case, q, k, v, ref, warmup=25, rep=100) -> dict:
-    import torch
-    import triton
-
+    """Check then time one provider's forward (:func:`~course_utils.bench.measure.time_checked_forward`)."""
     row = _row(name, case, "forward")
-    window = None if name == "causal" else case.window_size
-    try:
-        fn = make_forward(name, q, k, v, case)
-        result = fn()  # compiles
-        rel, lse_err = forward_error(result, ref)
-        del result
-        row["rel_err"] = rel
-        if not rel <= TOLERANCE or (lse_err is not None and lse_err > 5e-2):
-            row["status"] = "wrong"
-            row["note"] = f"lse off by {lse_err:.3g}" if lse_err is not None and lse_err > 5e-2 else ""
-            return row
-        row["ms"] = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-        row["tflops"] = tflops(window_flops(case.n, window, case.sink_size if window else 0), row["ms"])
-    except Exception as exc:  # one provider failing must not stop the sweep
-        _fail(row, exc)
-    finally:
-        torch.cuda.empty_cache()
-    return row
+    return time_checked_forward(row, lambda: make_forward(name, q, k, v, case), ref, _flops(row, False), warmup, rep,
+                                tol=TOLERANCE)
 
 
 def measure_training(name, case, q, k, v, do, want, warmup=25, rep=100, baseline=None, ref=None) -> tuple[dict, object]:
@@ -337,37 +302,11 @@ def measure_training(name, case, q, k, v, do, want, warmup=25, rep=100, baseline
     at large N, where the gradients are compared with ``baseline``
     (FlexAttention's) when given.
     """
-    import torch
-    import triton
-
     row = _row(name, case, "training")
-    window = None if name == "causal" else case.window_size
-    got = None
-    try:
-        step = make_training_step(name, q, k, v, do, case)
-        got = tuple(t.detach() for t in step())
-        if ref is not None:
-            rel_o = forward_error(got[0], ref)[0]
-            if not rel_o <= TOLERANCE:
-                row["status"], row["rel_err"], row["note"] = "wrong", rel_o, "the forward output o"
-                return row, None
-        if want is not None:
-            row["rel_err"] = grads_error(got, want)
-        elif baseline is not None:
-            row["rel_err"] = max((torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float())).item()
-                                 for a, b in zip(got, baseline))
-            row["note"] = "checked against FlexAttention (no float32 reference at this N)"
-        if row["rel_err"] is not None and not row["rel_err"] <= TOLERANCE:
-            row["status"] = "wrong"
-            return row, None
-        row["ms"] = triton.testing.do_bench(step, warmup=warmup, rep=rep, return_mode="median")
-        row["tflops"] = tflops(window_flops(case.n, window, case.sink_size if window else 0, training=True), row["ms"])
-    except Exception as exc:
-        _fail(row, exc)
-        got = None
-    finally:
-        torch.cuda.empty_cache()
-    return row, got
+    return time_checked_training(row, lambda: make_training_step(name, q, k, v, do, case), _flops(row, True),
+                                 ref=ref, want=want, grads_error=grads_error, baseline=baseline,
+                                 baseline_note="checked against FlexAttention (no float32 reference at this N)",
+                                 warmup=warmup, rep=rep, tol=TOLERANCE)
 
 
 def format_row(row: dict) -> str:
@@ -428,24 +367,12 @@ def run(windows=WINDOWS, sinks=SINKS, ns=NS, training=True, log=print, warmup=25
 # Results
 # --------------------------------------------------------------------------- #
 def _find(rows, provider, mode, w, s, n):
-    for r in rows:
-        if (r["provider"], r["mode"], r["n"]) == (provider, mode, n) and (
-                provider == "causal" or (r["window_size"], r["sink_size"]) == (w, s)):
-            return r
-    return None
+    return find_row(rows, provider, mode, n, dict(window_size=w, sink_size=s))
 
 
 def ratios(rows: list[dict]) -> list[dict]:
     """course / FlexAttention TFLOP/s for every (mode, W, S, N) where both were timed."""
-    out = []
-    for r in rows:
-        if r["provider"] != "course" or not r["tflops"]:
-            continue
-        flex = _find(rows, "flex", r["mode"], r["window_size"], r["sink_size"], r["n"])
-        if flex and flex["tflops"]:
-            out.append(dict(mode=r["mode"], window_size=r["window_size"], sink_size=r["sink_size"], n=r["n"],
-                            course_over_flex=r["tflops"] / flex["tflops"]))
-    return out
+    return course_over_flex(rows, ("window_size", "sink_size"))
 
 
 def _cell(row, field="tflops"):
@@ -537,8 +464,7 @@ def _key(row):
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     """``old`` with every row that ``new`` measures again replaced, then the rest of ``new``."""
-    fresh = {_key(r) for r in new}
-    return [r for r in old if _key(r) not in fresh] + list(new)
+    return merge_rows_by(old, new, _key)
 
 
 def write_results(rows: list[dict], out_dir: Path, info: dict | None = None) -> dict:
