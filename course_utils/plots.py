@@ -197,6 +197,47 @@ def plot_tiles(n_q, n_k, block_m, block_n, causal=False, *, ax=None):
 
 
 # -- sliding window and sinks (lesson 08) -----------------------------------------
+def _mask_tile_states(mask, block_m, block_n, past_end_partial=False):
+    """Each tile's state read off a boolean ``[N, N]`` mask: ``SKIPPED`` when no query of its block sees any of its
+    keys, ``FULL`` when every query sees every key (no mask work), ``DIAGONAL`` (= partial) otherwise; with
+    ``past_end_partial`` a tile running past N is partial too (a kernel masks its empty slots)."""
+    n = mask.shape[1]
+    states = np.empty((math.ceil(mask.shape[0] / block_m), math.ceil(n / block_n)), dtype=int)
+    for bi in range(states.shape[0]):
+        for bj in range(states.shape[1]):
+            tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
+            whole = (bj + 1) * block_n <= n or not past_end_partial
+            states[bi, bj] = FULL if tile.all() and whole else DIAGONAL if tile.any() else SKIPPED
+    return states
+
+
+def _draw_mask_tiles(states, mask, block_m, block_n, ax=None) -> tuple:
+    """Lessons 08 and 12's tile maps: skipped tiles grey, full light blue, partial dark blue, the visible pairs of
+    ``mask`` on top in orange, and the legend; returns ``(ax, {state: count})`` for the caller's title."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch, Rectangle
+
+    n = mask.shape[1]
+    colours = {FULL: "#9ecae1", DIAGONAL: "#2171b5", SKIPPED: "#e8e8e8"}
+    ax = _axes(ax, (5.6, 4.6))
+    for bi in range(states.shape[0]):
+        for bj in range(states.shape[1]):
+            x, y = bj * block_n, bi * block_m
+            w, h = min(block_n, n - x), min(block_m, n - y)
+            ax.add_patch(Rectangle((x, y), w, h, facecolor=colours[states[bi, bj]], edgecolor="white", lw=1.0))
+    ax.imshow(np.ma.masked_where(~mask, mask), cmap=ListedColormap(["#f16913"]), alpha=0.55,
+              extent=(0, n, n, 0), interpolation="nearest", zorder=2)
+    ax.set_xlim(0, n)
+    ax.set_ylim(n, 0)
+    ax.set_aspect("equal")
+    ax.set_xlabel(f"key j (block_n = {block_n})")
+    ax.set_ylabel(f"query i (block_m = {block_m})")
+    handles = [Patch(color=colours[FULL], label="full (no mask)"), Patch(color=colours[DIAGONAL], label="partial (mask)"),
+               Patch(color=colours[SKIPPED], label="skipped"), Patch(color="#f16913", alpha=0.55, label="visible pair")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
+    return ax, {state: int((states == state).sum()) for state in (FULL, DIAGONAL, SKIPPED)}
+
+
 def window_tile_states(n, block_m, block_n, window_size=None, sink_size=0):
     """Each tile's state under the window/sink mask: ``SKIPPED``, ``FULL`` or ``DIAGONAL`` (= partial).
 
@@ -204,13 +245,7 @@ def window_tile_states(n, block_m, block_n, window_size=None, sink_size=0):
     a tile is skipped when no query of its block sees any of its keys, full
     when every query sees every key (no mask work), partial otherwise.
     """
-    mask = ref.window_mask(n, n, window_size, sink_size)
-    states = np.empty((math.ceil(n / block_m), math.ceil(n / block_n)), dtype=int)
-    for bi in range(states.shape[0]):
-        for bj in range(states.shape[1]):
-            tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
-            states[bi, bj] = FULL if tile.all() else DIAGONAL if tile.any() else SKIPPED
-    return states
+    return _mask_tile_states(ref.window_mask(n, n, window_size, sink_size), block_m, block_n)
 
 
 def plot_window_tiles(n, block_m, block_n, window_size=None, sink_size=0, *, ax=None):
@@ -220,35 +255,21 @@ def plot_window_tiles(n, block_m, block_n, window_size=None, sink_size=0, *, ax=
     through them) dark blue; the visible (query, key) pairs are drawn on
     top in orange. The title counts the tiles and the visible share.
     """
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch, Rectangle
-
-    states = window_tile_states(n, block_m, block_n, window_size, sink_size)
-    colours = {FULL: "#9ecae1", DIAGONAL: "#2171b5", SKIPPED: "#e8e8e8"}
-    ax = _axes(ax, (5.6, 4.6))
-    for bi in range(states.shape[0]):
-        for bj in range(states.shape[1]):
-            x, y = bj * block_n, bi * block_m
-            w, h = min(block_n, n - x), min(block_m, n - y)
-            ax.add_patch(Rectangle((x, y), w, h, facecolor=colours[states[bi, bj]], edgecolor="white", lw=1.0))
     mask = ref.window_mask(n, n, window_size, sink_size)
-    ax.imshow(np.ma.masked_where(~mask, mask), cmap=ListedColormap(["#f16913"]), alpha=0.55,
-              extent=(0, n, n, 0), interpolation="nearest", zorder=2)
-    ax.set_xlim(0, n)
-    ax.set_ylim(n, 0)
-    ax.set_aspect("equal")
-    ax.set_xlabel(f"key j (block_n = {block_n})")
-    ax.set_ylabel(f"query i (block_m = {block_m})")
-    counts = {s: int((states == s).sum()) for s in (FULL, DIAGONAL, SKIPPED)}
+    ax, counts = _draw_mask_tiles(window_tile_states(n, block_m, block_n, window_size, sink_size), mask, block_m,
+                                  block_n, ax)
     ax.set_title(f"window {window_size}, {sink_size} sinks: {counts[FULL]} full, {counts[DIAGONAL]} partial, "
                  f"{counts[SKIPPED]} skipped tiles\n{mask.sum() / (n * (n + 1) / 2):.0%} of the causal pairs visible",
                  fontsize=9)
-    handles = [Patch(color=colours[FULL], label="full (no mask)"), Patch(color=colours[DIAGONAL], label="partial (mask)"),
-               Patch(color=colours[SKIPPED], label="skipped"), Patch(color="#f16913", alpha=0.55, label="visible pair")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     return ax
 
 # -- packed documents (lesson 12) ---------------------------------------------------
+def _document_mask(cu_seqlens, causal):
+    n = int(np.asarray(cu_seqlens).reshape(-1)[-1])
+    mask = ref.document_mask(cu_seqlens, n)
+    return mask & ref.causal_mask(n, n) if causal else mask
+
+
 def document_tile_states(cu_seqlens, block_m, block_n, causal=True):
     """Each tile's state under the document mask of packed documents: ``SKIPPED``, ``FULL`` or ``DIAGONAL``.
 
@@ -257,17 +278,7 @@ def document_tile_states(cu_seqlens, block_m, block_n, causal=True):
     Read off the mask itself, as :func:`window_tile_states` does, except that a tile running past
     N is partial (a kernel masks its empty slots), as lesson 12's ``check_doc_tile_bounds`` says.
     """
-    n = int(np.asarray(cu_seqlens)[-1])
-    mask = ref.document_mask(cu_seqlens, n)
-    if causal:
-        mask = mask & ref.causal_mask(n, n)
-    states = np.empty((math.ceil(n / block_m), math.ceil(n / block_n)), dtype=int)
-    for bi in range(states.shape[0]):
-        for bj in range(states.shape[1]):
-            tile = mask[bi * block_m:(bi + 1) * block_m, bj * block_n:(bj + 1) * block_n]
-            whole = (bj + 1) * block_n <= n
-            states[bi, bj] = FULL if tile.all() and whole else DIAGONAL if tile.any() else SKIPPED
-    return states
+    return _mask_tile_states(_document_mask(cu_seqlens, causal), block_m, block_n, past_end_partial=True)
 
 
 def plot_document_tiles(cu_seqlens, block_m, block_n, causal=True, *, ax=None):
@@ -278,41 +289,18 @@ def plot_document_tiles(cu_seqlens, block_m, block_n, causal=True, *, ax=None):
     thin lines; the title counts the tiles and compares the visible pairs
     with one unpacked (plain causal or full) sequence of the same length.
     """
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch, Rectangle
-
     cu = [int(x) for x in np.asarray(cu_seqlens).reshape(-1)]
     n = cu[-1]
-    states = document_tile_states(cu, block_m, block_n, causal)
-    colours = {FULL: "#9ecae1", DIAGONAL: "#2171b5", SKIPPED: "#e8e8e8"}
-    ax = _axes(ax, (5.6, 4.6))
-    for bi in range(states.shape[0]):
-        for bj in range(states.shape[1]):
-            x, y = bj * block_n, bi * block_m
-            w, h = min(block_n, n - x), min(block_m, n - y)
-            ax.add_patch(Rectangle((x, y), w, h, facecolor=colours[states[bi, bj]], edgecolor="white", lw=1.0))
-    mask = ref.document_mask(cu, n)
-    if causal:
-        mask = mask & ref.causal_mask(n, n)
-    ax.imshow(np.ma.masked_where(~mask, mask), cmap=ListedColormap(["#f16913"]), alpha=0.55,
-              extent=(0, n, n, 0), interpolation="nearest", zorder=2)
+    mask = _document_mask(cu, causal)
+    ax, counts = _draw_mask_tiles(document_tile_states(cu, block_m, block_n, causal), mask, block_m, block_n, ax)
     for b in cu[1:-1]:
         ax.axvline(b, color="0.35", lw=0.6, zorder=3)
         ax.axhline(b, color="0.35", lw=0.6, zorder=3)
-    ax.set_xlim(0, n)
-    ax.set_ylim(n, 0)
-    ax.set_aspect("equal")
-    ax.set_xlabel(f"key j (block_n = {block_n})")
-    ax.set_ylabel(f"query i (block_m = {block_m})")
-    counts = {s: int((states == s).sum()) for s in (FULL, DIAGONAL, SKIPPED)}
     unpacked = n * (n + 1) / 2 if causal else n * n
     ax.set_title(f"{len(cu) - 1} documents, {'causal' if causal else 'not causal'}: {counts[FULL]} full, "
                  f"{counts[DIAGONAL]} partial, {counts[SKIPPED]} skipped tiles\n"
                  f"{mask.sum() / unpacked:.0%} of the pairs of one {'causal ' if causal else ''}sequence "
                  f"of {n} tokens are visible", fontsize=9)
-    handles = [Patch(color=colours[FULL], label="full (no mask)"), Patch(color=colours[DIAGONAL], label="partial (mask)"),
-               Patch(color=colours[SKIPPED], label="skipped"), Patch(color="#f16913", alpha=0.55, label="visible pair")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     return ax
 
 
