@@ -193,6 +193,20 @@ def _bounds_cases(rng):
     return cases
 
 
+def _three_ints(run, out, where, names, case):
+    """A bounds function's answer ``out`` (for ``where``, "start_m=3") as three Python ints, else the check's
+    failure saying what came back and what to return (``names``: "sink_end, band_start, band_end")."""
+    __tracebackhide__ = True
+    try:
+        values = tuple(operator.index(x) for x in out)
+    except TypeError:
+        raise run.fail(f"your function returned {out!r} for {where}; return three Python ints ({names}).",
+                       case) from None
+    if len(values) != 3:
+        raise run.fail(f"your function returned {len(values)} values for {where}; return three: ({names}).", case)
+    return values
+
+
 def grade_window_tile_bounds(fn, *, seed=None):
     """Grade ``fn(start_m, block_m, block_n, seq_len, window_size, sink_size) -> (sink_end, band_start, band_end)``.
 
@@ -214,15 +228,7 @@ def grade_window_tile_bounds(fn, *, seed=None):
             with proof.answer_keys_forbidden(window_tile_bounds):  # lesson 08 shows it beside the exercise
                 out = run.call(fn, start_m, block_m, block_n, seq_len, window_size, sink_size,
                                case=f"{case}, start_m={start_m}")
-            try:
-                values = tuple(operator.index(x) for x in out)
-            except TypeError:
-                raise run.fail(f"your function returned {out!r} for start_m={start_m}; return three Python "
-                               "ints (sink_end, band_start, band_end).", case) from None
-            if len(values) != 3:
-                raise run.fail(f"your function returned {len(values)} values for start_m={start_m}; return "
-                               "three: (sink_end, band_start, band_end).", case)
-            got.append(values)
+            got.append(_three_ints(run, out, f"start_m={start_m}", "sink_end, band_start, band_end", case))
         got = np.array(got, dtype=np.float64)
         blocks = range(n_blocks)
         expected = np.array([window_tile_bounds(m, block_m, block_n, seq_len, window_size, sink_size)
@@ -526,15 +532,7 @@ def grade_dkdv_bounds(fn, *, seed=None):
             with proof.answer_keys_forbidden(_dkdv_bounds_variant):  # the grader's own walk is the answer
                 out = run.call(fn, start_n, block_m, block_n, seq_len, window_size, sink_size,
                                case=f"{case}, start_n={start_n}")
-            try:
-                values = tuple(operator.index(x) for x in out)
-            except TypeError:
-                raise run.fail(f"your function returned {out!r} for start_n={start_n}; return three Python "
-                               "ints (diag_end, full_end, q_end).", case) from None
-            if len(values) != 3:
-                raise run.fail(f"your function returned {len(values)} values for start_n={start_n}; return "
-                               "three: (diag_end, full_end, q_end).", case)
-            got[start_n] = values
+            got[start_n] = _three_ints(run, out, f"start_n={start_n}", "diag_end, full_end, q_end", case)
         answers.append(got)
     for (block_m, block_n, seq_len, window_size, sink_size), got in zip(cases, answers):
         mask = ref.window_mask(seq_len, seq_len, window_size, sink_size)
