@@ -577,6 +577,63 @@ def test_lesson_11_quotes_the_window_at_4k_that_keeps_its_own_threshold_as_recor
     assert quote in " ".join(markdown_text("11_hopper_and_fp8").split()), quote
 
 
+MIN4K_WINDOW_CHECKS = ("route_check_min4k_h100_run4", "route_check_min4k_window_h100_run2",
+                      "route_check_min4k_window_h100_run3")
+
+
+def _min4k_window_rows():
+    """The three H100 route checks of the window at 4k (``min4k_window``): (W, S) -> their rows, in run order."""
+    by = {}
+    for name in MIN4K_WINDOW_CHECKS:
+        for r in results.load(name)["rows"]:
+            if r["mode"] == "min4k_window":
+                assert r["status"] == "ok" and r["n"] == 4096, r
+                by.setdefault((r["window_size"], r["sink_size"]), []).append(r)
+    assert sorted(by) == [(1024, 0), (1024, 4), (4096, 0), (4096, 4)] and all(len(v) == 3 for v in by.values())
+    return by
+
+
+def test_lesson_11_quotes_the_window_s_route_checks_at_4k_as_recorded():
+    """Lesson 11's reason the window keeps ``dispatch.GLUON_WINDOW_MIN_N = 8192``: the three route checks of the
+    window at 4k, the route behind at W = 1024 without sinks in one of them and ahead at every other point."""
+    by = _min4k_window_rows()
+    doubt = by[(1024, 0)]
+    others = [r["on_over_off"] for key, rows in by.items() if key != (1024, 0) for r in rows]
+    behind = sum(r["on_over_off"] < 1.0 for r in doubt)
+    assert behind == 1 and min(others) > 1.0  # the sentence's "behind once, ahead twice" and "ahead elsewhere"
+    vr = results.value_range
+    quote = (f"at W = 1024 without sinks the route read {vr([r['on_over_off'] for r in doubt])} (behind once, ahead "
+             f"twice), at the other three points (W = 1024 with 4 sinks, W = 4096 with and without) {vr(others)}. The "
+             f"point in doubt is a call of {vr([r[k] for r in doubt for k in ('on_ms', 'off_ms')], '.2f', ' ms')} "
+             "(the route checks' readings)")
+    assert quote in " ".join(markdown_text("11_hopper_and_fp8").split()), quote
+    from course_utils.kernels import dispatch
+
+    assert dispatch.GLUON_WINDOW_MIN_N == 8192 and all(
+        results.load(name)["shipped"]["GLUON_WINDOW_MIN_N"] == 8192 for name in MIN4K_WINDOW_CHECKS)
+
+
+def test_the_readme_quotes_the_forty_third_session_s_window_checks_as_recorded():
+    """The README's bullet on the forty-third session: the three route checks of the window at 4k, the window bench at
+    4k with the window's threshold at 4096 and at 8192 (course / FlexAttention, forward), and the plain forward at 4k
+    in the first check, recomputed from results/."""
+    by = _min4k_window_rows()
+    doubt = [r["on_over_off"] for r in by[(1024, 0)]]
+    others = [r["on_over_off"] for key, rows in by.items() if key != (1024, 0) for r in rows]
+    bench = {t: [r["course_over_flex"] for r in results.load(f"window_bench_4k_window_min_n_{t}_h100")["ratios"]
+                 if r["mode"] == "forward" and r["n"] == 4096] for t in (4096, 8192)}
+    assert len(bench[4096]) == len(bench[8192]) == 4
+    plain = {r["mode"]: r["on_over_off"] for r in results.load(MIN4K_WINDOW_CHECKS[0])["rows"]}
+    vr = results.value_range
+    quotes = [f"at W = 1024 without sinks the route read {vr(doubt)}, at the other three points {vr(others)}",
+              f"read the forward at {vr(bench[4096])} FlexAttention with it and {vr(bench[8192])} without",
+              f"timed plain attention at 4k too: {plain['min4k']:.3f}× with the causal mask, "
+              f"{plain['min4k_noncausal']:.3f}× without"]
+    text = readme_text()
+    for quote in quotes:
+        assert quote in text, quote
+
+
 def test_the_readme_quotes_the_forty_second_session_s_h100_runs_as_recorded():
     """The README's bullet on the forty-second session: the four route checks of the Gluon forward at 4k, then the
     training bench, lesson 11's ladder and the decode grid, two runs each, recomputed from results/."""
