@@ -86,11 +86,22 @@
 #
 # A command that needs no GPU exits at once on a CPU (the tune scripts say there is none), so
 # `bash benchmarks/gpu_plan.sh fwd` runs here too (tests/test_tune_scripts.py does).
+#
+# REQUIRE_GPU=H200 (any part of the GPU's name): run the steps only where nvidia-smi names such a GPU; elsewhere say
+# what the machine has, in plan.log, and run nothing (exit 0). A call that names nvidia-h200 may get an H100, and the
+# H200's grids should not spend a short budget on another card's numbers.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"
 BUDGET="${STEP_BUDGET:-540}"
+if [[ -n "${REQUIRE_GPU:-}" ]]; then
+  found=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)
+  if [[ "$found" != *"$REQUIRE_GPU"* ]]; then
+    echo "REQUIRE_GPU=$REQUIRE_GPU: this machine has ${found:-no NVIDIA GPU}; nothing run" | tee -a "$OUT/plan.log"
+    exit 0
+  fi
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 if command -v nvidia-smi > /dev/null && compgen -G ".whl/*.whl" > /dev/null; then

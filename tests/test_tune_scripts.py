@@ -713,6 +713,27 @@ def test_the_gpu_plan_runs_its_steps_and_splits_the_suite_in_two(tmp_path):
                                                 [f"./sub/w{i}.json" for i in range(8)])
 
 
+@pytest.mark.interpreter("on a GPU the plan's steps are the session itself (minutes each), not a test")
+def test_the_gpu_plan_runs_nothing_on_another_gpu_than_the_one_required(tmp_path):
+    """REQUIRE_GPU: without that GPU (none here) the plan says what it found and runs no step; without the variable
+    the same step runs."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, STEP_BUDGET="120", REQUIRE_GPU="H200")
+    run = subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "fwd"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    log = (tmp_path / "plan.log").read_text().splitlines()
+    assert log == ["REQUIRE_GPU=H200: this machine has no NVIDIA GPU; nothing run"]
+    assert not (tmp_path / "fwd_causal.log").exists()
+    del env["REQUIRE_GPU"]
+    subprocess.run(["bash", str(BENCHMARKS / "gpu_plan.sh"), "fwd"], env=env, capture_output=True, text=True,
+                   timeout=300, check=True)
+    assert (tmp_path / "fwd_causal.log").exists()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_gluon_probe_s_reference_holds_a_few_heads_scores_at_a_time(causal, monkeypatch):
     """hopper_ws_probe's float32 reference (o by SDPA, lse by chunks of heads, the causal mask applied in place):
