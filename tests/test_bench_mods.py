@@ -67,6 +67,9 @@ def test_timing_helpers_come_from_bench():
     assert bench_mods.forward_error is bench.check_output
     assert bench_mods.time_checked_forward is time_checked_forward and bench_mods.time_checked_training is time_checked_training
     assert bench_mods.course_over_flex is report.course_over_flex and bench_mods.merge_rows_by is report.merge_rows_by
+    from course_utils.bench.providers import flex_compiled
+
+    assert bench_mods.flex_compiled is flex_compiled  # one torch.compile(flex_attention) a process
 
 
 def test_main_without_gpu_says_so(monkeypatch, capsys, tmp_path):

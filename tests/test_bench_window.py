@@ -51,6 +51,9 @@ def test_timing_helpers_come_from_bench():
     assert bench_window.forward_error is bench.check_output
     assert bench_window.time_checked_forward is time_checked_forward and bench_window.time_checked_training is time_checked_training
     assert bench_window.course_over_flex is report.course_over_flex and bench_window.merge_rows_by is report.merge_rows_by
+    from course_utils.bench.providers import flex_compiled
+
+    assert bench_window.flex_compiled is flex_compiled  # one torch.compile(flex_attention) a process
 
 
 def test_main_without_gpu_says_so(monkeypatch, capsys, tmp_path):
@@ -122,3 +125,18 @@ def test_flex_mask_mod_matches_the_reference():
     got = mask_mod(0, 0, i[:, None], i[None, :])
     assert torch.equal(got, torch.from_numpy(references.window_mask(40, 40, 5, 2)))
     assert bench_window._mask_mod(5, 2, "cpu") is mask_mod  # one per (W, S): no recompilation
+
+
+def test_the_compiled_flex_provider_gives_the_reference_on_the_cpu():
+    """The bench's FlexAttention, as it times it (``providers.flex_compiled``: torch.compile with static shapes, the
+    window's block mask), on a small case on the CPU: the float32 reference's output. Its first compilation takes
+    about 10 s on two cores; the GPU grids use the same path."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 256, 64, generator=g)
+    k, v = (torch.randn(1, 2, 256, 64, generator=g) for _ in range(2))
+    case = bench_window.WindowCase(64, 4, 256)
+    rel, lse_err = bench_window.forward_error(bench_window.make_forward("flex", q, k, v, case)(),
+                                              bench_window.reference_forward(q, k, v, 64, 4, rows=16))
+    assert rel < 1e-5 and lse_err is None
+    wrong = bench_window.make_forward("flex", q, k, v, bench_window.WindowCase(16, 0, 256))()  # another window
+    assert bench_window.forward_error(wrong, bench_window.reference_forward(q, k, v, 64, 4, rows=16))[0] > 0.05

@@ -40,6 +40,7 @@ from pathlib import Path
 from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available
 from .measure import check_output as forward_error  # noqa: F401  (the forward's check, one definition)
 from .measure import relative_error, time_checked_forward, time_checked_training
+from .providers import flex_compiled
 from .report import course_over_flex, find_row, merge_rows_by
 from .window import _cell  # a table cell of the same benchmark rows
 
@@ -201,23 +202,6 @@ def sdpa_bias(q, extra):
 # --------------------------------------------------------------------------- #
 # Providers
 # --------------------------------------------------------------------------- #
-_FLEX = {}
-
-
-def _flex_compiled():
-    """``torch.compile(flex_attention)``, once; dynamo's cache made large enough for every case."""
-    if "fn" not in _FLEX:
-        import torch
-        from torch.nn.attention.flex_attention import flex_attention
-
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
-            torch._dynamo.config.accumulated_cache_size_limit = max(
-                torch._dynamo.config.accumulated_cache_size_limit, 1024)
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["fn"]
-
-
 def _flex_with_lse(flex, q, k, v, score_mod, block_mask):
     """``(o, lse)`` from FlexAttention: ``return_aux=AuxRequest(lse=True)`` where it exists, else ``return_lse``."""
     try:
@@ -253,7 +237,7 @@ def make_forward(name: str, q, k, v, case: ModsCase, extra: dict):
         doc = _document_ids(extra["cu_seqlens"], n, q.device)
         block_mask = create_block_mask(flex_mask_mod(doc), B=None, H=None, Q_LEN=n, KV_LEN=n, device=q.device)
         score_mod = flex_score_mod(extra["softcap"], extra["alibi_slopes"])
-        flex = _flex_compiled()
+        flex = flex_compiled()
         if extra["sink_logits"] is None:
             return lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
         return lambda: fold_sinks(*_flex_with_lse(flex, q, k, v, score_mod, block_mask), extra["sink_logits"])

@@ -101,3 +101,21 @@ def make_provider(name: str, q, k, v, causal: bool):
         note = f"fell back to the course kernel: {reason}" if reason else ""
         return (lambda: fast.attention_forward_fast(q, k, v, causal=causal)), note
     raise ValueError(f"unknown provider {name!r}")
+
+
+_FLEX = {}
+
+
+def flex_compiled():
+    """``torch.compile(flex_attention)`` with static shapes, once a process, for lessons 08 and 12's benches; dynamo's
+    cache made large enough for every case of their grids (one compilation per shape and mask)."""
+    if "fn" not in _FLEX:
+        import torch
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+            torch._dynamo.config.accumulated_cache_size_limit = max(
+                torch._dynamo.config.accumulated_cache_size_limit, 1024)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]

@@ -39,6 +39,7 @@ from pathlib import Path
 from . import BACKWARD_FLOP_FACTOR, environment_info, gpu_available
 from .measure import check_output as forward_error  # noqa: F401  (the forward's check, one definition)
 from .measure import relative_error, time_checked_forward, time_checked_training
+from .providers import flex_compiled
 from .report import course_over_flex, find_row, merge_rows_by
 
 from .cases import RESULTS_DIR  # the repository's results/ (one definition)
@@ -127,23 +128,6 @@ def _mask_mod(window_size, sink_size, device):
     return _MASK_MODS[key]
 
 
-_FLEX = {}
-
-
-def _flex_compiled():
-    """``torch.compile(flex_attention)``, once; dynamo's cache made large enough for every (W, S, N)."""
-    if "fn" not in _FLEX:
-        import torch
-        from torch.nn.attention.flex_attention import flex_attention
-
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
-            torch._dynamo.config.accumulated_cache_size_limit = max(
-                torch._dynamo.config.accumulated_cache_size_limit, 1024)
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["fn"]
-
-
 def make_forward(name: str, q, k, v, case: WindowCase):
     """A zero-argument callable computing provider ``name``'s forward (``o`` or ``(o, lse)``).
 
@@ -166,7 +150,7 @@ def make_forward(name: str, q, k, v, case: WindowCase):
         from torch.nn.attention.flex_attention import create_block_mask
 
         block_mask = create_block_mask(_mask_mod(w, s, q.device), B=None, H=None, Q_LEN=n, KV_LEN=n, device=q.device)
-        flex = _flex_compiled()
+        flex = flex_compiled()
         return lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
     if name == "sdpa_mask":
         if n > SDPA_MAX_N:
