@@ -127,6 +127,7 @@ def test_flex_mask_mod_matches_the_reference():
     assert bench_window._mask_mod(5, 2, "cpu") is mask_mod  # one per (W, S): no recompilation
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # inductor's
 def test_the_compiled_flex_provider_gives_the_reference_on_the_cpu():
     """The bench's FlexAttention, as it times it (``providers.flex_compiled``: torch.compile with static shapes, the
     window's block mask), on a small case on the CPU: the float32 reference's output. Its first compilation takes
