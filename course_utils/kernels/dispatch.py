@@ -39,7 +39,9 @@ GLUON_MIN_N: int | None = 4096
 # GLUON_MIN_N came down to 4096: the window's route was timed from 8k (the route checks and persistent probes below),
 # and in the two H100 grids run with it from 4k (results/window_bench_h100_min4k*.md) the forward at W = 1024 without
 # sinks, 4k read 0.19-0.22 ms, where lesson 08's kernel had read 0.16 ms in the five grids before (H100 and H200,
-# results/window_bench_h{100,200}*.md). None: never.
+# results/window_bench_h{100,200}*.md). Three H100 route checks at 4k then read the route 0.93-1.03x there and
+# 1.02-1.11x at W = 1024 with sinks and W = 4096 (results/route_check_min4k_h100_run4.json,
+# route_check_min4k_window_h100_run{2,3}.json): not settled at W = 1024, so 8192 stays. None: never.
 GLUON_WINDOW_MIN_N: int | None = 8192
 # The same kernel with lesson 08's window (and sinks): where the window is at least this wide (and N reaches
 # GLUON_WINDOW_MIN_N), on its persistent grid (GLUON_WINDOW_PERSISTENT). One program per (query block, head) tile ran
