@@ -10,7 +10,7 @@ import statistics
 from course_utils import results
 from course_utils.kernels.fast_backward import sink_walk_fits
 
-from conftest import assert_quoted, decode_points, markdown_text, readme_text, speed_text, training_ratios, window_points
+from conftest import REPO, assert_quoted, decode_points, markdown_text, readme_text, speed_text, training_ratios, window_points
 
 TRAINING = ("training_bench_h100", "training_bench_h100_run2", "training_bench_h100_run3")
 WINDOW = ("window_bench_h100", "window_bench_h100_run2")
@@ -503,8 +503,8 @@ def test_lesson_11_quotes_the_fp8_transpose_route_checks():
     assert len(persistent) == 6 and max(persistent) < 1.0
 
 
-def test_the_readme_quotes_the_forty_first_session_s_h100_runs_as_recorded():
-    """The README's bullet on the H100 runs of the forty-first session: the transpose's route checks, lesson 11's ladder
+def test_speed_md_quotes_the_forty_first_session_s_h100_runs_as_recorded():
+    """results/SPEED.md's bullet on the H100 runs of the forty-first session: the transpose's route checks, lesson 11's ladder
     with it (two runs) beside the H100's last one, the noise in the second run, the FP8 persistent grid and the bf16
     threshold at 4k, each figure recomputed from results/."""
     rc = _route_rows("route_check_fp8_h100", "route_check_fp8_min4k_h100_run2", "route_check_min4k_h100")
@@ -526,7 +526,7 @@ def test_the_readme_quotes_the_forty_first_session_s_h100_runs_as_recorded():
         f"read {vr(rc[('min4k', 4096)], '.3f')} causal and {vr(rc[('min4k_noncausal', 4096)], '.3f')} without the mask "
         "against lesson 06's kernel",
     ]
-    text = readme_text()
+    text = speed_text()
     for quote in quotes:
         assert " ".join(quote.split()) in text, quote
 
@@ -613,8 +613,8 @@ def test_lesson_11_quotes_the_window_s_route_checks_at_4k_as_recorded():
         results.load(name)["shipped"]["GLUON_WINDOW_MIN_N"] == 8192 for name in MIN4K_WINDOW_CHECKS)
 
 
-def test_the_readme_quotes_the_forty_third_session_s_window_checks_as_recorded():
-    """The README's bullet on the forty-third session: the three route checks of the window at 4k, the window bench at
+def test_speed_md_quotes_the_forty_third_session_s_window_checks_as_recorded():
+    """results/SPEED.md's bullet on the forty-third session: the three route checks of the window at 4k, the window bench at
     4k with the window's threshold at 4096 and at 8192 (course / FlexAttention, forward), and the plain forward at 4k
     in the first check, recomputed from results/."""
     by = _min4k_window_rows()
@@ -629,13 +629,13 @@ def test_the_readme_quotes_the_forty_third_session_s_window_checks_as_recorded()
               f"read the forward at {vr(bench[4096])} FlexAttention with it and {vr(bench[8192])} without",
               f"timed plain attention at 4k too: {plain['min4k']:.3f}× with the causal mask, "
               f"{plain['min4k_noncausal']:.3f}× without"]
-    text = readme_text()
+    text = speed_text()
     for quote in quotes:
         assert quote in text, quote
 
 
-def test_the_readme_quotes_the_forty_second_session_s_h100_runs_as_recorded():
-    """The README's bullet on the forty-second session: the four route checks of the Gluon forward at 4k, then the
+def test_speed_md_quotes_the_forty_second_session_s_h100_runs_as_recorded():
+    """results/SPEED.md's bullet on the forty-second session: the four route checks of the Gluon forward at 4k, then the
     training bench, lesson 11's ladder and the decode grid, two runs each, recomputed from results/."""
     routes = _route_rows("route_check_min4k_h100", "route_check_fp8_min4k_h100_run2", "route_check_min4k_h100_run3",
                          "route_check_h100_min4k")
@@ -664,6 +664,32 @@ def test_the_readme_quotes_the_forty_second_session_s_h100_runs_as_recorded():
         f"{unders.pop()} of the {len(decode)} points in each run, and {vr(ceiling, '.0f', '%')} of the read ceiling at "
         "B ≥ 16",
     ]
-    text = readme_text()
+    text = speed_text()
     for quote in quotes:
         assert " ".join(quote.split()) in text, quote
+
+
+def test_speed_md_quotes_the_forty_fourth_session_s_ladder_as_recorded():
+    """results/SPEED.md's bullet on the forty-fourth session: lesson 11's ladder with the entries as they ship (the
+    FP8 entry's tiled transpose, the Gluon forwards from 4k), its per-point medians recomputed from results/."""
+    summary = results.load("fp8_bench_gluon_h100_min4k_run3")["summary"]
+    assert len(summary) == 10 and results.load("fp8_bench_gluon_h100_min4k_run3")["info"]["gpu"].endswith("H100 80GB HBM3")
+    entry = lambda key, keep: [s[key] for s in summary if keep(s["n"])]  # noqa: E731
+    vr = results.value_range
+    at_4k = entry("course_fp8_over_cudnn", lambda n: n == 4096)
+    assert len(at_4k) == 2 and len({f"{v:.2f}" for v in at_4k}) == 1  # "causal and not": one figure for both
+    quote = (f"the FP8 entry **{vr(entry('course_fp8_over_cudnn', lambda n: n >= 4096))} cuDNN's bf16** at N ≥ 4k "
+             f"({at_4k[0]:.2f}× at 4k, causal and not), the bf16 entry "
+             f"**{vr(entry('course_bf16_over_cudnn', lambda n: n >= 4096))}**")
+    assert quote in speed_text(), quote
+
+
+def test_the_readme_leaves_the_h100_sessions_to_speed_md():
+    """The README's speed section shows the H200's runs the targets name; the H100 sessions after them are a section
+    of results/SPEED.md, which the README points to by its title, and none of their bullets stay in the README."""
+    title = "After the H200's runs, on an H100"
+    assert f"## {title} (forty-first to forty-fourth sessions)" in (REPO / "results" / "SPEED.md").read_text()
+    text = readme_text()
+    assert f'[results/SPEED.md](results/SPEED.md) ("{title}")' in text
+    for bullet in ("forty-first session", "forty-second session, on an H100", "forty-third session, on an H100"):
+        assert bullet not in text and bullet in speed_text(), bullet
