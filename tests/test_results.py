@@ -257,6 +257,10 @@ def test_lesson_08_reads_the_short_window_steps_as_launch_bound():
     text = markdown_text(W08)
     assert "the kernels alone were 1.3× faster than FlexAttention's in both of that file's runs" in text
     assert "the partials used to be added by ten small torch operations" in text
+    # the table's own run: W = 256 without sinks, forward + backward, at the two shortest sequences
+    at = {n: results.figure("window_bench", "course_over_flex", "value", mode="training", W=256, S=0, N=n)
+          for n in (4096, 8192)}
+    assert f"({at[4096]} at `N = 4k` and {at[8192]} at `8k` in this table's run, while the kernels alone" in text
 
 
 def test_lesson_07_counts_the_backward_s_time_from_the_recorded_profile():
