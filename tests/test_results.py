@@ -16,7 +16,7 @@ import pytest
 
 from course_utils import results
 
-from conftest import markdown_text, speed_text
+from conftest import markdown_text, readme_text, speed_text
 
 SOLUTIONS = Path(__file__).resolve().parent.parent / "solutions"
 ROOT = SOLUTIONS.parent
@@ -647,3 +647,45 @@ def test_the_hang_the_lesson_reports_is_the_recorded_one():
     text = " ".join(markdown_text("11_hopper_and_fp8").split())
     assert "**Then it ran on the H200, and never finished.**" in text and "results/ws_smoke_h200.txt" in text
 
+
+
+def _signed_percent(x: float, decimals: int = 0) -> str:
+    """A gain as lessons write it: ``+27%``, ``−0.4%`` (a minus sign, not a hyphen)."""
+    return f"{'+' if x >= 0 else '−'}{abs(100 * x):.{decimals}f}%"
+
+
+def test_lesson_06_reads_its_tuning_ladder_and_launch_grid_from_the_recorded_run():
+    """Lesson 06's ladder, step by step (each step's gain over the one before at N = 4096 / 16384; the two experiments
+    against the autotuned kernel), and section 5's launch grid (lesson 05's kernel at five launches, N = 4096): every
+    figure derived from results/forward_bench.json. The README quotes the ladder's two largest steps the same way."""
+    ladder = results.load("forward_bench")["ladder"]
+    tf = {(s["step"], s["n"]): s["tflops"] for s in ladder["steps"] if s["status"] == "ok"}
+    order = ["baseline rewrite", "+ two-phase causal loop", "+ exp2, folded scale", "+ longest rows first",
+             "+ TMA descriptors", "+ two programs per SM", "+ GQA groups side by side", "+ autotune"]
+    base = dict(zip(order[1:], order)) | {"lazy rescale (experiment)": "+ autotune",
+                                          "QK^T pipelined by hand (experiment)": "+ autotune"}
+    written = {"+ two-phase causal loop": "Two-phase causal loop", "+ exp2, folded scale": "`exp2` with the scale folded in",
+               "+ longest rows first": "Longest rows first", "+ TMA descriptors": "TMA descriptors",
+               "+ two programs per SM": "Two programs per SM", "+ GQA groups side by side": "GQA groups side by side",
+               "+ autotune": "Autotune", "lazy rescale (experiment)": "Lazy rescaling (an experiment)",
+               "QK^T pipelined by hand (experiment)": "`Q Kᵀ` pipelined by hand (an experiment)"}
+    gains = {step: [tf[(step, n)] / tf[(before, n)] - 1 for n in (4096, 16384)] for step, before in base.items()}
+    text = markdown_text("06_performance")
+    for step, label in written.items():
+        small = step == "+ autotune"  # under a percent at 4k: written with one decimal
+        both = " / ".join(_signed_percent(g, 1 if small and abs(g) < 0.01 else 0) for g in gains[step])
+        assert f"**{label}: {both}" in text, (step, both)
+    two_phase, two_programs = (" / ".join(_signed_percent(g) for g in gains[s])
+                               for s in ("+ two-phase causal loop", "+ two programs per SM"))
+    assert f"two-phase causal loop ({two_phase} at N = 4096 / 16384)" in readme_text()
+    assert f"two programs share each SM came next ({two_programs};" in readme_text()
+    assert f"Making two programs fit on one SM gave us {two_programs}" in text
+    grid = {(g["block_m"], g["block_n"], g["num_warps"], g["num_stages"]): g["tflops"]
+            for g in ladder["course_grid"] if g["n"] == 4096 and g["status"] == "ok"}
+    slowest, eight, best, two_stages = grid[(128, 64, 4, 3)], grid[(128, 64, 8, 3)], grid[(128, 128, 8, 3)], \
+        grid[(128, 64, 4, 2)]
+    assert slowest == min(grid.values()) and best == max(grid.values())
+    assert f"The same code spans {slowest:.0f} to {best:.0f} TFLOP/s at N = 4096" in text
+    assert f"split the same tile across two warpgroups: {_signed_percent(eight / slowest - 1)}." in text
+    assert 1 - eight / best < 0.05 and "is within 5%" in text  # lesson 05's default against the best
+    assert f"**2 stages instead of 3: {_signed_percent(two_stages / slowest - 1)}.**" in text
