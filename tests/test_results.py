@@ -689,3 +689,57 @@ def test_lesson_06_reads_its_tuning_ladder_and_launch_grid_from_the_recorded_run
     assert f"split the same tile across two warpgroups: {_signed_percent(eight / slowest - 1)}." in text
     assert 1 - eight / best < 0.05 and "is within 5%" in text  # lesson 05's default against the best
     assert f"**2 stages instead of 3: {_signed_percent(two_stages / slowest - 1)}.**" in text
+
+
+def _naive_profile():
+    """results/naive_profile.txt (lesson 06's profiler cell, run on the H200): per N, one pass's ms, the total ms and
+    each kernel's (ms, passes, name) in the order printed."""
+    runs, current = {}, None
+    for line in (ROOT / "results" / "naive_profile.txt").read_text().splitlines():
+        head = re.match(r"N=(\d+) B=\d+: one pass over the scores [0-9.]+ GB = ([0-9.]+) ms", line)
+        row = re.match(r"\s*([0-9.]+) ms =\s*([0-9.]+) passes\s+x\d+\s+(.*)", line)
+        total = re.match(r"\s*([0-9.]+) ms in these", line)
+        if head:
+            current = runs[int(head[1])] = {"pass_ms": float(head[2]), "kernels": []}
+        elif row and current is not None:
+            current["kernels"].append((float(row[1]), float(row[2]), row[3]))
+        elif total and current is not None:
+            current["total_ms"] = float(total[1])
+    return runs
+
+
+def test_lesson_06_reads_the_main_sweep_and_the_naive_profile_from_the_recorded_runs():
+    """Lesson 06's figures on the main case (bf16, causal, GQA 32/8, D = 128, 16k tokens, the H200's sweep in
+    results/forward_bench.json): naive attention's memory and speed, cuDNN's and SDPA flash's range, the course's
+    kernels against both; and the profiler's passes (results/naive_profile.txt) at 4k and 16k."""
+    main = {(r["provider"], r["n"]): r for r in results.load("forward_bench")["rows"]
+            if r["case"] == "main" and r["status"] == "ok"}
+    ns = sorted({n for _, n in main})
+    tf = lambda p, keep=lambda n: True: [main[(p, n)]["tflops"] for n in ns if keep(n)]  # noqa: E731
+    ratio = lambda a, b, keep=lambda n: True: [main[(a, n)]["tflops"] / main[(b, n)]["tflops"]  # noqa: E731
+                                               for n in ns if keep(n)]
+    vr = results.value_range
+    long, short = (lambda n: n >= 4096), (lambda n: n <= 2048)
+    peak = [main[("naive", n)]["peak_mib"] / 1024 for n in (ns[0], ns[-1])]
+    naive, cudnn, flash = tf("naive"), tf("sdpa_cudnn", lambda n: n >= 2048), tf("sdpa_flash")
+    text = markdown_text("06_performance")
+    assert f"({peak[0]:.1f} GiB at N = 1k to {peak[1]:.1f} GiB at N = 16k" in text
+    assert all(abs(x - 30) <= 6 for x in naive) and "Naive manages about 30 TFLOP/s" in text
+    rounded = lambda xs: f"{round(min(xs), -1):.0f}–{round(max(xs), -1):.0f}"  # noqa: E731  to the nearest ten
+    assert f"cuDNN is the fastest ({rounded(cudnn)} TFLOP/s at N ≥ 2048)" in text
+    assert 260 <= min(flash) and max(flash) <= 330 and "backend reaches only 260–330" in text
+    assert f"runs **{vr(ratio('course', 'sdpa_flash', long))}** faster than SDPA's flash backend at N ≥ 4096" in text
+    assert (f"at every N ({vr(ratio('fast', 'sdpa_flash'))}; {vr(ratio('fast', 'sdpa_flash', long))} at N ≥ 4096), "
+            f"and lesson 05's kernel as taught does too ({vr(ratio('course', 'sdpa_flash'))})") in text
+    assert (f"It reaches **{vr(ratio('fast', 'sdpa_cudnn', long))} of cuDNN** at N ≥ 4096 and "
+            f"{vr(ratio('fast', 'sdpa_cudnn', short))} at N ≤ 2048") in text
+    profile = _naive_profile()
+    at4k, at16k = profile[4096], profile[16384]
+    passes = at4k["total_ms"] / at4k["pass_ms"]
+    assert (f"one call keeps the GPU busy for {at4k['total_ms']:.1f} ms, where one pass over the scores at the "
+            f"measured copy rate takes {at4k['pass_ms']:.1f} ms: about **{passes:.0f} passes' worth**") in text
+    name = lambda run, part: next(p for _, p, k in run["kernels"] if part in k)  # noqa: E731
+    assert (f"{at16k['total_ms'] / at16k['pass_ms']:.1f} passes' worth, with `masked_fill_` "
+            f"{name(at16k, 'elementwise_kernel<128'):.1f} and the softmax {name(at16k, 'SoftMax'):.1f}") in text
+    assert (f"| `masked_fill_` with the `[N, N]` boolean mask | 2 | {name(at4k, 'elementwise_kernel<128'):.1f} | "
+            f"| `softmax` | 2 | {name(at4k, 'SoftMax'):.1f} |") in text
