@@ -792,3 +792,29 @@ def test_lessons_08_to_10_quote_their_other_recorded_runs_as_recorded():
     for lesson, words, record, said in recorded:
         assert words in markdown_text(lesson), words
         assert said in record, said
+
+
+def test_lesson_11_quotes_its_earlier_measurements_as_recorded():
+    """Lesson 11's figures from runs other than its ladder: lesson 06's forward against SDPA flash (one decimal), the
+    FP8 kernels' tensor pipes (results/ncu_forward.json), the tuned FP8 launch's 4 stages against 3
+    (results/tune_fp8.json), and the FP8 ladder's earlier runs as results/GPU_VALIDATION.md recorded them."""
+    main = {(r["provider"], r["n"]): r["tflops"] for r in results.load("forward_bench")["rows"]
+            if r["case"] == "main" and r["status"] == "ok"}
+    fast = [main[("fast", n)] / main[("sdpa_flash", n)] for p, n in main if p == "fast"]
+    kernels = results.load("ncu_forward")["kernels"]
+    pipes = [kernels[k]["tensor_pipe_pct"] for k in ("fp8", "fp8_hopper")]
+    rows = [r for r in results.load("tune_fp8")["rows"] if (r["BLOCK_M"], r["BLOCK_N"], r["num_warps"]) == (128, 128, 8)]
+    stages = {(r["n"], r["causal"], r["num_stages"]): r["tflops"] for r in rows}
+    four_vs_three = [stages[(n, c, 4)] / stages[(n, c, 3)] for n, c, s in stages if s == 3]
+    assert len(four_vs_three) == 4 and max(abs(x - 1) for x in four_vs_three) < 0.01
+    text = markdown_text("11_hopper_and_fp8")
+    assert f"tuned the course's forward on an H200 to {min(fast):.1f}–{max(fast):.1f}× PyTorch's FlashAttention" in text
+    assert f"tensor pipes busy only {min(pipes):.0f}–{max(pipes):.0f}% of the time" in text
+    assert "128 × 128 tiles with 8 warps and 3 stages (4 stages within 1%)" in text
+    log = (ROOT / "results" / "GPU_VALIDATION.md").read_text()
+    assert ("The run before the Hopper launch (the lesson kernel at its tuned launch, `results/GPU_VALIDATION.md`) "
+            "read 0.63–1.03×; the two runs before this one, without the register caps of the section after next, "
+            "0.88–1.24× and 0.91–1.23× (1.09–1.24× and 1.10–1.23× at N ≥ 4096)") in text
+    for said in ("the lesson kernel at 0.63-1.03x", "FP8 0.88-1.24x cuDNN's bf16, 1.09-1.24x at N >= 4k",
+                 "FP8 0.91-1.23x cuDNN's bf16, 1.10-1.23x at N >= 4k"):
+        assert said in log, said
