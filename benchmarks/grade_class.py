@@ -9,7 +9,8 @@ the wall time, the seconds per learner, each notebook's seconds, and the peak
 resident memory of the grader's whole process tree (workers and kernels).
 
     python benchmarks/grade_class.py                 # 20 learners, notebooks 01-05 and 07
-    python benchmarks/grade_class.py --learners 1    # the full course for one correct learner
+    python benchmarks/grade_class.py --learners 1    # the six notebooks for one correct learner
+    python benchmarks/grade_class.py --learners 4 --json results/grade_class.json   # also record the run
 
 Target: the full course for one learner in under 2 minutes on a 2-core CPU; on an H200 under 30 s.
 """
@@ -105,6 +106,8 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=None, help="default: the number of cores")
     parser.add_argument("--notebooks", nargs="+", default=NOTEBOOKS)
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="append this run's summary to the JSON file's runs (the README quotes results/grade_class.json)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="grade-class-") as tmp:
         root, out = Path(tmp) / "class", Path(tmp) / "gradebook"
@@ -151,7 +154,24 @@ def main() -> int:
     wrong = [r for r in rows if int(r["learner"][-2:]) % 4 == 0 and r["status"] != "passed"]
     for r in wrong:  # a correct learner must pass everything
         print(f"NOT PASSED for a correct learner: {r['learner']} {r['notebook']} {r['exercise']} {r['status']}: {r['message']}")
+    if args.json:
+        record(args.json, dict(
+            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cores=os.cpu_count(), jobs=jobs,
+            learners=args.learners, notebooks=args.notebooks, wall_s=round(wall, 1), cpu_s=round(cpu_s, 1),
+            one_correct_sequential_s=round(statistics.median(correct), 1), peak_gib=round(memory.peak / 2**30, 2),
+            peak_one_gib=round(memory.peak_one / 2**30, 2), load_average=round(os.getloadavg()[0], 1),
+            statuses=statuses, correct_not_passed=len(wrong)))
     return 0
+
+
+def record(path: Path, run: dict) -> None:
+    """Append ``run`` to the ``runs`` of the JSON file at ``path`` (created if missing)."""
+    import json
+
+    data = json.loads(path.read_text()) if path.exists() else {"what": __doc__.split("\n\n")[0], "runs": []}
+    data["runs"].append(run)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"recorded in {path}")
 
 
 if __name__ == "__main__":

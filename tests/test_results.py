@@ -818,3 +818,47 @@ def test_lesson_11_quotes_its_earlier_measurements_as_recorded():
     for said in ("the lesson kernel at 0.63-1.03x", "FP8 0.88-1.24x cuDNN's bf16, 1.09-1.24x at N >= 4k",
                  "FP8 0.91-1.23x cuDNN's bf16, 1.10-1.23x at N >= 4k"):
         assert said in log, said
+
+
+def test_the_readme_s_lesson_06_table_is_the_recorded_sweep():
+    """The README's table of lesson 06's kernel (the H200's main case, results/forward_bench.json), row by row, the
+    sentence under it, and the run-to-run spread it quotes from results/NOTES.md."""
+    main = {(r["provider"], r["n"]): r["tflops"] for r in results.load("forward_bench")["rows"]
+            if r["case"] == "main" and r["status"] == "ok"}
+    ns = sorted({n for _, n in main})
+    text = readme_text()
+    for n in ns:
+        flash, cudnn, lesson05, fast = (main[(p, n)] for p in ("sdpa_flash", "sdpa_cudnn", "course", "fast"))
+        row = (f"| {n} | {flash:.0f} | {cudnn:.0f} | {lesson05:.0f} | {fast:.0f} | {fast / flash:.2f}× | "
+               f"{fast / cudnn:.2f}× | {lesson05 / flash:.2f}× |")
+        assert row in text, row
+    vr = results.value_range
+    long = [n for n in ns if n >= 4096]
+    assert (f"FlashAttention backend at every N ({vr([main[('fast', n)] / main[('sdpa_flash', n)] for n in long])} at "
+            f"N ≥ 4096) and reaches {vr([main[('fast', n)] / main[('sdpa_cudnn', n)] for n in long])} of cuDNN at "
+            "N ≥ 4096 in this run") in text
+    assert min(main[("fast", n)] / main[("sdpa_flash", n)] for n in ns) > 1  # "at every N"
+    assert ("moved the ratios at N = 4096 between 0.89× and 0.92× of cuDNN and 1.48× and 1.53× of flash" in text
+            and "0.89–0.92× of cuDNN and 1.48–1.53× of SDPA flash at N = 4096 across runs" in
+            " ".join((ROOT / "results" / "NOTES.md").read_text().split()))
+
+
+def test_the_readme_quotes_the_class_grading_runs_as_recorded():
+    """The README's grading times (benchmarks/grade_class.py on the 2-core CPU machine, results/grade_class.json): the
+    one-learner runs' ranges and the four-learner run, and every correct learner's exercises passed in each run."""
+    runs = results.load("grade_class")["runs"]
+    one, four = [r for r in runs if r["learners"] == 1], [r for r in runs if r["learners"] == 4]
+    assert len(one) == 2 and len(four) == 1 and all(r["correct_not_passed"] == 0 and r["cores"] == 2 for r in runs)
+    four = four[0]
+
+    def span(values, f=".0f"):
+        lo, hi = f"{min(values):{f}}", f"{max(values):{f}}"
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    quote = (f"one learner's six notebooks: {span([r['wall_s'] for r in one])} s with `--jobs 2` "
+             f"({span([r['cpu_s'] for r in one])} CPU-seconds; {span([r['one_correct_sequential_s'] for r in one])} s one "
+             f"notebook after another; two runs, load average {span([r['load_average'] for r in one], '.1f')}), peak "
+             f"{span([r['peak_gib'] for r in one], '.2f')} GiB for the grader and its processes; 4 learners: "
+             f"{four['wall_s']:.0f} s ({four['wall_s'] / 4:.0f} s per learner, {four['cpu_s'] / 4:.0f} CPU-seconds per "
+             f"learner; load average {four['load_average']:.1f}), peak {four['peak_gib']:.2f} GiB")
+    assert quote in readme_text(), quote

@@ -769,3 +769,17 @@ def test_the_gluon_probe_can_time_the_persistent_grids_alone():
     assert sorted(map(str, only + none)) == sorted(map(str, probe.selected("window")))
     # gpu_plan's gluonfwdp: the forward's persistent serial loop with and without the FMA softmax
     assert [v["fma"] for v in probe.selected("fwd", ["serial"], persistent=True)] == [False, True]
+
+
+def test_the_class_grading_benchmark_appends_each_run_it_records(tmp_path):
+    """benchmarks/grade_class.py --json: each run's summary appended to the file's runs (results/grade_class.json is
+    what the README's grading times quote), the file created with the script's one-line description."""
+    grade_class = _load("grade_class")
+    path = tmp_path / "grade_class.json"
+    grade_class.record(path, {"learners": 1, "wall_s": 50.0})
+    grade_class.record(path, {"learners": 4, "wall_s": 180.0})
+    import json
+
+    data = json.loads(path.read_text())
+    assert data["what"].startswith("How fast the batch grader grades a class")
+    assert [r["learners"] for r in data["runs"]] == [1, 4] and data["runs"][1]["wall_s"] == 180.0
