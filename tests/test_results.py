@@ -862,3 +862,16 @@ def test_the_readme_quotes_the_class_grading_runs_as_recorded():
              f"{four['wall_s']:.0f} s ({four['wall_s'] / 4:.0f} s per learner, {four['cpu_s'] / 4:.0f} CPU-seconds per "
              f"learner; load average {four['load_average']:.1f}), peak {four['peak_gib']:.2f} GiB")
     assert quote in readme_text(), quote
+
+
+def test_lesson_09_s_drain_term_is_fitted_where_the_rest_of_the_model_overshoots():
+    """Lesson 09's reason for ``decode.DRAIN_WAVES``: at B = 64 (one split of the 3-stage launch) the recorded sweep
+    read less of the ceiling than the model without that term predicts, at every context of results/decode_splits.json."""
+    from course_utils.kernels import decode
+
+    rows = results.rows("decode_splits", B=64, splits=1, stages=3)
+    without = [100 * decode.split_busy_fraction(64, 8, 1, -(-r["context"] // 64), 1, 132, decode.PROGRAMS_PER_SM,
+                                                drain=0.0) for r in rows]
+    assert len(rows) == 3 and all(r["of_ceiling"] < w - 5 for r, w in zip(rows, without))
+    quote = f"where the rest of the model predicts {results.value_range(without, '.0f', '%')}"
+    assert quote in markdown_text(W09), quote
