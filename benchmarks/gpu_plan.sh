@@ -89,7 +89,9 @@
 #
 # REQUIRE_GPU=H200 (any part of the GPU's name): run the steps only where nvidia-smi names such a GPU; elsewhere say
 # what the machine has, in plan.log, and run nothing (exit 0). A call that names nvidia-h200 may get an H100, and the
-# H200's grids should not spend a short budget on another card's numbers.
+# H200's grids should not spend a short budget on another card's numbers. ELSE_STEPS="suite2" (with REQUIRE_GPU): on
+# another GPU run those steps instead, so that a call which paid for a machine's start still does work that any
+# Hopper card serves (the suite), e.g. `REQUIRE_GPU=H200 ELSE_STEPS=suite2 bash benchmarks/gpu_plan.sh fp8gluon grids`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_out}"
@@ -98,8 +100,14 @@ BUDGET="${STEP_BUDGET:-540}"
 if [[ -n "${REQUIRE_GPU:-}" ]]; then
   found=$(nvidia-smi --query-gpu=name --format=csv,noheader 2> /dev/null | head -n 1)
   if [[ "$found" != *"$REQUIRE_GPU"* ]]; then
-    echo "REQUIRE_GPU=$REQUIRE_GPU: this machine has ${found:-no NVIDIA GPU}; nothing run" | tee -a "$OUT/plan.log"
-    exit 0
+    if [[ -z "${ELSE_STEPS:-}" || -z "$found" ]]; then
+      echo "REQUIRE_GPU=$REQUIRE_GPU: this machine has ${found:-no NVIDIA GPU}; nothing run" | tee -a "$OUT/plan.log"
+      exit 0
+    fi
+    echo "REQUIRE_GPU=$REQUIRE_GPU: this machine has $found; running ELSE_STEPS instead: $ELSE_STEPS" \
+      | tee -a "$OUT/plan.log"
+    read -r -a else_steps <<< "$ELSE_STEPS"
+    set -- "${else_steps[@]}"
   fi
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -783,3 +783,40 @@ def test_the_class_grading_benchmark_appends_each_run_it_records(tmp_path):
     data = json.loads(path.read_text())
     assert data["what"].startswith("How fast the batch grader grades a class")
     assert [r["learners"] for r in data["runs"]] == [1, 4] and data["runs"][1]["wall_s"] == 180.0
+
+
+@pytest.mark.interpreter("on a GPU the plan's steps are the session itself (minutes each), not a test")
+def test_the_gpu_plan_runs_its_else_steps_on_another_gpu(tmp_path):
+    """ELSE_STEPS with REQUIRE_GPU: on another GPU (an nvidia-smi that names an H100, in a scratch copy of the plan
+    with no wheels beside it) the plan runs those steps instead of the asked ones; on the required GPU the asked ones;
+    with no GPU at all still nothing."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    shutil.copy(BENCHMARKS / "gpu_plan.sh", root / "benchmarks" / "gpu_plan.sh")
+    (root / "tests").mkdir()
+    (root / "tests" / "test_a.py").write_text("")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+
+    def plan(gpu, *steps, **env):
+        out = tmp_path / f"out_{len(list(tmp_path.glob('out_*')))}"
+        (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho '{gpu}'\n" if gpu else "#!/bin/sh\nexit 9\n")
+        (fake / "nvidia-smi").chmod(0o755)
+        run = subprocess.run(["bash", str(root / "benchmarks" / "gpu_plan.sh"), *steps], capture_output=True, text=True,
+                             timeout=60, env=dict(os.environ, OUT=str(out), PYTHON=sys.executable, STEP_BUDGET="60",
+                                              PATH=f"{fake}:{os.environ['PATH']}", **env))
+        return run, (out / "plan.log").read_text().splitlines() if (out / "plan.log").exists() else []
+
+    run, log = plan("NVIDIA H100 80GB HBM3", "grids", REQUIRE_GPU="H200", ELSE_STEPS="halves")
+    assert run.returncode == 0, run.stderr
+    assert log == ["REQUIRE_GPU=H200: this machine has NVIDIA H100 80GB HBM3; running ELSE_STEPS instead: halves"]
+    assert "half 1: tests/test_a.py" in run.stdout and "window_256" not in run.stdout  # halves ran, the grids did not
+    run, log = plan("NVIDIA H200", "halves", REQUIRE_GPU="H200", ELSE_STEPS="grids")
+    assert run.returncode == 0 and log == [] and "half 1: tests/test_a.py" in run.stdout  # the asked step
+    run, log = plan("", "grids", REQUIRE_GPU="H200", ELSE_STEPS="halves")
+    assert run.returncode == 0 and log == ["REQUIRE_GPU=H200: this machine has no NVIDIA GPU; nothing run"]
