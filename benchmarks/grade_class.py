@@ -18,6 +18,7 @@ Target: the full course for one learner in under 2 minutes on a 2-core CPU; on a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -166,8 +167,6 @@ def main() -> int:
 
 def record(path: Path, run: dict) -> None:
     """Append ``run`` to the ``runs`` of the JSON file at ``path`` (created if missing)."""
-    import json
-
     data = json.loads(path.read_text()) if path.exists() else {"what": __doc__.split("\n\n")[0], "runs": []}
     data["runs"].append(run)
     path.write_text(json.dumps(data, indent=1) + "\n")

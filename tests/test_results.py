@@ -691,6 +691,13 @@ def test_lesson_06_reads_its_tuning_ladder_and_launch_grid_from_the_recorded_run
     assert f"**2 stages instead of 3: {_signed_percent(two_stages / slowest - 1)}.**" in text
 
 
+def _main_sweep() -> dict:
+    """results/forward_bench.json's main case (bf16, causal, GQA 32/8, D = 128, 16k tokens, the H200): (provider, N) ->
+    its row, the rows that ran."""
+    return {(r["provider"], r["n"]): r for r in results.load("forward_bench")["rows"]
+            if r["case"] == "main" and r["status"] == "ok"}
+
+
 def _naive_profile():
     """results/naive_profile.txt (lesson 06's profiler cell, run on the H200): per N, one pass's ms, the total ms and
     each kernel's (ms, passes, name) in the order printed."""
@@ -712,8 +719,7 @@ def test_lesson_06_reads_the_main_sweep_and_the_naive_profile_from_the_recorded_
     """Lesson 06's figures on the main case (bf16, causal, GQA 32/8, D = 128, 16k tokens, the H200's sweep in
     results/forward_bench.json): naive attention's memory and speed, cuDNN's and SDPA flash's range, the course's
     kernels against both; and the profiler's passes (results/naive_profile.txt) at 4k and 16k."""
-    main = {(r["provider"], r["n"]): r for r in results.load("forward_bench")["rows"]
-            if r["case"] == "main" and r["status"] == "ok"}
+    main = _main_sweep()
     ns = sorted({n for _, n in main})
     tf = lambda p, keep=lambda n: True: [main[(p, n)]["tflops"] for n in ns if keep(n)]  # noqa: E731
     ratio = lambda a, b, keep=lambda n: True: [main[(a, n)]["tflops"] / main[(b, n)]["tflops"]  # noqa: E731
@@ -798,8 +804,7 @@ def test_lesson_11_quotes_its_earlier_measurements_as_recorded():
     """Lesson 11's figures from runs other than its ladder: lesson 06's forward against SDPA flash (one decimal), the
     FP8 kernels' tensor pipes (results/ncu_forward.json), the tuned FP8 launch's 4 stages against 3
     (results/tune_fp8.json), and the FP8 ladder's earlier runs as results/GPU_VALIDATION.md recorded them."""
-    main = {(r["provider"], r["n"]): r["tflops"] for r in results.load("forward_bench")["rows"]
-            if r["case"] == "main" and r["status"] == "ok"}
+    main = {key: r["tflops"] for key, r in _main_sweep().items()}
     fast = [main[("fast", n)] / main[("sdpa_flash", n)] for p, n in main if p == "fast"]
     kernels = results.load("ncu_forward")["kernels"]
     pipes = [kernels[k]["tensor_pipe_pct"] for k in ("fp8", "fp8_hopper")]
@@ -823,8 +828,7 @@ def test_lesson_11_quotes_its_earlier_measurements_as_recorded():
 def test_the_readme_s_lesson_06_table_is_the_recorded_sweep():
     """The README's table of lesson 06's kernel (the H200's main case, results/forward_bench.json), row by row, the
     sentence under it, and the run-to-run spread it quotes from results/NOTES.md."""
-    main = {(r["provider"], r["n"]): r["tflops"] for r in results.load("forward_bench")["rows"]
-            if r["case"] == "main" and r["status"] == "ok"}
+    main = {key: r["tflops"] for key, r in _main_sweep().items()}
     ns = sorted({n for _, n in main})
     text = readme_text()
     for n in ns:
@@ -850,11 +854,7 @@ def test_the_readme_quotes_the_class_grading_runs_as_recorded():
     one, four = [r for r in runs if r["learners"] == 1], [r for r in runs if r["learners"] == 4]
     assert len(one) == 2 and len(four) == 1 and all(r["correct_not_passed"] == 0 and r["cores"] == 2 for r in runs)
     four = four[0]
-
-    def span(values, f=".0f"):
-        lo, hi = f"{min(values):{f}}", f"{max(values):{f}}"
-        return lo if lo == hi else f"{lo}–{hi}"
-
+    span = lambda values, f=".0f": results.value_range(values, f, "")  # noqa: E731
     quote = (f"one learner's six notebooks: {span([r['wall_s'] for r in one])} s with `--jobs 2` "
              f"({span([r['cpu_s'] for r in one])} CPU-seconds; {span([r['one_correct_sequential_s'] for r in one])} s one "
              f"notebook after another; two runs, load average {span([r['load_average'] for r in one], '.1f')}), peak "

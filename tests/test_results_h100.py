@@ -10,7 +10,7 @@ import statistics
 from course_utils import results
 from course_utils.kernels.fast_backward import sink_walk_fits
 
-from conftest import REPO, assert_quoted, decode_points, markdown_text, readme_text, speed_text, training_ratios, window_points
+from conftest import assert_quoted, decode_points, markdown_text, readme_text, speed_text, training_ratios, window_points
 
 TRAINING = ("training_bench_h100", "training_bench_h100_run2", "training_bench_h100_run3")
 WINDOW = ("window_bench_h100", "window_bench_h100_run2")
@@ -688,7 +688,7 @@ def test_the_readme_leaves_the_h100_sessions_to_speed_md():
     """The README's speed section shows the H200's runs the targets name; the H100 sessions after them are a section
     of results/SPEED.md, which the README points to by its title, and none of their bullets stay in the README."""
     title = "After the H200's runs, on an H100"
-    assert f"## {title} (forty-first to forty-fourth sessions)" in (REPO / "results" / "SPEED.md").read_text()
+    assert f"## {title} (forty-first to forty-fourth sessions)" in speed_text()
     text = readme_text()
     assert f'[results/SPEED.md](results/SPEED.md) ("{title}")' in text
     for bullet in ("forty-first session", "forty-second session, on an H100", "forty-third session, on an H100"):
