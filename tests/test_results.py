@@ -887,3 +887,18 @@ def test_the_readme_s_path_says_lesson_12_s_benchmark_is_recorded_and_short():
     assert "the benchmark against it, recorded on the H200 (`results/mods_bench.md`), falls short of FlexAttention" \
         in readme_text()
     assert "behind it at every 8k point" in markdown_text("12_packed_sequences_and_score_mods")
+
+
+def test_the_readme_quotes_ci_s_time_as_recorded():
+    """The README's "Tests and CI": the test minutes and the install's share of the clean-clone runs results/NOTES.md
+    records (pytest's own seconds, then the whole run's)."""
+    notes = " ".join((ROOT / "results" / "NOTES.md").read_text().split())
+    section = notes[notes.index("**CI's time, 2026-12-07**"):]
+    runs = [(int(t), int(a)) for t, a in re.findall(r"[0-9a-f]{7} (\d+) s of tests, (\d+) s in all", section)]
+    assert len(runs) == 3
+    tests = [t / 60 for t, _ in runs]
+    install = [(a - t) / 60 for t, a in runs]
+    assert max(install) < 2  # "under 2 more" (the whole run's time is an upper bound)
+    quote = (f"{min(tests):.0f}–{max(tests):.0f} minutes of tests there in three clean-clone runs of 2026-12-07 on an "
+             "otherwise idle machine, under 2 more to install; `results/NOTES.md`)")
+    assert quote in readme_text(), quote
