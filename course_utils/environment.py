@@ -113,8 +113,27 @@ def _torch_importable() -> bool:
     return True
 
 
+# What an NVIDIA driver puts on a Linux machine (a container with a GPU passed through included; /dev/dxg is
+# WSL 2's GPU). Where none is there, CUDA cannot start, so torch need not be imported to ask.
+_NVIDIA_DRIVER_PATHS = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/proc/driver/nvidia")
+
+
+def _no_nvidia_driver() -> bool:
+    """True where CUDA surely cannot run: Linux without the driver's files, or macOS.
+
+    Importing torch takes about a second; without this, every ``import course_utils``
+    paid it to learn that there is no GPU, and the NumPy lessons' grading runs four
+    processes per notebook (the grader's worker, the kernel, the checks and the
+    learner's process) that need nothing else of torch. Elsewhere (Windows), torch
+    is asked.
+    """
+    if sys.platform == "darwin":
+        return True
+    return sys.platform.startswith("linux") and not any(os.path.exists(p) for p in _NVIDIA_DRIVER_PATHS)
+
+
 def _cuda_available() -> bool:
-    if not _torch_importable():
+    if _no_nvidia_driver() or not _torch_importable():
         return False
     import torch
 

@@ -323,3 +323,35 @@ def test_the_probe_kernel_is_valid_triton_in_the_interpreter(monkeypatch):
     code = "__file__  # a NameError under `python -c`\n" + code
     monkeypatch.setattr(environment, "_PROBE_CODE", code)
     assert environment._probe_tl_dot() == (True, "ok")
+
+
+@pytest.mark.parametrize("platform, present, expected", [
+    ("linux", (), True), ("linux", ("/dev/nvidiactl",), False), ("linux", ("/proc/driver/nvidia",), False),
+    ("linux", ("/dev/dxg",), False), ("darwin", (), True), ("win32", (), False)])
+def test_cuda_is_ruled_out_without_torch_only_where_no_nvidia_driver_can_be(monkeypatch, platform, present, expected):
+    monkeypatch.setattr(environment.sys, "platform", platform)
+    monkeypatch.setattr(environment.os.path, "exists", lambda p: p in present)
+    assert environment._no_nvidia_driver() is expected
+    if expected:  # ruled out before torch is asked
+        monkeypatch.setattr(environment, "_torch_importable", lambda: pytest.fail("torch was asked"))
+        assert environment._cuda_available() is False
+
+
+def test_the_driver_rule_agrees_with_torch_here():
+    import torch
+
+    assert not (environment._no_nvidia_driver() and torch.cuda.is_available())
+
+
+def test_the_numpy_lessons_checks_run_where_torch_cannot_be_imported():
+    # The grader runs a NumPy lesson in four processes (its worker, the kernel, the checks, the learner's):
+    # none needs torch or Triton, which cost about a second each to import.
+    out = _python(
+        "import sys\nsys.modules['torch'] = None  # any import of torch fails\n"
+        "import numpy as np, course_utils, course_utils.grade_checks, course_utils.grade_harness\n"
+        "from course_utils.grading import EXERCISES, part1_numpy\n"
+        "def softmax(x, axis=-1):\n    e = np.exp(x - x.max(axis=axis, keepdims=True))\n"
+        "    return e / e.sum(axis=axis, keepdims=True)\n"
+        "print(part1_numpy.grade_softmax(softmax).cases > 0, len(EXERCISES) > 20, 'triton' in sys.modules)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "False"]

@@ -23,6 +23,9 @@ import functools
 import inspect
 from typing import Callable
 
+# Every part is imported here, so no part imports course_utils.kernels (torch and Triton) at its top: the
+# functions that need a kernel module import it, and the NumPy lessons' checks and learner processes start
+# without torch (see environment._no_nvidia_driver; tests/test_environment.py checks it).
 from . import (part1_numpy, part2_basics, part2_debug, part2_tiles, part2_triton, part3_performance, part4_backward,
                part5_decode, part5_window, part6_ring, part7_hopper, part8_mods)
 from .core import require_callable

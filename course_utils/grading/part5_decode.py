@@ -38,13 +38,13 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
-from ..kernels import decode as _decode
 from . import inputs, proof
 from .core import Diagnosis, Run, distance_to
 from .mistakes import SLACK
 from .mistakes import MSG_LSE_NO_MAX_MERGE
 from .mistakes import MSG_NO_KERNEL_ATTENTION
 from .mistakes import MSG_NO_SHIFT_MERGE
+# course_utils.kernels.decode is imported where it is used (see .exercises).
 
 __all__ = ["grade_merge_partials", "grade_decode_split", "grade_decode_combine", "grade_choose_num_splits",
            "splits_busy"]
@@ -560,6 +560,7 @@ SPLIT_MISTAKES = (  # (switch of splits_busy, the message); the first whose choi
 
 def splits_busy(batch, n_q_heads, n_kv_heads, context, num_splits, n_sms, programs_per_sm, mistake=None) -> float:
     """The model's busy fraction for lesson 09's exercise (T = 1: one block of packed rows), or a mistake's."""
+    from ..kernels import decode as _decode
     n_blocks = -(-context // 64)
     heads = {"q_heads": n_q_heads, "no_kv_heads": 1}.get(mistake, n_kv_heads)
     slots = n_sms * (1 if mistake == "no_resident" else programs_per_sm)
@@ -574,12 +575,14 @@ def splits_busy(batch, n_q_heads, n_kv_heads, context, num_splits, n_sms, progra
 
 
 def _allowed_splits(context):
+    from ..kernels import decode as _decode
     n_blocks = -(-context // 64)
     return range(1, max(1, min(_decode.MAX_SPLITS, n_blocks // _decode.MIN_SPLIT_BLOCKS)) + 1)
 
 
 def _good_splits(case, mistake=None):
     """The split counts within the tolerance of the best one, under the model or under ``mistake``."""
+    from ..kernels import decode as _decode
     b, hq, hkv, context, n_sms, per_sm = case
     busy = {s: splits_busy(b, hq, hkv, context, s, n_sms, per_sm, mistake) for s in _allowed_splits(context)}
     best = max(busy.values())
@@ -624,6 +627,7 @@ def grade_choose_num_splits(fn, *, seed=None):
     ``split_busy_fraction`` are refused while it runs.
     """
     __tracebackhide__ = True
+    from ..kernels import decode as _decode
     run = Run("check_choose_num_splits", seed, time_limit_s=10.0)
     cases = _choose_cases(run.rng)
     got = []

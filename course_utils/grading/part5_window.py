@@ -50,7 +50,6 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
-from ..kernels.forward import window_tile_bounds
 from . import inputs, proof
 from .core import Diagnosis, Run, distance_to, pick_diagnosis, require_callable
 from .mistakes import SLACK, Model, weighted
@@ -218,6 +217,8 @@ def grade_window_tile_bounds(fn, *, seed=None):
     fresh random settings is tried.
     """
     __tracebackhide__ = True
+    from ..kernels.forward import window_tile_bounds  # where it is used (see .exercises)
+
     run = Run("check_window_tile_bounds", seed, time_limit_s=10.0)
     for block_m, block_n, seq_len, window_size, sink_size in _bounds_cases(run.rng):
         case = (f"block_m={block_m}, block_n={block_n}, seq_len={seq_len}, window_size={window_size}, "

@@ -42,13 +42,13 @@ import types
 
 import numpy as np
 
-from .. import distributed as ring
 from .. import references as ref
 from . import inputs, proof
 from .core import Crashed, Diagnosis, Forbidden, GradingError, Run, TimedOut, require_callable
 from .outcome import crash_message
 from .mistakes import MSG_NO_SHIFT_RING
 from .mistakes import MSG_NO_TRITON_RING
+# course_utils.distributed (torch) is imported where it is used (see .exercises).
 
 __all__ = ["grade_ring_simulation", "grade_ring_attention", "grade_overlap_shard_length", "simulate"]
 
@@ -140,6 +140,7 @@ def simulate(q_shards, k_shards, v_shards, causal=False, layout="zigzag", mistak
     the K/V of rank (r + s) % world, received from r + 1, while its causal plan is the one for rank
     (r - s) % world: the blocks meet the wrong queries; with 2 ranks the two are the same rank).
     """
+    from .. import distributed as ring
     world = len(q_shards)
     per = ring.n_chunks(world, layout) // world
 
@@ -202,6 +203,7 @@ _MISTAKES = (
 
 def _diagnoses(shards, causal, layout, which, unshard=False, atol=None, rtol=None):
     """Diagnoses for output ``which`` (0: o, 1: lse); ``unshard`` for answers compared as a whole sequence."""
+    from .. import distributed as ring
 
     def variant(mistake):
         def compute():
@@ -229,6 +231,7 @@ def _diagnoses(shards, causal, layout, which, unshard=False, atol=None, rtol=Non
 # -----------------------------------------------------------------------------
 def _sim_cases(rng):
     """(name, world, layout, causal, batch, n_q_heads, n_kv_heads, N, d, magnitude)."""
+    from .. import distributed as ring
     cases = [
         ("fixed: contiguous, 2 ranks, not causal, N=16, d=8", 2, "contiguous", False, (), 0, 0, 16, 8, 1.0),
         ("fixed: contiguous, 4 ranks, causal, 2 heads, N=32, d=8", 4, "contiguous", True, (), 2, 2, 32, 8, 1.0),
@@ -409,6 +412,7 @@ def grade_ring_simulation(fn, *, seed=None):
     (``np.concatenate``) is refused, and so is the grader's own :func:`simulate`.
     """
     __tracebackhide__ = True
+    from .. import distributed as ring
     require_callable(fn, "check_ring_simulation")
     run = Run("check_ring_simulation", seed)
     for name, world, layout, causal, batch, n_q, n_kv, n, d, magnitude in _sim_cases(run.rng):
@@ -450,6 +454,7 @@ def _dist_cases(rng, world=WORLD_SIZE):
     Every N is an even number of rows per chunk for ``world`` ranks (so the same cases also shard
     for 2 ranks, as the tests do).
     """
+    from .. import distributed as ring
     n_zigzag, n_contiguous = ring.n_chunks(world, "zigzag") * 8, ring.n_chunks(world, "contiguous") * 12
     cases = [
         (f"fixed: zigzag, causal, GQA 4 q heads / 2 kv heads, N={n_zigzag}, D=16", "zigzag", True, 4, 2, n_zigzag,
@@ -535,6 +540,7 @@ def _dist_inputs(seed, index, case):
 
 def ring_check_worker(rank, world, fn, seed, cases):
     """Runs on every rank: the learner's forward, then the course's backward from its (o, lse)."""
+    from .. import distributed as ring
     import traceback
 
     import torch
@@ -592,6 +598,7 @@ def ring_check_worker(rank, world, fn, seed, cases):
 def _grade_distributed(run, cases, seed, per_rank, world):
     """Compare what the ranks returned with float64 attention; raise a GradingError on a mistake."""
     __tracebackhide__ = True
+    from .. import distributed as ring
     for index, case in enumerate(cases):
         name, layout, causal = case[0], case[1], case[2]
         atol, rtol = TORCH_TOL[case[7]]
@@ -668,6 +675,7 @@ def grade_ring_attention(fn, *, seed=None, world_size=WORLD_SIZE, timeout_s=180.
     travels to the processes as source, with the notebook functions it calls.
     """
     __tracebackhide__ = True
+    from .. import distributed as ring
     require_callable(fn, "check_ring_attention")
     from ..environment import interpreter_problem
 

@@ -40,7 +40,6 @@ import numpy as np
 
 from .. import references as ref
 from ..environment import current
-from ..kernels.forward import mods_tile_bounds
 from . import inputs, proof
 from .core import Diagnosis, Run, require_callable
 from .mistakes import Model
@@ -321,6 +320,8 @@ def grade_doc_tile_bounds(fn, *, seed=None):
     """
     __tracebackhide__ = True
     require_callable(fn, "check_doc_tile_bounds")
+    from ..kernels.forward import mods_tile_bounds  # where it is used (see .exercises)
+
     run = Run("check_doc_tile_bounds", seed, time_limit_s=10.0)
     for cu, block_m, block_n, causal in _bounds_cases(run.rng):
         n = cu[-1]
