@@ -849,19 +849,29 @@ def test_the_readme_s_lesson_06_table_is_the_recorded_sweep():
 
 def test_the_readme_quotes_the_class_grading_runs_as_recorded():
     """The README's grading times (benchmarks/grade_class.py on the 2-core CPU machine, results/grade_class.json): the
-    one-learner runs' ranges and the four-learner run, and every correct learner's exercises passed in each run."""
+    last three runs (two of one learner, one of four) as they are, the three before them (before the NumPy lessons'
+    grading stopped importing torch) in a clause, and every correct learner's exercises passed in each run."""
     runs = results.load("grade_class")["runs"]
-    one, four = [r for r in runs if r["learners"] == 1], [r for r in runs if r["learners"] == 4]
-    assert len(one) == 2 and len(four) == 1 and all(r["correct_not_passed"] == 0 and r["cores"] == 2 for r in runs)
-    four = four[0]
+    assert len(runs) == 6 and all(r["correct_not_passed"] == 0 and r["cores"] == 2 for r in runs)
     span = lambda values, f=".0f": results.value_range(values, f, "")  # noqa: E731
-    quote = (f"one learner's six notebooks: {span([r['wall_s'] for r in one])} s with `--jobs 2` "
+    quotes = []
+    for group in (runs[3:], runs[:3]):
+        one, four = [r for r in group if r["learners"] == 1], [r for r in group if r["learners"] == 4]
+        assert len(one) == 2 and len(four) == 1
+        four = four[0]
+        quotes.append(
+            (f"one learner's six notebooks: {span([r['wall_s'] for r in one])} s with `--jobs 2` "
              f"({span([r['cpu_s'] for r in one])} CPU-seconds; {span([r['one_correct_sequential_s'] for r in one])} s one "
              f"notebook after another; two runs, load average {span([r['load_average'] for r in one], '.1f')}), peak "
              f"{span([r['peak_gib'] for r in one], '.2f')} GiB for the grader and its processes; 4 learners: "
              f"{four['wall_s']:.0f} s ({four['wall_s'] / 4:.0f} s per learner, {four['cpu_s'] / 4:.0f} CPU-seconds per "
-             f"learner; load average {four['load_average']:.1f}), peak {four['peak_gib']:.2f} GiB")
-    assert quote in readme_text(), quote
+             f"learner; load average {four['load_average']:.1f}), peak {four['peak_gib']:.2f} GiB",
+             span([r["wall_s"] for r in one]), f"{four['wall_s']:.0f}", span([r["peak_gib"] for r in one], ".2f")))
+    (now, *_), (_, one_before, four_before, peak_before) = quotes
+    assert now in readme_text(), now
+    before = (f"before the NumPy lessons' grading stopped importing torch, the same runs read {one_before} s and "
+              f"{four_before} s, peak {peak_before} GiB")
+    assert before in readme_text(), before
 
 
 def test_lesson_09_s_drain_term_is_fitted_where_the_rest_of_the_model_overshoots():
@@ -895,10 +905,11 @@ def test_the_readme_quotes_ci_s_time_as_recorded():
     notes = " ".join((ROOT / "results" / "NOTES.md").read_text().split())
     section = notes[notes.index("**CI's time, 2026-12-07**"):]
     runs = [(int(t), int(a)) for t, a in re.findall(r"[0-9a-f]{7} (\d+) s of tests, (\d+) s in all", section)]
-    assert len(runs) == 3
-    tests = [t / 60 for t, _ in runs]
+    assert len(runs) == 4
+    *before, last = [t / 60 for t, _ in runs]
     install = [(a - t) / 60 for t, a in runs]
-    assert max(install) < 2  # "under 2 more" (the whole run's time is an upper bound)
-    quote = (f"{min(tests):.0f}–{max(tests):.0f} minutes of tests there in three clean-clone runs of 2026-12-07 on an "
-             "otherwise idle machine, under 2 more to install; `results/NOTES.md`)")
+    assert 1.5 < min(install) and max(install) < 2.5  # "about 2 more" (the whole run's time is an upper bound)
+    quote = (f"{last:.0f} minutes of tests there in the last clean-clone run ({min(before):.0f}–{max(before):.0f} in "
+             "three runs before the NumPy lessons' grading stopped importing torch, all of 2026-12-07 on an otherwise "
+             "idle machine), about 2 more to install; `results/NOTES.md`)")
     assert quote in readme_text(), quote
