@@ -18,7 +18,6 @@ Target: the full course for one learner in under 2 minutes on a 2-core CPU; on a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from course_utils import STUB_LINE, build, grade  # noqa: E402
+from course_utils import STUB_LINE, build, grade, results  # noqa: E402
 
 NOTEBOOKS = ["01_naive_attention", "02_online_softmax", "03_triton_basics", "04_flash_attention_forward",
              "05_causal_gqa", "07_backward"]
@@ -167,10 +166,7 @@ def main() -> int:
 
 def record(path: Path, run: dict) -> None:
     """Append ``run`` to the ``runs`` of the JSON file at ``path`` (created if missing)."""
-    data = json.loads(path.read_text()) if path.exists() else {"what": __doc__.split("\n\n")[0], "runs": []}
-    data["runs"].append(run)
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"recorded in {path}")
+    results.append_run(path, run, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -145,6 +145,18 @@ def load(name: str) -> dict:
     return json.loads(path(name).read_text())
 
 
+def append_run(path: Path, run: dict, what: str) -> None:
+    """Append ``run`` to the ``runs`` of the JSON file at ``path``, created with ``what`` (one line) if missing.
+
+    The CPU benchmarks that record several runs of one measurement (``benchmarks/grade_class.py``,
+    ``benchmarks/cell_times.py``) keep them this way, so that a test reads their spread.
+    """
+    data = json.loads(path.read_text()) if path.exists() else {"what": what, "runs": []}
+    data["runs"].append(run)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"recorded in {path}")
+
+
 def _ratio(a, b):
     return a / b if a and b else None
 

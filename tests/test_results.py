@@ -913,3 +913,23 @@ def test_the_readme_quotes_ci_s_time_as_recorded():
              "three runs before the NumPy lessons' grading stopped importing torch, all of 2026-12-07 on an otherwise "
              "idle machine), about 2 more to install; `results/NOTES.md`)")
     assert quote in readme_text(), quote
+
+
+def test_the_readme_quotes_how_long_each_lesson_runs_as_recorded():
+    """The README's "every lesson runs top to bottom in seconds": benchmarks/cell_times.py's run on the CPU machine
+    (results/cell_times.json), each notebook's time with its kernel's start and the slowest cell of all, derived
+    again; every solution notebook is in the run, with as many code cells as it has now."""
+    run = next(r for r in results.load("cell_times")["runs"] if r["machine"].startswith("no GPU"))
+    stems = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
+    assert sorted(n["notebook"] for n in run["notebooks"]) == stems
+    for row in run["notebooks"]:
+        nb = nbformat.read(ROOT / "solutions" / f"{row['notebook']}.ipynb", as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code" and c.source.strip()]
+        assert len(row["cells"]) == len(code), row["notebook"]  # a cell added or removed since: measure again
+    worst, stem = max((c["seconds"], n["notebook"]) for n in run["notebooks"] for c in n["cells"])
+    line = next(c["first_line"] for n in run["notebooks"] for c in n["cells"]
+                if (c["seconds"], n["notebook"]) == (worst, stem))
+    quote = (f"each solution notebook took {results.value_range([n['wall_s'] for n in run['notebooks']], '.1f', '')} s "
+             f"with its kernel's start, and its slowest cell {worst:.1f} s ({stem}'s `{line}`); "
+             f"`python benchmarks/cell_times.py` measures it (`results/cell_times.json`, {run['date'][:10]})")
+    assert quote in readme_text(), quote
