@@ -900,18 +900,19 @@ def test_the_readme_s_path_says_lesson_12_s_benchmark_is_recorded_and_short():
 
 
 def test_the_readme_quotes_ci_s_time_as_recorded():
-    """The README's "Tests and CI": the test minutes and the install's share of the clean-clone runs results/NOTES.md
-    records (pytest's own seconds, then the whole run's)."""
+    """The README's "Tests and CI": the test minutes and the whole runs' of the clean-clone runs results/NOTES.md
+    records (pytest's own seconds, then the whole run's), the first three from before the NumPy lessons' grading
+    stopped importing torch."""
     notes = " ".join((ROOT / "results" / "NOTES.md").read_text().split())
     section = notes[notes.index("**CI's time, 2026-12-07**"):]
-    runs = [(int(t), int(a)) for t, a in re.findall(r"[0-9a-f]{7} (\d+) s of tests, (\d+) s in all", section)]
-    assert len(runs) == 4
-    *before, last = [t / 60 for t, _ in runs]
-    install = [(a - t) / 60 for t, a in runs]
-    assert 1.5 < min(install) and max(install) < 2.5  # "about 2 more" (the whole run's time is an upper bound)
-    quote = (f"{last:.0f} minutes of tests there in the last clean-clone run ({min(before):.0f}–{max(before):.0f} in "
-             "three runs before the NumPy lessons' grading stopped importing torch, all of 2026-12-07 on an otherwise "
-             "idle machine), about 2 more to install; `results/NOTES.md`)")
+    runs = [(int(t) / 60, int(a) / 60) for t, a in re.findall(r"[0-9a-f]{7} (\d+) s of tests, (\d+) s in all", section)]
+    assert len(runs) == 5
+    before, after = runs[:3], runs[3:]
+    span = lambda values: results.value_range(values, ".0f", "")  # noqa: E731
+    quote = (f"{span([t for t, _ in after])} minutes of tests there in two clean-clone runs, "
+             f"{span([a for _, a in after])} in all ({span([t for t, _ in before])} minutes of tests in three runs before "
+             "the NumPy lessons' grading stopped importing torch), all of 2026-12-07 on an otherwise idle machine; "
+             "`results/NOTES.md`)")
     assert quote in readme_text(), quote
 
 
