@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -75,6 +75,8 @@
 #           grids with the FMA softmax, the route with GLUON_FMA; its GPU tests only, not the sm_90 compiles CI runs)
 #           and test_gpu_fast_decode.py (B = 1 from 64k on PDL)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
+#   celltimes benchmarks/cell_times.py: every solution notebook top to bottom, each code cell's seconds, appended to a
+#           copy of results/cell_times.json in $OUT (the CPU's run is what the README quotes; this is the GPU's)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
 #   fwd     tune_fast.py --variants-only (causal and not): the warp-specialised one-warpgroup forward
@@ -244,6 +246,9 @@ for step in "$@"; do
         tests/test_gpu_fast_backward.py tests/test_gpu_fast_decode.py tests/test_kernels_fp8.py \
         tests/test_kernels_fast.py tests/test_kernels_fast_window.py tests/test_kernels_fast_backward.py \
         -k "warp_specialised or flat or decode or persistent or one_loop or autograd" ;;
+    celltimes)
+      cp results/cell_times.json "$OUT/cell_times.json"
+      run celltimes "$PY" benchmarks/cell_times.py --json "$OUT/cell_times.json" ;;
     suite1)
       run suite1 "${PYTEST[@]}" -n 15 --dist loadfile $(half 1) ;;
     suite2)
@@ -275,7 +280,7 @@ for step in "$@"; do
       echo "half 1: $(half 1 | tr '\n' ' ')"
       echo "half 2: $(half 2 | tr '\n' ' ')" ;;
     *)
-      echo "unknown step: $step (newgpu routes routecheck fma hoststep grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
+      echo "unknown step: $step (newgpu routes routecheck fma hoststep grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes speed tests0 suite1 suite2 fwd bwd window misc train halves)" | tee -a "$OUT/plan.log"
       exit 2 ;;
   esac
 done
