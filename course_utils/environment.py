@@ -27,6 +27,7 @@ GPU is kept, with smaller default sizes. Either way one sentence says so
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.metadata
 import importlib.util
 import json
@@ -113,9 +114,10 @@ def _torch_importable() -> bool:
     return True
 
 
-# What an NVIDIA driver puts on a Linux machine (a container with a GPU passed through included; /dev/dxg is
-# WSL 2's GPU). Where none is there, CUDA cannot start, so torch need not be imported to ask.
-_NVIDIA_DRIVER_PATHS = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/proc/driver/nvidia")
+# What an NVIDIA driver puts on a Linux machine (its device files, /dev/nvidiactl and one per GPU, also in a
+# container with GPUs passed through; /dev/dxg is WSL 2's GPU). Where none is there, CUDA cannot start, so torch
+# need not be imported to ask.
+_NVIDIA_DRIVER_PATHS = ("/dev/nvidia*", "/dev/dxg", "/proc/driver/nvidia")
 
 
 def _no_nvidia_driver() -> bool:
@@ -129,7 +131,7 @@ def _no_nvidia_driver() -> bool:
     """
     if sys.platform == "darwin":
         return True
-    return sys.platform.startswith("linux") and not any(os.path.exists(p) for p in _NVIDIA_DRIVER_PATHS)
+    return sys.platform.startswith("linux") and not any(glob.glob(p) for p in _NVIDIA_DRIVER_PATHS)
 
 
 def _cuda_available() -> bool:

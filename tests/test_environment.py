@@ -326,11 +326,14 @@ def test_the_probe_kernel_is_valid_triton_in_the_interpreter(monkeypatch):
 
 
 @pytest.mark.parametrize("platform, present, expected", [
-    ("linux", (), True), ("linux", ("/dev/nvidiactl",), False), ("linux", ("/proc/driver/nvidia",), False),
-    ("linux", ("/dev/dxg",), False), ("darwin", (), True), ("win32", (), False)])
+    ("linux", (), True), ("linux", ("/dev/nvidiactl", "/dev/nvidia0"), False), ("linux", ("/dev/nvidia1",), False),
+    ("linux", ("/proc/driver/nvidia",), False), ("linux", ("/dev/dxg",), False), ("linux", ("/dev/null",), True),
+    ("darwin", (), True), ("win32", (), False)])
 def test_cuda_is_ruled_out_without_torch_only_where_no_nvidia_driver_can_be(monkeypatch, platform, present, expected):
+    import fnmatch
+
     monkeypatch.setattr(environment.sys, "platform", platform)
-    monkeypatch.setattr(environment.os.path, "exists", lambda p: p in present)
+    monkeypatch.setattr(environment.glob, "glob", lambda pattern: fnmatch.filter(present, pattern))
     assert environment._no_nvidia_driver() is expected
     if expected:  # ruled out before torch is asked
         monkeypatch.setattr(environment, "_torch_importable", lambda: pytest.fail("torch was asked"))
