@@ -556,12 +556,38 @@ def known_problems(env: Environment | None = None) -> list[str]:
         problems.append("Triton is not installed: `pip install -e .` installs it.")
     if env.interpreter and interpreter_problem():
         problems.append(interpreter_problem())
+    unused = _unused_gpu_problem(env)
+    if unused:
+        problems.append(unused)
     if env.device == "cuda" and not env.bf16_ok:
         problems.append(
             f"{env.gpu_name} (sm_{env.capability[0]}{env.capability[1]}) has no bf16: "
             "the course uses fp16 here."
         )
     return problems
+
+
+def _unused_gpu_problem(env: Environment) -> str | None:
+    """Why the course runs on the CPU of a machine with an NVIDIA driver, when that is not meant.
+
+    Not meant: torch is its CPU build (installed with ``TORCH_CPU=1``, or from PyTorch's CPU index), or
+    its CUDA build sees no GPU although ``CUDA_VISIBLE_DEVICES`` does not hide them (a driver too old for
+    that build, or one that does not work). Meant: an old GPU sent to the interpreter (``gpu_note``), or
+    GPUs hidden with ``CUDA_VISIBLE_DEVICES=""``.
+    """
+    if env.device != "cpu" or env.gpu_note or _no_nvidia_driver() or not _torch_importable():
+        return None
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return None
+    import torch
+
+    if torch.version.cuda is None:
+        return (f"This machine has an NVIDIA driver, but PyTorch {torch.__version__} is a CPU build, so the course "
+                "runs in Triton's interpreter on the CPU: install PyTorch's CUDA build (on Linux, `pip install "
+                "torch` from PyPI; not `make setup TORCH_CPU=1`) to use the GPU.")
+    return (f"This machine has an NVIDIA driver and PyTorch's CUDA {torch.version.cuda} build, but "
+            "torch.cuda.is_available() is False, so the course runs in Triton's interpreter on the CPU: "
+            f"`nvidia-smi` says whether the driver works and whether it supports CUDA {torch.version.cuda}.")
 
 
 def report(env: Environment | None = None) -> str:

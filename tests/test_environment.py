@@ -358,3 +358,29 @@ def test_the_numpy_lessons_checks_run_where_torch_cannot_be_imported():
         "print(part1_numpy.grade_softmax(softmax).cases > 0, len(EXERCISES) > 20, 'triton' in sys.modules)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "False"]
+
+
+@pytest.mark.parametrize("cuda, visible, env_kw, expected", [
+    (None, None, {}, "is a CPU build"),
+    ("12.8", None, {}, "torch.cuda.is_available() is False"),
+    ("12.8", "", {}, None),  # GPUs hidden on purpose
+    (None, None, dict(gpu_note="a T4 whose tl.dot failed"), None),  # an old GPU sent to the interpreter
+    (None, None, dict(device="cuda", interpreter=False, gpu_name="H200", capability=(9, 0)), None),
+])
+def test_the_doctor_says_why_a_machine_with_an_nvidia_driver_runs_on_the_cpu(monkeypatch, cuda, visible, env_kw,
+                                                                             expected):
+    import torch
+
+    monkeypatch.setattr(environment, "_no_nvidia_driver", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    found = [p for p in environment.known_problems(_env(**env_kw)) if "NVIDIA driver" in p]
+    assert [expected in p for p in found] == ([True] if expected else [])
+
+
+def test_without_an_nvidia_driver_the_doctor_asks_torch_nothing(monkeypatch):
+    monkeypatch.setattr(environment, "_no_nvidia_driver", lambda: True)
+    assert not [p for p in environment.known_problems(_env()) if "NVIDIA driver" in p]
