@@ -854,23 +854,23 @@ def test_the_readme_quotes_the_class_grading_runs_as_recorded():
     runs = results.load("grade_class")["runs"]
     assert len(runs) == 6 and all(r["correct_not_passed"] == 0 and r["cores"] == 2 for r in runs)
     span = lambda values, f=".0f": results.value_range(values, f, "")  # noqa: E731
-    quotes = []
-    for group in (runs[3:], runs[:3]):
+
+    def one_and_four(group):
         one, four = [r for r in group if r["learners"] == 1], [r for r in group if r["learners"] == 4]
         assert len(one) == 2 and len(four) == 1
-        four = four[0]
-        quotes.append(
-            (f"one learner's six notebooks: {span([r['wall_s'] for r in one])} s with `--jobs 2` "
-             f"({span([r['cpu_s'] for r in one])} CPU-seconds; {span([r['one_correct_sequential_s'] for r in one])} s one "
-             f"notebook after another; two runs, load average {span([r['load_average'] for r in one], '.1f')}), peak "
-             f"{span([r['peak_gib'] for r in one], '.2f')} GiB for the grader and its processes; 4 learners: "
-             f"{four['wall_s']:.0f} s ({four['wall_s'] / 4:.0f} s per learner, {four['cpu_s'] / 4:.0f} CPU-seconds per "
-             f"learner; load average {four['load_average']:.1f}), peak {four['peak_gib']:.2f} GiB",
-             span([r["wall_s"] for r in one]), f"{four['wall_s']:.0f}", span([r["peak_gib"] for r in one], ".2f")))
-    (now, *_), (_, one_before, four_before, peak_before) = quotes
+        return one, four[0]
+
+    (one, four), (one_before, four_before) = one_and_four(runs[3:]), one_and_four(runs[:3])
+    now = (f"one learner's six notebooks: {span([r['wall_s'] for r in one])} s with `--jobs 2` "
+           f"({span([r['cpu_s'] for r in one])} CPU-seconds; {span([r['one_correct_sequential_s'] for r in one])} s one "
+           f"notebook after another; two runs, load average {span([r['load_average'] for r in one], '.1f')}), peak "
+           f"{span([r['peak_gib'] for r in one], '.2f')} GiB for the grader and its processes; 4 learners: "
+           f"{four['wall_s']:.0f} s ({four['wall_s'] / 4:.0f} s per learner, {four['cpu_s'] / 4:.0f} CPU-seconds per "
+           f"learner; load average {four['load_average']:.1f}), peak {four['peak_gib']:.2f} GiB")
     assert now in readme_text(), now
-    before = (f"before the NumPy lessons' grading stopped importing torch, the same runs read {one_before} s and "
-              f"{four_before} s, peak {peak_before} GiB")
+    before = (f"before the NumPy lessons' grading stopped importing torch, the same runs read "
+              f"{span([r['wall_s'] for r in one_before])} s and {four_before['wall_s']:.0f} s, peak "
+              f"{span([r['peak_gib'] for r in one_before + [four_before]], '.2f')} GiB")
     assert before in readme_text(), before
 
 
