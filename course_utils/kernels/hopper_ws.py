@@ -64,6 +64,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import gluon_cpu  # imports nothing of this module at import time
 from .chips import TARGETS
+from .fp8 import keys_in_p_order
 
 BLOCK_M = 128  # query rows per program: two consumers of 64 (wgmma's M per warpgroup)
 BLOCK_N = 128  # keys per K/V tile
@@ -251,9 +252,29 @@ def _softmax_core(s, kv_tile, m_i, l_i, qk_scale, rows, window_size, sink_size, 
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     # P stays in registers as wgmma's A operand (k_width: 32 bits of values per register, two 16-bit or four 8-bit)
-    K_WIDTH: gl.constexpr = 4 if FP8 else 2
-    p_op = gl.convert_layout(p.to(P_DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH))
+    if FP8:
+        p_op = _p_in_operand_order(p.to(P_DTYPE), o_layout)
+    else:
+        p_op = gl.convert_layout(p.to(P_DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     return m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), p_op
+
+
+@gluon.jit
+def _p_in_operand_order(p8, o_layout: gl.constexpr):
+    """FP8's P ``[M, BLOCK_N]`` (e4m3, in the scores' accumulator layout) as ``P V``'s A operand, with no data moved.
+
+    In 16 bits a thread's accumulator values are the A operand's as they stand. In 8 bits they are not: of each 32
+    keys a thread holds keys ``2t, 2t+1, 8+2t, 9+2t`` (and 16 on), and the operand wants ``4t ... 4t+3``, so a plain
+    ``convert_layout`` shuffles P between threads every tile. Relabelled instead, key ``h*16 + g*8 + t*2 + e``
+    becomes operand position ``h*16 + t*4 + g*2 + e`` (the reshape and permute below), which is where the thread
+    already holds it (``assert_trivial``: the compiler refuses to move data); V's keys come in the same order
+    (:data:`V_KEY_ORDER`), so ``P V`` sums the same products. FA3 does the same for its FP8 forward."""
+    M: gl.constexpr = p8.type.shape[0]
+    N: gl.constexpr = p8.type.shape[1]
+    p8 = gl.reshape(p8, [M, N // 32, 2, 2, 4, 2])  # key = chunk*32 + h*16 + g*8 + t*2 + e
+    p8 = gl.reshape(gl.permute(p8, (0, 1, 2, 4, 3, 5)), [M, N])  # position = chunk*32 + h*16 + t*4 + g*2 + e
+    return gl.convert_layout(p8, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4),
+                             assert_trivial=True)
 
 
 @gluon.jit
@@ -966,7 +987,7 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
 
 def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
                   window_size: int | None = None, sink_size: int = 0, num_buffers: int = 2, loop: str = "serial",
-                  persistent: bool = False):
+                  persistent: bool = False, vt_in_p_order: bool = False):
     """``(o, lse)`` of attention over e4m3 inputs on a Hopper GPU: the same three partitions with both products
     in FP8 (``wgmma`` at twice bf16's rate), ``o`` bf16.
 
@@ -976,7 +997,9 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     ``fp8.launch_fp8_hopper``'s: the scales folded into one FMA per score, P quantised as ``256 p``
     (``fp8.P_SCALE``), the accumulator carried in units of the tile's ``v_scale``. ``num_buffers`` 2-4 (an FP8
     tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``; ``window_size``, ``sink_size``
-    and ``persistent`` (serial or ping-pong; all four slots fit) as in :func:`attention`.
+    and ``persistent`` (serial or ping-pong; all four slots fit) as in :func:`attention`. The kernel reads V's keys
+    of each 32 in ``fp8.V_KEY_ORDER``'s order (:func:`_p_in_operand_order` says why): ``vt_in_p_order=True`` says
+    ``vt8`` is in it already (``fp8.transpose_keys(v8, p_order=True)``); else this entry makes that copy.
     """
     _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
     _validate_options(num_buffers, loop, True)
@@ -985,6 +1008,8 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
         _validate_persistent(q8, num_buffers, loop)
     _validate_device(q8)
     scales, sm_scale = (q_scale, k_scale, v_scale), 1.0 / math.sqrt(q8.shape[-1])
+    if not vt_in_p_order:
+        vt8 = keys_in_p_order(vt8)
     if persistent:
         return _launch_persistent(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, window_size=window_size,
                                   sink_size=sink_size, scales=scales, block_size=block_size)
