@@ -211,6 +211,41 @@ def _v_operand(v_smem, idx):
 
 
 @gluon.jit
+def _fold_halves(x, MAX: gl.constexpr):
+    """``x`` ``[M, W]`` to ``[M, W / 2]``: the elementwise max (``MAX``) or sum of its two column halves."""
+    M: gl.constexpr = x.type.shape[0]
+    W: gl.constexpr = x.type.shape[1]
+    a, b = gl.split(gl.permute(gl.reshape(x, [M, 2, W // 2]), (0, 2, 1)))
+    if MAX:
+        return gl.maximum(a, b)
+    return a + b
+
+
+@gluon.jit
+def _row_reduce(x, MAX: gl.constexpr):
+    """``gl.max(x, axis=1)`` (``MAX``) or ``gl.sum``, as a tree. A thread holds 32 of a row's 128 scores, and
+    ``gl.max`` folds them one after another: 31 dependent operations, each waiting for the last, before the
+    exponentials can start. Folded in halves instead (the top column bits are the thread's own registers), each
+    level's operations are independent: 16 + 8 + 4 + 2 of them, then ``gl.max`` over the 8 columns whose bits are
+    the lanes' (one more in the thread, two shuffles)."""
+    W: gl.constexpr = x.type.shape[1]
+    ROWS: gl.constexpr = gl.SliceLayout(1, x.type.layout)
+    if W >= 16:
+        x = _fold_halves(x, MAX)
+    if W >= 32:
+        x = _fold_halves(x, MAX)
+    if W >= 64:
+        x = _fold_halves(x, MAX)
+    if W >= 128:
+        x = _fold_halves(x, MAX)
+    if MAX:
+        r = gl.max(x, axis=1)
+    else:
+        r = gl.sum(x, axis=1)
+    return gl.convert_layout(r, ROWS, assert_trivial=True)  # the same registers, named as x's rows
+
+
+@gluon.jit
 def _softmax_core(s, kv_tile, m_i, l_i, qk_scale, rows, window_size, sink_size, BLOCK_N: gl.constexpr,
                   MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr,
                   FMA: gl.constexpr):
@@ -236,9 +271,9 @@ def _softmax_core(s, kv_tile, m_i, l_i, qk_scale, rows, window_size, sink_size, 
         cols = kv_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(rows[:, None] >= cols[None, :], s, -float("inf"))
     if FMA:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_new = gl.maximum(m_i, _row_reduce(s, True) * qk_scale)
     else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_new = gl.maximum(m_i, _row_reduce(s, True))
     m_use = m_new
     if MASK == 2:
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -250,7 +285,7 @@ def _softmax_core(s, kv_tile, m_i, l_i, qk_scale, rows, window_size, sink_size, 
     else:
         p = gl.exp2(s - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    l_i = l_i * alpha + _row_reduce(p, False)
     # P stays in registers as wgmma's A operand (k_width: 32 bits of values per register, two 16-bit or four 8-bit)
     if FP8:
         p_op = _p_in_operand_order(p.to(P_DTYPE), o_layout)

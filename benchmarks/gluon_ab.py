@@ -1,0 +1,129 @@
+"""Lesson 11's Gluon forwards against earlier versions of the same kernels, one process: FP8 and bf16.
+
+Before, each tile's P went from the scores' accumulator layout to ``wgmma``'s A-operand layout by a
+``convert_layout`` that moves 8-bit values between threads (SHFL and PRMT: 16 shuffles a thread a tile, compiled for
+sm_90). Now V's K-major copy holds the keys of each 32 in the order a thread already holds P
+(``fp8.V_KEY_ORDER``, ``hopper_ws._p_in_operand_order``) and the conversion moves nothing. This script times the two
+kernels in one process, alternating their order round by round, beside cuDNN's bf16 forward:
+
+- each ``--variant NAME=FILE``: a copy of ``kernels/hopper_ws.py`` from another commit, beside it (make one with
+  ``git show REV:course_utils/kernels/hopper_ws.py > course_utils/kernels/_base_hopper_ws.py``); FP8: given V's
+  K-major copy in the order that version reads (``keys_in_p_order`` in the module: the order of ``fp8.V_KEY_ORDER``);
+- ``current``: ``kernels.hopper_ws`` as it is;
+- ``cudnn``: SDPA's cuDNN backend on the bf16 inputs (for FP8: those the e4m3 ones were quantised from).
+
+The kernels alone are timed (e4m3 inputs and V's copies made once, outside), GQA 32/8, D = 128, 16k tokens a batch,
+N 4k-16k, causal and not, the serial loop (the routes'); ``--kinds fp8 bf16``. Each output is checked against
+cuDNN's first. Writes ``--out`` (JSON rows: each version's ms and TFLOP/s, ``<name>_over_cudnn``, and
+``current_over_<name>`` = name_ms / current_ms).
+
+    python benchmarks/gluon_ab.py --variant before=course_utils/kernels/_base_hopper_ws.py --out ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import course_utils  # noqa: E402,F401  (first, as in every notebook)
+import torch  # noqa: E402
+
+from course_utils.bench import fp8 as fp8_bench  # noqa: E402
+from course_utils.bench.cases import attention_flops, tflops  # noqa: E402
+from course_utils.kernels import fp8, hopper_ws  # noqa: E402
+
+
+def _rel(a, b) -> float:
+    return (torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float())).item()
+
+
+def _fp8_call(module, q8, k8, v8, scales, causal):
+    qs, ks, vs = scales
+    if hasattr(module, "keys_in_p_order"):  # reads V's keys in fp8.V_KEY_ORDER's order
+        vt8 = fp8.transpose_keys(v8, p_order=True)
+        return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, vt_in_p_order=True)[0]
+    vt8 = v8.transpose(2, 3).contiguous()
+    return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal)[0]
+
+
+def measure(modules, kind, n, causal, rounds):
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch = max(1, fp8_bench.TOKENS // n)
+    q, k, v = fp8_bench.make_inputs(n, batch)
+    if kind == "fp8":
+        (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+        calls = {name: _fp8_call(m, q8, k8, v8, (qs, ks, vs), causal) for name, m in modules.items()}
+        tolerance = fp8_bench.FP8_TOLERANCE
+    else:
+        calls = {name: (lambda m=m: m.attention(q, k, v, causal)[0]) for name, m in modules.items()}
+        tolerance = fp8_bench.BF16_TOLERANCE
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+    calls["cudnn"] = cudnn
+    outs = {name: fn() for name, fn in calls.items()}
+    row = dict(kind=kind, n=n, batch=batch, causal=causal)
+    for name in modules:
+        row[f"{name}_vs_cudnn"] = _rel(outs[name], outs["cudnn"])
+    if max(row[f"{name}_vs_cudnn"] for name in modules) > tolerance:
+        return dict(row, status="mismatch")
+    times = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in (list(calls) if r % 2 == 0 else list(reversed(calls))):
+            times[name].append(triton.testing.do_bench(calls[name], warmup=25, rep=100))
+    flops = attention_flops(batch, fp8_bench.N_Q_HEADS, n, fp8_bench.HEAD_DIM, causal)
+    for name, ts in times.items():
+        row[f"{name}_ms"] = statistics.median(ts)
+        row[f"{name}_tflops"] = tflops(flops, row[f"{name}_ms"])
+    for name in modules:
+        row[f"{name}_over_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]
+        if name != "current":
+            row[f"current_over_{name}"] = row[f"{name}_ms"] / row["current_ms"]
+    return dict(row, status="ok")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
+                        help="a copy of kernels/hopper_ws.py from another commit, beside it")
+    parser.add_argument("--out", default="gluon_ab.json")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--ns", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--kinds", nargs="+", choices=("fp8", "bf16"), default=["fp8", "bf16"])
+    args = parser.parse_args(argv)
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        print("needs a Hopper GPU (the Gluon kernels compile for sm_90 only)")
+        return 0
+    modules = {}
+    for spec in args.variant:
+        name, _, path = spec.partition("=")
+        if Path(path).resolve().parent != Path(hopper_ws.__file__).resolve().parent:
+            raise SystemExit(f"{path} must sit beside kernels/hopper_ws.py (its relative imports)")
+        modules[name] = importlib.import_module(f"course_utils.kernels.{Path(path).stem}")
+    modules["current"] = hopper_ws
+    info = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=__import__("triton").__version__,
+                rounds=args.rounds, variants=args.variant)
+    rows = []
+    for kind in args.kinds:
+        for causal in (True, False):
+            for n in args.ns:
+                row = measure(modules, kind, n, causal, args.rounds)
+                rows.append(row)
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
+                      flush=True)
+                Path(args.out).write_text(json.dumps(dict(info=info, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
