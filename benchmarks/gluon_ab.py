@@ -13,7 +13,8 @@ kernels in one process, alternating their order round by round, beside cuDNN's b
 - ``cudnn``: SDPA's cuDNN backend on the bf16 inputs (for FP8: those the e4m3 ones were quantised from).
 
 The kernels alone are timed (e4m3 inputs and V's copies made once, outside), GQA 32/8, D = 128, 16k tokens a batch,
-N 4k-16k, causal and not, the serial loop (the routes'); ``--kinds fp8 bf16``. Each output is checked against
+N 4k-16k, causal and not, as the public routes launch them (the serial loop; bf16 with the FMA softmax, and
+without the causal mask on the persistent grid); ``--kinds fp8 bf16``. Each output is checked against
 cuDNN's first. Writes ``--out`` (JSON rows: each version's ms and TFLOP/s, ``<name>_over_cudnn``, and
 ``current_over_<name>`` = name_ms / current_ms).
 
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 
 from course_utils.bench import fp8 as fp8_bench  # noqa: E402
 from course_utils.bench.cases import attention_flops, tflops  # noqa: E402
-from course_utils.kernels import fp8, hopper_ws  # noqa: E402
+from course_utils.kernels import dispatch, fp8, hopper_ws  # noqa: E402
 
 
 def _rel(a, b) -> float:
@@ -63,7 +64,9 @@ def measure(modules, kind, n, causal, rounds):
         calls = {name: _fp8_call(m, q8, k8, v8, (qs, ks, vs), causal) for name, m in modules.items()}
         tolerance = fp8_bench.FP8_TOLERANCE
     else:
-        calls = {name: (lambda m=m: m.attention(q, k, v, causal)[0]) for name, m in modules.items()}
+        persistent = dispatch.gluon_persistent(causal, None)  # as the public route runs it
+        calls = {name: (lambda m=m: m.attention(q, k, v, causal, fma=True, persistent=persistent)[0])
+                 for name, m in modules.items()}
         tolerance = fp8_bench.BF16_TOLERANCE
 
     def cudnn():
