@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluonab newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -75,6 +75,10 @@
 #           grids with the FMA softmax, the route with GLUON_FMA; its GPU tests only, not the sm_90 compiles CI runs)
 #           and test_gpu_fast_decode.py (B = 1 from 64k on PDL)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
+#   gluonab benchmarks/gluon_ab.py: lesson 11's Gluon forwards (FP8 and bf16, as the routes launch them, N 4k-16k)
+#           against every earlier copy of the kernels' module present as course_utils/kernels/_NAME_hopper_ws.py (made
+#           by `git show REV:course_utils/kernels/hopper_ws.py`, untracked, so carried), one process, beside cuDNN;
+#           then the Gluon kernels' tests (test_hopper_ws.py, test_gluon_cpu.py, test_kernels_fp8.py) on the GPU
 #   celltimes benchmarks/cell_times.py: every solution notebook top to bottom, each code cell's seconds, appended to a
 #           copy of results/cell_times.json in $OUT (the CPU's run is what the README quotes; this is the GPU's)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
@@ -229,6 +233,15 @@ for step in "$@"; do
       run host_step "$PY" benchmarks/host_step.py --profile "$OUT/host_step_profile.txt" ;;
     gluontrain)
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
+    gluonab)
+      variants=()
+      for f in course_utils/kernels/_*_hopper_ws.py; do
+        [[ -e "$f" ]] || continue
+        name=$(basename "$f" .py); name=${name#_}; variants+=(--variant "${name%_hopper_ws}=$f")
+      done
+      run gluon_ab "$PY" benchmarks/gluon_ab.py "${variants[@]}" --rounds 3 --out "$OUT/gluon_ab.json"
+      run gluon_tests "${PYTEST[@]}" -n 8 --dist loadfile tests/test_hopper_ws.py tests/test_gluon_cpu.py \
+        tests/test_kernels_fp8.py ;;
     fp8gluon)
       run fp8_gluon "$PY" -m course_utils.bench fp8 --gluon --repeats 2 --out "$OUT" ;;
     ncugluon)
