@@ -1,14 +1,13 @@
 """Lesson 11's Gluon forwards against earlier versions of the same kernels, one process: FP8 and bf16.
 
-Before, each tile's P went from the scores' accumulator layout to ``wgmma``'s A-operand layout by a
-``convert_layout`` that moves 8-bit values between threads (SHFL and PRMT: 16 shuffles a thread a tile, compiled for
-sm_90). Now V's K-major copy holds the keys of each 32 in the order a thread already holds P
-(``fp8.V_KEY_ORDER``, ``hopper_ws._p_in_operand_order``) and the conversion moves nothing. This script times the two
-kernels in one process, alternating their order round by round, beside cuDNN's bf16 forward:
+A change to a kernel that the routes launch is timed here against the kernel before it: the FP8 forward handing P
+to ``P V`` without a shuffle (``hopper_ws._p_in_operand_order``, V's keys in ``fp8_keys.V_KEY_ORDER``), the row max
+and sum as trees (``hopper_ws._row_reduce``). Each version is timed in one process, alternating their order round by
+round, beside cuDNN's bf16 forward:
 
 - each ``--variant NAME=FILE``: a copy of ``kernels/hopper_ws.py`` from another commit, beside it (make one with
   ``git show REV:course_utils/kernels/hopper_ws.py > course_utils/kernels/_base_hopper_ws.py``); FP8: given V's
-  K-major copy in the order that version reads (``keys_in_p_order`` in the module: the order of ``fp8.V_KEY_ORDER``);
+  K-major copy in the order that version reads (``keys_in_p_order`` in the module: the order of ``fp8_keys.V_KEY_ORDER``);
 - ``current``: ``kernels.hopper_ws`` as it is;
 - ``cudnn``: SDPA's cuDNN backend on the bf16 inputs (for FP8: those the e4m3 ones were quantised from).
 
@@ -46,7 +45,7 @@ def _rel(a, b) -> float:
 
 def _fp8_call(module, q8, k8, v8, scales, causal):
     qs, ks, vs = scales
-    if hasattr(module, "keys_in_p_order"):  # reads V's keys in fp8.V_KEY_ORDER's order
+    if hasattr(module, "keys_in_p_order"):  # reads V's keys in fp8_keys.V_KEY_ORDER's order
         vt8 = fp8.transpose_keys(v8, p_order=True)
         return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, vt_in_p_order=True)[0]
     vt8 = v8.transpose(2, 3).contiguous()

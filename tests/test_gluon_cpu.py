@@ -217,7 +217,7 @@ def test_an_fp8_epilogue_without_the_last_v_scale_is_wrong(tmp_path):
 
 def test_the_fp8_kernel_needs_v_s_keys_in_its_order_of_p():
     """The FP8 kernel hands P to ``P V`` in its registers' order (``_p_in_operand_order``), so V's keys must come in
-    fp8.V_KEY_ORDER's: given V's plain K-major copy to the internal launch, the output is wrong; attention_fp8 makes
+    fp8_keys.V_KEY_ORDER's: given V's plain K-major copy to the internal launch, the output is wrong; attention_fp8 makes
     the reordered copy itself unless told the caller made it (vt_in_p_order), and then gives the same output."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, h, 256, 64, generator=g) for h in (2, 1, 1))

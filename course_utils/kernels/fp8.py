@@ -69,6 +69,7 @@ import torch
 import triton
 import triton.language as tl
 
+from course_utils.kernels.fp8_keys import V_KEY_ORDER, keys_in_p_order
 from course_utils.kernels.fast import (ORDER_KV_GROUPED, _exp_scores, _program_tile, _tile_at, grid_shape,
                                        refuse_specialised_on_gpu)  # absolute: the graders load a copy of this file
 
@@ -168,15 +169,9 @@ def dequantize_fp8(x8, scale, block_size: int = 128):
     return x8.float() * per_row[..., None]
 
 
-#: Lesson 11's Gluon FP8 forward reads V's K-major copy with the keys of each 32 in this order (position ``k`` holds
-#: key ``V_KEY_ORDER[k]``): the order in which a thread's FP8 scores already sit as ``wgmma``'s A operand
-#: (``hopper_ws._p_in_operand_order``), so that P goes from the softmax to ``P V`` without a shuffle.
-V_KEY_ORDER = tuple((k // 16) * 16 + (k // 2) % 2 * 8 + (k // 4) % 4 * 2 + k % 2 for k in range(32))
-
-
 @triton.jit
 def _p_order_position(key):
-    """Where key ``key`` sits in :data:`V_KEY_ORDER`'s order: key ``h*16 + g*8 + t*2 + e`` at ``h*16 + t*4 + g*2 + e``
+    """Where key ``key`` sits in ``fp8_keys.V_KEY_ORDER``'s order: key ``h*16 + g*8 + t*2 + e`` at ``h*16 + t*4 + g*2 + e``
     (the same 32 keys, so the copy writes the same 32-byte sectors)."""
     return (key // 32) * 32 + (key // 16) % 2 * 16 + (key // 2) % 4 * 4 + (key // 8) % 2 * 2 + key % 2
 
@@ -186,7 +181,7 @@ def _transpose_tiles_kernel(X, Y, stride_xb, stride_xh, stride_xn, stride_xd, H,
                             P_ORDER: tl.constexpr = False):
     """``Y[b, h, :, :] = X[b, h, :, :]ᵀ`` for one ``BLOCK x BLOCK`` tile of bytes: read along X's rows, written
     along Y's (``tl.trans`` moves the tile between the two through the registers' layouts). ``P_ORDER``: the keys
-    of each 32 in :data:`V_KEY_ORDER`'s order (``N`` a multiple of 32)."""
+    of each 32 in ``fp8_keys.V_KEY_ORDER``'s order (``N`` a multiple of 32)."""
     bh = tl.program_id(2).to(tl.int64)  # a head's offset in bytes can pass 2**31 in a long cache
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # keys
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # head dims
@@ -208,21 +203,12 @@ FAST_TRANSPOSE: bool = True
 def transpose_keys(v8, p_order: bool = False):
     """V's K-major copy ``[B, H, D, N]`` (the keys contiguous) of the e4m3 ``v8`` ``[B, H, N, D]``, any strides: on a
     GPU while :data:`FAST_TRANSPOSE` by :func:`_transpose_tiles_kernel` (its bytes), else torch's copy.
-    ``p_order``: the keys of each 32 in :data:`V_KEY_ORDER`'s order, as lesson 11's Gluon FP8 forward reads them
+    ``p_order``: the keys of each 32 in ``fp8_keys.V_KEY_ORDER``'s order, as lesson 11's Gluon FP8 forward reads them
     (``N`` a multiple of 32)."""
     if not (FAST_TRANSPOSE and v8.is_cuda):
         vt8 = v8.transpose(2, 3).contiguous()
         return keys_in_p_order(vt8) if p_order else vt8
     return transpose_tiled(v8, p_order)
-
-
-def keys_in_p_order(vt8):
-    """The K-major ``vt8`` ``[B, H, D, N]`` with the keys of each 32 in :data:`V_KEY_ORDER`'s order (one copy)."""
-    b, h, d, n = vt8.shape
-    if n % 32:
-        raise ValueError(f"the keys are reordered 32 at a time: N = {n} is not a multiple of 32")
-    order = torch.tensor(V_KEY_ORDER, device=vt8.device)
-    return vt8.reshape(b, h, d, n // 32, 32).index_select(4, order).reshape(b, h, d, n)
 
 
 def transpose_tiled(v8, p_order: bool = False):

@@ -64,7 +64,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import gluon_cpu  # imports nothing of this module at import time
 from .chips import TARGETS
-from .fp8 import keys_in_p_order
+from .fp8_keys import keys_in_p_order
 
 BLOCK_M = 128  # query rows per program: two consumers of 64 (wgmma's M per warpgroup)
 BLOCK_N = 128  # keys per K/V tile
@@ -303,7 +303,7 @@ def _p_in_operand_order(p8, o_layout: gl.constexpr):
     ``convert_layout`` shuffles P between threads every tile. Relabelled instead, key ``h*16 + g*8 + t*2 + e``
     becomes operand position ``h*16 + t*4 + g*2 + e`` (the reshape and permute below), which is where the thread
     already holds it (``assert_trivial``: the compiler refuses to move data); V's keys come in the same order
-    (:data:`V_KEY_ORDER`), so ``P V`` sums the same products. FA3 does the same for its FP8 forward."""
+    (``fp8_keys.V_KEY_ORDER``), so ``P V`` sums the same products. FA3 does the same for its FP8 forward."""
     M: gl.constexpr = p8.type.shape[0]
     N: gl.constexpr = p8.type.shape[1]
     p8 = gl.reshape(p8, [M, N // 32, 2, 2, 4, 2])  # key = chunk*32 + h*16 + g*8 + t*2 + e
@@ -1033,7 +1033,7 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     (``fp8.P_SCALE``), the accumulator carried in units of the tile's ``v_scale``. ``num_buffers`` 2-4 (an FP8
     tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``; ``window_size``, ``sink_size``
     and ``persistent`` (serial or ping-pong; all four slots fit) as in :func:`attention`. The kernel reads V's keys
-    of each 32 in ``fp8.V_KEY_ORDER``'s order (:func:`_p_in_operand_order` says why): ``vt_in_p_order=True`` says
+    of each 32 in ``fp8_keys.V_KEY_ORDER``'s order (:func:`_p_in_operand_order` says why): ``vt_in_p_order=True`` says
     ``vt8`` is in it already (``fp8.transpose_keys(v8, p_order=True)``); else this entry makes that copy.
     """
     _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
