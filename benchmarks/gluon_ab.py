@@ -1,13 +1,14 @@
 """Lesson 11's Gluon forwards against earlier versions of the same kernels, one process: FP8 and bf16.
 
-A change to a kernel that the routes launch is timed here against the kernel before it: the FP8 forward handing P
-to ``P V`` without a shuffle (``hopper_ws._p_in_operand_order``, V's keys in ``fp8_keys.V_KEY_ORDER``), the row max
-and sum as trees (``hopper_ws._row_reduce``). Each version is timed in one process, alternating their order round by
-round, beside cuDNN's bf16 forward:
+A change to a kernel that the routes launch is timed here against the kernel before it, each version in one
+process, alternating their order round by round, beside cuDNN's bf16 forward. Its first use (forty-sixth session,
+``results/gluon_ab_h100.json``, ``results/NOTES.md``): the FP8 forward handing P to ``P V`` without a shuffle
+(V's keys reordered to match, commit 97f89d4) and the softmax's row max and sum as trees (12c20b6), both slower or no
+faster on an H100 and reverted; to time them again, check out 12c20b6 and give it 93fe29b's module as a variant.
 
 - each ``--variant NAME=FILE``: a copy of ``kernels/hopper_ws.py`` from another commit, beside it (make one with
   ``git show REV:course_utils/kernels/hopper_ws.py > course_utils/kernels/_base_hopper_ws.py``); FP8: given V's
-  K-major copy in the order that version reads (``keys_in_p_order`` in the module: the order of ``fp8_keys.V_KEY_ORDER``);
+  K-major copy in the order that version reads (a module with ``keys_in_p_order`` reads V's keys of each 32 reordered);
 - ``current``: ``kernels.hopper_ws`` as it is;
 - ``cudnn``: SDPA's cuDNN backend on the bf16 inputs (for FP8: those the e4m3 ones were quantised from).
 
@@ -45,7 +46,7 @@ def _rel(a, b) -> float:
 
 def _fp8_call(module, q8, k8, v8, scales, causal):
     qs, ks, vs = scales
-    if hasattr(module, "keys_in_p_order"):  # reads V's keys in fp8_keys.V_KEY_ORDER's order
+    if hasattr(module, "keys_in_p_order"):  # a version that reads V's keys reordered (12c20b6's kernels)
         vt8 = fp8.transpose_keys(v8, p_order=True)
         return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, vt_in_p_order=True)[0]
     vt8 = v8.transpose(2, 3).contiguous()

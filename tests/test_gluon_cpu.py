@@ -48,7 +48,7 @@ def test_the_fp8_entry_computes_attention_on_e4m3_tiles(causal, d, loop, buffers
     g = torch.Generator().manual_seed(d + buffers)
     q, k, v = (torch.randn(1, h, 512, d, generator=g) for h in (4, 2, 2))
     (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t, block_size) for t in (q, k, v))
-    vt8 = fp8.transpose_keys(v8, p_order=True)  # the kernel's order of V's keys (attention_fp8 makes it)
+    vt8 = v8.transpose(2, 3).contiguous()
     hopper_ws._validate_fp8_inputs(q8, k8, vt8, qs, ks, vs, block_size)  # attention_fp8's checks but the device's
     with gluon_cpu.running(seed=buffers):
         o, lse = hopper_ws._launch(q8, k8, vt8, causal, 1 / math.sqrt(d), buffers, loop, True, (qs, ks, vs),
@@ -125,7 +125,7 @@ def test_the_persistent_grid_walks_every_fp8_work_tile_once(causal, d, loop, buf
     g = torch.Generator().manual_seed(d + n_programs)
     q, k, v = (torch.randn(2, h, 512, d, generator=g) for h in (4, 2, 2))
     (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t, block_size) for t in (q, k, v))
-    vt8 = fp8.transpose_keys(v8, p_order=True)
+    vt8 = v8.transpose(2, 3).contiguous()
     hopper_ws._validate_fp8_inputs(q8, k8, vt8, qs, ks, vs, block_size)
     hopper_ws._validate_persistent(q8, buffers, loop)
     with gluon_cpu.running(seed=n_programs):
@@ -209,28 +209,10 @@ def test_an_fp8_epilogue_without_the_last_v_scale_is_wrong(tmp_path):
     q, k, v = (torch.randn(1, h, 256, 64) * 3 for h in (2, 1, 1))
     (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
     with gluon_cpu.running(host_modules=(planted, )):
-        o, _ = planted._launch(q8, k8, fp8.transpose_keys(v8, p_order=True), False, 0.125, 2, "serial", True,
+        o, _ = planted._launch(q8, k8, v8.transpose(2, 3).contiguous(), False, 0.125, 2, "serial", True,
                                (qs, ks, vs), 128)
     deq = [fp8.dequantize_fp8(x, s).double().numpy() for x, s in ((q8, qs), (k8, ks), (v8, vs))]
     assert _rel(o, references.attention(*deq)) > 0.5
-
-
-def test_the_fp8_kernel_needs_v_s_keys_in_its_order_of_p():
-    """The FP8 kernel hands P to ``P V`` in its registers' order (``_p_in_operand_order``), so V's keys must come in
-    fp8_keys.V_KEY_ORDER's: given V's plain K-major copy to the internal launch, the output is wrong; attention_fp8 makes
-    the reordered copy itself unless told the caller made it (vt_in_p_order), and then gives the same output."""
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, h, 256, 64, generator=g) for h in (2, 1, 1))
-    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
-    plain = v8.transpose(2, 3).contiguous()
-    with gluon_cpu.running():
-        wrong, _ = hopper_ws._launch(q8, k8, plain, False, 0.125, 2, "serial", True, (qs, ks, vs), 128)
-        entry, _ = hopper_ws.attention_fp8(q8, k8, plain, qs, ks, vs)
-        ordered, _ = hopper_ws.attention_fp8(q8, k8, fp8.transpose_keys(v8, p_order=True), qs, ks, vs,
-                                             vt_in_p_order=True)
-    want = references.attention(*(fp8.dequantize_fp8(x, s).double().numpy() for x, s in ((q8, qs), (k8, ks),
-                                                                                        (v8, vs))))
-    assert _rel(wrong, want) > 0.5 and _rel(entry, want) < 0.035 and torch.equal(entry, ordered)
 
 
 def test_a_dk_without_the_softmax_scale_is_wrong(tmp_path):

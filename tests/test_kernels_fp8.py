@@ -386,25 +386,6 @@ def test_the_tiled_transpose_gives_torch_s_k_major_copy(shape, permuted):
     assert torch.equal(vt8.view(torch.uint8).cpu(), v8.transpose(2, 3).contiguous().view(torch.uint8).cpu())
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 256, 128), (2, 3, 96, 72)])
-def test_the_tiled_transpose_puts_the_keys_in_the_gluon_kernel_s_order(shape):
-    """transpose_tiled(p_order=True): the K-major copy with the keys of each 32 in V_KEY_ORDER's order (the order in
-    which lesson 11's Gluon FP8 kernel holds P as wgmma's operand), byte for byte the reorder of torch's copy; the
-    order is a permutation that moves keys only within their 32, and N not a multiple of 32 is refused."""
-    assert sorted(fp8.V_KEY_ORDER) == list(range(32)) and fp8.V_KEY_ORDER[:4] == (0, 1, 8, 9)
-    gen = torch.Generator().manual_seed(sum(shape))
-    v8 = torch.randn(*shape, generator=gen).to(torch.float8_e4m3fn).to(DEVICE)
-    plain = v8.transpose(2, 3).contiguous()
-    got = fp8.transpose_tiled(v8, p_order=True)
-    want = fp8.keys_in_p_order(plain)
-    assert torch.equal(got.view(torch.uint8).cpu(), want.view(torch.uint8).cpu())
-    assert torch.equal(fp8.transpose_keys(v8, p_order=True).view(torch.uint8).cpu(), want.view(torch.uint8).cpu())
-    key = 32 + 8 + 2 * 3 + 1  # chunk 1, g = 1, t = 3, e = 1: at position 32 + 3 * 4 + 1 * 2 + 1
-    assert torch.equal(got[..., 32 + 12 + 2 + 1].cpu().view(torch.uint8), plain[..., key].cpu().view(torch.uint8))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        fp8.transpose_tiled(v8[:, :, :40], p_order=True)
-
-
 def test_the_fp8_entry_gives_the_same_output_with_either_transpose(monkeypatch):
     """FAST_TRANSPOSE changes how V's K-major copy is made on a GPU, nothing else: the entry's output is identical
     (on a CPU torch's copy stays)."""

@@ -10,7 +10,7 @@ import statistics
 from course_utils import results
 from course_utils.kernels.fast_backward import sink_walk_fits
 
-from conftest import assert_quoted, decode_points, markdown_text, readme_text, speed_text, training_ratios, window_points
+from conftest import REPO, assert_quoted, decode_points, markdown_text, readme_text, speed_text, training_ratios, window_points
 
 TRAINING = ("training_bench_h100", "training_bench_h100_run2", "training_bench_h100_run3")
 WINDOW = ("window_bench_h100", "window_bench_h100_run2")
@@ -693,3 +693,30 @@ def test_the_readme_leaves_the_h100_sessions_to_speed_md():
     assert f'[results/SPEED.md](results/SPEED.md) ("{title}")' in text
     for bullet in ("forty-first session", "forty-second session, on an H100", "forty-third session, on an H100"):
         assert bullet not in text and bullet in speed_text(), bullet
+
+
+def test_notes_quote_the_forty_sixth_session_s_softmax_a_b_as_recorded():
+    """results/NOTES.md's section on the two softmax changes timed against the kernels before them
+    (benchmarks/gluon_ab.py), and GPU_VALIDATION.md's line on the run: every ratio they quote, recomputed from
+    results/gluon_ab_h100.json."""
+    doc = results.load("gluon_ab_h100")
+    rows = doc["rows"]
+    assert doc["info"]["gpu"].endswith("H100 80GB HBM3") and all(r["status"] == "ok" for r in rows)
+    assert sorted((r["kind"], r["n"], r["causal"]) for r in rows) == sorted(
+        (kind, n, causal) for kind in ("fp8", "bf16") for n in (4096, 8192, 16384) for causal in (True, False))
+    vr = results.value_range
+    pick = lambda kind, f: [f(r) for r in rows if r["kind"] == kind]  # noqa: E731
+    porder = lambda r: r["base_ms"] / r["porder_ms"]  # noqa: E731
+    tree = pick("fp8", lambda r: r["current_over_porder"])
+    assert sum(t < 1 for t in tree) == 5
+    notes = " ".join((REPO / "results" / "NOTES.md").read_text().split())
+    assert_quoted(notes, [
+        f"Speed: **{vr(pick('fp8', porder))} the kernel before** (FP8); the same bf16 kernel, unchanged, read "
+        f"{vr(pick('bf16', porder))} itself",
+        f"Speed: **{vr(tree)} the kernel without it** (FP8, five of six points slower) and "
+        f"**{vr(pick('bf16', lambda r: r['current_over_porder']))}** (bf16)",
+        f"the kernels as shipped read {vr(pick('fp8', lambda r: r['base_over_cudnn']))} cuDNN's bf16 (FP8, the kernel "
+        f"alone, without V's copy) and {vr(pick('bf16', lambda r: r['base_over_cudnn']))} (bf16)"])
+    log = " ".join((REPO / "results" / "GPU_VALIDATION.md").read_text().split())
+    assert (f"the first change **{vr(pick('fp8', porder))}** the kernel before (FP8), the trees **{vr(tree)}** (FP8) "
+            f"and **{vr(pick('bf16', lambda r: r['current_over_porder']))}** (bf16)") in log

@@ -11,7 +11,7 @@
 - with ``--gluon`` (a Hopper GPU; not behind the package's entries yet): ``gluon_bf16``, lesson 11's
   warp-specialised Gluon forward (``kernels.hopper_ws.attention``, its simple loop), and ``gluon_fp8``, its FP8
   entry (``hopper_ws.attention_fp8``) on the same e4m3 inputs as ``course_fp8``, V made K-major inside the call
-  (timed, as for ``course_fp8``; its keys in the order the kernel reads them, ``fp8.transpose_keys(p_order=True)``).
+  (timed, as for ``course_fp8``).
 
 Cases: GQA 32 query heads / 8 kv heads, D = 128 (``--dim 64`` for the other), causal and not, N from 1k to
 16k with 16k tokens per batch (``B = 16384 / N``). Every output is checked against a float32 reference on the
@@ -175,10 +175,9 @@ def make_forward(provider: str, q, k, v, causal: bool):
         (q8, qs), (k8, ks), (v8, vs) = (quantize_fp8(t) for t in (q, k, v))
         if provider == "course_fp8":
             return lambda: flash_attention_fp8(q8, k8, v8, causal, q_scale=qs, k_scale=ks, v_scale=vs)
-        from ..kernels import fp8, hopper_ws
+        from ..kernels import hopper_ws
 
-        return lambda: hopper_ws.attention_fp8(q8, k8, fp8.transpose_keys(v8, p_order=True), qs, ks, vs, causal,
-                                               vt_in_p_order=True)[0]
+        return lambda: hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, causal)[0]
     if provider == "gluon_bf16":
         from ..kernels import hopper_ws
 

@@ -69,7 +69,6 @@ import torch
 import triton
 import triton.language as tl
 
-from course_utils.kernels.fp8_keys import V_KEY_ORDER, keys_in_p_order
 from course_utils.kernels.fast import (ORDER_KV_GROUPED, _exp_scores, _program_tile, _tile_at, grid_shape,
                                        refuse_specialised_on_gpu)  # absolute: the graders load a copy of this file
 
@@ -104,8 +103,6 @@ __all__ = [
     "FAST_TRANSPOSE",
     "transpose_keys",
     "transpose_tiled",
-    "V_KEY_ORDER",
-    "keys_in_p_order",
     "_transpose_tiles_kernel",
     "gluon_fp8_applies",
     "_fp8_hopper_kernel",
@@ -170,26 +167,16 @@ def dequantize_fp8(x8, scale, block_size: int = 128):
 
 
 @triton.jit
-def _p_order_position(key):
-    """Where key ``key`` sits in ``fp8_keys.V_KEY_ORDER``'s order: key ``h*16 + g*8 + t*2 + e`` at ``h*16 + t*4 + g*2 + e``
-    (the same 32 keys, so the copy writes the same 32-byte sectors)."""
-    return (key // 32) * 32 + (key // 16) % 2 * 16 + (key // 2) % 4 * 4 + (key // 8) % 2 * 2 + key % 2
-
-
-@triton.jit
-def _transpose_tiles_kernel(X, Y, stride_xb, stride_xh, stride_xn, stride_xd, H, N, D, BLOCK: tl.constexpr,
-                            P_ORDER: tl.constexpr = False):
+def _transpose_tiles_kernel(X, Y, stride_xb, stride_xh, stride_xn, stride_xd, H, N, D, BLOCK: tl.constexpr):
     """``Y[b, h, :, :] = X[b, h, :, :]ᵀ`` for one ``BLOCK x BLOCK`` tile of bytes: read along X's rows, written
-    along Y's (``tl.trans`` moves the tile between the two through the registers' layouts). ``P_ORDER``: the keys
-    of each 32 in ``fp8_keys.V_KEY_ORDER``'s order (``N`` a multiple of 32)."""
+    along Y's (``tl.trans`` moves the tile between the two through the registers' layouts)."""
     bh = tl.program_id(2).to(tl.int64)  # a head's offset in bytes can pass 2**31 in a long cache
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # keys
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # head dims
     mask = (rows[:, None] < N) & (cols[None, :] < D)
     x = tl.load(X + (bh // H) * stride_xb + (bh % H) * stride_xh + rows[:, None] * stride_xn
                 + cols[None, :] * stride_xd, mask=mask)
-    dest = _p_order_position(rows) if P_ORDER else rows
-    y = Y + bh * D * N + cols[:, None] * N + dest[None, :]
+    y = Y + bh * D * N + cols[:, None] * N + rows[None, :]
     tl.store(y, tl.trans(x), mask=tl.trans(mask))
 
 
@@ -200,28 +187,23 @@ def _transpose_tiles_kernel(X, Y, stride_xb, stride_xh, stride_xn, stride_xd, H,
 FAST_TRANSPOSE: bool = True
 
 
-def transpose_keys(v8, p_order: bool = False):
+def transpose_keys(v8):
     """V's K-major copy ``[B, H, D, N]`` (the keys contiguous) of the e4m3 ``v8`` ``[B, H, N, D]``, any strides: on a
-    GPU while :data:`FAST_TRANSPOSE` by :func:`_transpose_tiles_kernel` (its bytes), else torch's copy.
-    ``p_order``: the keys of each 32 in ``fp8_keys.V_KEY_ORDER``'s order, as lesson 11's Gluon FP8 forward reads them
-    (``N`` a multiple of 32)."""
+    GPU while :data:`FAST_TRANSPOSE` by :func:`_transpose_tiles_kernel` (its bytes), else torch's copy."""
     if not (FAST_TRANSPOSE and v8.is_cuda):
-        vt8 = v8.transpose(2, 3).contiguous()
-        return keys_in_p_order(vt8) if p_order else vt8
-    return transpose_tiled(v8, p_order)
+        return v8.transpose(2, 3).contiguous()
+    return transpose_tiled(v8)
 
 
-def transpose_tiled(v8, p_order: bool = False):
+def transpose_tiled(v8):
     """:func:`transpose_keys`'s copy by :func:`_transpose_tiles_kernel`, on any device Triton runs on (the CPU's
     interpreter included), for a tensor of one-byte elements."""
     b, h, n, d = v8.shape
-    if p_order and n % 32:
-        raise ValueError(f"the keys are reordered 32 at a time: N = {n} is not a multiple of 32")
     vt8 = torch.empty((b, h, d, n), device=v8.device, dtype=v8.dtype)
     x, y = v8.view(torch.uint8), vt8.view(torch.uint8)
     block = 64
     _transpose_tiles_kernel[(triton.cdiv(n, block), triton.cdiv(d, block), b * h)](
-        x, y, *x.stride(), h, n, d, BLOCK=block, P_ORDER=p_order)
+        x, y, *x.stride(), h, n, d, BLOCK=block)
     return vt8
 
 
@@ -967,13 +949,12 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
     else:
         out_dtype = q.dtype
         (q8, q_scale), (k8, k_scale), (v8, v_scale) = (quantize_fp8(t, block_size) for t in (q, k, v))
-    if gluon_fp8_applies(q8, k8, v8.transpose(2, 3), q_scale, k_scale, v_scale, block_size):
+    vt8 = transpose_keys(v8)  # K-major: [B, Hkv, D, N], the keys contiguous
+    if gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size):
         from .hopper_ws import attention_fp8 as gluon_fp8
 
-        vt8 = transpose_keys(v8, p_order=True)  # K-major, the keys in the order its P comes in
         return gluon_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size=block_size,
-                         persistent=GLUON_PERSISTENT, vt_in_p_order=True)[0].to(out_dtype)
-    vt8 = transpose_keys(v8)  # K-major: [B, Hkv, D, N], the keys contiguous
+                         persistent=GLUON_PERSISTENT)[0].to(out_dtype)
     if hopper_unsupported_reason(q8, block_size, causal=causal) is None:
         return launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
     return launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)

@@ -64,7 +64,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import gluon_cpu  # imports nothing of this module at import time
 from .chips import TARGETS
-from .fp8_keys import keys_in_p_order
 
 BLOCK_M = 128  # query rows per program: two consumers of 64 (wgmma's M per warpgroup)
 BLOCK_N = 128  # keys per K/V tile
@@ -211,41 +210,6 @@ def _v_operand(v_smem, idx):
 
 
 @gluon.jit
-def _fold_halves(x, MAX: gl.constexpr):
-    """``x`` ``[M, W]`` to ``[M, W / 2]``: the elementwise max (``MAX``) or sum of its two column halves."""
-    M: gl.constexpr = x.type.shape[0]
-    W: gl.constexpr = x.type.shape[1]
-    a, b = gl.split(gl.permute(gl.reshape(x, [M, 2, W // 2]), (0, 2, 1)))
-    if MAX:
-        return gl.maximum(a, b)
-    return a + b
-
-
-@gluon.jit
-def _row_reduce(x, MAX: gl.constexpr):
-    """``gl.max(x, axis=1)`` (``MAX``) or ``gl.sum``, as a tree. A thread holds 32 of a row's 128 scores, and
-    ``gl.max`` folds them one after another: 31 dependent operations, each waiting for the last, before the
-    exponentials can start. Folded in halves instead (the top column bits are the thread's own registers), each
-    level's operations are independent: 16 + 8 + 4 + 2 of them, then ``gl.max`` over the 8 columns whose bits are
-    the lanes' (one more in the thread, two shuffles)."""
-    W: gl.constexpr = x.type.shape[1]
-    ROWS: gl.constexpr = gl.SliceLayout(1, x.type.layout)
-    if W >= 16:
-        x = _fold_halves(x, MAX)
-    if W >= 32:
-        x = _fold_halves(x, MAX)
-    if W >= 64:
-        x = _fold_halves(x, MAX)
-    if W >= 128:
-        x = _fold_halves(x, MAX)
-    if MAX:
-        r = gl.max(x, axis=1)
-    else:
-        r = gl.sum(x, axis=1)
-    return gl.convert_layout(r, ROWS, assert_trivial=True)  # the same registers, named as x's rows
-
-
-@gluon.jit
 def _softmax_core(s, kv_tile, m_i, l_i, qk_scale, rows, window_size, sink_size, BLOCK_N: gl.constexpr,
                   MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr,
                   FMA: gl.constexpr):
@@ -271,9 +235,9 @@ def _softmax_core(s, kv_tile, m_i, l_i, qk_scale, rows, window_size, sink_size, 
         cols = kv_tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(rows[:, None] >= cols[None, :], s, -float("inf"))
     if FMA:
-        m_new = gl.maximum(m_i, _row_reduce(s, True) * qk_scale)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     else:
-        m_new = gl.maximum(m_i, _row_reduce(s, True))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_use = m_new
     if MASK == 2:
         m_use = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -285,31 +249,11 @@ def _softmax_core(s, kv_tile, m_i, l_i, qk_scale, rows, window_size, sink_size, 
     else:
         p = gl.exp2(s - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + _row_reduce(p, False)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
     # P stays in registers as wgmma's A operand (k_width: 32 bits of values per register, two 16-bit or four 8-bit)
-    if FP8:
-        p_op = _p_in_operand_order(p.to(P_DTYPE), o_layout)
-    else:
-        p_op = gl.convert_layout(p.to(P_DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    K_WIDTH: gl.constexpr = 4 if FP8 else 2
+    p_op = gl.convert_layout(p.to(P_DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH))
     return m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), p_op
-
-
-@gluon.jit
-def _p_in_operand_order(p8, o_layout: gl.constexpr):
-    """FP8's P ``[M, BLOCK_N]`` (e4m3, in the scores' accumulator layout) as ``P V``'s A operand, with no data moved.
-
-    In 16 bits a thread's accumulator values are the A operand's as they stand. In 8 bits they are not: of each 32
-    keys a thread holds keys ``2t, 2t+1, 8+2t, 9+2t`` (and 16 on), and the operand wants ``4t ... 4t+3``, so a plain
-    ``convert_layout`` shuffles P between threads every tile. Relabelled instead, key ``h*16 + g*8 + t*2 + e``
-    becomes operand position ``h*16 + t*4 + g*2 + e`` (the reshape and permute below), which is where the thread
-    already holds it (``assert_trivial``: the compiler refuses to move data); V's keys come in the same order
-    (``fp8_keys.V_KEY_ORDER``), so ``P V`` sums the same products. FA3 does the same for its FP8 forward."""
-    M: gl.constexpr = p8.type.shape[0]
-    N: gl.constexpr = p8.type.shape[1]
-    p8 = gl.reshape(p8, [M, N // 32, 2, 2, 4, 2])  # key = chunk*32 + h*16 + g*8 + t*2 + e
-    p8 = gl.reshape(gl.permute(p8, (0, 1, 2, 4, 3, 5)), [M, N])  # position = chunk*32 + h*16 + t*4 + g*2 + e
-    return gl.convert_layout(p8, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4),
-                             assert_trivial=True)
 
 
 @gluon.jit
@@ -1022,7 +966,7 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
 
 def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
                   window_size: int | None = None, sink_size: int = 0, num_buffers: int = 2, loop: str = "serial",
-                  persistent: bool = False, vt_in_p_order: bool = False):
+                  persistent: bool = False):
     """``(o, lse)`` of attention over e4m3 inputs on a Hopper GPU: the same three partitions with both products
     in FP8 (``wgmma`` at twice bf16's rate), ``o`` bf16.
 
@@ -1032,9 +976,7 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     ``fp8.launch_fp8_hopper``'s: the scales folded into one FMA per score, P quantised as ``256 p``
     (``fp8.P_SCALE``), the accumulator carried in units of the tile's ``v_scale``. ``num_buffers`` 2-4 (an FP8
     tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``; ``window_size``, ``sink_size``
-    and ``persistent`` (serial or ping-pong; all four slots fit) as in :func:`attention`. The kernel reads V's keys
-    of each 32 in ``fp8_keys.V_KEY_ORDER``'s order (:func:`_p_in_operand_order` says why): ``vt_in_p_order=True`` says
-    ``vt8`` is in it already (``fp8.transpose_keys(v8, p_order=True)``); else this entry makes that copy.
+    and ``persistent`` (serial or ping-pong; all four slots fit) as in :func:`attention`.
     """
     _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
     _validate_options(num_buffers, loop, True)
@@ -1043,8 +985,6 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
         _validate_persistent(q8, num_buffers, loop)
     _validate_device(q8)
     scales, sm_scale = (q_scale, k_scale, v_scale), 1.0 / math.sqrt(q8.shape[-1])
-    if not vt_in_p_order:
-        vt8 = keys_in_p_order(vt8)
     if persistent:
         return _launch_persistent(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, window_size=window_size,
                                   sink_size=sink_size, scales=scales, block_size=block_size)
