@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: gluonab newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: ncusource gluonab newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -75,6 +75,9 @@
 #           grids with the FMA softmax, the route with GLUON_FMA; its GPU tests only, not the sm_90 compiles CI runs)
 #           and test_gpu_fast_decode.py (B = 1 from 64k on PDL)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
+#   ncusource benchmarks/ncu_source.py: Nsight Compute's stall sampling per SASS instruction of lesson 11's Gluon
+#           forwards (FP8 and bf16, the serial loop): which instruction the warps wait at, where ncu_forward.py's
+#           totals name only the reason ("barrier"); NCU_STEM names the files after the GPU (default ncu_source_h100)
 #   gluonab benchmarks/gluon_ab.py: lesson 11's Gluon forwards (FP8 and bf16, as the routes launch them, N 4k-16k)
 #           against every earlier copy of the kernels' module present as course_utils/kernels/_NAME_hopper_ws.py (made
 #           by `git show REV:course_utils/kernels/hopper_ws.py`, untracked, so carried), one process, beside cuDNN;
@@ -233,6 +236,9 @@ for step in "$@"; do
       run host_step "$PY" benchmarks/host_step.py --profile "$OUT/host_step_profile.txt" ;;
     gluontrain)
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
+    ncusource)
+      run ncu_source "$PY" benchmarks/ncu_source.py gluon_fp8_serial gluon_serial --out "$OUT" \
+        --stem "${NCU_STEM:-ncu_source_h100}" ;;
     gluonab)
       variants=()
       for f in course_utils/kernels/_*_hopper_ws.py; do

@@ -820,3 +820,32 @@ def test_the_gpu_plan_runs_its_else_steps_on_another_gpu(tmp_path):
     assert run.returncode == 0 and log == [] and "half 1: tests/test_a.py" in run.stdout  # the asked step
     run, log = plan("", "grids", REQUIRE_GPU="H200", ELSE_STEPS="halves")
     assert run.returncode == 0 and log == ["REQUIRE_GPU=H200: this machine has no NVIDIA GPU; nothing run"]
+
+
+def test_ncu_source_ranks_a_kernel_s_instructions_by_their_stall_samples(tmp_path):
+    """benchmarks/ncu_source.py: ncu's source page (its messages first, then the header and one row per SASS
+    instruction) read into rows, the instructions ranked by samples, the samples summed by opcode (predicates and
+    modifiers dropped), and the summary rebuilt from a kept CSV without a GPU."""
+    ncu_source = _load("ncu_source")
+    page = "\n".join([
+        "==PROF== Connected to process 1",
+        '"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)"',
+        '"0x7f00","SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR14+0x140e0], R22","1,200","1,150"',
+        '"0x7f10","QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], RZ, !UPT","100","20"',
+        '"0x7f20","MUFU.EX2 R25, R155","300","100"',
+        '"0x7f30","@!P0 BAR.SYNC.DEFER_BLOCKING 0x2, 0x80","1,800","1,790"',
+        '"0x7f40","MUFU.EX2 R23, R23","600","200"'])
+    rows = ncu_source.parse_source_csv(page)
+    assert [r["samples"] for r in rows] == [1200, 100, 300, 1800, 600] and rows[3]["not_issued"] == 1790
+    assert [ncu_source.opcode(r["sass"]) for r in rows] == ["SYNCS", "QGMMA", "MUFU", "BAR", "MUFU"]
+    summary = ncu_source.summarise(rows, top=2)
+    assert [r["address"] for r in summary["top"]] == ["0x7f30", "0x7f00"] and summary["top"][0]["pct"] == 45.0
+    assert [(o["opcode"], o["samples"]) for o in summary["by_opcode"]] == [("BAR", 1800), ("SYNCS", 1200),
+                                                                           ("MUFU", 900), ("QGMMA", 100)]
+    (tmp_path / "ncu").mkdir()
+    (tmp_path / "ncu" / "ncu_source_gluon_fp8_serial.csv").write_text(page)
+    (tmp_path / "ncu_source.json").write_text('{"kernels": {"gluon_fp8_serial": {}}}')
+    assert ncu_source.main(["--from-csv", "--out", str(tmp_path), "--top", "3"]) == 0
+    text = (tmp_path / "ncu_source.md").read_text()
+    assert "5 instructions, 4000 samples. By opcode: BAR 45.0%, SYNCS 30.0%, MUFU 22.5%, QGMMA 2.5%." in text
+    assert "| 0x7f30 | `@!P0 BAR.SYNC.DEFER_BLOCKING 0x2, 0x80` | 45.0 | 1790 |" in text
