@@ -688,7 +688,7 @@ def test_the_readme_leaves_the_h100_sessions_to_speed_md():
     """The README's speed section shows the H200's runs the targets name; the H100 sessions after them are a section
     of results/SPEED.md, which the README points to by its title, and none of their bullets stay in the README."""
     title = "After the H200's runs, on an H100"
-    assert f"## {title} (forty-first to forty-fourth sessions)" in speed_text()
+    assert f"## {title} (forty-first to forty-sixth sessions)" in speed_text()
     text = readme_text()
     assert f'[results/SPEED.md](results/SPEED.md) ("{title}")' in text
     for bullet in ("forty-first session", "forty-second session, on an H100", "forty-third session, on an H100"):
@@ -698,7 +698,7 @@ def test_the_readme_leaves_the_h100_sessions_to_speed_md():
 def test_notes_quote_the_forty_sixth_session_s_softmax_a_b_as_recorded():
     """results/NOTES.md's section on the two softmax changes timed against the kernels before them
     (benchmarks/gluon_ab.py), and GPU_VALIDATION.md's line on the run: every ratio they quote, recomputed from
-    results/gluon_ab_h100.json."""
+    results/gluon_ab_h100.json; and SPEED.md's bullet on it."""
     doc = results.load("gluon_ab_h100")
     rows = doc["rows"]
     assert doc["info"]["gpu"].endswith("H100 80GB HBM3") and all(r["status"] == "ok" for r in rows)
@@ -720,3 +720,5 @@ def test_notes_quote_the_forty_sixth_session_s_softmax_a_b_as_recorded():
     log = " ".join((REPO / "results" / "GPU_VALIDATION.md").read_text().split())
     assert (f"the first change **{vr(pick('fp8', porder))}** the kernel before (FP8), the trees **{vr(tree)}** (FP8) "
             f"and **{vr(pick('bf16', lambda r: r['current_over_porder']))}** (bf16)") in log
+    assert (f"in its registers' order read {vr(pick('fp8', porder))} the kernel before, the row max and sum as trees "
+            f"{vr(tree)} (FP8) and {vr(pick('bf16', lambda r: r['current_over_porder']))} (bf16)") in speed_text()
