@@ -698,7 +698,7 @@ def test_the_readme_leaves_the_h100_sessions_to_speed_md():
 def test_notes_quote_the_forty_sixth_session_s_softmax_a_b_as_recorded():
     """results/NOTES.md's section on the two softmax changes timed against the kernels before them
     (benchmarks/gluon_ab.py), and GPU_VALIDATION.md's line on the run: every ratio they quote, recomputed from
-    results/gluon_ab_h100.json; and SPEED.md's bullet on it."""
+    results/gluon_ab_h100.json; and SPEED.md's bullet and lesson 11's paragraph on it."""
     doc = results.load("gluon_ab_h100")
     rows = doc["rows"]
     assert doc["info"]["gpu"].endswith("H100 80GB HBM3") and all(r["status"] == "ok" for r in rows)
@@ -722,3 +722,6 @@ def test_notes_quote_the_forty_sixth_session_s_softmax_a_b_as_recorded():
             f"and **{vr(pick('bf16', lambda r: r['current_over_porder']))}** (bf16)") in log
     assert (f"in its registers' order read {vr(pick('fp8', porder))} the kernel before, the row max and sum as trees "
             f"{vr(tree)} (FP8) and {vr(pick('bf16', lambda r: r['current_over_porder']))} (bf16)") in speed_text()
+    assert_quoted(markdown_text("11_hopper_and_fp8"), [
+        f"it read **{vr(pick('fp8', porder))}** the kernel before",
+        f"**{vr(tree)}** in FP8, {vr(pick('bf16', lambda r: r['current_over_porder']))} in bf16"])
