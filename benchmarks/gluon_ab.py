@@ -7,8 +7,7 @@ process, alternating their order round by round, beside cuDNN's bf16 forward. It
 faster on an H100 and reverted; to time them again, check out 12c20b6 and give it 93fe29b's module as a variant.
 
 - each ``--variant NAME=FILE``: a copy of ``kernels/hopper_ws.py`` from another commit, beside it (make one with
-  ``git show REV:course_utils/kernels/hopper_ws.py > course_utils/kernels/_base_hopper_ws.py``); FP8: given V's
-  K-major copy in the order that version reads (a module with ``keys_in_p_order`` reads V's keys of each 32 reordered);
+  ``git show REV:course_utils/kernels/hopper_ws.py > course_utils/kernels/_base_hopper_ws.py``);
 - ``current``: ``kernels.hopper_ws`` as it is;
 - ``cudnn``: SDPA's cuDNN backend on the bf16 inputs (for FP8: those the e4m3 ones were quantised from).
 
@@ -45,10 +44,9 @@ def _rel(a, b) -> float:
 
 
 def _fp8_call(module, q8, k8, v8, scales, causal):
+    """``module``'s FP8 entry on V's K-major copy, made once (12c20b6's version of this script also handed a module
+    that reads V's keys reordered its own copy)."""
     qs, ks, vs = scales
-    if hasattr(module, "keys_in_p_order"):  # a version that reads V's keys reordered (12c20b6's kernels)
-        vt8 = fp8.transpose_keys(v8, p_order=True)
-        return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, vt_in_p_order=True)[0]
     vt8 = v8.transpose(2, 3).contiguous()
     return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal)[0]
 

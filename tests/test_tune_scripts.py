@@ -849,3 +849,21 @@ def test_ncu_source_ranks_a_kernel_s_instructions_by_their_stall_samples(tmp_pat
     text = (tmp_path / "ncu_source.md").read_text()
     assert "5 instructions, 4000 samples. By opcode: BAR 45.0%, SYNCS 30.0%, MUFU 22.5%, QGMMA 2.5%." in text
     assert "| 0x7f30 | `@!P0 BAR.SYNC.DEFER_BLOCKING 0x2, 0x80` | 45.0 | 1790 |" in text
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU's path: on a Hopper GPU the script times the kernels")
+def test_gluon_ab_calls_each_version_s_fp8_entry_and_says_when_it_cannot_time(capsys):
+    """benchmarks/gluon_ab.py: without a Hopper GPU it says so and exits 0; the call it times for a version of the
+    kernels' module is that module's FP8 entry on V's K-major copy (here the model of lesson 11's machine runs it)."""
+    gluon_ab = _load("gluon_ab")
+    assert gluon_ab.main(["--variant", "before=course_utils/kernels/_base_hopper_ws.py"]) == 0
+    assert "needs a Hopper GPU" in capsys.readouterr().out
+    from course_utils.kernels import fp8, gluon_cpu, hopper_ws
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, h, 256, 64, generator=gen) for h in (2, 1, 1))
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+    with gluon_cpu.running():
+        got = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True)()
+        want = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, True)[0]
+    assert torch.equal(got, want)
