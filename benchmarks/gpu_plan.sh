@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: ncusource gluonab newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: ncusource gluonab newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes gradeclass speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -84,6 +84,9 @@
 #           then the Gluon kernels' tests (test_hopper_ws.py, test_gluon_cpu.py, test_kernels_fp8.py) on the GPU
 #   celltimes benchmarks/cell_times.py: every solution notebook top to bottom, each code cell's seconds, appended to a
 #           copy of results/cell_times.json in $OUT (the CPU's run is what the README quotes; this is the GPU's)
+#   gradeclass benchmarks/grade_class.py --learners 4: the batch grader on a synthetic class of four (lessons 01-05
+#           and 07, seconds per learner, peak memory), appended to a copy of results/grade_class.json in $OUT (the
+#           README quotes the CPU's runs; a class's grading on a GPU was never measured)
 #   suite1  the whole suite, first half: tests/ files up to test_grading_part2.py
 #   suite2  the rest of tests/ and nbval over solutions/
 #   fwd     tune_fast.py --variants-only (causal and not): the warp-specialised one-warpgroup forward
@@ -268,6 +271,9 @@ for step in "$@"; do
     celltimes)
       cp results/cell_times.json "$OUT/cell_times.json"
       run celltimes "$PY" benchmarks/cell_times.py --json "$OUT/cell_times.json" ;;
+    gradeclass)
+      cp results/grade_class.json "$OUT/grade_class.json"
+      run gradeclass "$PY" benchmarks/grade_class.py --learners 4 --json "$OUT/grade_class.json" ;;
     suite1)
       run suite1 "${PYTEST[@]}" -n 15 --dist loadfile $(half 1) ;;
     suite2)
