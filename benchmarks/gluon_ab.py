@@ -14,8 +14,9 @@ faster on an H100 and reverted; to time them again, check out 12c20b6 and give i
 The kernels alone are timed (e4m3 inputs and V's copies made once, outside), GQA 32/8, D = 128, 16k tokens a batch,
 N 4k-16k, causal and not, as the public routes launch them (the serial loop; bf16 with the FMA softmax, and
 without the causal mask on the persistent grid); ``--kinds fp8 bf16``. Each output is checked against
-cuDNN's first. Writes ``--out`` (JSON rows: each version's ms and TFLOP/s, ``<name>_over_cudnn``, and
-``current_over_<name>`` = name_ms / current_ms).
+cuDNN's first. ``--wide`` (FP8) adds ``current_wide``: the current module's wide tiles (``block_n=256``, FA3's
+256 keys a tile). Writes ``--out`` (JSON rows: each version's ms and TFLOP/s, ``<name>_over_cudnn``,
+``current_over_<name>`` = name_ms / current_ms, and ``wide_over_current``).
 
     python benchmarks/gluon_ab.py --variant before=course_utils/kernels/_base_hopper_ws.py --out ab.json
 """
@@ -43,15 +44,15 @@ def _rel(a, b) -> float:
     return (torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float())).item()
 
 
-def _fp8_call(module, q8, k8, v8, scales, causal):
+def _fp8_call(module, q8, k8, v8, scales, causal, **options):
     """``module``'s FP8 entry on V's K-major copy, made once (12c20b6's version of this script also handed a module
-    that reads V's keys reordered its own copy)."""
+    that reads V's keys reordered its own copy); ``options`` go to the entry."""
     qs, ks, vs = scales
     vt8 = v8.transpose(2, 3).contiguous()
-    return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal)[0]
+    return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, **options)[0]
 
 
-def measure(modules, kind, n, causal, rounds):
+def measure(modules, kind, n, causal, rounds, wide=False):
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -60,6 +61,8 @@ def measure(modules, kind, n, causal, rounds):
     if kind == "fp8":
         (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
         calls = {name: _fp8_call(m, q8, k8, v8, (qs, ks, vs), causal) for name, m in modules.items()}
+        if wide:  # the current module's wide tiles (FA3's: 256 keys a tile, two scale blocks each)
+            calls["current_wide"] = _fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), causal, block_n=256)
         tolerance = fp8_bench.FP8_TOLERANCE
     else:
         persistent = dispatch.gluon_persistent(causal, None)  # as the public route runs it
@@ -74,9 +77,10 @@ def measure(modules, kind, n, causal, rounds):
     calls["cudnn"] = cudnn
     outs = {name: fn() for name, fn in calls.items()}
     row = dict(kind=kind, n=n, batch=batch, causal=causal)
-    for name in modules:
+    timed = [name for name in calls if name != "cudnn"]
+    for name in timed:
         row[f"{name}_vs_cudnn"] = _rel(outs[name], outs["cudnn"])
-    if max(row[f"{name}_vs_cudnn"] for name in modules) > tolerance:
+    if max(row[f"{name}_vs_cudnn"] for name in timed) > tolerance:
         return dict(row, status="mismatch")
     times = {name: [] for name in calls}
     for r in range(rounds):
@@ -86,10 +90,12 @@ def measure(modules, kind, n, causal, rounds):
     for name, ts in times.items():
         row[f"{name}_ms"] = statistics.median(ts)
         row[f"{name}_tflops"] = tflops(flops, row[f"{name}_ms"])
-    for name in modules:
+    for name in timed:
         row[f"{name}_over_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]
-        if name != "current":
+        if name not in ("current", "current_wide"):
             row[f"current_over_{name}"] = row[f"{name}_ms"] / row["current_ms"]
+    if "current_wide" in calls:
+        row["wide_over_current"] = row["current_ms"] / row["current_wide_ms"]
     return dict(row, status="ok")
 
 
@@ -101,6 +107,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ns", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--kinds", nargs="+", choices=("fp8", "bf16"), default=["fp8", "bf16"])
+    parser.add_argument("--wide", action="store_true",
+                        help="FP8: also the current module's wide tiles (attention_fp8(block_n=256)), wide_over_current")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         print("needs a Hopper GPU (the Gluon kernels compile for sm_90 only)")
@@ -113,12 +121,12 @@ def main(argv=None):
         modules[name] = importlib.import_module(f"course_utils.kernels.{Path(path).stem}")
     modules["current"] = hopper_ws
     info = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=__import__("triton").__version__,
-                rounds=args.rounds, variants=args.variant)
+                rounds=args.rounds, variants=args.variant, wide=args.wide)
     rows = []
     for kind in args.kinds:
         for causal in (True, False):
             for n in args.ns:
-                row = measure(modules, kind, n, causal, args.rounds)
+                row = measure(modules, kind, n, causal, args.rounds, args.wide)
                 rows.append(row)
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
                       flush=True)

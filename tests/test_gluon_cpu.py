@@ -60,6 +60,42 @@ def test_the_fp8_entry_computes_attention_on_e4m3_tiles(causal, d, loop, buffers
     assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("causal,block_size,n", [(True, 128, 768), (False, 128, 512), (True, 256, 1024),
+                                                 (False, 512, 1024)])
+def test_the_fp8_entry_s_wide_tiles_compute_attention(causal, block_size, n):
+    """attention_fp8(block_n=256): each tile of 256 keys holds two scale blocks of 128 (or lies in one longer block),
+    each half its own k_scale and v_scale; with the blocks' magnitudes 150x apart, as accurate as 128-key tiles."""
+    g = torch.Generator().manual_seed(n + block_size)
+    q, k, v = (torch.randn(1, h, n, 64, generator=g) for h in (4, 2, 2))
+    blocks = torch.tensor([1.0, 30.0, 0.2, 5.0, 1.0, 0.05, 3.0, 0.5])[: n // 128]
+    scale = blocks[None, None, :, None].repeat_interleave(128, 2)
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t, block_size) for t in (q, k * scale.sqrt(), v * scale))
+    vt8 = v8.transpose(2, 3).contiguous()
+    with gluon_cpu.running(seed=n):
+        o, lse = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, block_size=block_size, block_n=256)
+        narrow, _ = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, block_size=block_size)
+    deq = [fp8.dequantize_fp8(x, s, block_size).double().numpy() for x, s in ((q8, qs), (k8, ks), (v8, vs))]
+    ro, rl = references.attention_lse(*deq, causal=causal)
+    assert o.dtype == torch.bfloat16 and _rel(o, ro) < 0.035 and _rel(o, ro) < 1.2 * _rel(narrow, ro), (
+        _rel(o, ro), _rel(narrow, ro))
+    assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
+def test_a_wide_tile_that_scales_both_halves_alike_is_wrong(tmp_path):
+    """The planted mistake: the second half of a wide tile with the first half's v_scale ratio (one scale per tile,
+    as with 128-key tiles) is wrong where the two halves' blocks differ."""
+    planted = _planted(tmp_path, hopper_ws, "p1 = gl.exp2(gl.fma(s1, ts1, -(off - gl.log2(r1))[:, None]))",
+                       "p1 = gl.exp2(gl.fma(s1, ts1, -(off - gl.log2(r0))[:, None]))", "planted_ws_wide")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 512, 64, generator=g) for h in (2, 1, 1))
+    v = v * torch.tensor([1.0, 20.0, 1.0, 20.0]).repeat_interleave(128)[None, None, :, None]
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+    with gluon_cpu.running(host_modules=(planted, )):
+        o, _ = planted.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, block_n=256)
+    deq = [fp8.dequantize_fp8(x, s).double().numpy() for x, s in ((q8, qs), (k8, ks), (v8, vs))]
+    assert _rel(o, references.attention(*deq)) > 0.2
+
+
 @pytest.mark.parametrize("window,sinks,n,d,loop,fp8_tiles", [
     (256, 0, 768, 64, "serial", False), (200, 4, 768, 128, "serial", False), (128, 130, 1024, 64, "pingpong", False),
     (64, 1, 512, 64, "serial", False), (300, 4, 768, 64, "serial", True)])

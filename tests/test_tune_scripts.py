@@ -866,4 +866,6 @@ def test_gluon_ab_calls_each_version_s_fp8_entry_and_says_when_it_cannot_time(ca
     with gluon_cpu.running():
         got = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True)()
         want = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, True)[0]
-    assert torch.equal(got, want)
+        wide = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True, block_n=256)()  # --wide's call
+        want_wide = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, True, block_n=256)[0]
+    assert torch.equal(got, want) and torch.equal(wide, want_wide)

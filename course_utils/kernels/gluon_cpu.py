@@ -174,6 +174,7 @@ def _data(x):
 class _Type:
     def __init__(self, shape):
         self.shape = list(shape)
+        self.layout = None  # layouts are ignored
 
 
 class _Tensor:
@@ -468,7 +469,11 @@ def _gl_namespace():
     gl.full = lambda shape, value, dtype, layout=None: _Tensor(torch.full(list(shape), value, dtype=dtype.torch))
     gl.arange = lambda start, end, layout=None: _Tensor(torch.arange(start, end, dtype=torch.int32))
     gl.to_tensor = lambda x: _Tensor(torch.tensor(x, dtype=torch.float32))
-    gl.convert_layout = lambda x, layout: x
+    gl.convert_layout = lambda x, layout, assert_trivial=False: x
+    gl.reshape = lambda x, shape: _Tensor(x.data.reshape(list(shape)))
+    gl.permute = lambda x, order: _Tensor(x.data.permute(tuple(order)))
+    gl.split = lambda x: tuple(_Tensor(t) for t in x.data.unbind(-1))
+    gl.join = lambda a, b: _Tensor(torch.stack([_data(a), _data(b)], dim=-1))
     gl.where = lambda c, a, b: _Tensor(torch.where(_data(c), _data(a), _data(b)))
     gl.maximum = lambda a, b: _Tensor(torch.maximum(_data(a), torch.as_tensor(_data(b))))
     gl.max = lambda x, axis: _Tensor(x.data.max(dim=axis).values)

@@ -37,6 +37,11 @@ rate, the tiles half the shared memory): V handed over transposed (FP8 ``wgmma``
 accumulator in units of the tile's ``v_scale``). Checked on an H200 and an H100; on the H100 1.29-1.36x cuDNN's
 bf16 forward, 1.03-1.12x the course's Triton FP8 kernel (``results/hopper_ws_fp8_probe_h100.json``).
 
+``attention_fp8(..., block_n=256)`` takes FA3's wider FP8 tiles (its 224 keys are not a power of two): 256 keys a
+K/V tile, each half its own scale block (:func:`_wide_softmax`), so half as many waits, barriers, row reductions and
+rescales of the accumulator per key; the serial loop only (compiled for sm_90 without spills but in the causal
+diagonal tile, run on the CPU by :mod:`.gluon_cpu`; not yet timed, so no route takes it).
+
 ``attention(..., persistent=True)`` runs :func:`attn_fwd_ws_persistent`: one program per SM walking the work
 tiles longest first, two Q buffers so that the next tile's Q lands while this one runs, the K/V ring's position
 running on across tiles (compiled with no spills, 192 KiB of shared memory at D = 128; run on the CPU by
@@ -85,6 +90,15 @@ def _block_rows(start_m, off_hz, N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_
     else:
         n_tiles = N // BLOCK_M
     return q_row, kv_row, n_tiles
+
+
+@gluon.jit
+def _key_tiles(n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """:func:`_block_rows`'s count of ``BLOCK_M``-key tiles as tiles of ``BLOCK_N`` keys (FP8's wide tiles: 256), the
+    last one holding the diagonal under the causal mask (the keys past it masked)."""
+    if BLOCK_N != BLOCK_M:
+        n_tiles = (n_tiles * BLOCK_M + BLOCK_N - 1) // BLOCK_N
+    return n_tiles
 
 
 @gluon.jit
@@ -137,6 +151,7 @@ def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ba
     ``V_T`` (FP8): V comes transposed, ``[B * H_kv * D, N]``, and a tile is the ``[D, BLOCK_N]`` box at the
     tile's keys. ``WINDOW``: the tiles of :func:`window_plan`, in its order."""
     start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    n_tiles = _key_tiles(n_tiles, BLOCK_M, BLOCK_N)
     lo = 0
     ns = 0
     if WINDOW:
@@ -257,6 +272,58 @@ def _softmax_core(s, kv_tile, m_i, l_i, qk_scale, rows, window_size, sink_size, 
 
 
 @gluon.jit
+def _wide_scales(j, qk_scale, ks_ptr, vs_ptr, scale_base, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr):
+    """A wide FP8 tile's scales, half by half (each half one scale block of 128 keys or inside a longer one):
+    ``qk_scale`` times each half's ``k_scale``, and each half's ``v_scale``."""
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    blk0 = j * BLOCK_N // SCALE_BLOCK
+    blk1 = (j * BLOCK_N + HALF_N) // SCALE_BLOCK
+    ts0 = qk_scale * gl.load(ks_ptr + scale_base + blk0)
+    ts1 = qk_scale * gl.load(ks_ptr + scale_base + blk1)
+    return ts0, ts1, gl.load(vs_ptr + scale_base + blk0), gl.load(vs_ptr + scale_base + blk1)
+
+
+@gluon.jit
+def _as_rows(x, s_layout: gl.constexpr):
+    """A row vector reduced from a half of the scores, named as ``s_layout``'s rows (the same registers)."""
+    return gl.convert_layout(x, gl.SliceLayout(1, s_layout), assert_trivial=True)
+
+
+@gluon.jit
+def _wide_softmax(s, kv_tile, m_i, l_i, ts0, ts1, vs0, vs1, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr):
+    """:func:`_softmax_core` on a wide FP8 tile (256 keys, two scale blocks of 128): each half its own score scale
+    and ``v_scale``. The halves are the scores' top column bit, the thread's own registers, so splitting and joining
+    them moves nothing. The accumulator takes the larger ``v_scale`` (``v_ref``) as its unit; the other half's P is
+    made smaller by the ratio inside the exponent (``exp2(x - m + 8 + log2 r)``, free), and ``l_i`` adds each
+    half's row sum divided by it again (a multiply a row). Returns the new max and sum, ``alpha``, P as ``P V``'s A
+    operand and ``v_ref``."""
+    M: gl.constexpr = s.type.shape[0]
+    HALF_N: gl.constexpr = BLOCK_N // 2
+    s0, s1 = gl.split(gl.permute(gl.reshape(s, [M, 2, HALF_N]), (0, 2, 1)))
+    if MASK:  # half by half: a thread holds 32 of a half's columns, 64 of the tile's
+        HALF_COLS: gl.constexpr = gl.SliceLayout(0, s0.type.layout)
+        r = gl.convert_layout(rows - kv_tile * BLOCK_N, gl.SliceLayout(1, s0.type.layout), assert_trivial=True)
+        cols = gl.arange(0, HALF_N, layout=HALF_COLS)
+        s0 = gl.where(r[:, None] >= cols[None, :], s0, -float("inf"))
+        s1 = gl.where(r[:, None] >= (cols + HALF_N)[None, :], s1, -float("inf"))
+    m_new = gl.maximum(m_i, gl.maximum(_as_rows(gl.max(s0, axis=1), s_layout) * ts0,
+                                       _as_rows(gl.max(s1, axis=1), s_layout) * ts1))
+    v_ref = gl.maximum(vs0, vs1)
+    r0 = vs0 / v_ref
+    r1 = vs1 / v_ref
+    HALF_ROWS: gl.constexpr = gl.SliceLayout(1, s0.type.layout)
+    off = gl.convert_layout(m_new - 8.0, HALF_ROWS, assert_trivial=True)
+    p0 = gl.exp2(gl.fma(s0, ts0, -(off - gl.log2(r0))[:, None]))
+    p1 = gl.exp2(gl.fma(s1, ts1, -(off - gl.log2(r1))[:, None]))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + _as_rows(gl.sum(p0, axis=1), s_layout) / r0 + _as_rows(gl.sum(p1, axis=1), s_layout) / r1
+    p = gl.reshape(gl.permute(gl.join(p0, p1), (0, 2, 1)), [M, BLOCK_N])
+    p_op = gl.convert_layout(p.to(P_DTYPE), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4))
+    return m_new, l_i, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), p_op, v_ref
+
+
+@gluon.jit
 def _softmax_step(s, kv_tile, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, window_size, sink_size,
                   BLOCK_N: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                   P_DTYPE: gl.constexpr, FMA: gl.constexpr):
@@ -282,9 +349,13 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile, 
     M: gl.constexpr = q.type.shape[0]
     idx = j % NB
     phase = (j // NB) & 1
-    # FP8's two scales for the tile, loaded while the loader's copy and then Q Kᵀ are in flight
-    tile_scale, v_scale = _tile_scales(kv_tile, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N, SCALE_BLOCK,
-                                       v_smem.dtype.is_fp8())
+    # FP8's two scales for the tile, loaded while the loader's copy and then Q Kᵀ are in flight (a wide tile's four)
+    WIDE: gl.constexpr = BLOCK_N > M * 2  # more keys than the program's 128 rows: FP8's wide tiles of 256
+    if WIDE:
+        ts0, ts1, vs0, vs1 = _wide_scales(kv_tile, qk_scale, ks_ptr, vs_ptr, scale_base, BLOCK_N, SCALE_BLOCK)
+    else:
+        tile_scale, v_scale = _tile_scales(kv_tile, qk_scale, v_prev, ks_ptr, vs_ptr, scale_base, BLOCK_N,
+                                           SCALE_BLOCK, v_smem.dtype.is_fp8())
     mbarrier.wait(k_bars.index(idx), phase)
     s = gl.zeros([M, BLOCK_N], gl.float32, s_layout)
     if PINGPONG:
@@ -293,8 +364,14 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile, 
     if PINGPONG:
         mbarrier.arrive(turn_bars.index(1 - ME), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-    m_i, l_i, acc, p_op = _softmax_step(s, kv_tile, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, window_size,
-                                        sink_size, BLOCK_N, MASK, s_layout, o_layout, v_smem.dtype, FMA)
+    if WIDE:
+        m_i, l_i, alpha, p_op, v_scale = _wide_softmax(s, kv_tile, m_i, l_i, ts0, ts1, vs0, vs1, rows, BLOCK_N, MASK,
+                                                       s_layout, o_layout, v_smem.dtype)
+        acc = _rescale(acc, alpha, v_prev, v_scale, True)
+    else:
+        m_i, l_i, acc, p_op = _softmax_step(s, kv_tile, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows,
+                                            window_size, sink_size, BLOCK_N, MASK, s_layout, o_layout, v_smem.dtype,
+                                            FMA)
     mbarrier.wait(v_bars.index(idx), phase)
     acc = warpgroup_mma(p_op, _v_operand(v_smem, idx), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -491,6 +568,7 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     units of 1/256, both undone at the end."""
     FP8: gl.constexpr = v_smem.dtype.is_fp8()
     start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    n_tiles = _key_tiles(n_tiles, BLOCK_M, BLOCK_N)
     HALF: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = HALF_IDX * HALF
     # wgmma's accumulator layouts: 4 warps down the rows, instructions 16 rows x (the tile's width) x 32 bytes
@@ -741,7 +819,7 @@ def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_pt
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _operands(q, k, v, scales):
+def _operands(q, k, v, scales, block_n=BLOCK_N):
     """The launches' shared setup: ``o`` (bf16 from FP8, else ``q``'s dtype), ``lse``, the three TMA descriptors
     over the rows of all heads in one 2-D view (N is a multiple of the boxes, so no box crosses into the next
     head; FP8's V^T ``[B * H_kv * D, N]``, a tile D rows of BLOCK_N keys, the keys contiguous), and the scales
@@ -752,13 +830,13 @@ def _operands(q, k, v, scales):
     o = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16 if fp8 else q.dtype)
     lse = torch.empty(b, h, n, device=q.device, dtype=torch.float32)
     q_desc = _descriptor(q.view(-1, d), [BLOCK_M // 2, d])
-    k_desc = _descriptor(k.view(-1, d), [BLOCK_N, d])
+    k_desc = _descriptor(k.view(-1, d), [block_n, d])
     if fp8:
-        v_desc = _descriptor(v.view(-1, n), [d, BLOCK_N])
+        v_desc = _descriptor(v.view(-1, n), [d, block_n])
         qs, ks, vs = (s.contiguous() for s in scales)
         n_sb = qs.shape[-1]
     else:
-        v_desc = _descriptor(v.view(-1, d), [BLOCK_N, d])
+        v_desc = _descriptor(v.view(-1, d), [block_n, d])
         qs = ks = vs = lse
         n_sb = 1
     return o, lse, (q_desc, k_desc, v_desc), (qs, ks, vs), n_sb
@@ -879,6 +957,20 @@ def _validate_options(num_buffers, loop, fp8: bool) -> None:
         raise ValueError("loop='pipelined' is bf16/fp16 only (it was measured slower than 'serial')")
 
 
+def _validate_wide(q8, block_n, num_buffers, loop, window_size, persistent) -> None:
+    """``block_n``: 128, or FP8's wide tiles of 256 where they run, else ``ValueError`` in one sentence."""
+    if block_n == BLOCK_N:
+        return
+    if block_n != 2 * BLOCK_N:
+        raise ValueError(f"block_n must be {BLOCK_N} or {2 * BLOCK_N} (got {block_n!r})")
+    if loop != "serial" or window_size is not None or persistent:
+        raise ValueError("block_n=256 runs the serial loop only, a program per tile and no window")
+    if num_buffers > 3:
+        raise ValueError(f"block_n=256 fits three K/V slots at most in shared memory (got num_buffers={num_buffers})")
+    if q8.shape[2] % block_n:
+        raise ValueError(f"block_n=256 needs N a multiple of 256 (got N = {q8.shape[2]})")
+
+
 WINDOW_LOOPS = ("serial", "pingpong")  # the loops that take lesson 08's window
 
 
@@ -899,19 +991,19 @@ def _validate_window(causal, window_size, sink_size, loop) -> None:
 
 
 def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, scales=None, block_size=BLOCK_M,
-            window_size=None, sink_size=0):
+            window_size=None, sink_size=0, block_n=BLOCK_N):
     """Descriptors, outputs and the launch, for inputs already validated (``tests/`` compile it from CPU tensors).
 
     FP8: ``q, k`` e4m3, ``v`` the transposed ``vt8`` ``[B, H_kv, D, N]``, ``scales`` ``(q_scale, k_scale,
     v_scale)``; ``o`` is bf16 and ``fma`` is implied. ``window_size`` (causal): lesson 08's window, with
-    ``sink_size`` sinks."""
+    ``sink_size`` sinks; ``block_n`` keys per K/V tile (256: FP8's wide tiles, :func:`_wide_softmax`)."""
     b, h, n, d = q.shape
     fp8 = q.dtype == _FP8
-    o, lse, descs, (qs, ks, vs), n_sb = _operands(q, k, v, scales)
+    o, lse, descs, (qs, ks, vs), n_sb = _operands(q, k, v, scales, block_n)
     grid = (n // BLOCK_M, b * h)
     window = window_size is not None
     attn_fwd_ws[grid](*descs, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb,
-                      int(window_size) if window else 0, int(sink_size), h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
+                      int(window_size) if window else 0, int(sink_size), h, h // k.shape[1], BLOCK_M, block_n, d,
                       num_buffers, block_size, causal, CONSUMER_REGS, LOADER_REGS, loop, fma or fp8, window,
                       num_warps=4, maxnreg=MAXNREG)
     return o, lse
@@ -966,7 +1058,7 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
 
 def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
                   window_size: int | None = None, sink_size: int = 0, num_buffers: int = 2, loop: str = "serial",
-                  persistent: bool = False):
+                  persistent: bool = False, block_n: int = BLOCK_N):
     """``(o, lse)`` of attention over e4m3 inputs on a Hopper GPU: the same three partitions with both products
     in FP8 (``wgmma`` at twice bf16's rate), ``o`` bf16.
 
@@ -976,17 +1068,20 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     ``fp8.launch_fp8_hopper``'s: the scales folded into one FMA per score, P quantised as ``256 p``
     (``fp8.P_SCALE``), the accumulator carried in units of the tile's ``v_scale``. ``num_buffers`` 2-4 (an FP8
     tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``; ``window_size``, ``sink_size``
-    and ``persistent`` (serial or ping-pong; all four slots fit) as in :func:`attention`.
+    and ``persistent`` (serial or ping-pong; all four slots fit) as in :func:`attention`. ``block_n=256``: FA3's
+    wider FP8 tiles, each of two scale blocks (:func:`_wide_softmax`; the serial loop, a program per tile, no window,
+    ``N`` a multiple of 256, two or three slots), half as many waits, barriers and rescales per key.
     """
     _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
     _validate_options(num_buffers, loop, True)
     _validate_window(causal, window_size, sink_size, loop)
     if persistent:
         _validate_persistent(q8, num_buffers, loop)
+    _validate_wide(q8, block_n, num_buffers, loop, window_size, persistent)
     _validate_device(q8)
     scales, sm_scale = (q_scale, k_scale, v_scale), 1.0 / math.sqrt(q8.shape[-1])
     if persistent:
         return _launch_persistent(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, window_size=window_size,
                                   sink_size=sink_size, scales=scales, block_size=block_size)
     return _launch(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, scales, block_size, window_size,
-                   sink_size)
+                   sink_size, block_n)
