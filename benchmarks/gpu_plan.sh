@@ -76,7 +76,7 @@
 #           and test_gpu_fast_decode.py (B = 1 from 64k on PDL)
 #   tests0  the GPU tests no GPU has run yet, with --timeout 120 (a specialised kernel that deadlocks fails alone)
 #   ncusource benchmarks/ncu_source.py: Nsight Compute's stall sampling per SASS instruction of lesson 11's Gluon
-#           forwards (FP8 and bf16, the serial loop): which instruction the warps wait at, where ncu_forward.py's
+#           forwards (FP8 with 128- and 256-key tiles, and bf16, the serial loop): which instruction the warps wait at, where ncu_forward.py's
 #           totals name only the reason ("barrier"); NCU_STEM names the files after the GPU (default ncu_source_h100)
 #   gluonab benchmarks/gluon_ab.py: lesson 11's Gluon forwards (FP8 and bf16, as the routes launch them, N 4k-16k)
 #           against every earlier copy of the kernels' module present as course_utils/kernels/_NAME_hopper_ws.py (made
@@ -241,7 +241,7 @@ for step in "$@"; do
     gluontrain)
       run gluontrain "$PY" -m course_utils.bench --training --gluon --n 4096,8192,16384 --out "$OUT/train_gluon" ;;
     ncusource)
-      run ncu_source "$PY" benchmarks/ncu_source.py gluon_fp8_serial gluon_serial --out "$OUT" \
+      run ncu_source "$PY" benchmarks/ncu_source.py gluon_fp8_serial gluon_fp8_wide gluon_serial --out "$OUT" \
         --stem "${NCU_STEM:-ncu_source_h100}" ;;
     gluonab)
       variants=()

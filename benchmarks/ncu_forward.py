@@ -20,7 +20,8 @@ Kernels (bf16 unless said, GQA 32/8, D = 128, N = 4096, batch 4, not causal):
   previous tile's ``P V``, and that overlap with the consumers' ping-pong and the FMA softmax scale: the counters
   that say why FA3's schedules measured slower here (``results/hopper_ws_probe.json``);
 - ``gluon_fp8_serial``, ``gluon_fp8_overlap``: its FP8 entry (``hopper_ws.attention_fp8``) with the serial loop
-  (the course's fastest FP8 forward) and FA3's overlap, e4m3 inputs quantised beforehand;
+  (the course's fastest FP8 forward) and FA3's overlap, e4m3 inputs quantised beforehand; ``gluon_fp8_wide``: the
+  serial loop on FA3's wider FP8 tiles (``block_n=256``);
 
 ``--kernels`` profiles only some of them and keeps the other kernels' rows of an earlier run.
 
@@ -43,7 +44,8 @@ import sys
 from pathlib import Path
 
 KERNELS = ("lesson05", "fast_1_per_sm", "fast_2_per_sm", "fp8", "fp8_hopper", "fast_2_per_sm_poly", "fp8_hopper_poly",
-           "gluon_serial", "gluon_overlap", "gluon_overlap_pingpong", "gluon_fp8_serial", "gluon_fp8_overlap")
+           "gluon_serial", "gluon_overlap", "gluon_overlap_pingpong", "gluon_fp8_serial", "gluon_fp8_overlap",
+           "gluon_fp8_wide")
 # lesson 11's Gluon loops: the kernel's name -> hopper_ws.attention's options
 GLUON_LOOPS = {"gluon_serial": dict(loop="serial"), "gluon_overlap": dict(loop="overlap"),
                "gluon_overlap_pingpong": dict(loop="overlap_pingpong", fma=True)}
@@ -102,8 +104,11 @@ def one_launch(name: str) -> None:
         if name.startswith("gluon_fp8"):
             from course_utils.kernels import hopper_ws
 
+            # gluon_fp8_wide: the serial loop on FA3's wide FP8 tiles (block_n=256)
+            options = dict(block_n=256) if name == "gluon_fp8_wide" else dict(loop=name.removeprefix("gluon_fp8_"))
+
             def run():
-                return hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, False, loop=name.removeprefix("gluon_fp8_"))
+                return hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, False, **options)
         elif name == "fp8":
             def run():
                 return fp8.launch_fp8(q8, k8, vt8, qs, ks, vs, False, 128, torch.bfloat16)
