@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: ncusource gluonab newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes gradeclass speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: ncusource gluonab fp8wide newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes gradeclass speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -78,6 +78,8 @@
 #   ncusource benchmarks/ncu_source.py: Nsight Compute's stall sampling per SASS instruction of lesson 11's Gluon
 #           forwards (FP8 with 128- and 256-key tiles, and bf16, the serial loop): which instruction the warps wait at, where ncu_forward.py's
 #           totals name only the reason ("barrier"); NCU_STEM names the files after the GPU (default ncu_source_h100)
+#   fp8wide benchmarks/route_check.py --modes fp8wide fp8wide_noncausal: flash_attention_fp8 (e4m3 inputs, N 4k-16k)
+#           with its Gluon route on the wide tiles of 256 keys (fp8.GLUON_WIDE) against tiles of 128, four rounds
 #   gluonab benchmarks/gluon_ab.py: lesson 11's Gluon forwards (FP8 and bf16, as the routes launch them, N 4k-16k)
 #           against every earlier copy of the kernels' module present as course_utils/kernels/_NAME_hopper_ws.py (made
 #           by `git show REV:course_utils/kernels/hopper_ws.py`, untracked, so carried) and, in FP8, against the
@@ -220,6 +222,9 @@ for step in "$@"; do
         --out "$OUT/route_check_fp8persistent.json"
       run test_fp8p "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py tests/test_kernels_fp8.py -k \
         "hopper_ws or transpose" ;;
+    fp8wide)
+      run route_fp8wide "$PY" benchmarks/route_check.py --modes fp8wide fp8wide_noncausal --rounds 4 \
+        --out "$OUT/route_check_fp8wide.json" ;;
     decode16)
       run tune_decode_b16 "$PY" benchmarks/tune_decode.py --points 16:1024 16:4096 \
         --candidates 64:4:2 64:4:3 64:4:4 128:4:2 --counts 1 2 --out "$OUT/tune_decode_b16.json" ;;

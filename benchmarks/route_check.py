@@ -30,7 +30,9 @@ and switched off (``off``):
   (as ``bench fp8`` times it), N 4k-16k (16k tokens a batch), causal and not, with its Gluon route on the persistent
   grid (``fp8.GLUON_PERSISTENT = True``, ``on``) against a program per tile (``False``, ``off``);
 - ``fp8transpose``: the same calls (causal), V's K-major copy made by ``fp8.transpose_tiled``
-  (``fp8.FAST_TRANSPOSE = True``, ``on``) against torch's strided copy (``False``, ``off``).
+  (``fp8.FAST_TRANSPOSE = True``, ``on``) against torch's strided copy (``False``, ``off``);
+- ``fp8wide`` and ``fp8wide_noncausal``: the same calls, causal and not, on the Gluon entry's wide tiles of 256 keys
+  (``fp8.GLUON_WIDE = True``, ``on``) against its tiles of 128 (``False``, ``off``).
 
 bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
 main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
@@ -72,22 +74,27 @@ MIN_N_BEFORE = 8192  # ... against the one before it (``off``: 4k runs lesson 06
 MIN_N_POINTS = [(None, 0, MIN_N_CANDIDATE)]
 MIN_N_WINDOW_POINTS = [(w, s, MIN_N_CANDIDATE) for w in (1024, 4096) for s in (0, 4)]  # windows wide enough
 FP8_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # flash_attention_fp8's Gluon route (from fp8.GLUON_MIN_N)
-NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal")  # timed without the causal mask
-FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose")  # flash_attention_fp8's calls
+# timed without the causal mask
+NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal", "fp8wide_noncausal")
+FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose", "fp8wide", "fp8wide_noncausal")  # flash_attention_fp8
+
 QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)],
          "sinks": [(1024, 4, 16384)], "fma": [(None, 0, 16384), (1024, 0, 16384)], "persistent": [(None, 0, 16384)],
          "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS, "min4k_window": MIN_N_WINDOW_POINTS[:1],
          "fp8persistent": [(None, 0, 16384)],
-         "fp8persistent_noncausal": [(None, 0, 16384)], "fp8transpose": [(None, 0, 4096)]}
+         "fp8persistent_noncausal": [(None, 0, 16384)], "fp8transpose": [(None, 0, 4096)],
+         "fp8wide": [(None, 0, 16384)], "fp8wide_noncausal": [(None, 0, 16384)]}
 MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS, "fma": FMA_POINTS,
          "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS,
          "min4k_window": MIN_N_WINDOW_POINTS,
-         "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS, "fp8transpose": FP8_POINTS}
+         "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS, "fp8transpose": FP8_POINTS,
+         "fp8wide": FP8_POINTS, "fp8wide_noncausal": FP8_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_WINDOW_MIN_N=dispatch.GLUON_WINDOW_MIN_N,
                GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
                GLUON_FMA=dispatch.GLUON_FMA, GLUON_NONCAUSAL_PERSISTENT=dispatch.GLUON_NONCAUSAL_PERSISTENT,
-               FP8_GLUON_PERSISTENT=fp8.GLUON_PERSISTENT, FP8_FAST_TRANSPOSE=fp8.FAST_TRANSPOSE)
+               FP8_GLUON_PERSISTENT=fp8.GLUON_PERSISTENT, FP8_FAST_TRANSPOSE=fp8.FAST_TRANSPOSE,
+               FP8_GLUON_WIDE=fp8.GLUON_WIDE)
 
 
 def set_route(mode: str, on: bool) -> None:
@@ -98,7 +105,8 @@ def set_route(mode: str, on: bool) -> None:
     ``min4k`` / ``min4k_noncausal``: the Gluon forward's threshold at :data:`MIN_N_CANDIDATE` or
     :data:`MIN_N_BEFORE`; ``min4k_window``: the window's threshold the same way;
     ``fp8persistent`` / ``fp8persistent_noncausal``: the FP8 route's persistent grid on or off; ``fp8transpose``:
-    the FP8 entry's tiled transpose of V on or off."""
+    the FP8 entry's tiled transpose of V on or off; ``fp8wide`` / ``fp8wide_noncausal``: the FP8 route's wide tiles
+    on or off."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = on if mode == "persistent" else SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
@@ -113,6 +121,7 @@ def set_route(mode: str, on: bool) -> None:
     fast_backward.GLUON_SINKS = on if mode == "sinks" else SHIPPED["GLUON_SINKS"]
     fp8.GLUON_PERSISTENT = on if mode.startswith("fp8persistent") else SHIPPED["FP8_GLUON_PERSISTENT"]
     fp8.FAST_TRANSPOSE = on if mode == "fp8transpose" else SHIPPED["FP8_FAST_TRANSPOSE"]
+    fp8.GLUON_WIDE = on if mode.startswith("fp8wide") else SHIPPED["FP8_GLUON_WIDE"]
 
 
 def restore() -> None:
@@ -123,6 +132,7 @@ def restore() -> None:
     dispatch.GLUON_FMA = SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
     fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE = SHIPPED["FP8_GLUON_PERSISTENT"], SHIPPED["FP8_FAST_TRANSPOSE"]
+    fp8.GLUON_WIDE = SHIPPED["FP8_GLUON_WIDE"]
 
 
 def make_step(mode, point):

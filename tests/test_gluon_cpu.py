@@ -451,6 +451,34 @@ def test_the_gluon_fp8_entry_is_the_route_flash_attention_fp8_takes_when_it_is_s
 
 
 @needs_interpreter
+def test_the_fp8_route_takes_the_wide_tiles_only_when_switched_on(monkeypatch):
+    """fp8.GLUON_WIDE (off until a GPU times it): on, flash_attention_fp8's Gluon route runs attention_fp8 with
+    block_n=256 (its output bit for bit) where N is a multiple of 256, and the 128-key tiles elsewhere and on the
+    persistent grid."""
+    from course_utils.kernels import flash_attention_fp8
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, h, 512, 128, generator=g) for h in (4, 2, 2))
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+    vt8 = v8.transpose(2, 3).contiguous()
+    monkeypatch.setattr(fp8, "GLUON_MIN_N", 256)
+    assert fp8.GLUON_WIDE is False
+    seen = []
+    entry = hopper_ws.attention_fp8
+    monkeypatch.setattr(hopper_ws, "attention_fp8", lambda *a, **kw: seen.append(kw.get("block_n")) or entry(*a, **kw))
+    with gluon_cpu.running():
+        narrow = flash_attention_fp8(q8, k8, v8, True, q_scale=qs, k_scale=ks, v_scale=vs)
+        monkeypatch.setattr(fp8, "GLUON_WIDE", True)
+        wide = flash_attention_fp8(q8, k8, v8, True, q_scale=qs, k_scale=ks, v_scale=vs)
+        want = entry(q8, k8, vt8, qs, ks, vs, True, block_n=256)[0]
+        short = [quantize[..., :384, :] for quantize in (q8, k8, v8)]
+        flash_attention_fp8(*short, True, q_scale=qs[..., :3], k_scale=ks[..., :3], v_scale=vs[..., :3])  # N = 384
+        monkeypatch.setattr(fp8, "GLUON_PERSISTENT", True)
+        flash_attention_fp8(q8, k8, v8, True, q_scale=qs, k_scale=ks, v_scale=vs)
+    assert seen == [128, 256, 128, 128] and torch.equal(wide, want.float()) and not torch.equal(wide, narrow)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("window_size", [None, 200])
 def test_the_gluon_mode_is_the_route_kernels_flash_attention_takes_when_it_is_set(monkeypatch, window_size):
     """fast_backward's gluon mode behind kernels.flash_attention's autograd: outside a Hopper GPU (or the model of

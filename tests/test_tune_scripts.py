@@ -501,30 +501,37 @@ def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
 
 def test_route_check_s_fp8_modes_turn_one_fp8_switch_and_nothing_else():
     """``fp8persistent`` / ``fp8persistent_noncausal``: ``fp8.GLUON_PERSISTENT`` on or off; ``fp8transpose``:
-    ``fp8.FAST_TRANSPOSE`` on or off; every other switch as shipped; their points are where flash_attention_fp8's Gluon route runs (N from fp8.GLUON_MIN_N), the second
-    without the causal mask."""
+    ``fp8.FAST_TRANSPOSE`` on or off; ``fp8wide`` / ``fp8wide_noncausal``: ``fp8.GLUON_WIDE`` on or off; every other
+    switch as shipped; their points are where flash_attention_fp8's Gluon route runs (N from fp8.GLUON_MIN_N), the
+    ``_noncausal`` ones without the causal mask."""
     from course_utils.kernels import dispatch, fp8
 
     others = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
               dispatch.GLUON_NONCAUSAL_PERSISTENT)
-    shipped = (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE)
+    switches = lambda: (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE, fp8.GLUON_WIDE)  # noqa: E731
+    shipped = switches()
+    assert shipped[2] is False  # the wide tiles wait for a GPU's timing
+    which = {"fp8persistent": 0, "fp8persistent_noncausal": 0, "fp8transpose": 1, "fp8wide": 2, "fp8wide_noncausal": 2}
     try:
+        assert set(route_check.FP8_MODES) == set(which)
         for mode in route_check.FP8_MODES:
             for on in (True, False):
                 route_check.set_route(mode, on)
-                want = (on, shipped[1]) if mode.startswith("fp8persistent") else (shipped[0], on)
-                assert (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE) == want, mode
+                want = list(shipped)
+                want[which[mode]] = on
+                assert switches() == tuple(want), mode
                 assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS,
                         dispatch.GLUON_FMA, dispatch.GLUON_NONCAUSAL_PERSISTENT) == others
         route_check.set_route("fp8persistent", not shipped[0])
         route_check.set_route("fma", True)  # another mode puts them back
-        assert (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE) == shipped
-        route_check.set_route("fp8transpose", not shipped[1])
+        assert switches() == shipped
+        route_check.set_route("fp8wide", not shipped[2])
     finally:
         route_check.restore()
-    assert (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE) == shipped
+    assert switches() == shipped
     assert route_check.FP8_POINTS and all(w is None and n >= fp8.GLUON_MIN_N for w, _, n in route_check.FP8_POINTS)
-    assert "fp8persistent_noncausal" in route_check.NONCAUSAL_MODES and "fp8persistent" not in route_check.NONCAUSAL_MODES
+    for mode in ("fp8persistent", "fp8wide"):
+        assert f"{mode}_noncausal" in route_check.NONCAUSAL_MODES and mode not in route_check.NONCAUSAL_MODES
 
 
 def test_route_check_s_sink_points_have_sinks_beyond_their_window():

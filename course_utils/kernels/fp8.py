@@ -100,6 +100,7 @@ __all__ = [
     "launch_fp8_hopper",
     "GLUON_MIN_N",
     "GLUON_PERSISTENT",
+    "GLUON_WIDE",
     "FAST_TRANSPOSE",
     "transpose_keys",
     "transpose_tiled",
@@ -909,6 +910,11 @@ GLUON_MIN_N: int | None = 4096
 # on an H100 the persistent grid ran 0.95-0.995x a program per tile causal and 0.94-0.95x without the mask, N 4k-16k
 # (benchmarks/route_check.py --modes fp8persistent fp8persistent_noncausal, results/route_check_fp8_h100.json).
 GLUON_PERSISTENT: bool = False
+# Whether that route (a program per tile) runs the entry's wide tiles, FA3's 256 keys a K/V tile
+# (hopper_ws.attention_fp8(..., block_n=256)) where N is a multiple of 256. Off until timed on a GPU: compiled for sm_90
+# and checked in the CPU model only (results/NOTES.md; benchmarks/gluon_ab.py --wide and route_check.py --modes fp8wide
+# time it).
+GLUON_WIDE: bool = False
 
 
 def gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size: int = 128, *,
@@ -940,7 +946,7 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
     v`` ``[B, Hkv, N, D]`` (``Hq`` a multiple of ``Hkv``), any strides, ``16 <=
     D <= 256``. Bad input raises a ``ValueError`` of one sentence. Where :data:`GLUON_MIN_N` is set and
     :func:`gluon_fp8_applies`, lesson 11's Gluon FP8 entry computes it (on its persistent grid while
-    :data:`GLUON_PERSISTENT`).
+    :data:`GLUON_PERSISTENT`; on its wide tiles while :data:`GLUON_WIDE`).
     """
     fp8_in = validate_fp8(q, k, v, q_scale, k_scale, v_scale, block_size)
     if fp8_in:
@@ -953,8 +959,9 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
     if gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size):
         from .hopper_ws import attention_fp8 as gluon_fp8
 
+        wide = GLUON_WIDE and not GLUON_PERSISTENT and q8.shape[2] % 256 == 0
         return gluon_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size=block_size,
-                         persistent=GLUON_PERSISTENT)[0].to(out_dtype)
+                         persistent=GLUON_PERSISTENT, block_n=256 if wide else 128)[0].to(out_dtype)
     if hopper_unsupported_reason(q8, block_size, causal=causal) is None:
         return launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
     return launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
