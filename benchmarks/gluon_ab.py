@@ -37,11 +37,8 @@ import torch  # noqa: E402
 
 from course_utils.bench import fp8 as fp8_bench  # noqa: E402
 from course_utils.bench.cases import attention_flops, tflops  # noqa: E402
+from course_utils.bench.measure import relative_error  # noqa: E402
 from course_utils.kernels import dispatch, fp8, hopper_ws  # noqa: E402
-
-
-def _rel(a, b) -> float:
-    return (torch.linalg.vector_norm(a.float() - b.float()) / torch.linalg.vector_norm(b.float())).item()
 
 
 def _fp8_call(module, q8, k8, v8, scales, causal, **options):
@@ -79,7 +76,7 @@ def measure(modules, kind, n, causal, rounds, wide=False):
     row = dict(kind=kind, n=n, batch=batch, causal=causal)
     timed = [name for name in calls if name != "cudnn"]
     for name in timed:
-        row[f"{name}_vs_cudnn"] = _rel(outs[name], outs["cudnn"])
+        row[f"{name}_vs_cudnn"] = relative_error(outs[name], outs["cudnn"])
     if max(row[f"{name}_vs_cudnn"] for name in timed) > tolerance:
         return dict(row, status="mismatch")
     times = {name: [] for name in calls}

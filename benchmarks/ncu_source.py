@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ncu_forward import KERNELS, ncu_run_info  # noqa: E402
+from ncu_forward import KERNELS, ncu_run_info, write_summary  # noqa: E402
 
 SOURCE_OPTIONS = ("--clock-control", "none", "--set", "full", "--import-source", "yes", "--profile-from-start", "off")
 
@@ -122,13 +122,6 @@ def profile(ncu: str, name: str, out_dir: Path, stem: str, timeout: int = 300) -
     return rows, None
 
 
-def write(out_dir: Path, stem: str, summary: dict) -> None:
-    (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=1))
-    text = markdown(summary)
-    (out_dir / f"{stem}.md").write_text(text)
-    print(text)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kernels", nargs="*", metavar="KERNEL", help=f"any of {', '.join(KERNELS)}")
@@ -143,7 +136,7 @@ def main(argv=None) -> int:
             f = args.out / "ncu" / f"{args.stem}_{name}.csv"
             if f.is_file():
                 summary["kernels"][name] = summarise(parse_source_csv(f.read_text()), args.top)
-        write(args.out, args.stem, summary)
+        write_summary(args.out, args.stem, summary, markdown(summary))
         return 0
     if not args.kernels or set(args.kernels) - set(KERNELS):
         parser.error(f"name one or more kernels of {', '.join(KERNELS)} (or give --from-csv)")
@@ -154,7 +147,7 @@ def main(argv=None) -> int:
     for name in args.kernels:
         rows, error = profile(ncu, name, args.out, args.stem)
         summary["kernels"][name] = dict(error=error) if error else summarise(rows, args.top)
-        write(args.out, args.stem, summary)  # after each kernel: a call stopped by its budget keeps what it had
+        write_summary(args.out, args.stem, summary, markdown(summary))  # after each kernel: a call stopped by its budget keeps what it had
     return 0
 
 

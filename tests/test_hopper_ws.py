@@ -307,19 +307,19 @@ def test_matches_the_float64_reference_on_a_hopper_gpu(b, hq, hkv, n, d, causal,
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
                                        "tests above stand in on a CPU")
-@pytest.mark.parametrize("b,hq,hkv,n,d,causal,loop,buffers,block_size,block_n", [(*case, 128)[:10] for case in [
-    (1, 4, 2, 256, 128, True, "serial", 2, 128),
-    (2, 8, 2, 1024, 128, False, "serial", 3, 128),
-    (1, 32, 8, 2048, 128, True, "pingpong", 2, 256),  # two key tiles to a scale block
-    (1, 8, 2, 1152, 128, True, "overlap", 4, 128),  # tiles 1 to 9: the prologue alone at 1
-    (1, 4, 4, 640, 64, False, "overlap", 2, 128),  # MHA, D = 64
-    (1, 4, 1, 384, 64, True, "serial", 3, 128),  # MQA
-    (1, 8, 2, 1152, 128, True, "overlap_pingpong", 2, 128),
+@pytest.mark.parametrize("b,hq,hkv,n,d,causal,loop,buffers,block_size,block_n", [
+    (1, 4, 2, 256, 128, True, "serial", 2, 128, 128),
+    (2, 8, 2, 1024, 128, False, "serial", 3, 128, 128),
+    (1, 32, 8, 2048, 128, True, "pingpong", 2, 256, 128),  # two key tiles to a scale block
+    (1, 8, 2, 1152, 128, True, "overlap", 4, 128, 128),  # tiles 1 to 9: the prologue alone at 1
+    (1, 4, 4, 640, 64, False, "overlap", 2, 128, 128),  # MHA, D = 64
+    (1, 4, 1, 384, 64, True, "serial", 3, 128, 128),  # MQA
+    (1, 8, 2, 1152, 128, True, "overlap_pingpong", 2, 128, 128),
     (1, 8, 2, 1280, 128, True, "serial", 2, 128, 256),  # FA3's wide FP8 tiles: 5 of 256 keys, two scale blocks each
     (2, 8, 2, 1024, 128, False, "serial", 3, 128, 256),
     (1, 32, 8, 2048, 128, True, "serial", 2, 256, 256),  # a scale block to a wide tile
     (1, 4, 1, 768, 64, True, "serial", 2, 128, 256),  # MQA, D = 64
-]])  # the cases without a block_n: 128
+])
 def test_the_fp8_entry_matches_the_courses_fp8_kernel_on_a_hopper_gpu(b, hq, hkv, n, d, causal, loop, buffers,
                                                                       block_size, block_n):
     """Against lesson 11's Triton FP8 kernel on the same e4m3 inputs (the same arithmetic: P as 256 p in e4m3),
