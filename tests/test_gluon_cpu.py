@@ -81,6 +81,24 @@ def test_the_fp8_entry_s_wide_tiles_compute_attention(causal, block_size, n):
     assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+def test_a_causal_wide_tile_makes_the_first_rows_as_a_128_key_tile_does():
+    """The diagonal tile of a query block in a wide tile's first half: no row sees the second half, so P takes the
+    first half's own v_scale and rounds to e4m3 exactly as the 128-key tiles do (a row's largest P is 256). Scaled
+    by the halves' ratio instead, the sequence's first rows, of a few keys each, were up to 0.1 off (an H100, the
+    forty-seventh session: 48 elements past 3e-2 against lesson 11's Triton kernel)."""
+    g = torch.Generator().manual_seed(47)
+    q, k, v = (torch.randn(1, h, 512, 64, generator=g) for h in (2, 1, 1))
+    v = v * torch.tensor([1.0, 1.7, 1.0, 1.3]).repeat_interleave(128)[None, None, :, None]  # each second half larger
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+    vt8 = v8.transpose(2, 3).contiguous()
+    with gluon_cpu.running(seed=47):
+        o, _ = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, True, block_n=256)
+        narrow, _ = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, True)
+    # the first query block's one tile is such a diagonal: its rows bit for bit as the 128-key tiles make them
+    assert torch.equal(o[:, :, :128], narrow[:, :, :128])
+    assert not torch.equal(o[:, :, 256:384], narrow[:, :, 256:384])  # there P's first tile has the halves' ratio
+
+
 def test_a_wide_tile_that_scales_both_halves_alike_is_wrong(tmp_path):
     """The planted mistake: the second half of a wide tile with the first half's v_scale ratio (one scale per tile,
     as with 128-key tiles) is wrong where the two halves' blocks differ."""

@@ -290,14 +290,19 @@ def _as_rows(x, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _wide_softmax(s, kv_tile, m_i, l_i, ts0, ts1, vs0, vs1, rows, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
+def _wide_softmax(s, kv_tile, m_i, l_i, ts0, ts1, vs0, vs1, rows, row0, BLOCK_N: gl.constexpr, MASK: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, P_DTYPE: gl.constexpr):
     """:func:`_softmax_core` on a wide FP8 tile (256 keys, two scale blocks of 128): each half its own score scale
     and ``v_scale``. The halves are the scores' top column bit, the thread's own registers, so splitting and joining
     them moves nothing. The accumulator takes the larger ``v_scale`` (``v_ref``) as its unit; the other half's P is
     made smaller by the ratio inside the exponent (``exp2(x - m + 8 + log2 r)``, free), and ``l_i`` adds each
     half's row sum divided by it again (a multiply a row). Returns the new max and sum, ``alpha``, P as ``P V``'s A
-    operand and ``v_ref``."""
+    operand and ``v_ref``.
+
+    Where the causal mask hides the whole second half from this consumer's rows (``row0`` on; the diagonal tile of
+    a query block in the tile's first half), ``v_ref`` is the first half's own ``v_scale``: P is then made exactly
+    as in a 128-key tile, each row's largest score giving 256, exact in e4m3. Scaled by ``r < 1`` it would round
+    (up to 6%), and a row of a few keys (the sequence's first rows) leans on that one value."""
     M: gl.constexpr = s.type.shape[0]
     HALF_N: gl.constexpr = BLOCK_N // 2
     s0, s1 = gl.split(gl.permute(gl.reshape(s, [M, 2, HALF_N]), (0, 2, 1)))
@@ -310,6 +315,9 @@ def _wide_softmax(s, kv_tile, m_i, l_i, ts0, ts1, vs0, vs1, rows, BLOCK_N: gl.co
     m_new = gl.maximum(m_i, gl.maximum(_as_rows(gl.max(s0, axis=1), s_layout) * ts0,
                                        _as_rows(gl.max(s1, axis=1), s_layout) * ts1))
     v_ref = gl.maximum(vs0, vs1)
+    if MASK:
+        if kv_tile * BLOCK_N + HALF_N >= row0 + M:  # no row of ours sees the second half (see the docstring)
+            v_ref = vs0
     r0 = vs0 / v_ref
     r1 = vs1 / v_ref
     HALF_ROWS: gl.constexpr = gl.SliceLayout(1, s0.type.layout)
@@ -335,7 +343,7 @@ def _softmax_step(s, kv_tile, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, 
 
 @gluon.jit
 def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile, m_i, l_i, acc, v_prev, qk_scale,
-          ks_ptr, vs_ptr, scale_base, rows, window_size, sink_size, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+          ks_ptr, vs_ptr, scale_base, rows, row0, window_size, sink_size, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
           MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr,
           PINGPONG: gl.constexpr, FMA: gl.constexpr):
     """Step ``j`` of the ring, key tile ``kv_tile`` (the same but under a window): wait for K, ``S = Q Kᵀ``, the
@@ -365,8 +373,8 @@ def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile, 
         mbarrier.arrive(turn_bars.index(1 - ME), count=1)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     if WIDE:
-        m_i, l_i, alpha, p_op, v_scale = _wide_softmax(s, kv_tile, m_i, l_i, ts0, ts1, vs0, vs1, rows, BLOCK_N, MASK,
-                                                       s_layout, o_layout, v_smem.dtype)
+        m_i, l_i, alpha, p_op, v_scale = _wide_softmax(s, kv_tile, m_i, l_i, ts0, ts1, vs0, vs1, rows, row0, BLOCK_N,
+                                                       MASK, s_layout, o_layout, v_smem.dtype)
         acc = _rescale(acc, alpha, v_prev, v_scale, True)
     else:
         m_i, l_i, acc, p_op = _softmax_step(s, kv_tile, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows,
@@ -500,22 +508,22 @@ def _pipelined_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, n_tiles, m_i,
 
 @gluon.jit
 def _causal_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step, n_tiles, m_i, l_i, acc, v_prev,
-                 qk_scale, ks_ptr, vs_ptr, scale_base, rows, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
-                 CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr,
-                 PINGPONG: gl.constexpr, FMA: gl.constexpr):
+                 qk_scale, ks_ptr, vs_ptr, scale_base, rows, row0, BLOCK_N: gl.constexpr,
+                 SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                 ME: gl.constexpr, PINGPONG: gl.constexpr, FMA: gl.constexpr):
     """Key tiles ``0 .. n_tiles - 1`` at ring positions from ``step`` (the serial and ping-pong loops): unmasked,
-    then under ``CAUSAL`` the diagonal tile, masked, last."""
+    then under ``CAUSAL`` the diagonal tile, masked, last. ``rows`` are this consumer's query rows, from ``row0``."""
     n_full = n_tiles
     if CAUSAL:
         n_full = n_tiles - 1
     for j in range(n_full):
         m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, j, m_i, l_i,
-                                      acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, 0, 0, BLOCK_N,
+                                      acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, row0, 0, 0, BLOCK_N,
                                       SCALE_BLOCK, False, s_layout, o_layout, ME, PINGPONG, FMA)
     if CAUSAL:
         m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + n_full, n_full,
-                                      m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, 0, 0, BLOCK_N,
-                                      SCALE_BLOCK, True, s_layout, o_layout, ME, PINGPONG, FMA)
+                                      m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, row0, 0,
+                                      0, BLOCK_N, SCALE_BLOCK, True, s_layout, o_layout, ME, PINGPONG, FMA)
     return m_i, l_i, acc, v_prev
 
 
@@ -528,16 +536,17 @@ def _window_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step,
     the window's) at ring positions from ``step``, masked where they cross its edge or the diagonal; also returns
     how many tiles that was."""
     lo, ns, n_tiles = window_plan(start_m, window_size, sink_size, BLOCK_M, BLOCK_N)
+    row0 = start_m * BLOCK_M + ME * (BLOCK_M // 2)  # this consumer's first row (rows' first)
     for j in range(n_tiles):
         kv_tile = window_kv_tile(j, lo, ns)
         if window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M, BLOCK_N):
             m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, kv_tile,
-                                          m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                          m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, row0,
                                           window_size, sink_size, BLOCK_N, SCALE_BLOCK, 2, s_layout, o_layout, ME,
                                           PINGPONG, FMA)
         else:
             m_i, l_i, acc, v_prev = _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step + j, kv_tile,
-                                          m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
+                                          m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows, row0,
                                           window_size, sink_size, BLOCK_N, SCALE_BLOCK, 0, s_layout, o_layout, ME,
                                           PINGPONG, FMA)
     return m_i, l_i, acc, v_prev, n_tiles
@@ -603,8 +612,8 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     else:
         m_i, l_i, acc, v_prev = _causal_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, 0, n_tiles,
                                              m_i, l_i, acc, v_prev, qk_scale, ks_ptr, vs_ptr, scale_base, rows,
-                                             BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout, HALF_IDX,
-                                             LOOP == "pingpong", FMA)
+                                             start_m * BLOCK_M + ROW0, BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout,
+                                             o_layout, HALF_IDX, LOOP == "pingpong", FMA)
     acc, lse2 = _normalise(acc, m_i, l_i, v_prev, o_layout, FP8)
     _store_rows(o_ptr, lse_ptr, acc, lse2, q_row + ROW0, s_layout, o_layout)
 
@@ -767,8 +776,8 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
         else:
             m_i, l_i, acc, v_prev = _causal_loop(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, step,
                                                  n_tiles, m_i, l_i, acc, v_prev, tile_qk_scale, ks_ptr, vs_ptr,
-                                                 scale_base, rows, BLOCK_N, SCALE_BLOCK, CAUSAL, s_layout, o_layout,
-                                                 HALF_IDX, LOOP == "pingpong", FMA)
+                                                 scale_base, rows, start_m * BLOCK_M + ROW0, BLOCK_N, SCALE_BLOCK,
+                                                 CAUSAL, s_layout, o_layout, HALF_IDX, LOOP == "pingpong", FMA)
         mbarrier.arrive(q_empty.index(slot), count=1)  # the tile's products have completed: its Q half is free
         acc, lse2 = _normalise(acc, m_i, l_i, v_prev, o_layout, FP8)
         _store_rows(o_ptr, lse_ptr, acc, lse2, q_row + ROW0, s_layout, o_layout)
