@@ -1,5 +1,5 @@
 """benchmarks/tune_fast.py, tune_backward.py, tune_window.py, tune_decode.py, tune_decode_variants.py, tune_fp8.py, host_overhead.py,
-ncu_backward.py, route_check.py, host_step.py and step_state.py on the CPU.
+ncu_backward.py, route_check.py, host_step.py, step_state.py, ncu_source.py, gluon_ab.py and membar_probe.py on the CPU.
 
 Every configuration they time is a valid launch that computes the right
 thing (checked here in Triton's interpreter, on a GPU compiled), so that a
@@ -8,6 +8,8 @@ each script explains itself and exits cleanly.
 """
 
 import importlib.util
+import json
+import os
 from pathlib import Path
 
 import course_utils  # noqa: F401  (before triton: switches the interpreter on)
@@ -20,7 +22,7 @@ from course_utils.kernels import flash_attention_with_lse
 from course_utils.kernels.backward import BackwardConfig, attention_backward
 from course_utils.kernels.forward import flash_attention_window_forward
 
-from conftest import DEVICE, ON_GPU, skip_if_specialised_on_gpu
+from conftest import DEVICE, ON_GPU, REPO, skip_if_specialised_on_gpu
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -876,3 +878,33 @@ def test_gluon_ab_calls_each_version_s_fp8_entry_and_says_when_it_cannot_time(ca
         wide = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True, block_n=256)()  # --wide's call
         want_wide = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, True, block_n=256)[0]
     assert torch.equal(got, want) and torch.equal(wide, want_wide)
+
+
+def test_the_membar_probe_counts_the_barriers_triton_puts_between_mbarrier_operations(tmp_path):
+    """benchmarks/membar_probe.py: each pattern of the Gluon consumer's loop compiled for sm_90 with the installed
+    Triton (in a process of its own, the compiler and no GPU) gives the counts recorded for that version in
+    results/membar_probe.json (NOTES quotes them: a wait after a wait on another allocation costs no barrier, an
+    arrive after a wait costs one); and its loop finder reads the body from the label to the branch back."""
+    import subprocess
+    import sys
+
+    import triton
+
+    probe = _load("membar_probe")
+    ptx = "\n".join(["$L__BB0_1:", "\tbar.sync \t0;", "\t@%p1 bra \t$L__BB0_9;", "$L__BB0_2:  // loop",
+                     "\tbar.sync \t0;", "\tmbarrier.try_wait", "\tbar.sync \t0;", "\t@%p2 bra \t$L__BB0_2;",
+                     "\tbar.sync \t0;"])
+    assert probe.loop_barriers(ptx) == 2
+    recorded = json.loads((REPO / "results" / "membar_probe.json").read_text())
+    notes, c = " ".join((REPO / "results" / "NOTES.md").read_text().split()), recorded["3.6.0"]  # the GPUs' Triton
+    for words in (f"one `mbarrier.wait` a step costs {c['wait']}", f"one arrive a step {c['arrive']},",
+                  f"a wait then a wait on another ring still {c['wait_then_wait']}",
+                  f"a wait then an arrive on another ring {c['wait_then_arrive']}"):
+        assert words in notes, words
+    if triton.__version__ not in recorded:
+        pytest.skip(f"results/membar_probe.json has no counts for triton {triton.__version__}")
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "membar_probe.py"), "--out",
+                          str(tmp_path / "probe.json")], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((tmp_path / "probe.json").read_text()) == {triton.__version__: recorded[triton.__version__]}
