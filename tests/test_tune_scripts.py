@@ -846,6 +846,12 @@ def test_ncu_source_ranks_a_kernel_s_instructions_by_their_stall_samples(tmp_pat
         '"0x7f40","MUFU.EX2 R23, R23","600","200"'])
     rows = ncu_source.parse_source_csv(page)
     assert [r["samples"] for r in rows] == [1200, 100, 300, 1800, 600] and rows[3]["not_issued"] == 1790
+    # the header as other tools' readers of this page find it: "Address" without "#", a "Kernel Name" row first,
+    # per-reason columns after the totals
+    other = page.replace('"# Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling '
+                         '(Not-issued Samples)"', '"Kernel Name","attention"\n"Address","Source","Warp Stall Sampling '
+                         '(All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_barrier"')
+    assert other != page and ncu_source.parse_source_csv(other) == rows
     assert [ncu_source.opcode(r["sass"]) for r in rows] == ["SYNCS", "QGMMA", "MUFU", "BAR", "MUFU"]
     summary = ncu_source.summarise(rows, top=2)
     assert [r["address"] for r in summary["top"]] == ["0x7f30", "0x7f00"] and summary["top"][0]["pct"] == 45.0
