@@ -1,5 +1,6 @@
 """benchmarks/tune_fast.py, tune_backward.py, tune_window.py, tune_decode.py, tune_decode_variants.py, tune_fp8.py, host_overhead.py,
-ncu_backward.py, route_check.py, host_step.py, step_state.py, ncu_source.py, gluon_ab.py and membar_probe.py on the CPU.
+ncu_backward.py, route_check.py, host_step.py, step_state.py, ncu_source.py, gluon_ab.py and membar_probe.py
+on the CPU.
 
 Every configuration they time is a valid launch that computes the right
 thing (checked here in Triton's interpreter, on a GPU compiled), so that a

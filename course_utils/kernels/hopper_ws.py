@@ -343,9 +343,9 @@ def _softmax_step(s, kv_tile, m_i, l_i, acc, tile_scale, v_prev, v_scale, rows, 
 
 @gluon.jit
 def _tile(q, k_smem, v_smem, k_bars, v_bars, empty_bars, turn_bars, j, kv_tile, m_i, l_i, acc, v_prev, qk_scale,
-          ks_ptr, vs_ptr, scale_base, rows, row0, window_size, sink_size, BLOCK_N: gl.constexpr, SCALE_BLOCK: gl.constexpr,
-          MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, ME: gl.constexpr,
-          PINGPONG: gl.constexpr, FMA: gl.constexpr):
+          ks_ptr, vs_ptr, scale_base, rows, row0, window_size, sink_size, BLOCK_N: gl.constexpr,
+          SCALE_BLOCK: gl.constexpr, MASK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+          ME: gl.constexpr, PINGPONG: gl.constexpr, FMA: gl.constexpr):
     """Step ``j`` of the ring, key tile ``kv_tile`` (the same but under a window): wait for K, ``S = Q Kᵀ``, the
     softmax, wait for V, ``acc += P V``, release the slot.
 
