@@ -14,9 +14,10 @@ faster on an H100 and reverted; to time them again, check out 12c20b6 and give i
 The kernels alone are timed (e4m3 inputs and V's copies made once, outside), GQA 32/8, D = 128, 16k tokens a batch,
 N 4k-16k, causal and not, as the public routes launch them (the serial loop; bf16 with the FMA softmax, and
 without the causal mask on the persistent grid); ``--kinds fp8 bf16``. Each output is checked against
-cuDNN's first. ``--wide`` (FP8) adds ``current_wide``: the current module's wide tiles (``block_n=256``, FA3's
-256 keys a tile). Writes ``--out`` (JSON rows: each version's ms and TFLOP/s, ``<name>_over_cudnn``,
-``current_over_<name>`` = name_ms / current_ms, and ``wide_over_current``).
+cuDNN's first. ``--wide`` (FP8) adds ``current_wide`` and ``current_wide3``: the current module's wide tiles
+(``block_n=256``, FA3's 256 keys a tile) with 2 slots (as ``fp8.GLUON_WIDE``'s route) and 3. Writes ``--out`` (JSON
+rows: each version's ms and TFLOP/s, ``<name>_over_cudnn``, ``current_over_<name>`` = name_ms / current_ms, and
+``wide_over_current`` / ``wide3_over_current`` = current_ms / theirs).
 
     python benchmarks/gluon_ab.py --variant before=course_utils/kernels/_base_hopper_ws.py --out ab.json
 """
@@ -41,6 +42,11 @@ from course_utils.bench.measure import relative_error  # noqa: E402
 from course_utils.kernels import dispatch, fp8, hopper_ws  # noqa: E402
 
 
+# --wide's calls of the current module: the wide tiles with the route's 2 slots, and with 3 (208 KiB of shared
+# memory, which the H100 and H200 hold; more stages ahead of the consumers, one program per SM either way)
+WIDE = {"current_wide": dict(block_n=256), "current_wide3": dict(block_n=256, num_buffers=3)}
+
+
 def _fp8_call(module, q8, k8, v8, scales, causal, **options):
     """``module``'s FP8 entry on V's K-major copy, made once (12c20b6's version of this script also handed a module
     that reads V's keys reordered its own copy); ``options`` go to the entry."""
@@ -58,8 +64,9 @@ def measure(modules, kind, n, causal, rounds, wide=False):
     if kind == "fp8":
         (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
         calls = {name: _fp8_call(m, q8, k8, v8, (qs, ks, vs), causal) for name, m in modules.items()}
-        if wide:  # the current module's wide tiles (FA3's: 256 keys a tile, two scale blocks each)
-            calls["current_wide"] = _fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), causal, block_n=256)
+        if wide:  # the current module's wide tiles (FA3's: 256 keys a tile, two scale blocks each), 2 and 3 slots
+            for name, options in WIDE.items():
+                calls[name] = _fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), causal, **options)
         tolerance = fp8_bench.FP8_TOLERANCE
     else:
         persistent = dispatch.gluon_persistent(causal, None)  # as the public route runs it
@@ -89,10 +96,10 @@ def measure(modules, kind, n, causal, rounds, wide=False):
         row[f"{name}_tflops"] = tflops(flops, row[f"{name}_ms"])
     for name in timed:
         row[f"{name}_over_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]
-        if name not in ("current", "current_wide"):
+        if name in WIDE:
+            row[f"{name.removeprefix('current_')}_over_current"] = row["current_ms"] / row[f"{name}_ms"]
+        elif name != "current":
             row[f"current_over_{name}"] = row[f"{name}_ms"] / row["current_ms"]
-    if "current_wide" in calls:
-        row["wide_over_current"] = row["current_ms"] / row["current_wide_ms"]
     return dict(row, status="ok")
 
 
@@ -105,7 +112,8 @@ def main(argv=None):
     parser.add_argument("--ns", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--kinds", nargs="+", choices=("fp8", "bf16"), default=["fp8", "bf16"])
     parser.add_argument("--wide", action="store_true",
-                        help="FP8: also the current module's wide tiles (attention_fp8(block_n=256)), wide_over_current")
+                        help="FP8: also the current module's wide tiles (attention_fp8(block_n=256), 2 and 3 slots): "
+                             "wide_over_current, wide3_over_current")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         print("needs a Hopper GPU (the Gluon kernels compile for sm_90 only)")

@@ -83,7 +83,7 @@
 #   gluonab benchmarks/gluon_ab.py: lesson 11's Gluon forwards (FP8 and bf16, as the routes launch them, N 4k-16k)
 #           against every earlier copy of the kernels' module present as course_utils/kernels/_NAME_hopper_ws.py (made
 #           by `git show REV:course_utils/kernels/hopper_ws.py`, untracked, so carried) and, in FP8, against the
-#           current module's wide tiles (attention_fp8(block_n=256), --wide), one process, beside cuDNN;
+#           current module's wide tiles (attention_fp8(block_n=256), --wide: 2 and 3 slots), one process, beside cuDNN;
 #           then the Gluon kernels' tests (test_hopper_ws.py, test_gluon_cpu.py, test_kernels_fp8.py) on the GPU
 #   celltimes benchmarks/cell_times.py: every solution notebook top to bottom, each code cell's seconds, appended to a
 #           copy of results/cell_times.json in $OUT (the CPU's run is what the README quotes; this is the GPU's)

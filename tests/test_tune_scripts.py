@@ -882,9 +882,11 @@ def test_gluon_ab_calls_each_version_s_fp8_entry_and_says_when_it_cannot_time(ca
     with gluon_cpu.running():
         got = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True)()
         want = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, True)[0]
-        wide = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True, block_n=256)()  # --wide's call
-        want_wide = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, True, block_n=256)[0]
+        wide = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True, **gluon_ab.WIDE["current_wide3"])()
+        want_wide = hopper_ws.attention_fp8(q8, k8, v8.transpose(2, 3).contiguous(), qs, ks, vs, True, block_n=256,
+                                            num_buffers=3)[0]  # --wide's call with 3 slots
     assert torch.equal(got, want) and torch.equal(wide, want_wide)
+    assert gluon_ab.WIDE["current_wide"] == dict(block_n=256)  # the route's wide tiles (fp8.GLUON_WIDE)
 
 
 def test_the_membar_probe_counts_the_barriers_triton_puts_between_mbarrier_operations(tmp_path):
