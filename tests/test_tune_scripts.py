@@ -23,7 +23,7 @@ from course_utils.kernels import flash_attention_with_lse
 from course_utils.kernels.backward import BackwardConfig, attention_backward
 from course_utils.kernels.forward import flash_attention_window_forward
 
-from conftest import DEVICE, ON_GPU, REPO, skip_if_specialised_on_gpu
+from conftest import DEVICE, ON_GPU, REPO, markdown_text, skip_if_specialised_on_gpu
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -893,7 +893,8 @@ def test_the_membar_probe_counts_the_barriers_triton_puts_between_mbarrier_opera
     """benchmarks/membar_probe.py: each pattern of the Gluon consumer's loop compiled for sm_90 with the installed
     Triton (in a process of its own, the compiler and no GPU) gives the counts recorded for that version in
     results/membar_probe.json (NOTES quotes them: a wait after a wait on another allocation costs no barrier, an
-    arrive after a wait costs one); and its loop finder reads the body from the label to the branch back."""
+    arrive after a wait costs one; so does lesson 11); and its loop finder reads the body from the label to the branch
+    back."""
     import subprocess
     import sys
 
@@ -910,6 +911,9 @@ def test_the_membar_probe_counts_the_barriers_triton_puts_between_mbarrier_opera
                   f"a wait then a wait on another ring still {c['wait_then_wait']}",
                   f"a wait then an arrive on another ring {c['wait_then_arrive']}"):
         assert words in notes, words
+    lesson = f"a wait then a wait on another ring costs {c['wait_then_wait']} a step, a wait then an arrive on another " \
+             f"ring {c['wait_then_arrive']}"
+    assert lesson in markdown_text("11_hopper_and_fp8"), lesson
     if triton.__version__ not in recorded:
         pytest.skip(f"results/membar_probe.json has no counts for triton {triton.__version__}")
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
