@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     for name in args.kernels:
         rows, error = profile(ncu, name, args.out, args.stem)
         summary["kernels"][name] = dict(error=error) if error else summarise(rows, args.top)
-        write_summary(args.out, args.stem, summary, markdown(summary))  # after each kernel: a call stopped by its budget keeps what it had
+        # after each kernel: a call stopped by its budget keeps what it had
+        write_summary(args.out, args.stem, summary, markdown(summary))
     return 0
 
 

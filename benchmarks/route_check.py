@@ -76,7 +76,8 @@ MIN_N_WINDOW_POINTS = [(w, s, MIN_N_CANDIDATE) for w in (1024, 4096) for s in (0
 FP8_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # flash_attention_fp8's Gluon route (from fp8.GLUON_MIN_N)
 # timed without the causal mask
 NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal", "fp8wide_noncausal")
-FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose", "fp8wide", "fp8wide_noncausal")  # flash_attention_fp8
+# flash_attention_fp8's calls
+FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose", "fp8wide", "fp8wide_noncausal")
 
 QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)],
          "sinks": [(1024, 4, 16384)], "fma": [(None, 0, 16384), (1024, 0, 16384)], "persistent": [(None, 0, 16384)],

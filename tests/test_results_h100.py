@@ -10,7 +10,8 @@ import statistics
 from course_utils import results
 from course_utils.kernels.fast_backward import sink_walk_fits
 
-from conftest import REPO, assert_quoted, decode_points, markdown_text, readme_text, speed_text, training_ratios, window_points
+from conftest import (REPO, assert_quoted, decode_points, markdown_text, readme_text, speed_text, training_ratios,
+                      window_points)
 
 TRAINING = ("training_bench_h100", "training_bench_h100_run2", "training_bench_h100_run3")
 WINDOW = ("window_bench_h100", "window_bench_h100_run2")

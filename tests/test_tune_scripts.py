@@ -911,8 +911,8 @@ def test_the_membar_probe_counts_the_barriers_triton_puts_between_mbarrier_opera
                   f"a wait then a wait on another ring still {c['wait_then_wait']}",
                   f"a wait then an arrive on another ring {c['wait_then_arrive']}"):
         assert words in notes, words
-    lesson = f"a wait then a wait on another ring costs {c['wait_then_wait']} a step, a wait then an arrive on another " \
-             f"ring {c['wait_then_arrive']}"
+    lesson = (f"a wait then a wait on another ring costs {c['wait_then_wait']} a step, a wait then an arrive on "
+              f"another ring {c['wait_then_arrive']}")
     assert lesson in markdown_text("11_hopper_and_fp8"), lesson
     if triton.__version__ not in recorded:
         pytest.skip(f"results/membar_probe.json has no counts for triton {triton.__version__}")
