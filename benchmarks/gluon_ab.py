@@ -15,9 +15,13 @@ The kernels alone are timed (e4m3 inputs and V's copies made once, outside), GQA
 N 4k-16k, causal and not, as the public routes launch them (the serial loop; bf16 with the FMA softmax, and
 without the causal mask on the persistent grid); ``--kinds fp8 bf16``. Each output is checked against
 cuDNN's first. ``--wide`` (FP8) adds ``current_wide`` and ``current_wide3``: the current module's wide tiles
-(``block_n=256``, FA3's 256 keys a tile) with 2 slots (as ``fp8.GLUON_WIDE``'s route) and 3. Writes ``--out`` (JSON
-rows: each version's ms and TFLOP/s, ``<name>_over_cudnn``, ``current_over_<name>`` = name_ms / current_ms, and
-``wide_over_current`` / ``wide3_over_current`` = current_ms / theirs).
+(``block_n=256``, FA3's 256 keys a tile) with 2 slots (as ``fp8.GLUON_WIDE``'s route) and 3. ``--orders`` adds the
+current module's persistent grid walked as by default (every head's longest block first: ``current_persistent``,
+FP8, and bf16 under the causal mask, where the route runs a program per tile) and a kv head's query heads at a
+time (``current_grouped``: ``heads_together=hopper_ws.kv_head_order(32, 4)``, so the programs that run together
+read one kv head's K/V tiles). Writes ``--out`` (JSON rows: each version's ms and TFLOP/s, ``<name>_over_cudnn``,
+``current_over_<name>`` = name_ms / current_ms, and for the current module's other calls ``wide_over_current``,
+``wide3_over_current``, ``persistent_over_current``, ``grouped_over_current`` = current_ms / theirs).
 
     python benchmarks/gluon_ab.py --variant before=course_utils/kernels/_base_hopper_ws.py --out ab.json
 """
@@ -47,6 +51,17 @@ from course_utils.kernels import dispatch, fp8, hopper_ws  # noqa: E402
 WIDE = {"current_wide": dict(block_n=256), "current_wide3": dict(block_n=256, num_buffers=3)}
 
 
+def orders(kind, causal):
+    """--orders' calls of the current module: the persistent grid's default walk where the route does not run it
+    already (FP8; bf16 under the causal mask), and a kv head's query heads at a time (GQA 32/8)."""
+    grouped = dict(persistent=True, heads_together=hopper_ws.kv_head_order(fp8_bench.N_Q_HEADS,
+                                                                           fp8_bench.N_Q_HEADS // fp8_bench.N_KV_HEADS))
+    calls = {"current_grouped": grouped}
+    if kind == "fp8" or not dispatch.gluon_persistent(causal, None):
+        calls = {"current_persistent": dict(persistent=True), **calls}
+    return calls
+
+
 def _fp8_call(module, q8, k8, v8, scales, causal, **options):
     """``module``'s FP8 entry on V's K-major copy, made once (12c20b6's version of this script also handed a module
     that reads V's keys reordered its own copy); ``options`` go to the entry."""
@@ -55,7 +70,7 @@ def _fp8_call(module, q8, k8, v8, scales, causal, **options):
     return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, **options)[0]
 
 
-def measure(modules, kind, n, causal, rounds, wide=False):
+def measure(modules, kind, n, causal, rounds, wide=False, order=False):
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -67,11 +82,15 @@ def measure(modules, kind, n, causal, rounds, wide=False):
         if wide:  # the current module's wide tiles (FA3's: 256 keys a tile, two scale blocks each), 2 and 3 slots
             for name, options in WIDE.items():
                 calls[name] = _fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), causal, **options)
+        for name, options in (orders(kind, causal) if order else {}).items():
+            calls[name] = _fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), causal, **options)
         tolerance = fp8_bench.FP8_TOLERANCE
     else:
         persistent = dispatch.gluon_persistent(causal, None)  # as the public route runs it
         calls = {name: (lambda m=m: m.attention(q, k, v, causal, fma=True, persistent=persistent)[0])
                  for name, m in modules.items()}
+        for name, options in (orders(kind, causal) if order else {}).items():
+            calls[name] = lambda options=options: hopper_ws.attention(q, k, v, causal, fma=True, **options)[0]
         tolerance = fp8_bench.BF16_TOLERANCE
 
     def cudnn():
@@ -96,7 +115,7 @@ def measure(modules, kind, n, causal, rounds, wide=False):
         row[f"{name}_tflops"] = tflops(flops, row[f"{name}_ms"])
     for name in timed:
         row[f"{name}_over_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]
-        if name in WIDE:
+        if name in WIDE or name in ("current_persistent", "current_grouped"):
             row[f"{name.removeprefix('current_')}_over_current"] = row["current_ms"] / row[f"{name}_ms"]
         elif name != "current":
             row[f"current_over_{name}"] = row[f"{name}_ms"] / row["current_ms"]
@@ -114,6 +133,9 @@ def main(argv=None):
     parser.add_argument("--wide", action="store_true",
                         help="FP8: also the current module's wide tiles (attention_fp8(block_n=256), 2 and 3 slots): "
                              "wide_over_current, wide3_over_current")
+    parser.add_argument("--orders", action="store_true",
+                        help="also the current module's persistent grid, walked as by default and a kv head's query "
+                             "heads at a time: persistent_over_current, grouped_over_current")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         print("needs a Hopper GPU (the Gluon kernels compile for sm_90 only)")
@@ -126,12 +148,12 @@ def main(argv=None):
         modules[name] = importlib.import_module(f"course_utils.kernels.{Path(path).stem}")
     modules["current"] = hopper_ws
     info = dict(gpu=torch.cuda.get_device_name(0), torch=torch.__version__, triton=__import__("triton").__version__,
-                rounds=args.rounds, variants=args.variant, wide=args.wide)
+                rounds=args.rounds, variants=args.variant, wide=args.wide, orders=args.orders)
     rows = []
     for kind in args.kinds:
         for causal in (True, False):
             for n in args.ns:
-                row = measure(modules, kind, n, causal, args.rounds, args.wide)
+                row = measure(modules, kind, n, causal, args.rounds, args.wide, args.orders)
                 rows.append(row)
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
                       flush=True)

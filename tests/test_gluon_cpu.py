@@ -192,6 +192,71 @@ def test_the_persistent_grid_walks_every_fp8_work_tile_once(causal, d, loop, buf
     assert (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("causal,fp8_tiles,window,heads,n_programs", [
+    (True, False, None, 1, 3), (False, False, None, 4, 5), (True, False, None, 2, 64),
+    (True, False, 200, 4, 3), (True, True, None, 4, 3), (False, True, None, 1, 2), (True, True, 300, 2, 5)])
+def test_the_persistent_grid_walked_a_few_heads_at_a_time_makes_the_same_output(causal, fp8_tiles, window, heads,
+                                                                                n_programs):
+    """heads_together: the same work tiles in another order (a kv head's query heads side by side), so the same o
+    and lse bit for bit as the default walk (every head's longest block first); each work tile's own head (its q
+    scale under FP8, its kv head) whichever program runs it."""
+    g = torch.Generator().manual_seed(heads + n_programs)
+    q, k, v = (torch.randn(2, h, 512, 64, generator=g) for h in (4, 2, 2))
+    sinks = 0 if window is None else 3
+    if fp8_tiles:
+        (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+        args = (q8, k8, v8.transpose(2, 3).contiguous(), causal, 1 / 8, 2, "serial", True, n_programs)
+        extra = dict(scales=(qs, ks, vs), window_size=window, sink_size=sinks)
+    else:
+        args = (*(t.bfloat16() for t in (q, k, v)), causal, 1 / 8, 2, "serial", True, n_programs)
+        extra = dict(window_size=window, sink_size=sinks)
+    with gluon_cpu.running(seed=n_programs):
+        want_o, want_lse = hopper_ws._launch_persistent(*args, **extra)
+        o, lse = hopper_ws._launch_persistent(*args, **extra, heads_together=heads)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    if fp8_tiles:
+        deq = [fp8.dequantize_fp8(x, s).double().numpy() for x, s in ((q8, qs), (k8, ks), (v8, vs))]
+    else:
+        deq = [t.bfloat16().double().numpy() for t in (q, k, v)]
+    ro, _ = references.attention_lse(*deq, causal=causal, window_size=window, sink_size=sinks)
+    assert _rel(o, ro) < (0.035 if fp8_tiles else 1e-2), _rel(o, ro)
+
+
+def _greedy_load(n_blocks, rows, heads, programs=132):
+    """The persistent grid's causal load model: work tile t of :func:`hopper_ws._work_tile`'s walk (``heads`` rows
+    at a time, the longest blocks first) goes to program ``t % programs``, and costs its key tiles plus one (its
+    Q, epilogue); the busiest program's load over the mean."""
+    loads = [0] * programs
+    for t in range(n_blocks * rows):
+        w = t % (n_blocks * heads)
+        loads[t % programs] += n_blocks - w // heads + 1
+    return max(loads) * programs / sum(loads)
+
+
+def test_the_kv_head_order_keeps_the_causal_load_as_even_as_the_default_walk():
+    """kv_head_order: a kv head's query heads side by side, at least four rows a run where H allows; in the
+    causal load model over 132 programs (16k tokens a batch, 32 query heads) it balances as well as walking all rows
+    at once, where one row at a time leaves the busiest program 12% above the mean at 4k (its docstring's
+    figures)."""
+    assert [hopper_ws.kv_head_order(32, g) for g in (1, 2, 4, 8, 32)] == [4, 4, 4, 8, 32]
+    assert [hopper_ws.kv_head_order(h, g) for h, g in ((6, 3), (12, 3), (2, 1))] == [6, 6, 2]  # as far as H allows
+    for n, batch in ((4096, 4), (8192, 2), (16384, 1)):
+        rows, n_blocks = batch * 32, n // 128
+        default = _greedy_load(n_blocks, rows, rows)
+        assert _greedy_load(n_blocks, rows, hopper_ws.kv_head_order(32, 4)) == pytest.approx(default, abs=1e-9)
+    assert round(_greedy_load(32, 128, 1), 2) == 1.12 and round(_greedy_load(32, 128, 4), 2) == 1.03
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(heads_together=4), "pass persistent=True"), (dict(persistent=True, heads_together=3), "dividing B \\* H = 8"),
+    (dict(persistent=True, heads_together=0), "whole number"), (dict(persistent=True, heads_together=2.0), "whole")])
+def test_heads_together_is_refused_off_the_persistent_grid_or_when_it_splits_a_run(options, message):
+    q = torch.zeros(2, 4, 256, 64, dtype=torch.bfloat16)
+    k = torch.zeros(2, 2, 256, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        hopper_ws.attention(q, k, k, **options)
+
+
 def _backward(module, causal, d, block_m, buffers, dq_block_n, n=384, seed=0, window_size=None, sink_size=0):
     g = torch.Generator().manual_seed(n + d + block_m)
     q, do = (torch.randn(1, 4, n, d, generator=g).bfloat16() for _ in range(2))

@@ -29,13 +29,13 @@ FP8_CASES = [(True, 128, "serial", 2), (False, 128, "pingpong", 3), (True, 128, 
 # lesson 08's window (causal): D, loop, window_size, sink_size, FP8
 WINDOW_CASES = [(128, "serial", 1024, 4, False), (128, "pingpong", 256, 0, False), (64, "serial", 4096, 4, False),
                 (128, "serial", 1024, 4, True)]
-# the persistent grid: causal, D, loop, window_size, sink_size, fma
+# the persistent grid: causal, D, loop, window_size, sink_size, fma[, heads_together]
 PERSISTENT_CASES = [(True, 128, "serial", None, 0, False), (False, 128, "pingpong", None, 0, False),
                     (True, 128, "serial", 1024, 4, False), (True, 128, "pingpong", 256, 0, False),
-                    (True, 128, "serial", 1024, 4, True)]
-# FP8 (attention_fp8's tiles) on the persistent grid: causal, D, loop, window_size, sink_size, buffers
+                    (True, 128, "serial", 1024, 4, True), (False, 128, "serial", None, 0, True, 4)]
+# FP8 (attention_fp8's tiles) on the persistent grid: causal, D, loop, window_size, sink_size, buffers[, heads_together]
 PERSISTENT_FP8_CASES = [(True, 128, "serial", None, 0, 3), (False, 128, "pingpong", None, 0, 2),
-                        (True, 128, "serial", 1024, 4, 2)]
+                        (True, 128, "serial", 1024, 4, 2), (True, 128, "serial", None, 0, 2, 4)]
 # FP8's wide tiles (attention_fp8(block_n=256), the serial loop): causal, D, buffers
 WIDE_CASES = [(False, 128, 2), (True, 128, 2), (False, 128, 3), (True, 64, 2)]
 
@@ -70,24 +70,26 @@ for d, loop, window, sinks, fp8 in window_cases:
     launches_of.append(((q, k, v, True, 0.1, 2, loop, fp8, scales, 128, window, sinks),
                         f"window {d} {loop} {window} {sinks} {fp8}"))
 out = []
-for causal, d, loop, window, sinks, fma in persistent_cases:
+for causal, d, loop, window, sinks, fma, *heads in persistent_cases:
     q, k = torch.empty(1, 32, 1024, d, dtype=torch.bfloat16), torch.empty(1, 8, 1024, d, dtype=torch.bfloat16)
     with targets._captured_launches() as launches:
-        hopper_ws._launch_persistent(q, k, k, causal, 0.1, 2, loop, fma, 132, window_size=window, sink_size=sinks)
+        hopper_ws._launch_persistent(q, k, k, causal, 0.1, 2, loop, fma, 132, window_size=window, sink_size=sinks,
+                                     heads_together=heads[0] if heads else None)
     (kernel, args, kwargs), = launches
     case = (f"persistent {causal} {d} {loop}" + ("" if window is None else f" window {window} {sinks}")
-            + (" fma" if fma else ""))
+            + (" fma" if fma else "") + (f" heads {heads[0]}" if heads else ""))
     out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case, warnings=True)))
-for causal, d, loop, window, sinks, buffers in persistent_fp8_cases:
+for causal, d, loop, window, sinks, buffers, *heads in persistent_fp8_cases:
     q8 = torch.empty(1, 32, 1024, d, dtype=torch.float8_e4m3fn)
     k8 = torch.empty(1, 8, 1024, d, dtype=torch.float8_e4m3fn)
     vt8 = torch.empty(1, 8, d, 1024, dtype=torch.float8_e4m3fn)
     scales = (torch.ones(1, 32, 8), torch.ones(1, 8, 8), torch.ones(1, 8, 8))
     with targets._captured_launches() as launches:
         hopper_ws._launch_persistent(q8, k8, vt8, causal, 0.1, buffers, loop, True, 132, window_size=window,
-                                     sink_size=sinks, scales=scales)
+                                     sink_size=sinks, scales=scales, heads_together=heads[0] if heads else None)
     (kernel, args, kwargs), = launches
-    case = f"fp8 persistent {causal} {d} {loop} {buffers}" + ("" if window is None else f" window {window} {sinks}")
+    case = (f"fp8 persistent {causal} {d} {loop} {buffers}" + ("" if window is None else f" window {window} {sinks}")
+            + (f" heads {heads[0]}" if heads else ""))
     out.append(vars(targets.compile_launch(kernel, args, kwargs, 90, case, warnings=True)))
 for args, case in launches_of:
     with targets._captured_launches() as launches:
@@ -188,9 +190,10 @@ def test_the_fp8_entry_multiplies_e4m3_tiles_of_half_the_memory(compiled):
     bf16, fp8 = by_case["True 128 serial False 2"]["shared_bytes"], by_case["fp8 True 128 serial 2"]["shared_bytes"]
     assert 0 < 2 * fp8 - bf16 <= 512, (bf16, fp8)  # the tiles halve; only the barriers' bytes stay
     # the persistent grid's FP8 tiles: the same products, and two Q buffers of e4m3 beside three K/V slots
-    for causal, d, loop, window, sinks, buffers in PERSISTENT_FP8_CASES:
+    for causal, d, loop, window, sinks, buffers, *heads in PERSISTENT_FP8_CASES:
         window_case = "" if window is None else f" window {window} {sinks}"
-        r = by_case[f"fp8 persistent {causal} {d} {loop} {buffers}{window_case}"]
+        heads_case = f" heads {heads[0]}" if heads else ""
+        r = by_case[f"fp8 persistent {causal} {d} {loop} {buffers}{window_case}{heads_case}"]
         assert set(r["wgmma"]) == {"m64n128k32.f32.e4m3.e4m3", f"m64n{d}k32.f32.e4m3.e4m3"}, r["wgmma"]
     bf16 = by_case["persistent True 128 serial"]["shared_bytes"]  # 2 slots: 4 Q halves + 4 K/V tiles of bf16
     fp8_3 = by_case["fp8 persistent True 128 serial 3"]["shared_bytes"]  # 3 slots: 4 Q halves + 6 tiles of e4m3
@@ -365,6 +368,36 @@ def test_the_fp8_persistent_grid_matches_the_fp8_entry_on_a_hopper_gpu(b, hq, hk
     deq = (fp8.dequantize_fp8(x, s, block_size) for x, s in ((q8, qs), (k8, ks), (vt8.transpose(2, 3), vs)))
     ro, rl = _reference(*deq, causal, **({} if window is None else mask))
     assert rel_rms(o, ro) < 0.05, rel_rms(o, ro)
+    assert (lse - rl).abs().max().item() < 2e-2
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
+                                       "tests above and tests/test_gluon_cpu.py's model stand in on a CPU")
+@pytest.mark.parametrize("fp8_tiles,causal,window", [
+    (False, True, None), (False, False, None), (True, True, None), (True, False, None), (False, True, 300)])
+def test_the_persistent_grid_walked_a_kv_head_at_a_time_matches_its_default_walk_on_a_hopper_gpu(fp8_tiles, causal,
+                                                                                                  window):
+    """heads_together=kv_head_order(...): the same work tiles in another order, so the same o (to bf16's rounding)
+    and lse as the default walk, and right against float64 attention."""
+    from course_utils.bench.fp8 import rel_rms
+    from course_utils.kernels import fp8
+
+    heads = hopper_ws.kv_head_order(8, 4)
+    mask = dict(window_size=window, sink_size=0 if window is None else 4)
+    if fp8_tiles:
+        q8, k8, vt8, qs, ks, vs = _fp8_inputs(2, 8, 2, 1024, 128, 128, "cuda")
+        entry, args, options = hopper_ws.attention_fp8, (q8, k8, vt8, qs, ks, vs, causal), dict(persistent=True)
+        inputs = [fp8.dequantize_fp8(x, s) for x, s in ((q8, qs), (k8, ks), (vt8.transpose(2, 3), vs))]
+    else:
+        g = torch.Generator(device="cuda").manual_seed(heads)
+        inputs = [torch.randn(2, h, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, 2, 2)]
+        entry, args, options = hopper_ws.attention, (*inputs, causal), dict(persistent=True, fma=True)
+    o, lse = entry(*args, **options, **mask, heads_together=heads)
+    want_o, want_lse = entry(*args, **options, **mask)
+    torch.testing.assert_close(o, want_o, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
+    ro, rl = _reference(*inputs, causal, **({} if window is None else mask))
+    assert rel_rms(o, ro) < (0.05 if fp8_tiles else 1e-2), rel_rms(o, ro)
     assert (lse - rl).abs().max().item() < 2e-2
 
 

@@ -887,6 +887,13 @@ def test_gluon_ab_calls_each_version_s_fp8_entry_and_says_when_it_cannot_time(ca
                                             num_buffers=3)[0]  # --wide's call with 3 slots
     assert torch.equal(got, want) and torch.equal(wide, want_wide)
     assert gluon_ab.WIDE["current_wide"] == dict(block_n=256)  # the route's wide tiles (fp8.GLUON_WIDE)
+    # --orders: the persistent grid as by default where the route runs a program per tile, and walked a kv head's
+    # four query heads at a time (GQA 32/8)
+    grouped = dict(persistent=True, heads_together=4)
+    assert gluon_ab.orders("fp8", True) == gluon_ab.orders("fp8", False) == {
+        "current_persistent": dict(persistent=True), "current_grouped": grouped}
+    assert gluon_ab.orders("bf16", True) == {"current_persistent": dict(persistent=True), "current_grouped": grouped}
+    assert gluon_ab.orders("bf16", False) == {"current_grouped": grouped}  # the route's call is the persistent grid
 
 
 def test_the_membar_probe_counts_the_barriers_triton_puts_between_mbarrier_operations(tmp_path):

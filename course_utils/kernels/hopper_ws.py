@@ -49,7 +49,11 @@ running on across tiles (compiled with no spills, 192 KiB of shared memory at D 
 ``attention_fp8(..., persistent=True)`` runs the FP8 tiles on the same grid (each work tile's ``q_scale``, its key
 tiles' scales, V transposed; all four K/V slots fit in 160 KiB; run on the CPU by :mod:`.gluon_cpu` and compiled
 for sm_90 without spills, checked on an H100; there 0.94-0.995x a program per tile, N 4k-16k,
-``results/route_check_fp8_h100.json``, so ``fp8.GLUON_PERSISTENT`` leaves it off).
+``results/route_check_fp8_h100.json``, so ``fp8.GLUON_PERSISTENT`` leaves it off). By default the persistent grid
+walks every head's longest block first, so the programs that run together read K/V tiles of every kv head at once;
+``heads_together`` walks it a few (batch, query head) rows at a time instead (:func:`kv_head_order`: a kv head's
+query heads), as the grid of a program per tile runs (run on the CPU by :mod:`.gluon_cpu`, the same output bit for
+bit; not yet timed).
 
 On a CPU Triton cannot run it (Gluon has no interpreter): ``tests/test_hopper_ws.py`` compiles it for sm_90
 there, and :mod:`.gluon_cpu` runs its Python with a model of the barriers, copies and products
@@ -690,18 +694,25 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, 
 # Persistent: one program per SM walking the (query block, head) tiles
 # -----------------------------------------------------------------------------
 @gluon.jit
-def _work_tile(tile, N, BH, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work tile ``tile`` of the persistent grid: the longest query blocks of every head first (under the causal
-    mask, a greedy longest-first order over the programs), then :func:`_block_rows`."""
-    start_m = N // BLOCK_M - 1 - tile // BH
-    q_row, kv_row, n_tiles = _block_rows(start_m, tile % BH, N, H, GROUP, BLOCK_M, CAUSAL)
-    return start_m, q_row, kv_row, n_tiles
+def _work_tile(tile, N, HEADS, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work tile ``tile`` of the persistent grid, walked ``HEADS`` (batch, query head) rows at a time: within each
+    run of ``HEADS`` rows the longest query blocks first, the rows' blocks of one length side by side (under the
+    causal mask, a greedy longest-first order over the programs); then :func:`_block_rows`, and the row
+    ``off_hz``. ``HEADS = B * H`` (:func:`_launch_persistent`'s default): every head's longest block first."""
+    n_m = N // BLOCK_M
+    span = n_m * HEADS
+    w = tile % span
+    start_m = n_m - 1 - w // HEADS
+    off_hz = tile // span * HEADS + w % HEADS
+    q_row, kv_row, n_tiles = _block_rows(start_m, off_hz, N, H, GROUP, BLOCK_M, CAUSAL)
+    return start_m, off_hz, q_row, kv_row, n_tiles
 
 
 @gluon.jit
 def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                       N, BH, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr, WINDOW: gl.constexpr):
+                       N, BH, HEADS, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
+                       WINDOW: gl.constexpr):
     """The producer of the persistent grid: per work tile, Q's two halves into the tile's Q buffer (two buffers,
     so the next tile's Q lands while this one runs), then its K/V tiles into the ring, whose position runs on
     across work tiles (:func:`_copy_kv`, as :func:`_load_partition`). ``WINDOW``: each work tile's tiles of
@@ -711,7 +722,7 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q
     step = 0
     t = 0
     for tile in range(gl.program_id(0), (N // BLOCK_M) * BH, gl.num_programs(0)):
-        start_m, q_row, kv_row, n_tiles = _work_tile(tile, N, BH, H, GROUP, BLOCK_M, CAUSAL)
+        start_m, off_hz, q_row, kv_row, n_tiles = _work_tile(tile, N, HEADS, H, GROUP, BLOCK_M, CAUSAL)
         vt_row = kv_row // N * v_smem.type.shape[1]  # used with V_T only
         lo = 0
         ns = 0
@@ -736,10 +747,10 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q
 
 @gluon.jit
 def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         turn_bars, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, window_size,
-                         sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         HEAD_DIM: gl.constexpr, SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr,
-                         FMA: gl.constexpr, WINDOW: gl.constexpr):
+                         turn_bars, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, HEADS,
+                         window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_BLOCK: gl.constexpr,
+                         CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr, WINDOW: gl.constexpr):
     """A consumer of the persistent grid: its 64 rows of each work tile (as :func:`_consumer`'s serial and
     ping-pong loops, the ring's position running on), releasing the tile's Q half after its last ``Q Kᵀ``.
     ``WINDOW``: each work tile's :func:`window_plan`, masked where a tile crosses the window's edge or the
@@ -756,14 +767,14 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
     step = 0
     t = 0
     for tile in range(gl.program_id(0), (N // BLOCK_M) * BH, gl.num_programs(0)):
-        start_m, q_row, kv_row, n_tiles = _work_tile(tile, N, BH, H, GROUP, BLOCK_M, CAUSAL)
+        start_m, off_hz, q_row, kv_row, n_tiles = _work_tile(tile, N, HEADS, H, GROUP, BLOCK_M, CAUSAL)
         slot = (t % 2) * 2 + HALF_IDX
         rows = start_m * BLOCK_M + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
         m_i = gl.full([HALF], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
         v_prev = gl.to_tensor(1.0)
-        tile_qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, tile % BH, start_m, kv_row, N, N_SB, BLOCK_M,
+        tile_qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, off_hz, start_m, kv_row, N, N_SB, BLOCK_M,
                                                   SCALE_BLOCK, FP8)
         q = q_smem.index(slot)
         mbarrier.wait(q_bars.index(slot), (t // 2) & 1)
@@ -787,8 +798,8 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
 
 @gluon.jit
 def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH,
-                           window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
+                           HEADS, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
+                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
                            SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr, WINDOW: gl.constexpr):
     """:func:`attn_fwd_ws` as a persistent grid (serial or ping-pong, lesson 08's window with ``WINDOW``; FP8 as
@@ -817,13 +828,15 @@ def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_pt
         mbarrier.init(empty_bars.index(i), count=2)
     gl.warp_specialize([
         (_persistent_consumer, (0, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                                o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, window_size, sink_size,
-                                H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
+                                o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, HEADS, window_size,
+                                sink_size, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA,
+                                WINDOW)),
         (_persistent_consumer, (1, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars, turn_bars,
-                                o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, window_size, sink_size,
-                                H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
+                                o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, HEADS, window_size,
+                                sink_size, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA,
+                                WINDOW)),
         (_persistent_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars,
-                              empty_bars, N, BH, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T,
+                              empty_bars, N, BH, HEADS, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T,
                               WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -852,17 +865,19 @@ def _operands(q, k, v, scales, block_n=BLOCK_N):
 
 
 def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, n_programs=None,
-                       window_size=None, sink_size=0, scales=None, block_size=BLOCK_M):
+                       window_size=None, sink_size=0, scales=None, block_size=BLOCK_M, heads_together=None):
     """:func:`attn_fwd_ws_persistent` for validated inputs: ``n_programs`` (default one per SM) walk the
-    ``N / 128 * B * H`` work tiles; ``window_size`` / ``sink_size``: lesson 08's window (causal); FP8 as
-    :func:`_launch` takes it (``fma`` implied)."""
+    ``N / 128 * B * H`` work tiles, ``heads_together`` (batch, query head) rows at a time (default all of them:
+    :func:`_work_tile`); ``window_size`` / ``sink_size``: lesson 08's window (causal); FP8 as :func:`_launch` takes
+    it (``fma`` implied)."""
     b, h, n, d = q.shape
     o, lse, descs, scale_ptrs, n_sb = _operands(q, k, v, scales)
     work = n // BLOCK_M * b * h
+    heads = b * h if heads_together is None else int(heads_together)
     if n_programs is None:
         n_programs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
     attn_fwd_ws_persistent[(max(1, min(int(n_programs), work)), )](
-        *descs, o, lse, *scale_ptrs, sm_scale * LOG2E, n, n_sb, b * h,
+        *descs, o, lse, *scale_ptrs, sm_scale * LOG2E, n, n_sb, b * h, heads,
         0 if window_size is None else int(window_size), int(sink_size), h, h // k.shape[1], BLOCK_M, BLOCK_N, d,
         num_buffers, block_size, causal, CONSUMER_REGS, LOADER_REGS, loop, fma or q.dtype == _FP8,
         window_size is not None, num_warps=4, maxnreg=MAXNREG)
@@ -1035,9 +1050,32 @@ def _validate_persistent(q, num_buffers, loop) -> None:
                          "buffers")
 
 
+def _validate_heads_together(q, heads_together, persistent) -> None:
+    """``heads_together``: the persistent grid's walk, a whole number of (batch, query head) rows at a time."""
+    if heads_together is None:
+        return
+    if not persistent:
+        raise ValueError("heads_together orders the persistent grid's work tiles: pass persistent=True with it")
+    rows = q.shape[0] * q.shape[1]
+    if isinstance(heads_together, bool) or not isinstance(heads_together, int) or heads_together < 1 \
+            or rows % heads_together:
+        raise ValueError(f"heads_together must be a whole number dividing B * H = {rows} (got {heads_together!r})")
+
+
+def kv_head_order(q_heads: int, group: int, at_least: int = 4) -> int:
+    """A ``heads_together`` that walks the persistent grid a kv head at a time: the ``group`` query heads that share
+    a kv head side by side (each K/V tile read by the programs that run together), doubled while fewer than
+    ``at_least`` and ``q_heads`` allows; fewer than about four rows a run balance the causal mask's unequal blocks
+    worse over 132 programs (a greedy load model: 1.12x the mean load at 4k with one row, 1.03x with four)."""
+    heads = group
+    while heads < at_least and q_heads % (2 * heads) == 0:
+        heads *= 2
+    return heads
+
+
 def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, window_size: int | None = None,
               sink_size: int = 0, num_buffers: int = 2, loop: str = "serial", fma: bool = False,
-              persistent: bool = False):
+              persistent: bool = False, heads_together: int | None = None):
     """``(o, lse)`` of attention over ``q`` ``[B, H, N, D]`` and ``k``, ``v`` ``[B, H_kv, N, D]`` on a Hopper GPU.
 
     bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA; ``lse`` float32 ``[B, H, N]`` (natural log).
@@ -1051,23 +1089,27 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
     sink_size``); each program visits only its sink tiles and the window's.
     ``persistent``: one program per SM walks the (query block, head) tiles, the longest first, the next tile's Q
     loading while this one runs (:func:`attn_fwd_ws_persistent`; serial or ping-pong, with or without a window).
+    ``heads_together`` (with ``persistent``): walk the tiles that many (batch, query head) rows at a time, each
+    run's longest blocks first (a divisor of ``B * H``; :func:`kv_head_order` gives a kv head's query heads); by
+    default all rows at once, every head's longest block first.
     """
     _validate_inputs(q, k, v)
     _validate_options(num_buffers, loop, False)
     _validate_window(causal, window_size, sink_size, loop)
     if persistent:
         _validate_persistent(q, num_buffers, loop)
+    _validate_heads_together(q, heads_together, persistent)
     _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if persistent:
         return _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size,
-                                  sink_size=sink_size)
+                                  sink_size=sink_size, heads_together=heads_together)
     return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size)
 
 
 def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
                   window_size: int | None = None, sink_size: int = 0, num_buffers: int = 2, loop: str = "serial",
-                  persistent: bool = False, block_n: int = BLOCK_N):
+                  persistent: bool = False, block_n: int = BLOCK_N, heads_together: int | None = None):
     """``(o, lse)`` of attention over e4m3 inputs on a Hopper GPU: the same three partitions with both products
     in FP8 (``wgmma`` at twice bf16's rate), ``o`` bf16.
 
@@ -1076,10 +1118,11 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     ``kernels.quantize_fp8`` makes them; ``block_size`` a power of two of at least 128. The arithmetic is
     ``fp8.launch_fp8_hopper``'s: the scales folded into one FMA per score, P quantised as ``256 p``
     (``fp8.P_SCALE``), the accumulator carried in units of the tile's ``v_scale``. ``num_buffers`` 2-4 (an FP8
-    tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``; ``window_size``, ``sink_size``
-    and ``persistent`` (serial or ping-pong; all four slots fit) as in :func:`attention`. ``block_n=256``: FA3's
-    wider FP8 tiles, each of two scale blocks (:func:`_wide_softmax`; the serial loop, a program per tile, no window,
-    ``N`` a multiple of 256, two or three slots), half as many waits, barriers and rescales per key.
+    tile is half a bf16 one); ``loop`` any of :data:`LOOPS` but ``"pipelined"``; ``window_size``, ``sink_size``,
+    ``persistent`` (serial or ping-pong; all four slots fit) and ``heads_together`` as in :func:`attention`.
+    ``block_n=256``: FA3's wider FP8 tiles, each of two scale blocks (:func:`_wide_softmax`; the serial loop, a
+    program per tile, no window, ``N`` a multiple of 256, two or three slots), half as many waits, barriers and
+    rescales per key.
     """
     _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size)
     _validate_options(num_buffers, loop, True)
@@ -1087,10 +1130,12 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     if persistent:
         _validate_persistent(q8, num_buffers, loop)
     _validate_wide(q8, block_n, num_buffers, loop, window_size, persistent)
+    _validate_heads_together(q8, heads_together, persistent)
     _validate_device(q8)
     scales, sm_scale = (q_scale, k_scale, v_scale), 1.0 / math.sqrt(q8.shape[-1])
     if persistent:
         return _launch_persistent(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, window_size=window_size,
-                                  sink_size=sink_size, scales=scales, block_size=block_size)
+                                  sink_size=sink_size, scales=scales, block_size=block_size,
+                                  heads_together=heads_together)
     return _launch(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, scales, block_size, window_size,
                    sink_size, block_n)
