@@ -16,12 +16,13 @@ N 4k-16k, causal and not, as the public routes launch them (the serial loop; bf1
 without the causal mask on the persistent grid); ``--kinds fp8 bf16``. Each output is checked against
 cuDNN's first. ``--wide`` (FP8) adds ``current_wide`` and ``current_wide3``: the current module's wide tiles
 (``block_n=256``, FA3's 256 keys a tile) with 2 slots (as ``fp8.GLUON_WIDE``'s route) and 3. ``--orders`` adds the
-current module's persistent grid walked as by default (every head's longest block first: ``current_persistent``,
-FP8, and bf16 under the causal mask, where the route runs a program per tile) and a kv head's query heads at a
-time (``current_grouped``: ``heads_together=hopper_ws.kv_head_order(32, 4)``, so the programs that run together
-read one kv head's K/V tiles). Writes ``--out`` (JSON rows: each version's ms and TFLOP/s, ``<name>_over_cudnn``,
-``current_over_<name>`` = name_ms / current_ms, and for the current module's other calls ``wide_over_current``,
-``wide3_over_current``, ``persistent_over_current``, ``grouped_over_current`` = current_ms / theirs).
+current module's grids walked a kv head's query heads at a time (``heads_together=hopper_ws.kv_head_order(32, 4)``:
+the programs that run together read one kv head's K/V tiles, and under the causal mask each run's longest blocks
+start first): the route's grid so (``current_grouped``), and the other grid (a program per tile where the route
+runs the persistent one, else the persistent one) as by default and so. Writes ``--out`` (JSON rows: each
+version's ms and TFLOP/s, ``<name>_over_cudnn``, ``current_over_<name>`` = name_ms / current_ms, and for the current
+module's other calls ``current_X``, ``X_over_current`` = current_ms / theirs: ``wide``, ``wide3``, ``grouped``,
+``persistent``, ``tiles``, ...).
 
     python benchmarks/gluon_ab.py --variant before=course_utils/kernels/_base_hopper_ws.py --out ab.json
 """
@@ -52,14 +53,15 @@ WIDE = {"current_wide": dict(block_n=256), "current_wide3": dict(block_n=256, nu
 
 
 def orders(kind, causal):
-    """--orders' calls of the current module: the persistent grid's default walk where the route does not run it
-    already (FP8; bf16 under the causal mask), and a kv head's query heads at a time (GQA 32/8)."""
-    grouped = dict(persistent=True, heads_together=hopper_ws.kv_head_order(fp8_bench.N_Q_HEADS,
-                                                                           fp8_bench.N_Q_HEADS // fp8_bench.N_KV_HEADS))
-    calls = {"current_grouped": grouped}
-    if kind == "fp8" or not dispatch.gluon_persistent(causal, None):
-        calls = {"current_persistent": dict(persistent=True), **calls}
-    return calls
+    """--orders' calls of the current module: the route's grid walked a kv head's query heads at a time
+    (``current_grouped``), and the other grid (a program per tile, or the persistent grid) walked as by default and
+    so (GQA 32/8: four query heads)."""
+    heads = hopper_ws.kv_head_order(fp8_bench.N_Q_HEADS, fp8_bench.N_Q_HEADS // fp8_bench.N_KV_HEADS)
+    persistent = kind == "bf16" and dispatch.gluon_persistent(causal, None)  # the route's grid
+    other = "tiles" if persistent else "persistent"
+    return {"current_grouped": dict(persistent=persistent, heads_together=heads),
+            f"current_{other}": dict(persistent=not persistent),
+            f"current_{other}_grouped": dict(persistent=not persistent, heads_together=heads)}
 
 
 def _fp8_call(module, q8, k8, v8, scales, causal, **options):
@@ -115,7 +117,7 @@ def measure(modules, kind, n, causal, rounds, wide=False, order=False):
         row[f"{name}_tflops"] = tflops(flops, row[f"{name}_ms"])
     for name in timed:
         row[f"{name}_over_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]
-        if name in WIDE or name in ("current_persistent", "current_grouped"):
+        if name.startswith("current_"):  # the current module's other calls
             row[f"{name.removeprefix('current_')}_over_current"] = row["current_ms"] / row[f"{name}_ms"]
         elif name != "current":
             row[f"current_over_{name}"] = row[f"{name}_ms"] / row["current_ms"]
@@ -134,8 +136,8 @@ def main(argv=None):
                         help="FP8: also the current module's wide tiles (attention_fp8(block_n=256), 2 and 3 slots): "
                              "wide_over_current, wide3_over_current")
     parser.add_argument("--orders", action="store_true",
-                        help="also the current module's persistent grid, walked as by default and a kv head's query "
-                             "heads at a time: persistent_over_current, grouped_over_current")
+                        help="also the current module's grids walked a kv head's query heads at a time, and the "
+                             "grid the route does not run: grouped_over_current, persistent_over_current, ...")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         print("needs a Hopper GPU (the Gluon kernels compile for sm_90 only)")

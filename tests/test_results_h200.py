@@ -274,3 +274,28 @@ def test_the_readme_compares_the_h200_runs_with_the_last_runs_before_the_routes(
     quotes = [f"lesson 07's pair) read {before[0]} and {before[1]}.",
               f"read the forward at {fmt(v for vs in window.values() for v in vs)}. The forward + backward"]
     assert_quoted(readme_text(), quotes)
+
+
+def test_notes_quote_the_ladders_drop_from_16k_to_4k():
+    """results/NOTES.md's forty-eighth section: each provider's TFLOP/s at 4k over 16k (medians of the repeats) in
+    the two ladders, and the persistent route against the program-per-tile Gluon kernel at both lengths."""
+    from pathlib import Path
+
+    def tflops(rows, provider, causal, n):
+        return statistics.median(r["tflops"] for r in rows if r["provider"] == provider and r["causal"] == causal
+                                 and r["n"] == n and r["status"] == "ok")
+
+    runs = [results.load(name)["rows"] for name in LADDER]
+    drop = {(p, c): [tflops(rows, p, c, 4096) / tflops(rows, p, c, 16384) for rows in runs]
+            for p in ("course_bf16", "course_fp8", "sdpa_cudnn", "gluon_bf16") for c in (True, False)}
+    route = {n: [tflops(rows, "course_bf16", False, n) / tflops(rows, "gluon_bf16", False, n) for rows in runs]
+             for n in (4096, 16384)}
+    f3 = lambda key: results.value_range(drop[key], ".3f", "")  # noqa: E731
+    notes = " ".join((Path(__file__).resolve().parents[1] / "results" / "NOTES.md").read_text().split())
+    assert_quoted(notes, [
+        f"with the causal mask the public bf16 entry {f3(('course_bf16', True))} in both runs, the FP8 entry "
+        f"{f3(('course_fp8', True))} and cuDNN {f3(('sdpa_cudnn', True))}; without it {f3(('course_bf16', False))}, "
+        f"{f3(('course_fp8', False))} and {f3(('sdpa_cudnn', False))}, where lesson 11's Gluon bf16 kernel on a "
+        f"program per tile (the ladder's Gluon column) keeps {f3(('gluon_bf16', False))}",
+        f"it fell from {results.value_range(route[16384], '.2f', 'x')} the program-per-tile kernel at 16k to "
+        f"{results.value_range(route[4096], '.2f', 'x')} at 4k"])

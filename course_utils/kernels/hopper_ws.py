@@ -50,10 +50,11 @@ running on across tiles (compiled with no spills, 192 KiB of shared memory at D 
 tiles' scales, V transposed; all four K/V slots fit in 160 KiB; run on the CPU by :mod:`.gluon_cpu` and compiled
 for sm_90 without spills, checked on an H100; there 0.94-0.995x a program per tile, N 4k-16k,
 ``results/route_check_fp8_h100.json``, so ``fp8.GLUON_PERSISTENT`` leaves it off). By default the persistent grid
-walks every head's longest block first, so the programs that run together read K/V tiles of every kv head at once;
-``heads_together`` walks it a few (batch, query head) rows at a time instead (:func:`kv_head_order`: a kv head's
-query heads), as the grid of a program per tile runs (run on the CPU by :mod:`.gluon_cpu`, the same output bit for
-bit; not yet timed).
+walks every head's longest block first, so the programs that run together read K/V tiles of every kv head at once,
+and a program per tile takes one head's blocks after another, so under the causal mask the last heads' long blocks
+start last. ``heads_together`` walks either grid a few (batch, query head) rows at a time, each run's longest
+blocks first (:func:`kv_head_order`: a kv head's query heads; run on the CPU by :mod:`.gluon_cpu`, the same output
+bit for bit; not yet timed, so no route passes it).
 
 On a CPU Triton cannot run it (Gluon has no interpreter): ``tests/test_hopper_ws.py`` compiles it for sm_90
 there, and :mod:`.gluon_cpu` runs its Python with a model of the barriers, copies and products
@@ -114,6 +115,33 @@ def program_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexp
 
 
 @gluon.jit
+def _walk(tile, n_m, HEADS: gl.constexpr):
+    """Work tile ``tile`` of a walk over the (query block, row) tiles ``HEADS`` (batch, query head) rows at a time:
+    within each run of ``HEADS`` rows the longest query blocks first (under the causal mask), the rows' blocks of
+    one length side by side; ``(start_m, off_hz)``. ``HEADS = 1``: each row's blocks in turn; ``HEADS = B * H``:
+    every row's longest block first."""
+    span = n_m * HEADS
+    w = tile % span
+    return n_m - 1 - w // HEADS, tile // span * HEADS + w % HEADS
+
+
+@gluon.jit
+def _tile_coords(N, HEADS: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                 CAUSAL: gl.constexpr):
+    """:func:`program_coords` and the row ``off_hz``; with ``HEADS`` (not 0) the programs, in the order the GPU
+    starts them (``program_id(0)`` fastest), walk the tiles ``HEADS`` rows at a time (:func:`_walk`; ``HEADS = 1``
+    is :func:`program_coords`' order, with a division more)."""
+    if HEADS == 0:
+        start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
+        off_hz = gl.program_id(1)
+    else:
+        n_m = N // BLOCK_M
+        start_m, off_hz = _walk(gl.program_id(1) * n_m + gl.program_id(0), n_m, HEADS)
+        q_row, kv_row, n_tiles = _block_rows(start_m, off_hz, N, H, GROUP, BLOCK_M, CAUSAL)
+    return start_m, off_hz, q_row, kv_row, n_tiles
+
+
+@gluon.jit
 def window_plan(start_m, window_size, sink_size, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """Under lesson 08's window (causal; ``BLOCK_N`` dividing ``BLOCK_M``), query block ``start_m``'s key tiles:
     ``ns`` sink tiles (0, 1, ...), then the window's from ``lo`` to the diagonal; ``(lo, ns, n_tiles)``."""
@@ -148,13 +176,14 @@ def window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M: gl.constex
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
-                    window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr, WINDOW: gl.constexpr):
+                    HEADS: gl.constexpr, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
+                    WINDOW: gl.constexpr):
     """The producer: Q's two halves once, then K and V tile by tile into the ring's free slots.
 
     ``V_T`` (FP8): V comes transposed, ``[B * H_kv * D, N]``, and a tile is the ``[D, BLOCK_N]`` box at the
     tile's keys. ``WINDOW``: the tiles of :func:`window_plan`, in its order."""
-    start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    start_m, off_hz, q_row, kv_row, n_tiles = _tile_coords(N, HEADS, H, GROUP, BLOCK_M, CAUSAL)
     n_tiles = _key_tiles(n_tiles, BLOCK_M, BLOCK_N)
     lo = 0
     ns = 0
@@ -570,17 +599,17 @@ def _block_scales(qk_scale, qs_ptr, off_hz, start_m, kv_row, N, N_SB, BLOCK_M: g
 
 @gluon.jit
 def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr,
-              lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H: gl.constexpr,
-              GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr,
-              WINDOW: gl.constexpr):
+              lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, HEADS: gl.constexpr, window_size, sink_size,
+              H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr,
+              FMA: gl.constexpr, WINDOW: gl.constexpr):
     """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, then its part of ``o`` and ``lse``.
 
     FP8 (e4m3 tiles): the program's query rows lie in one scale block, so ``q_scale`` is one number folded into
     ``qk_scale``; ``acc`` is carried in units of the last tile's ``v_scale`` (``v_prev``) and ``l_i`` in P's
     units of 1/256, both undone at the end."""
     FP8: gl.constexpr = v_smem.dtype.is_fp8()
-    start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    start_m, off_hz, q_row, kv_row, n_tiles = _tile_coords(N, HEADS, H, GROUP, BLOCK_M, CAUSAL)
     n_tiles = _key_tiles(n_tiles, BLOCK_M, BLOCK_N)
     HALF: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = HALF_IDX * HALF
@@ -596,7 +625,7 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     v_prev = gl.to_tensor(1.0)
-    qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, gl.program_id(1), start_m, kv_row, N, N_SB, BLOCK_M,
+    qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, off_hz, start_m, kv_row, N, N_SB, BLOCK_M,
                                          SCALE_BLOCK, FP8)
     q = q_smem.index(HALF_IDX)
     mbarrier.wait(q_bars.index(HALF_IDX), 0)
@@ -649,11 +678,11 @@ def _store_rows(o_ptr, lse_ptr, acc, lse2, row0, s_layout: gl.constexpr, o_layou
 
 
 @gluon.jit
-def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size,
-                sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
-                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr,
-                WINDOW: gl.constexpr):
+def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB,
+                HEADS: gl.constexpr, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
+                SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr, WINDOW: gl.constexpr):
     """The buffers and barriers the partitions share, then the three partitions (the first is the default).
 
     FP8 (e4m3 descriptors): ``v_desc`` is over V transposed and ``qs_ptr``, ``ks_ptr``, ``vs_ptr`` are the
@@ -680,13 +709,13 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, 
     # the literal 0 / 1 stays a constexpr, so each consumer is its own specialisation of _consumer
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
-                     HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
+                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, HEADS, window_size, sink_size, H, GROUP, BLOCK_M,
+                     BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
         (_consumer, (1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
-                     HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
+                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, HEADS, window_size, sink_size, H, GROUP, BLOCK_M,
+                     BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
-                           window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T, WINDOW)),
+                           HEADS, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T, WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -694,23 +723,23 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, 
 # Persistent: one program per SM walking the (query block, head) tiles
 # -----------------------------------------------------------------------------
 @gluon.jit
-def _work_tile(tile, N, HEADS, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work tile ``tile`` of the persistent grid, walked ``HEADS`` (batch, query head) rows at a time: within each
-    run of ``HEADS`` rows the longest query blocks first, the rows' blocks of one length side by side (under the
-    causal mask, a greedy longest-first order over the programs); then :func:`_block_rows`, and the row
-    ``off_hz``. ``HEADS = B * H`` (:func:`_launch_persistent`'s default): every head's longest block first."""
-    n_m = N // BLOCK_M
-    span = n_m * HEADS
-    w = tile % span
-    start_m = n_m - 1 - w // HEADS
-    off_hz = tile // span * HEADS + w % HEADS
+def _work_tile(tile, N, BH, HEADS: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+               CAUSAL: gl.constexpr):
+    """Work tile ``tile`` of the persistent grid: ``HEADS = 0``, all ``BH`` (batch, query head) rows' longest
+    blocks first (under the causal mask, a greedy longest-first order over the programs); else walked ``HEADS``
+    rows at a time (:func:`_walk`); then :func:`_block_rows`, and the row ``off_hz``."""
+    if HEADS == 0:
+        start_m = N // BLOCK_M - 1 - tile // BH
+        off_hz = tile % BH
+    else:
+        start_m, off_hz = _walk(tile, N // BLOCK_M, HEADS)
     q_row, kv_row, n_tiles = _block_rows(start_m, off_hz, N, H, GROUP, BLOCK_M, CAUSAL)
     return start_m, off_hz, q_row, kv_row, n_tiles
 
 
 @gluon.jit
 def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                       N, BH, HEADS, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
+                       N, BH, HEADS: gl.constexpr, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
                        WINDOW: gl.constexpr):
     """The producer of the persistent grid: per work tile, Q's two halves into the tile's Q buffer (two buffers,
@@ -722,7 +751,7 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q
     step = 0
     t = 0
     for tile in range(gl.program_id(0), (N // BLOCK_M) * BH, gl.num_programs(0)):
-        start_m, off_hz, q_row, kv_row, n_tiles = _work_tile(tile, N, HEADS, H, GROUP, BLOCK_M, CAUSAL)
+        start_m, off_hz, q_row, kv_row, n_tiles = _work_tile(tile, N, BH, HEADS, H, GROUP, BLOCK_M, CAUSAL)
         vt_row = kv_row // N * v_smem.type.shape[1]  # used with V_T only
         lo = 0
         ns = 0
@@ -747,10 +776,11 @@ def _persistent_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, q
 
 @gluon.jit
 def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, q_empty, k_bars, v_bars, empty_bars,
-                         turn_bars, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH, HEADS,
-                         window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, SCALE_BLOCK: gl.constexpr,
-                         CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr, WINDOW: gl.constexpr):
+                         turn_bars, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH,
+                         HEADS: gl.constexpr, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr,
+                         WINDOW: gl.constexpr):
     """A consumer of the persistent grid: its 64 rows of each work tile (as :func:`_consumer`'s serial and
     ping-pong loops, the ring's position running on), releasing the tile's Q half after its last ``Q Kᵀ``.
     ``WINDOW``: each work tile's :func:`window_plan`, masked where a tile crosses the window's edge or the
@@ -767,7 +797,7 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
     step = 0
     t = 0
     for tile in range(gl.program_id(0), (N // BLOCK_M) * BH, gl.num_programs(0)):
-        start_m, off_hz, q_row, kv_row, n_tiles = _work_tile(tile, N, HEADS, H, GROUP, BLOCK_M, CAUSAL)
+        start_m, off_hz, q_row, kv_row, n_tiles = _work_tile(tile, N, BH, HEADS, H, GROUP, BLOCK_M, CAUSAL)
         slot = (t % 2) * 2 + HALF_IDX
         rows = start_m * BLOCK_M + ROW0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
         m_i = gl.full([HALF], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -798,7 +828,7 @@ def _persistent_consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars,
 
 @gluon.jit
 def attn_fwd_ws_persistent(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, BH,
-                           HEADS, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
+                           HEADS: gl.constexpr, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
                            SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                            LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr, WINDOW: gl.constexpr):
@@ -873,7 +903,7 @@ def _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop="serial", fm
     b, h, n, d = q.shape
     o, lse, descs, scale_ptrs, n_sb = _operands(q, k, v, scales)
     work = n // BLOCK_M * b * h
-    heads = b * h if heads_together is None else int(heads_together)
+    heads = 0 if heads_together is None else int(heads_together)  # 0: every row's longest block first
     if n_programs is None:
         n_programs = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
     attn_fwd_ws_persistent[(max(1, min(int(n_programs), work)), )](
@@ -1015,18 +1045,21 @@ def _validate_window(causal, window_size, sink_size, loop) -> None:
 
 
 def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, scales=None, block_size=BLOCK_M,
-            window_size=None, sink_size=0, block_n=BLOCK_N):
+            window_size=None, sink_size=0, block_n=BLOCK_N, heads_together=None):
     """Descriptors, outputs and the launch, for inputs already validated (``tests/`` compile it from CPU tensors).
 
     FP8: ``q, k`` e4m3, ``v`` the transposed ``vt8`` ``[B, H_kv, D, N]``, ``scales`` ``(q_scale, k_scale,
     v_scale)``; ``o`` is bf16 and ``fma`` is implied. ``window_size`` (causal): lesson 08's window, with
-    ``sink_size`` sinks; ``block_n`` keys per K/V tile (256: FP8's wide tiles, :func:`_wide_softmax`)."""
+    ``sink_size`` sinks; ``block_n`` keys per K/V tile (256: FP8's wide tiles, :func:`_wide_softmax`);
+    ``heads_together``: the programs walk the tiles that many rows at a time (:func:`_tile_coords`; default 1, each
+    row's query blocks in turn)."""
     b, h, n, d = q.shape
     fp8 = q.dtype == _FP8
     o, lse, descs, (qs, ks, vs), n_sb = _operands(q, k, v, scales, block_n)
     grid = (n // BLOCK_M, b * h)
     window = window_size is not None
-    attn_fwd_ws[grid](*descs, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb,
+    heads = 0 if heads_together is None else int(heads_together)  # 0: program_coords' order
+    attn_fwd_ws[grid](*descs, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb, heads,
                       int(window_size) if window else 0, int(sink_size), h, h // k.shape[1], BLOCK_M, block_n, d,
                       num_buffers, block_size, causal, CONSUMER_REGS, LOADER_REGS, loop, fma or fp8, window,
                       num_warps=4, maxnreg=MAXNREG)
@@ -1050,12 +1083,10 @@ def _validate_persistent(q, num_buffers, loop) -> None:
                          "buffers")
 
 
-def _validate_heads_together(q, heads_together, persistent) -> None:
-    """``heads_together``: the persistent grid's walk, a whole number of (batch, query head) rows at a time."""
+def _validate_heads_together(q, heads_together) -> None:
+    """``heads_together``: the grid's walk, a whole number of (batch, query head) rows at a time."""
     if heads_together is None:
         return
-    if not persistent:
-        raise ValueError("heads_together orders the persistent grid's work tiles: pass persistent=True with it")
     rows = q.shape[0] * q.shape[1]
     if isinstance(heads_together, bool) or not isinstance(heads_together, int) or heads_together < 1 \
             or rows % heads_together:
@@ -1063,10 +1094,14 @@ def _validate_heads_together(q, heads_together, persistent) -> None:
 
 
 def kv_head_order(q_heads: int, group: int, at_least: int = 4) -> int:
-    """A ``heads_together`` that walks the persistent grid a kv head at a time: the ``group`` query heads that share
-    a kv head side by side (each K/V tile read by the programs that run together), doubled while fewer than
-    ``at_least`` and ``q_heads`` allows; fewer than about four rows a run balance the causal mask's unequal blocks
-    worse over 132 programs (a greedy load model: 1.12x the mean load at 4k with one row, 1.03x with four)."""
+    """A ``heads_together`` that walks the grid a kv head at a time: the ``group`` query heads that share a kv head
+    side by side (the programs that run together read one kv head's K/V tiles), doubled while fewer than
+    ``at_least`` and ``q_heads`` allows. Under the causal mask the runs' longest blocks then start first on every
+    SM, where one row at a time leaves long blocks to the end: in a load model of 132 SMs at 4k (B = 4, 32 heads,
+    each block costing its key tiles and one more), the last SM ends 3.3% after the mean when the GPU starts a
+    program per tile one row at a time (today's order) and 0.2% after it four rows at a time; on the persistent grid
+    (programs take every 132nd tile) 12% with one row and 3.1% with four, as with all rows at once
+    (``tests/test_gluon_cpu.py`` recomputes these)."""
     heads = group
     while heads < at_least and q_heads % (2 * heads) == 0:
         heads *= 2
@@ -1089,22 +1124,25 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
     sink_size``); each program visits only its sink tiles and the window's.
     ``persistent``: one program per SM walks the (query block, head) tiles, the longest first, the next tile's Q
     loading while this one runs (:func:`attn_fwd_ws_persistent`; serial or ping-pong, with or without a window).
-    ``heads_together`` (with ``persistent``): walk the tiles that many (batch, query head) rows at a time, each
-    run's longest blocks first (a divisor of ``B * H``; :func:`kv_head_order` gives a kv head's query heads); by
-    default all rows at once, every head's longest block first.
+    ``heads_together``: the programs walk the (query block, row) tiles that many (batch, query head) rows at a time,
+    each run's longest blocks first, its rows' blocks of one length side by side (a divisor of ``B * H``;
+    :func:`kv_head_order` gives a kv head's query heads). By default a program per tile walks one row at a time
+    (each row's blocks in turn, as the GPU starts them) and the persistent grid all rows at once (every row's longest
+    block first).
     """
     _validate_inputs(q, k, v)
     _validate_options(num_buffers, loop, False)
     _validate_window(causal, window_size, sink_size, loop)
     if persistent:
         _validate_persistent(q, num_buffers, loop)
-    _validate_heads_together(q, heads_together, persistent)
+    _validate_heads_together(q, heads_together)
     _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if persistent:
         return _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size,
                                   sink_size=sink_size, heads_together=heads_together)
-    return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size)
+    return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size,
+                   heads_together=heads_together)
 
 
 def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
@@ -1130,7 +1168,7 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     if persistent:
         _validate_persistent(q8, num_buffers, loop)
     _validate_wide(q8, block_n, num_buffers, loop, window_size, persistent)
-    _validate_heads_together(q8, heads_together, persistent)
+    _validate_heads_together(q8, heads_together)
     _validate_device(q8)
     scales, sm_scale = (q_scale, k_scale, v_scale), 1.0 / math.sqrt(q8.shape[-1])
     if persistent:
@@ -1138,4 +1176,4 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
                                   sink_size=sink_size, scales=scales, block_size=block_size,
                                   heads_together=heads_together)
     return _launch(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, scales, block_size, window_size,
-                   sink_size, block_n)
+                   sink_size, block_n, heads_together)
