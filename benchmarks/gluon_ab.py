@@ -22,7 +22,8 @@ start first): the route's grid so (``current_grouped``), and the other grid (a p
 runs the persistent one, else the persistent one) as by default and so. Writes ``--out`` (JSON rows: each
 version's ms and TFLOP/s, ``<name>_over_cudnn``, ``current_over_<name>`` = name_ms / current_ms, and for the current
 module's other calls ``current_X``, ``X_over_current`` = current_ms / theirs: ``wide``, ``wide3``, ``grouped``,
-``persistent``, ``tiles``, ...).
+``persistent``, ``tiles``, ...). ``--kinds bwd``: the Gluon backward (autograd's route) walked :data:`BWD_ROWS` (batch,
+kv head) rows at a time against its default walk (``grouped_over_current``).
 
     python benchmarks/gluon_ab.py --variant before=course_utils/kernels/_base_hopper_ws.py --out ab.json
 """
@@ -44,7 +45,7 @@ import torch  # noqa: E402
 from course_utils.bench import fp8 as fp8_bench  # noqa: E402
 from course_utils.bench.cases import attention_flops, tflops  # noqa: E402
 from course_utils.bench.measure import relative_error  # noqa: E402
-from course_utils.kernels import dispatch, fp8, hopper_ws  # noqa: E402
+from course_utils.kernels import dispatch, fp8, hopper_ws, hopper_ws_bwd  # noqa: E402
 
 
 # --wide's calls of the current module: the wide tiles with the route's 2 slots, and with 3 (208 KiB of shared
@@ -124,6 +125,41 @@ def measure(modules, kind, n, causal, rounds, wide=False, order=False):
     return dict(row, status="ok")
 
 
+# --kinds bwd: the Gluon backward's programs walked this many (batch, kv head) rows at a time against one row after
+# another (hopper_ws_bwd.attention_backward's heads_together; four rows: the load model's choice, results/NOTES.md)
+BWD_ROWS = 4
+
+
+def measure_backward(n, causal, rounds):
+    """The Gluon backward as autograd's route launches it (``hopper_ws_bwd.backward_validated``: lesson 07's delta,
+    dK/dV, the Gluon dQ) with its default walk (``current``) and :data:`BWD_ROWS` rows at a time
+    (``current_grouped``), one process, alternating; each gradient of the walk checked against the default's."""
+    import triton
+
+    batch = max(1, fp8_bench.TOKENS // n)
+    q, k, v = fp8_bench.make_inputs(n, batch)
+    do = torch.randn_like(q)
+    o, lse = hopper_ws.attention(q, k, v, causal, fma=True)
+    calls = {"current": lambda: hopper_ws_bwd.backward_validated(q, k, v, o, lse, do, causal, None),
+             "current_grouped": lambda: hopper_ws_bwd.backward_validated(q, k, v, o, lse, do, causal, None,
+                                                                         heads_together=BWD_ROWS)}
+    want, got = calls["current"](), calls["current_grouped"]()
+    row = dict(kind="bwd", n=n, batch=batch, causal=causal,
+               grouped_vs_current=max(relative_error(a, b) for a, b in zip(got, want)))
+    if row["grouped_vs_current"] > fp8_bench.BF16_TOLERANCE:
+        return dict(row, status="mismatch")
+    times = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in (list(calls) if r % 2 == 0 else list(reversed(calls))):
+            times[name].append(triton.testing.do_bench(calls[name], warmup=25, rep=100))
+    flops = 2.5 * attention_flops(batch, fp8_bench.N_Q_HEADS, n, fp8_bench.HEAD_DIM, causal)  # the backward's
+    for name, ts in times.items():
+        row[f"{name}_ms"] = statistics.median(ts)
+        row[f"{name}_tflops"] = tflops(flops, row[f"{name}_ms"])
+    row["grouped_over_current"] = row["current_ms"] / row["current_grouped_ms"]
+    return dict(row, status="ok")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
@@ -131,7 +167,8 @@ def main(argv=None):
     parser.add_argument("--out", default="gluon_ab.json")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--ns", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--kinds", nargs="+", choices=("fp8", "bf16"), default=["fp8", "bf16"])
+    parser.add_argument("--kinds", nargs="+", choices=("fp8", "bf16", "bwd"), default=["fp8", "bf16", "bwd"],
+                        help="bwd: the Gluon backward walked BWD_ROWS rows at a time against its default walk")
     parser.add_argument("--wide", action="store_true",
                         help="FP8: also the current module's wide tiles (attention_fp8(block_n=256), 2 and 3 slots): "
                              "wide_over_current, wide3_over_current")
@@ -155,7 +192,10 @@ def main(argv=None):
     for kind in args.kinds:
         for causal in (True, False):
             for n in args.ns:
-                row = measure(modules, kind, n, causal, args.rounds, args.wide, args.orders)
+                if kind == "bwd":
+                    row = measure_backward(n, causal, args.rounds)
+                else:
+                    row = measure(modules, kind, n, causal, args.rounds, args.wide, args.orders)
                 rows.append(row)
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
                       flush=True)

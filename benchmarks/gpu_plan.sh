@@ -83,9 +83,10 @@
 #   gluonab benchmarks/gluon_ab.py: lesson 11's Gluon forwards (FP8 and bf16, as the routes launch them, N 4k-16k)
 #           against every earlier copy of the kernels' module present as course_utils/kernels/_NAME_hopper_ws.py (made
 #           by `git show REV:course_utils/kernels/hopper_ws.py`, untracked, so carried), against the current module's
-#           wide FP8 tiles (attention_fp8(block_n=256), --wide: 2 and 3 slots) and its persistent grid walked every
-#           head's longest block first and a kv head's query heads at a time (--orders), one process, beside cuDNN;
-#           then the Gluon kernels' tests (test_hopper_ws.py, test_gluon_cpu.py, test_kernels_fp8.py)
+#           wide FP8 tiles (attention_fp8(block_n=256), --wide: 2 and 3 slots) and its grids walked a kv head's
+#           query heads at a time (--orders), one process, beside cuDNN, and the Gluon backward walked four kv rows at
+#           a time (bwd); first the Gluon kernels' tests (test_hopper_ws.py, test_hopper_ws_bwd.py,
+#           test_gluon_cpu.py, test_kernels_fp8.py) on the GPU
 #   celltimes benchmarks/cell_times.py: every solution notebook top to bottom, each code cell's seconds, appended to a
 #           copy of results/cell_times.json in $OUT (the CPU's run is what the README quotes; this is the GPU's)
 #   gradeclass benchmarks/grade_class.py --learners 4: the batch grader on a synthetic class of four (lessons 01-05
@@ -255,9 +256,10 @@ for step in "$@"; do
         [[ -e "$f" ]] || continue
         name=$(basename "$f" .py); name=${name#_}; variants+=(--variant "${name%_hopper_ws}=$f")
       done
-      run gluon_ab "$PY" benchmarks/gluon_ab.py "${variants[@]}" --wide --orders --rounds 3 --out "$OUT/gluon_ab.json"
-      run gluon_tests "${PYTEST[@]}" -n 8 --dist loadfile tests/test_hopper_ws.py tests/test_gluon_cpu.py \
-        tests/test_kernels_fp8.py ;;
+      run gluon_tests "${PYTEST[@]}" -n 8 --dist loadfile tests/test_hopper_ws.py tests/test_hopper_ws_bwd.py \
+        tests/test_gluon_cpu.py tests/test_kernels_fp8.py
+      run gluon_ab "$PY" benchmarks/gluon_ab.py "${variants[@]}" --wide --orders --rounds 3 \
+        --out "$OUT/gluon_ab.json" ;;
     fp8gluon)
       run fp8_gluon "$PY" -m course_utils.bench fp8 --gluon --repeats 2 --out "$OUT" ;;
     ncugluon)

@@ -903,6 +903,17 @@ def test_gluon_ab_calls_each_version_s_fp8_entry_and_says_when_it_cannot_time(ca
                                      **gluon_ab.orders("fp8", True)["current_grouped"])()
         want = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True)()
     assert torch.equal(grouped, want)  # the same tiles in another order: the route's output bit for bit
+    # --kinds bwd: autograd's Gluon backward walked BWD_ROWS (batch, kv head) rows at a time, against its default
+    from course_utils.kernels import hopper_ws_bwd
+
+    q, k, v, do = (torch.randn(1, h, 256, 64, generator=gen).bfloat16() for h in (16, 4, 4, 16))
+    o, lse = (torch.from_numpy(x) for x in references.attention_lse(*(t.double().numpy() for t in (q, k, v)),
+                                                                    causal=True))
+    o, lse = o.bfloat16(), lse.float()
+    with gluon_cpu.running(host_modules=(hopper_ws_bwd, )):
+        walked = hopper_ws_bwd.backward_validated(q, k, v, o, lse, do, True, None, heads_together=gluon_ab.BWD_ROWS)
+        default = hopper_ws_bwd.backward_validated(q, k, v, o, lse, do, True, None)
+    assert gluon_ab.BWD_ROWS == 4 and all(torch.equal(a, b) for a, b in zip(walked, default))
 
 
 def test_the_membar_probe_counts_the_barriers_triton_puts_between_mbarrier_operations(tmp_path):

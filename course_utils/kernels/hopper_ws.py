@@ -1083,14 +1083,15 @@ def _validate_persistent(q, num_buffers, loop) -> None:
                          "buffers")
 
 
-def _validate_heads_together(q, heads_together) -> None:
-    """``heads_together``: the grid's walk, a whole number of (batch, query head) rows at a time."""
+def _validate_heads_together(x, heads_together, rows_are: str = "B * H") -> None:
+    """``heads_together``: the grid's walk, a whole number of ``x``'s (batch, head) rows at a time."""
     if heads_together is None:
         return
-    rows = q.shape[0] * q.shape[1]
+    rows = x.shape[0] * x.shape[1]
     if isinstance(heads_together, bool) or not isinstance(heads_together, int) or heads_together < 1 \
             or rows % heads_together:
-        raise ValueError(f"heads_together must be a whole number dividing B * H = {rows} (got {heads_together!r})")
+        raise ValueError(f"heads_together must be a whole number dividing {rows_are} = {rows} (got "
+                         f"{heads_together!r})")
 
 
 def kv_head_order(q_heads: int, group: int, at_least: int = 4) -> int:

@@ -24,8 +24,10 @@ One program owns 128 keys of one (batch, kv head), in three partitions:
 
 With ``window_size`` (and ``sink_size``), lesson 08's window: a dK/dV program visits only the query tiles that
 see its keys (all of them after a block that holds sink keys), dQ the forward's tile list
-(:func:`.hopper_ws.window_plan`); both mask only the tiles that cross an edge. :func:`attention` puts them
-behind autograd (with the Gluon forward or the course's). Both compiled here for sm_90
+(:func:`.hopper_ws.window_plan`); both mask only the tiles that cross an edge. ``heads_together`` walks dK/dV's
+key blocks a few (batch, kv head) rows at a time, so that under the causal mask every row's long first blocks
+start early (one row after another, the GPU starts the last rows' longest blocks last; not yet timed).
+:func:`attention` puts them behind autograd (with the Gluon forward or the course's). Both compiled here for sm_90
 and checked (``tests/test_hopper_ws_bwd.py``), and run on the CPU by
 :mod:`.gluon_cpu`'s model (``tests/test_gluon_cpu.py``); checked against float64 on an H200 and an H100,
 not yet timed.
@@ -43,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .backward import default_config, launch_dq, launch_preprocess
 from .forward import _capability
 from .launch import BoundLauncher, aligned
-from .hopper_ws import (_descriptor, _validate_device, _validate_inputs, _validate_window, program_coords,
-                        window_kv_tile, window_plan, window_tile_masked)
+from .hopper_ws import (_descriptor, _tile_coords, _validate_device, _validate_heads_together, _validate_inputs,
+                        _validate_window, _walk, window_kv_tile, window_plan, window_tile_masked)
 from .chips import TARGETS
 
 BLOCK_N = 128  # keys per program: two consumers of 64 (wgmma's M per warpgroup)
@@ -67,12 +69,19 @@ def _query_tile(i, n_m, lo, kv_head, N, GROUP: gl.constexpr, BLOCK_M: gl.constex
 
 @gluon.jit
 def _loop_bounds(N, window_size, sink_size, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, HEADS: gl.constexpr):
     """The key block's first key, its (batch, kv head), the first query that sees it, query blocks per head and
     steps in all. ``WINDOW`` (lesson 08's, causal): a block without sink keys is seen by no query
-    ``window_size`` or more past its last key."""
-    start_n = gl.program_id(0) * BLOCK_N
-    kv_head = gl.program_id(1)
+    ``window_size`` or more past its last key. ``HEADS`` (not 0): the programs, in the order the GPU starts them,
+    walk the key blocks ``HEADS`` (batch, kv head) rows at a time, the first blocks (the longest under the causal
+    mask) of each run first (:func:`.hopper_ws._walk`); 0, each row's blocks in turn."""
+    if HEADS == 0:
+        start_n = gl.program_id(0) * BLOCK_N
+        kv_head = gl.program_id(1)
+    else:
+        n_kb = N // BLOCK_N
+        last, kv_head = _walk(gl.program_id(1) * n_kb + gl.program_id(0), n_kb, HEADS)
+        start_n = (n_kb - 1 - last) * BLOCK_N
     if CAUSAL:
         lo = start_n  # queries before the key block see none of it
     else:
@@ -90,10 +99,10 @@ def _loop_bounds(N, window_size, sink_size, GROUP: gl.constexpr, BLOCK_M: gl.con
 @gluon.jit
 def _load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars,
                     empty_bars, N, window_size, sink_size, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, HEADS: gl.constexpr):
     """The producer: each half's K and V once, then Q and dO tile by tile into the ring's free slots."""
     start_n, kv_head, lo, n_m, n_steps = _loop_bounds(N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
-                                                      WINDOW)
+                                                      WINDOW, HEADS)
     HALF: gl.constexpr = BLOCK_N // 2
     NB: gl.constexpr = q_smem.type.shape[0]
     for half in gl.static_range(2):
@@ -115,10 +124,10 @@ def _load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_
 def _consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars, empty_bars,
               lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale, N, window_size, sink_size, GROUP: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-              WINDOW: gl.constexpr):
+              WINDOW: gl.constexpr, HEADS: gl.constexpr):
     """A consumer warpgroup: keys ``HALF_IDX * 64 ...`` of the block, their ``dK`` and ``dV``."""
     start_n, kv_head, lo, n_m, n_steps = _loop_bounds(N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
-                                                      WINDOW)
+                                                      WINDOW, HEADS)
     HALF: gl.constexpr = BLOCK_N // 2
     NB: gl.constexpr = q_smem.type.shape[0]
     # wgmma's accumulator layouts, the keys down the rows: Sᵀ and dPᵀ [64 keys, BLOCK_M queries], dK and dV
@@ -178,8 +187,9 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, d
 def attn_bwd_dkdv_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, qk_scale, sm_scale, N,
                      window_size, sink_size, WINDOW: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     LOADER_REGS: gl.constexpr):
-    """The buffers and barriers the partitions share, then the three partitions (the first is the default)."""
+                     LOADER_REGS: gl.constexpr, HEADS: gl.constexpr):
+    """The buffers and barriers the partitions share, then the three partitions (the first is the default);
+    ``HEADS`` as :func:`_loop_bounds` takes it."""
     HALF: gl.constexpr = BLOCK_N // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_BUF, BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -199,13 +209,13 @@ def attn_bwd_dkdv_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr
     gl.warp_specialize([
         (_consumer, (0, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars, empty_bars, lse_ptr, delta_ptr,
                      dk_ptr, dv_ptr, qk_scale, sm_scale, N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N,
-                     HEAD_DIM, CAUSAL, WINDOW)),
+                     HEAD_DIM, CAUSAL, WINDOW, HEADS)),
         (_consumer, (1, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars, kv_bars, empty_bars, lse_ptr, delta_ptr,
                      dk_ptr, dv_ptr, qk_scale, sm_scale, N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N,
-                     HEAD_DIM, CAUSAL, WINDOW)),
+                     HEAD_DIM, CAUSAL, WINDOW, HEADS)),
         (_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, do_bars,
                            kv_bars, empty_bars, N, window_size, sink_size, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
-                           WINDOW)),
+                           WINDOW, HEADS)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -214,10 +224,11 @@ def attn_bwd_dkdv_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr
 # -----------------------------------------------------------------------------
 @gluon.jit
 def _dq_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr):
+               CAUSAL: gl.constexpr, HEADS: gl.constexpr):
     """This program's query block, its first row of q (do, lse, delta, dq) and of its kv head, its key tiles,
-    and how many of them (the last ones) cross the diagonal under the causal mask."""
-    start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)  # the forward's, BLOCK_M tiles
+    and how many of them (the last ones) cross the diagonal under the causal mask; ``HEADS``: the forward's walk
+    (:func:`.hopper_ws._tile_coords`)."""
+    start_m, _, q_row, kv_row, n_tiles = _tile_coords(N, HEADS, H, GROUP, BLOCK_M, CAUSAL)  # the forward's tiles
     if CAUSAL:
         n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N)
         n_masked = BLOCK_M // BLOCK_N
@@ -230,10 +241,11 @@ def _dq_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, B
 @gluon.jit
 def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars,
                        empty_bars, N, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                       HEADS: gl.constexpr):
     """The producer: each half's Q and dO once (one barrier per half), then K and V tile by tile (under a window,
     the forward's tile list: :func:`.hopper_ws.window_plan`)."""
-    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, HEADS)
     lo = 0
     ns = 0
     if WINDOW:
@@ -296,9 +308,9 @@ def _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, kv_tile, dq, 
 def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars,
                  lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, N, window_size, sink_size, H: gl.constexpr,
                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, HEADS: gl.constexpr):
     """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, their ``dQ``."""
-    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
+    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, HEADS)
     HALF: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -341,8 +353,9 @@ def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars
 def attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, N,
                    window_size, sink_size, WINDOW: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """dQ's buffers and barriers, then its three partitions (the forward's shape: :func:`.hopper_ws.attn_fwd_ws`)."""
+                   CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, HEADS: gl.constexpr):
+    """dQ's buffers and barriers, then its three partitions (the forward's shape: :func:`.hopper_ws.attn_fwd_ws`;
+    ``HEADS`` its walk)."""
     HALF: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF, HEAD_DIM], do_desc.layout)
@@ -361,13 +374,13 @@ def attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, 
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, lse_ptr, delta_ptr,
                         dq_ptr, qk_scale, sm_scale, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        CAUSAL, WINDOW)),
+                        CAUSAL, WINDOW, HEADS)),
         (_dq_consumer, (1, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, lse_ptr, delta_ptr,
                         dq_ptr, qk_scale, sm_scale, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        CAUSAL, WINDOW)),
+                        CAUSAL, WINDOW, HEADS)),
         (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars,
                               v_bars, empty_bars, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
-                              WINDOW)),
+                              WINDOW, HEADS)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -376,21 +389,25 @@ _DKDV, _DQ = BoundLauncher(attn_bwd_dkdv_ws), BoundLauncher(attn_bwd_dq_ws)
 
 
 def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n=64, window_size=None, sink_size=0,
-               descriptors=None):
+               descriptors=None, heads_together=None):
     """``dq`` by :func:`attn_bwd_dq_ws` for validated inputs (``tests/`` compile it from CPU tensors).
 
-    ``descriptors``: a dict that the call's TMA descriptors are kept in and taken from (:func:`_descriptors`)."""
+    ``descriptors``: a dict that the call's TMA descriptors are kept in and taken from (:func:`_descriptors`);
+    ``heads_together``: the programs walk the query blocks that many (batch, query head) rows at a time
+    (:func:`.hopper_ws._tile_coords`; by default one row's blocks after another)."""
     b, h, n, d = q.shape
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     dq = torch.empty_like(q)
     window, sink, group = 0 if window_size is None else int(window_size), int(sink_size), h // k.shape[1]
+    heads = 0 if heads_together is None else int(heads_together)
     key = ((q.dtype, b, h, n, d, window, sink, window_size is not None, group, block_n, num_buffers, bool(causal),
-            aligned(lse, delta, dq)) if q.is_cuda else None)
+            heads, aligned(lse, delta, dq)) if q.is_cuda else None)
     _DQ(key, (n // DQ_BLOCK_M, b * h), (
         *_descriptors(descriptors, (q, DQ_BLOCK_M // 2), (do, DQ_BLOCK_M // 2), (k, block_n), (v, block_n)),
         lse, delta, dq, sm_scale * LOG2E, sm_scale, n, window, sink, window_size is not None, h, group,
-        DQ_BLOCK_M, block_n, d, num_buffers, bool(causal), CONSUMER_REGS, LOADER_REGS), num_warps=4, maxnreg=MAXNREG)
+        DQ_BLOCK_M, block_n, d, num_buffers, bool(causal), CONSUMER_REGS, LOADER_REGS, heads), num_warps=4,
+        maxnreg=MAXNREG)
     return dq
 
 
@@ -432,28 +449,31 @@ def _validate_dq_shared(head_dim, num_buffers, dq_block_n) -> None:
 
 
 def _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_m=64, window_size=None,
-                 sink_size=0, descriptors=None):
+                 sink_size=0, descriptors=None, heads_together=None):
     """``(dk, dv)`` by :func:`attn_bwd_dkdv_ws` for validated inputs (``tests/`` compile it from CPU tensors).
 
-    ``lse`` (natural log) and ``delta`` float32 ``[B, H, N]``; ``descriptors`` as :func:`_launch_dq`'s."""
+    ``lse`` (natural log) and ``delta`` float32 ``[B, H, N]``; ``descriptors`` as :func:`_launch_dq`'s;
+    ``heads_together``: the programs walk the key blocks that many (batch, kv head) rows at a time
+    (:func:`_loop_bounds`; by default one row's blocks after another)."""
     b, h, n, d = q.shape
     h_kv = k.shape[1]
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     window, sink, group = 0 if window_size is None else int(window_size), int(sink_size), h // h_kv
+    heads = 0 if heads_together is None else int(heads_together)
     key = ((q.dtype, b, h, h_kv, n, d, window, sink, window_size is not None, block_m, num_buffers, bool(causal),
-            aligned(lse, delta, dk, dv)) if q.is_cuda else None)
+            heads, aligned(lse, delta, dk, dv)) if q.is_cuda else None)
     _DKDV(key, (n // BLOCK_N, b * h_kv), (
         *_descriptors(descriptors, (q, block_m), (do, block_m), (k, BLOCK_N // 2), (v, BLOCK_N // 2)),
         lse, delta, dk, dv, sm_scale * LOG2E, sm_scale, n, window, sink, window_size is not None, group, block_m,
-        BLOCK_N, d, num_buffers, bool(causal), CONSUMER_REGS, LOADER_REGS), num_warps=4, maxnreg=MAXNREG)
+        BLOCK_N, d, num_buffers, bool(causal), CONSUMER_REGS, LOADER_REGS, heads), num_warps=4, maxnreg=MAXNREG)
     return dk, dv
 
 
 def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: float | None = None, *,
                        window_size: int | None = None, sink_size: int = 0, num_buffers: int = 2, block_m: int = 64,
-                       dq_kernel: str = "gluon", dq_block_n: int = 64):
+                       dq_kernel: str = "gluon", dq_block_n: int = 64, heads_together: int | None = None):
     """``(dq, dk, dv)`` of attention on a Hopper GPU: lesson 07's ``delta`` kernel, ``dK, dV`` by
     :func:`attn_bwd_dkdv_ws`, ``dQ`` by :func:`attn_bwd_dq_ws` (``dq_kernel="gluon"``) or lesson 07's kernel
     (``"lesson07"``). The arguments are :func:`.backward.attention_backward`'s (``o`` and ``lse`` from the
@@ -462,7 +482,9 @@ def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: floa
     bf16 or fp16, D 64 or 128, N a multiple of 128, GQA/MQA/MHA. ``num_buffers``: tiles in flight in either
     kernel (2 or 3); ``block_m``: dK/dV's query rows per tile (32 or 64); ``dq_block_n``: dQ's keys per tile (64
     or 128). ``window_size``, ``sink_size`` (with ``causal``): lesson 08's window, each kernel visiting only the
-    tiles it needs (``dq_kernel="gluon"`` only).
+    tiles it needs (``dq_kernel="gluon"`` only). ``heads_together``: dK/dV's programs walk the key blocks that
+    many (batch, kv head) rows at a time, the first (longest under the causal mask) blocks of each run first, and
+    dQ's the query blocks of those rows' query heads (``dq_kernel="gluon"``); by default one row after another.
     """
     _validate_inputs(q, k, v)
     if do.shape != q.shape or o.shape != q.shape or tuple(lse.shape) != tuple(q.shape[:3]):
@@ -474,13 +496,15 @@ def attention_backward(q, k, v, o, lse, do, causal: bool = False, sm_scale: floa
         raise ValueError("a window runs with dq_kernel='gluon'")
     if dq_kernel == "gluon":
         _validate_dq_shared(q.shape[-1], num_buffers, dq_block_n)
+    _validate_heads_together(k, heads_together, "B * H_kv")
     _validate_device(q)
     return backward_validated(q, k, v, o, lse, do, causal, sm_scale, window_size=window_size, sink_size=sink_size,
-                              num_buffers=num_buffers, block_m=block_m, dq_kernel=dq_kernel, dq_block_n=dq_block_n)
+                              num_buffers=num_buffers, block_m=block_m, dq_kernel=dq_kernel, dq_block_n=dq_block_n,
+                              heads_together=heads_together)
 
 
 def backward_validated(q, k, v, o, lse, do, causal, sm_scale, *, window_size=None, sink_size=0, num_buffers=2,
-                       block_m=64, dq_kernel="gluon", dq_block_n=64):
+                       block_m=64, dq_kernel="gluon", dq_block_n=64, heads_together=None):
     """:func:`attention_backward` for a call already checked: its launches without its checks, which cost host time
     on every step (``kernels.flash_attention``'s autograd checks each call once, in the forward)."""
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
@@ -491,10 +515,11 @@ def backward_validated(q, k, v, o, lse, do, causal, sm_scale, *, window_size=Non
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     descriptors = {}  # dK/dV's and dQ's kernels share the descriptors whose boxes agree
     dk, dv = _launch_dkdv(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, block_m, window_size, sink_size,
-                          descriptors)
+                          descriptors, heads_together)
     if dq_kernel == "gluon":
+        q_heads = None if heads_together is None else heads_together * (h // k.shape[1])
         return _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers, dq_block_n, window_size,
-                          sink_size, descriptors), dk, dv
+                          sink_size, descriptors, q_heads), dk, dv
     dq = torch.empty_like(q)
     launch_dq(q, k, v, do, lse, delta, dq, causal, sm_scale,
               default_config(d, q.device.type, _capability(q.device), q.dtype))
