@@ -16,10 +16,9 @@ N 4k-16k, causal and not, as the public routes launch them (the serial loop; bf1
 without the causal mask on the persistent grid); ``--kinds fp8 bf16``. Each output is checked against
 cuDNN's first. ``--wide`` (FP8) adds ``current_wide`` and ``current_wide3``: the current module's wide tiles
 (``block_n=256``, FA3's 256 keys a tile) with 2 slots (as ``fp8.GLUON_WIDE``'s route) and 3. ``--orders`` adds the
-current module's grids walked a kv head's query heads at a time (``heads_together=hopper_ws.kv_head_order(32, 4)``:
-the programs that run together read one kv head's K/V tiles, and under the causal mask each run's longest blocks
-start first): the route's grid so (``current_grouped``), and the other grid (a program per tile where the route
-runs the persistent one, else the persistent one) as by default and so. Writes ``--out`` (JSON rows: each
+current module's persistent grid walked a kv head's query heads at a time (``heads_together=
+hopper_ws.kv_head_order(32, 4)``: the programs that run together read one kv head's K/V tiles), and as by default
+where the route runs a program per tile. Writes ``--out`` (JSON rows: each
 version's ms and TFLOP/s, ``<name>_over_cudnn``, ``current_over_<name>`` = name_ms / current_ms, and for the current
 module's other calls ``current_X``, ``X_over_current`` = current_ms / theirs: ``wide``, ``wide3``, ``grouped``,
 ``persistent``, ``tiles``, ...). ``--kinds bwd``: the Gluon backward (autograd's route) walked :data:`BWD_ROWS` (batch,
@@ -54,15 +53,13 @@ WIDE = {"current_wide": dict(block_n=256), "current_wide3": dict(block_n=256, nu
 
 
 def orders(kind, causal):
-    """--orders' calls of the current module: the route's grid walked a kv head's query heads at a time
-    (``current_grouped``), and the other grid (a program per tile, or the persistent grid) walked as by default and
-    so (GQA 32/8: four query heads)."""
+    """--orders' calls of the current module: the persistent grid walked as by default (where the route runs a
+    program per tile) and a kv head's query heads at a time (GQA 32/8: four query heads)."""
     heads = hopper_ws.kv_head_order(fp8_bench.N_Q_HEADS, fp8_bench.N_Q_HEADS // fp8_bench.N_KV_HEADS)
-    persistent = kind == "bf16" and dispatch.gluon_persistent(causal, None)  # the route's grid
-    other = "tiles" if persistent else "persistent"
-    return {"current_grouped": dict(persistent=persistent, heads_together=heads),
-            f"current_{other}": dict(persistent=not persistent),
-            f"current_{other}_grouped": dict(persistent=not persistent, heads_together=heads)}
+    grouped = dict(persistent=True, heads_together=heads)
+    if kind == "bf16" and dispatch.gluon_persistent(causal, None):  # the route's call is the persistent grid
+        return {"current_grouped": grouped}
+    return {"current_persistent": dict(persistent=True), "current_persistent_grouped": grouped}
 
 
 def _fp8_call(module, q8, k8, v8, scales, causal, **options):

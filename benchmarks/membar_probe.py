@@ -24,7 +24,6 @@ import re
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "0")  # the compiler, not the interpreter
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PATTERNS = ("wait", "arrive", "wait_then_wait", "wait_then_arrive")
@@ -98,4 +97,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    # the compiler, not the interpreter (set here, not at import: tests/test_tune_scripts.py imports this module)
+    os.environ.setdefault("TRITON_INTERPRET", "0")
     main()

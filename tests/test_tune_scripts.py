@@ -887,21 +887,18 @@ def test_gluon_ab_calls_each_version_s_fp8_entry_and_says_when_it_cannot_time(ca
                                             num_buffers=3)[0]  # --wide's call with 3 slots
     assert torch.equal(got, want) and torch.equal(wide, want_wide)
     assert gluon_ab.WIDE["current_wide"] == dict(block_n=256)  # the route's wide tiles (fp8.GLUON_WIDE)
-    # --orders: the route's grid walked a kv head's four query heads at a time (GQA 32/8), and the other grid as by
-    # default and so; the route runs a program per tile but for bf16 without the causal mask
-    tiles, persistent = dict(persistent=False), dict(persistent=True)
+    # --orders: the persistent grid walked a kv head's four query heads at a time (GQA 32/8), and as by default where
+    # the route runs a program per tile (all but bf16 without the causal mask)
+    persistent, grouped = dict(persistent=True), dict(persistent=True, heads_together=4)
     assert gluon_ab.orders("fp8", True) == gluon_ab.orders("fp8", False) == gluon_ab.orders("bf16", True) == {
-        "current_grouped": dict(tiles, heads_together=4), "current_persistent": persistent,
-        "current_persistent_grouped": dict(persistent, heads_together=4)}
-    assert gluon_ab.orders("bf16", False) == {"current_grouped": dict(persistent, heads_together=4),
-                                              "current_tiles": tiles,
-                                              "current_tiles_grouped": dict(tiles, heads_together=4)}
+        "current_persistent": persistent, "current_persistent_grouped": grouped}
+    assert gluon_ab.orders("bf16", False) == {"current_grouped": grouped}
     q, k, v = (torch.randn(1, h, 256, 64, generator=gen) for h in (8, 2, 2))
     (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
     with gluon_cpu.running():  # the calls --orders makes, as gluon_ab.measure makes them
         grouped = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True,
-                                     **gluon_ab.orders("fp8", True)["current_grouped"])()
-        want = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True)()
+                                     **gluon_ab.orders("fp8", True)["current_persistent_grouped"])()
+        want = gluon_ab._fp8_call(hopper_ws, q8, k8, v8, (qs, ks, vs), True, persistent=True)()
     assert torch.equal(grouped, want)  # the same tiles in another order: the route's output bit for bit
     # --kinds bwd: autograd's Gluon backward walked BWD_ROWS (batch, kv head) rows at a time, against its default
     from course_utils.kernels import hopper_ws_bwd

@@ -52,9 +52,10 @@ for sm_90 without spills, checked on an H100; there 0.94-0.995x a program per ti
 ``results/route_check_fp8_h100.json``, so ``fp8.GLUON_PERSISTENT`` leaves it off). By default the persistent grid
 walks every head's longest block first, so the programs that run together read K/V tiles of every kv head at once,
 and a program per tile takes one head's blocks after another, so under the causal mask the last heads' long blocks
-start last. ``heads_together`` walks either grid a few (batch, query head) rows at a time, each run's longest
-blocks first (:func:`kv_head_order`: a kv head's query heads; run on the CPU by :mod:`.gluon_cpu`, the same output
-bit for bit; not yet timed, so no route passes it).
+start last. ``heads_together`` walks the persistent grid a few (batch, query head) rows at a time, each run's
+longest blocks first (:func:`kv_head_order`: a kv head's query heads; run on the CPU by :mod:`.gluon_cpu`, the same
+output bit for bit; no route passes it yet); :func:`_tile_coords` is the same walk for a program per tile, which
+the backward's dQ takes (lesson 11's exercise keeps this module's loader as it is).
 
 On a CPU Triton cannot run it (Gluon has no interpreter): ``tests/test_hopper_ws.py`` compiles it for sm_90
 there, and :mod:`.gluon_cpu` runs its Python with a model of the barriers, copies and products
@@ -176,14 +177,13 @@ def window_tile_masked(j, kv_tile, ns, start_m, window_size, BLOCK_M: gl.constex
 
 @gluon.jit
 def _load_partition(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
-                    HEADS: gl.constexpr, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr,
-                    WINDOW: gl.constexpr):
+                    window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_T: gl.constexpr, WINDOW: gl.constexpr):
     """The producer: Q's two halves once, then K and V tile by tile into the ring's free slots.
 
     ``V_T`` (FP8): V comes transposed, ``[B * H_kv * D, N]``, and a tile is the ``[D, BLOCK_N]`` box at the
     tile's keys. ``WINDOW``: the tiles of :func:`window_plan`, in its order."""
-    start_m, off_hz, q_row, kv_row, n_tiles = _tile_coords(N, HEADS, H, GROUP, BLOCK_M, CAUSAL)
+    start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
     n_tiles = _key_tiles(n_tiles, BLOCK_M, BLOCK_N)
     lo = 0
     ns = 0
@@ -599,17 +599,17 @@ def _block_scales(qk_scale, qs_ptr, off_hz, start_m, kv_row, N, N_SB, BLOCK_M: g
 
 @gluon.jit
 def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr,
-              lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, HEADS: gl.constexpr, window_size, sink_size,
-              H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr,
-              FMA: gl.constexpr, WINDOW: gl.constexpr):
+              lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H: gl.constexpr,
+              GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr,
+              WINDOW: gl.constexpr):
     """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, then its part of ``o`` and ``lse``.
 
     FP8 (e4m3 tiles): the program's query rows lie in one scale block, so ``q_scale`` is one number folded into
     ``qk_scale``; ``acc`` is carried in units of the last tile's ``v_scale`` (``v_prev``) and ``l_i`` in P's
     units of 1/256, both undone at the end."""
     FP8: gl.constexpr = v_smem.dtype.is_fp8()
-    start_m, off_hz, q_row, kv_row, n_tiles = _tile_coords(N, HEADS, H, GROUP, BLOCK_M, CAUSAL)
+    start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
     n_tiles = _key_tiles(n_tiles, BLOCK_M, BLOCK_N)
     HALF: gl.constexpr = BLOCK_M // 2
     ROW0: gl.constexpr = HALF_IDX * HALF
@@ -625,7 +625,7 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     v_prev = gl.to_tensor(1.0)
-    qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, off_hz, start_m, kv_row, N, N_SB, BLOCK_M,
+    qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, gl.program_id(1), start_m, kv_row, N, N_SB, BLOCK_M,
                                          SCALE_BLOCK, FP8)
     q = q_smem.index(HALF_IDX)
     mbarrier.wait(q_bars.index(HALF_IDX), 0)
@@ -678,11 +678,11 @@ def _store_rows(o_ptr, lse_ptr, acc, lse2, row0, s_layout: gl.constexpr, o_layou
 
 
 @gluon.jit
-def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB,
-                HEADS: gl.constexpr, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr,
-                SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr, WINDOW: gl.constexpr):
+def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size,
+                sink_size, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, SCALE_BLOCK: gl.constexpr, CAUSAL: gl.constexpr,
+                CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, LOOP: gl.constexpr, FMA: gl.constexpr,
+                WINDOW: gl.constexpr):
     """The buffers and barriers the partitions share, then the three partitions (the first is the default).
 
     FP8 (e4m3 descriptors): ``v_desc`` is over V transposed and ``qs_ptr``, ``ks_ptr``, ``vs_ptr`` are the
@@ -709,13 +709,13 @@ def attn_fwd_ws(q_desc, k_desc, v_desc, o_ptr, lse_ptr, qs_ptr, ks_ptr, vs_ptr, 
     # the literal 0 / 1 stays a constexpr, so each consumer is its own specialisation of _consumer
     gl.warp_specialize([
         (_consumer, (0, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, HEADS, window_size, sink_size, H, GROUP, BLOCK_M,
-                     BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
+                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
+                     HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
         (_consumer, (1, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, turn_bars, o_ptr, lse_ptr,
-                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, HEADS, window_size, sink_size, H, GROUP, BLOCK_M,
-                     BLOCK_N, HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
+                     qs_ptr, ks_ptr, vs_ptr, qk_scale, N, N_SB, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N,
+                     HEAD_DIM, SCALE_BLOCK, CAUSAL, LOOP, FMA, WINDOW)),
         (_load_partition, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, N,
-                           HEADS, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T, WINDOW)),
+                           window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, V_T, WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -1045,21 +1045,18 @@ def _validate_window(causal, window_size, sink_size, loop) -> None:
 
 
 def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, scales=None, block_size=BLOCK_M,
-            window_size=None, sink_size=0, block_n=BLOCK_N, heads_together=None):
+            window_size=None, sink_size=0, block_n=BLOCK_N):
     """Descriptors, outputs and the launch, for inputs already validated (``tests/`` compile it from CPU tensors).
 
     FP8: ``q, k`` e4m3, ``v`` the transposed ``vt8`` ``[B, H_kv, D, N]``, ``scales`` ``(q_scale, k_scale,
     v_scale)``; ``o`` is bf16 and ``fma`` is implied. ``window_size`` (causal): lesson 08's window, with
-    ``sink_size`` sinks; ``block_n`` keys per K/V tile (256: FP8's wide tiles, :func:`_wide_softmax`);
-    ``heads_together``: the programs walk the tiles that many rows at a time (:func:`_tile_coords`; default 1, each
-    row's query blocks in turn)."""
+    ``sink_size`` sinks; ``block_n`` keys per K/V tile (256: FP8's wide tiles, :func:`_wide_softmax`)."""
     b, h, n, d = q.shape
     fp8 = q.dtype == _FP8
     o, lse, descs, (qs, ks, vs), n_sb = _operands(q, k, v, scales, block_n)
     grid = (n // BLOCK_M, b * h)
     window = window_size is not None
-    heads = 0 if heads_together is None else int(heads_together)  # 0: program_coords' order
-    attn_fwd_ws[grid](*descs, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb, heads,
+    attn_fwd_ws[grid](*descs, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb,
                       int(window_size) if window else 0, int(sink_size), h, h // k.shape[1], BLOCK_M, block_n, d,
                       num_buffers, block_size, causal, CONSUMER_REGS, LOADER_REGS, loop, fma or fp8, window,
                       num_warps=4, maxnreg=MAXNREG)
@@ -1083,10 +1080,13 @@ def _validate_persistent(q, num_buffers, loop) -> None:
                          "buffers")
 
 
-def _validate_heads_together(x, heads_together, rows_are: str = "B * H") -> None:
-    """``heads_together``: the grid's walk, a whole number of ``x``'s (batch, head) rows at a time."""
+def _validate_heads_together(x, heads_together, rows_are: str = "B * H", persistent: bool = True) -> None:
+    """``heads_together``: the grid's walk, a whole number of ``x``'s (batch, head) rows at a time (the forward's
+    persistent grid, the backward's two kernels)."""
     if heads_together is None:
         return
+    if not persistent:
+        raise ValueError("heads_together orders the persistent grid's work tiles: pass persistent=True with it")
     rows = x.shape[0] * x.shape[1]
     if isinstance(heads_together, bool) or not isinstance(heads_together, int) or heads_together < 1 \
             or rows % heads_together:
@@ -1125,25 +1125,23 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
     sink_size``); each program visits only its sink tiles and the window's.
     ``persistent``: one program per SM walks the (query block, head) tiles, the longest first, the next tile's Q
     loading while this one runs (:func:`attn_fwd_ws_persistent`; serial or ping-pong, with or without a window).
-    ``heads_together``: the programs walk the (query block, row) tiles that many (batch, query head) rows at a time,
-    each run's longest blocks first, its rows' blocks of one length side by side (a divisor of ``B * H``;
-    :func:`kv_head_order` gives a kv head's query heads). By default a program per tile walks one row at a time
-    (each row's blocks in turn, as the GPU starts them) and the persistent grid all rows at once (every row's longest
-    block first).
+    ``heads_together`` (with ``persistent``): the programs walk the (query block, row) tiles that many (batch,
+    query head) rows at a time, each run's longest blocks first, its rows' blocks of one length side by side (a
+    divisor of ``B * H``; :func:`kv_head_order` gives a kv head's query heads); by default every row's longest
+    block first.
     """
     _validate_inputs(q, k, v)
     _validate_options(num_buffers, loop, False)
     _validate_window(causal, window_size, sink_size, loop)
     if persistent:
         _validate_persistent(q, num_buffers, loop)
-    _validate_heads_together(q, heads_together)
+    _validate_heads_together(q, heads_together, persistent=persistent)
     _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if persistent:
         return _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size,
                                   sink_size=sink_size, heads_together=heads_together)
-    return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size,
-                   heads_together=heads_together)
+    return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size)
 
 
 def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
@@ -1169,7 +1167,7 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     if persistent:
         _validate_persistent(q8, num_buffers, loop)
     _validate_wide(q8, block_n, num_buffers, loop, window_size, persistent)
-    _validate_heads_together(q8, heads_together)
+    _validate_heads_together(q8, heads_together, persistent=persistent)
     _validate_device(q8)
     scales, sm_scale = (q_scale, k_scale, v_scale), 1.0 / math.sqrt(q8.shape[-1])
     if persistent:
@@ -1177,4 +1175,4 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
                                   sink_size=sink_size, scales=scales, block_size=block_size,
                                   heads_together=heads_together)
     return _launch(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, scales, block_size, window_size,
-                   sink_size, block_n, heads_together)
+                   sink_size, block_n)
