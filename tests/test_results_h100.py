@@ -726,3 +726,30 @@ def test_notes_quote_the_forty_sixth_session_s_softmax_a_b_as_recorded():
     assert_quoted(markdown_text("11_hopper_and_fp8"), [
         f"it read **{vr(pick('fp8', porder))}** the kernel before",
         f"**{vr(tree)}** in FP8, {vr(pick('bf16', lambda r: r['current_over_porder']))} in bf16"])
+
+
+def test_notes_quote_the_forty_eighth_session_s_walks_as_recorded():
+    """results/NOTES.md's paragraph on the walks timed once on an H100 (benchmarks/gluon_ab.py --orders, and the
+    backward's kind): every ratio it quotes, recomputed from results/gluon_ab_walk_h100.json."""
+    doc = results.load("gluon_ab_walk_h100")
+    rows = doc["rows"]
+    assert doc["info"]["gpu"].endswith("H100 80GB HBM3") and all(r["status"] == "ok" for r in rows)
+
+    def pick(kind, key, causal=None):
+        return [r[key] for r in sorted(rows, key=lambda r: r["n"]) if r["kind"] == kind
+                and (causal is None or r["causal"] == causal)]
+
+    each = lambda values: ", ".join(f"{v:.3f}x" for v in values)  # noqa: E731
+    span = lambda values: f"{min(values):.3f}x-{max(values):.3f}x"  # noqa: E731
+    notes = " ".join((REPO / "results" / "NOTES.md").read_text().split())
+    assert_quoted(notes, [
+        f"the bf16 route without the mask (the persistent grid) {each(pick('bf16', 'grouped_over_current', False))} "
+        "at 4k, 8k, 16k",
+        f"the Gluon backward {each(pick('bwd', 'grouped_over_current', True))} with the causal mask and "
+        f"{each(pick('bwd', 'grouped_over_current', False))} without",
+        f"the FP8 entry's persistent grid walked so {span(pick('fp8', 'persistent_grouped_over_current'))} of its "
+        f"program-per-tile route (its default walk {span(pick('fp8', 'persistent_over_current'))})",
+        f"The program-per-tile forward walked so read {span(pick('fp8', 'grouped_over_current'))} (FP8) and "
+        f"{span(pick('bf16', 'grouped_over_current', True))} (bf16, causal)",
+        f"FP8's wide tiles read {span(pick('fp8', 'wide_over_current'))} the 128-key tiles (two slots) and "
+        f"{span(pick('fp8', 'wide3_over_current'))} with three"])
