@@ -67,8 +67,8 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def compiled():
     env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, DQ_CASES, WINDOW_CASES, WALK_CASES])], capture_output=True,
-                         text=True, env=env, timeout=600)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([CASES, DQ_CASES, WINDOW_CASES, WALK_CASES])],
+                         capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return {r["case"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
 
