@@ -70,8 +70,21 @@ def _fp8_call(module, q8, k8, v8, scales, causal, **options):
     return lambda: module.attention_fp8(q8, k8, vt8, qs, ks, vs, causal, **options)[0]
 
 
-def measure(modules, kind, n, causal, rounds, wide=False, order=False):
+def _time(row, calls, rounds, flops):
+    """Each of ``calls`` timed ``rounds`` times, their order reversed every other round (triton's do_bench, L2
+    flushed); each one's median ms and TFLOP/s of ``flops`` into ``row``."""
     import triton
+
+    times = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in (list(calls) if r % 2 == 0 else list(reversed(calls))):
+            times[name].append(triton.testing.do_bench(calls[name], warmup=25, rep=100))
+    for name, ts in times.items():
+        row[f"{name}_ms"] = statistics.median(ts)
+        row[f"{name}_tflops"] = tflops(flops, row[f"{name}_ms"])
+
+
+def measure(modules, kind, n, causal, rounds, wide=False, order=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     batch = max(1, fp8_bench.TOKENS // n)
@@ -105,14 +118,7 @@ def measure(modules, kind, n, causal, rounds, wide=False, order=False):
         row[f"{name}_vs_cudnn"] = relative_error(outs[name], outs["cudnn"])
     if max(row[f"{name}_vs_cudnn"] for name in timed) > tolerance:
         return dict(row, status="mismatch")
-    times = {name: [] for name in calls}
-    for r in range(rounds):
-        for name in (list(calls) if r % 2 == 0 else list(reversed(calls))):
-            times[name].append(triton.testing.do_bench(calls[name], warmup=25, rep=100))
-    flops = attention_flops(batch, fp8_bench.N_Q_HEADS, n, fp8_bench.HEAD_DIM, causal)
-    for name, ts in times.items():
-        row[f"{name}_ms"] = statistics.median(ts)
-        row[f"{name}_tflops"] = tflops(flops, row[f"{name}_ms"])
+    _time(row, calls, rounds, attention_flops(batch, fp8_bench.N_Q_HEADS, n, fp8_bench.HEAD_DIM, causal))
     for name in timed:
         row[f"{name}_over_cudnn"] = row["cudnn_ms"] / row[f"{name}_ms"]
         if name.startswith("current_"):  # the current module's other calls
@@ -131,8 +137,6 @@ def measure_backward(n, causal, rounds):
     """The Gluon backward as autograd's route launches it (``hopper_ws_bwd.backward_validated``: lesson 07's delta,
     dK/dV, the Gluon dQ) with its default walk (``current``) and :data:`BWD_ROWS` rows at a time
     (``current_grouped``), one process, alternating; each gradient of the walk checked against the default's."""
-    import triton
-
     batch = max(1, fp8_bench.TOKENS // n)
     q, k, v = fp8_bench.make_inputs(n, batch)
     do = torch.randn_like(q)
@@ -145,14 +149,7 @@ def measure_backward(n, causal, rounds):
                grouped_vs_current=max(relative_error(a, b) for a, b in zip(got, want)))
     if row["grouped_vs_current"] > fp8_bench.BF16_TOLERANCE:
         return dict(row, status="mismatch")
-    times = {name: [] for name in calls}
-    for r in range(rounds):
-        for name in (list(calls) if r % 2 == 0 else list(reversed(calls))):
-            times[name].append(triton.testing.do_bench(calls[name], warmup=25, rep=100))
-    flops = 2.5 * attention_flops(batch, fp8_bench.N_Q_HEADS, n, fp8_bench.HEAD_DIM, causal)  # the backward's
-    for name, ts in times.items():
-        row[f"{name}_ms"] = statistics.median(ts)
-        row[f"{name}_tflops"] = tflops(flops, row[f"{name}_ms"])
+    _time(row, calls, rounds, 2.5 * attention_flops(batch, fp8_bench.N_Q_HEADS, n, fp8_bench.HEAD_DIM, causal))
     row["grouped_over_current"] = row["current_ms"] / row["current_grouped_ms"]
     return dict(row, status="ok")
 

@@ -129,17 +129,14 @@ def _walk(tile, n_m, HEADS: gl.constexpr):
 @gluon.jit
 def _tile_coords(N, HEADS: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                  CAUSAL: gl.constexpr):
-    """:func:`program_coords` and the row ``off_hz``; with ``HEADS`` (not 0) the programs, in the order the GPU
-    starts them (``program_id(0)`` fastest), walk the tiles ``HEADS`` rows at a time (:func:`_walk`; ``HEADS = 1``
-    is :func:`program_coords`' order, with a division more)."""
+    """:func:`program_coords`, or with ``HEADS`` (not 0) the programs, in the order the GPU starts them
+    (``program_id(0)`` fastest), walking the tiles ``HEADS`` rows at a time (:func:`_walk`; the backward's dQ)."""
     if HEADS == 0:
-        start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
-        off_hz = gl.program_id(1)
-    else:
-        n_m = N // BLOCK_M
-        start_m, off_hz = _walk(gl.program_id(1) * n_m + gl.program_id(0), n_m, HEADS)
-        q_row, kv_row, n_tiles = _block_rows(start_m, off_hz, N, H, GROUP, BLOCK_M, CAUSAL)
-    return start_m, off_hz, q_row, kv_row, n_tiles
+        return program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
+    n_m = N // BLOCK_M
+    start_m, off_hz = _walk(gl.program_id(1) * n_m + gl.program_id(0), n_m, HEADS)
+    q_row, kv_row, n_tiles = _block_rows(start_m, off_hz, N, H, GROUP, BLOCK_M, CAUSAL)
+    return start_m, q_row, kv_row, n_tiles
 
 
 @gluon.jit

@@ -81,7 +81,7 @@ def _loop_bounds(N, window_size, sink_size, GROUP: gl.constexpr, BLOCK_M: gl.con
     else:
         n_kb = N // BLOCK_N
         last, kv_head = _walk(gl.program_id(1) * n_kb + gl.program_id(0), n_kb, HEADS)
-        start_n = (n_kb - 1 - last) * BLOCK_N
+        start_n = (n_kb - 1 - last) * BLOCK_N  # _walk counts the forward's way, from the last block: turned back
     if CAUSAL:
         lo = start_n  # queries before the key block see none of it
     else:
@@ -228,7 +228,7 @@ def _dq_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, B
     """This program's query block, its first row of q (do, lse, delta, dq) and of its kv head, its key tiles,
     and how many of them (the last ones) cross the diagonal under the causal mask; ``HEADS``: the forward's walk
     (:func:`.hopper_ws._tile_coords`)."""
-    start_m, _, q_row, kv_row, n_tiles = _tile_coords(N, HEADS, H, GROUP, BLOCK_M, CAUSAL)  # the forward's tiles
+    start_m, q_row, kv_row, n_tiles = _tile_coords(N, HEADS, H, GROUP, BLOCK_M, CAUSAL)  # the forward's tiles
     if CAUSAL:
         n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N)
         n_masked = BLOCK_M // BLOCK_N
