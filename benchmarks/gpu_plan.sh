@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's plan (results/GPU_VALIDATION.md), one step per call of the device machine.
 #
-#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: ncusource gluonab fp8wide newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes gradeclass speed tests0 suite1 suite2 fwd bwd window misc train halves
+#   bash benchmarks/gpu_plan.sh STEP [STEP ...]       STEP: walkroute ncusource gluonab fp8wide newgpu routes routecheck fma min4k fp8persistent hoststep stepstate decode16 grids gluon gluonfwd gluonfwdp gluonoverlap fp8gluon ncugluon gluon8 gluonbwd gluontrain gluonwin celltimes gradeclass speed tests0 suite1 suite2 fwd bwd window misc train halves
 #
 # (PYTHON=... picks the interpreter; python3 by default, the device machine's.)
 #
@@ -78,6 +78,10 @@
 #   ncusource benchmarks/ncu_source.py: Nsight Compute's stall sampling per SASS instruction of lesson 11's Gluon
 #           forwards (FP8 with 128- and 256-key tiles, and bf16, the serial loop): which instruction the warps wait at, where ncu_forward.py's
 #           totals name only the reason ("barrier"); NCU_STEM names the files after the GPU (default ncu_source_h100)
+#   walkroute benchmarks/route_check.py --modes walk walkbwd walkbwd_noncausal, four rounds: the public forward without
+#           the causal mask (N 4k-16k) on the persistent grid walked a kv head at a time (dispatch.GLUON_WALK_KV_HEADS)
+#           against its default walk, and forward + backward, causal and not, with the Gluon backward walking four kv
+#           rows at a time (fast_backward.GLUON_WALK_ROWS) against one row after another (both off as shipped)
 #   fp8wide benchmarks/route_check.py --modes fp8wide fp8wide_noncausal: flash_attention_fp8 (e4m3 inputs, N 4k-16k)
 #           with its Gluon route on the wide tiles of 256 keys (fp8.GLUON_WIDE) against tiles of 128, four rounds
 #   gluonab benchmarks/gluon_ab.py: lesson 11's Gluon forwards (FP8 and bf16, as the routes launch them, N 4k-16k)
@@ -224,6 +228,9 @@ for step in "$@"; do
         --out "$OUT/route_check_fp8persistent.json"
       run test_fp8p "${PYTEST[@]}" -n 4 tests/test_hopper_ws.py tests/test_kernels_fp8.py -k \
         "hopper_ws or transpose" ;;
+    walkroute)
+      run route_walk "$PY" benchmarks/route_check.py --modes walk walkbwd walkbwd_noncausal --rounds 4 \
+        --out "$OUT/route_check_walk.json" ;;
     fp8wide)
       run route_fp8wide "$PY" benchmarks/route_check.py --modes fp8wide fp8wide_noncausal --rounds 4 \
         --out "$OUT/route_check_fp8wide.json" ;;

@@ -32,7 +32,12 @@ and switched off (``off``):
 - ``fp8transpose``: the same calls (causal), V's K-major copy made by ``fp8.transpose_tiled``
   (``fp8.FAST_TRANSPOSE = True``, ``on``) against torch's strided copy (``False``, ``off``);
 - ``fp8wide`` and ``fp8wide_noncausal``: the same calls, causal and not, on the Gluon entry's wide tiles of 256 keys
-  (``fp8.GLUON_WIDE = True``, ``on``) against its tiles of 128 (``False``, ``off``).
+  (``fp8.GLUON_WIDE = True``, ``on``) against its tiles of 128 (``False``, ``off``);
+- ``walk``: the forward alone without the causal mask at 4k-16k (16k tokens a batch) on the persistent grid walked
+  a kv head at a time (``dispatch.GLUON_WALK_KV_HEADS = True``, ``on``) against its default walk (``False``, ``off``);
+- ``walkbwd`` and ``walkbwd_noncausal``: forward + backward at 4k-16k, causal and not, the Gluon backward's dK/dV
+  walking :data:`WALK_ROWS` (batch, kv head) rows at a time (``fast_backward.GLUON_WALK_ROWS``, ``on``) against one
+  row after another (``None``, ``off``).
 
 bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
 main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
@@ -75,7 +80,10 @@ MIN_N_POINTS = [(None, 0, MIN_N_CANDIDATE)]
 MIN_N_WINDOW_POINTS = [(w, s, MIN_N_CANDIDATE) for w in (1024, 4096) for s in (0, 4)]  # windows wide enough
 FP8_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # flash_attention_fp8's Gluon route (from fp8.GLUON_MIN_N)
 # timed without the causal mask
-NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal", "fp8wide_noncausal")
+WALK_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # the walks' A/B points (benchmarks/gluon_ab.py)
+WALK_ROWS = 4  # (batch, kv head) rows the backward's walk takes at a time ``on`` (gluon_ab.BWD_ROWS)
+NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal", "fp8wide_noncausal", "walk",
+                   "walkbwd_noncausal")
 # flash_attention_fp8's calls
 FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose", "fp8wide", "fp8wide_noncausal")
 
@@ -84,18 +92,21 @@ QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 
          "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS, "min4k_window": MIN_N_WINDOW_POINTS[:1],
          "fp8persistent": [(None, 0, 16384)],
          "fp8persistent_noncausal": [(None, 0, 16384)], "fp8transpose": [(None, 0, 4096)],
-         "fp8wide": [(None, 0, 16384)], "fp8wide_noncausal": [(None, 0, 16384)]}
+         "fp8wide": [(None, 0, 16384)], "fp8wide_noncausal": [(None, 0, 16384)], "walk": WALK_POINTS[:1],
+         "walkbwd": WALK_POINTS[:1], "walkbwd_noncausal": WALK_POINTS[:1]}
 MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS, "fma": FMA_POINTS,
          "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS,
          "min4k_window": MIN_N_WINDOW_POINTS,
          "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS, "fp8transpose": FP8_POINTS,
-         "fp8wide": FP8_POINTS, "fp8wide_noncausal": FP8_POINTS}
+         "fp8wide": FP8_POINTS, "fp8wide_noncausal": FP8_POINTS, "walk": WALK_POINTS, "walkbwd": WALK_POINTS,
+         "walkbwd_noncausal": WALK_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_WINDOW_MIN_N=dispatch.GLUON_WINDOW_MIN_N,
                GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
                GLUON_FMA=dispatch.GLUON_FMA, GLUON_NONCAUSAL_PERSISTENT=dispatch.GLUON_NONCAUSAL_PERSISTENT,
                FP8_GLUON_PERSISTENT=fp8.GLUON_PERSISTENT, FP8_FAST_TRANSPOSE=fp8.FAST_TRANSPOSE,
-               FP8_GLUON_WIDE=fp8.GLUON_WIDE)
+               FP8_GLUON_WIDE=fp8.GLUON_WIDE, GLUON_WALK_KV_HEADS=dispatch.GLUON_WALK_KV_HEADS,
+               GLUON_WALK_ROWS=fast_backward.GLUON_WALK_ROWS)
 
 
 def set_route(mode: str, on: bool) -> None:
@@ -107,7 +118,8 @@ def set_route(mode: str, on: bool) -> None:
     :data:`MIN_N_BEFORE`; ``min4k_window``: the window's threshold the same way;
     ``fp8persistent`` / ``fp8persistent_noncausal``: the FP8 route's persistent grid on or off; ``fp8transpose``:
     the FP8 entry's tiled transpose of V on or off; ``fp8wide`` / ``fp8wide_noncausal``: the FP8 route's wide tiles
-    on or off."""
+    on or off; ``walk``: the persistent grid walked a kv head at a time or by default; ``walkbwd`` /
+    ``walkbwd_noncausal``: the Gluon backward's walk :data:`WALK_ROWS` rows at a time or one row after another."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = on if mode == "persistent" else SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
@@ -123,6 +135,9 @@ def set_route(mode: str, on: bool) -> None:
     fp8.GLUON_PERSISTENT = on if mode.startswith("fp8persistent") else SHIPPED["FP8_GLUON_PERSISTENT"]
     fp8.FAST_TRANSPOSE = on if mode == "fp8transpose" else SHIPPED["FP8_FAST_TRANSPOSE"]
     fp8.GLUON_WIDE = on if mode.startswith("fp8wide") else SHIPPED["FP8_GLUON_WIDE"]
+    dispatch.GLUON_WALK_KV_HEADS = on if mode == "walk" else SHIPPED["GLUON_WALK_KV_HEADS"]
+    walked = WALK_ROWS if on else None
+    fast_backward.GLUON_WALK_ROWS = walked if mode.startswith("walkbwd") else SHIPPED["GLUON_WALK_ROWS"]
 
 
 def restore() -> None:
@@ -134,6 +149,8 @@ def restore() -> None:
     dispatch.GLUON_NONCAUSAL_PERSISTENT = SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
     fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE = SHIPPED["FP8_GLUON_PERSISTENT"], SHIPPED["FP8_FAST_TRANSPOSE"]
     fp8.GLUON_WIDE = SHIPPED["FP8_GLUON_WIDE"]
+    dispatch.GLUON_WALK_KV_HEADS = SHIPPED["GLUON_WALK_KV_HEADS"]
+    fast_backward.GLUON_WALK_ROWS = SHIPPED["GLUON_WALK_ROWS"]
 
 
 def make_step(mode, point):
@@ -141,7 +158,7 @@ def make_step(mode, point):
     for plain causal attention the training bench's main case, 16k tokens a batch), as a zero-argument callable
     returning what it computed: ``(o,)`` or ``(o, dq, dk, dv)``."""
     w, s, n = point
-    backward = mode in ("training", "sinks")  # the other modes time the forward alone
+    backward = mode in ("training", "sinks", "walkbwd", "walkbwd_noncausal")  # the others time the forward alone
     causal = mode not in NONCAUSAL_MODES
     if mode in FP8_MODES:  # bench fp8's inputs and its course_fp8 provider
         from course_utils.bench import fp8 as fp8_bench
@@ -153,7 +170,7 @@ def make_step(mode, point):
         q, k, v = cases.make_inputs(cases.STANDARD_SUITE[0], n)
         if backward:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
-            return training.make_training_step("course", q, k, v, torch.randn_like(q), True)
+            return training.make_training_step("course", q, k, v, torch.randn_like(q), causal)
         forward = training.make_training_forward("course", q, k, v, causal)
         return lambda: (forward(),)
     q, k, v = window.make_inputs(n, requires_grad=backward)

@@ -567,6 +567,78 @@ def test_a_wide_window_takes_the_gluon_forward_when_gluon_min_window_is_set(monk
         assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 
+def _record_walks(monkeypatch, module, name) -> list:
+    """Wrap ``module.name`` so that each call appends the ``heads_together`` it was given (the walk a route chose)."""
+    walks, real = [], getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        walks.append(kwargs.get("heads_together"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return walks
+
+
+@needs_interpreter
+def test_the_forward_route_walks_a_kv_head_at_a_time_only_when_switched_on(monkeypatch):
+    """dispatch.GLUON_WALK_KV_HEADS (off as shipped): plain attention without the causal mask on the persistent grid
+    walks a kv head's query heads at a time (hopper_ws.kv_head_order), o and lse the kernel's own bit for bit; the
+    causal mask (a program per tile) and windows keep the default walk."""
+    from course_utils import kernels
+    from course_utils.kernels import dispatch
+
+    g = torch.Generator().manual_seed(21)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
+    q, k, v = (torch.randn(2, h, 256, 128, generator=g).half() for h in (4, 2, 2))
+    assert dispatch.GLUON_WALK_KV_HEADS is False
+    monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
+    walks = _record_walks(monkeypatch, hopper_ws, "_launch_persistent")
+    with gluon_cpu.running():
+        kernels.flash_attention_with_lse(q, k, v, False)
+        monkeypatch.setattr(dispatch, "GLUON_WALK_KV_HEADS", True)
+        o, lse = kernels.flash_attention_with_lse(q, k, v, False)
+        assert walks == [None, 4]  # the two query heads of a kv head, doubled to four rows
+        assert dispatch.gluon_heads_together(q, k, True) is None  # causal: a program per tile, no walk
+        assert dispatch.gluon_heads_together(q, k, True, 1024) is None  # a window keeps its walk
+        monkeypatch.setattr(dispatch, "GLUON_NONCAUSAL_PERSISTENT", False)
+        assert dispatch.gluon_heads_together(q, k, False) is None  # a program per tile: nothing to walk
+        want_o, want_lse = hopper_ws.attention(q, k, v, False, fma=True, persistent=True, heads_together=4)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=False)
+    assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
+@needs_interpreter
+def test_the_backward_route_walks_its_rows_only_when_switched_on(monkeypatch):
+    """fast_backward.GLUON_WALK_ROWS (None as shipped): autograd's Gluon backward walks that many (batch, kv head)
+    rows at a time where it divides B * H_kv and there is no window, its gradients the kernels' own bit for bit and
+    right against float64; rows that do not divide, and windows, keep one row after another."""
+    from course_utils import kernels
+    from course_utils.kernels import fast_backward as fb
+
+    g = torch.Generator().manual_seed(23)  # fp16: Triton's interpreter computes bf16 wrongly (the course's forward)
+    q, do = (torch.randn(2, 4, 256, 64, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(2, 2, 256, 64, generator=g).half() for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert fb.GLUON_WALK_ROWS is None
+    monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
+    walks = _record_walks(monkeypatch, hopper_ws_bwd, "backward_validated")
+    monkeypatch.setattr(fb, "GLUON_WALK_ROWS", 2)
+    with gluon_cpu.running():
+        kernels.flash_attention(q, k, v, True).backward(do)
+        o, lse = kernels.flash_attention_with_lse(q.detach(), k.detach(), v.detach(), True)
+        direct = hopper_ws_bwd.attention_backward(q.detach(), k.detach(), v.detach(), o, lse, do, True,
+                                                  heads_together=2)
+    assert walks[0] == 2
+    assert fb.gluon_walk_rows(k) == 2 and fb.gluon_walk_rows(k, 1024) is None  # a window: one row after another
+    monkeypatch.setattr(fb, "GLUON_WALK_ROWS", 3)
+    assert fb.gluon_walk_rows(k) is None  # 3 does not divide B * H_kv = 4
+    for got, want in zip((q.grad, k.grad, v.grad), direct):
+        assert torch.equal(got, want)
+    want = references.attention_backward(*(t.detach().double().numpy() for t in (q, k, v, do)), causal=True)
+    for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+        assert _rel(got, ref) < 1e-2, name
+
+
 @needs_interpreter
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_gluon_fp8_entry_is_the_route_flash_attention_fp8_takes_when_it_is_set(monkeypatch, causal):

@@ -303,6 +303,39 @@ def test_the_gluon_mode_behind_kernels_flash_attention_on_a_hopper_gpu(monkeypat
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
+                                       "tests/test_gluon_cpu.py checks the walks' routes in the model on a CPU")
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_walked_routes_behind_kernels_flash_attention_on_a_hopper_gpu(monkeypatch, causal):
+    """dispatch.GLUON_WALK_KV_HEADS and fast_backward.GLUON_WALK_ROWS switched on (both off as shipped): the public
+    forward without the causal mask runs the persistent grid a kv head at a time, and autograd's Gluon backward walks
+    two kv rows at a time; each is the kernels' own result bit for bit, and right against float64."""
+    from course_utils.kernels import dispatch, hopper_ws
+    from course_utils.kernels import fast_backward as fb
+    from course_utils.kernels import flash_attention, flash_attention_with_lse
+
+    q, k, v, do = _inputs(2, 8, 2, 1024, 128, torch.bfloat16, "cuda")
+    monkeypatch.setattr(dispatch, "GLUON_MIN_N", 1024)
+    monkeypatch.setattr(dispatch, "GLUON_WALK_KV_HEADS", True)
+    monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
+    monkeypatch.setattr(fb, "GLUON_WALK_ROWS", 2)
+    heads = dispatch.gluon_heads_together(q, k, causal)
+    assert heads == (None if causal else 4)  # causal: a program per tile, nothing to walk
+    o, lse = flash_attention_with_lse(q, k, v, causal)
+    want_o, want_lse = hopper_ws.attention(q, k, v, causal, persistent=not causal, fma=dispatch.GLUON_FMA,
+                                           heads_together=heads)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flash_attention(*leaves, causal).backward(do)
+    direct = hopper_ws_bwd.attention_backward(q, k, v, o, lse, do, causal, heads_together=2)
+    want = references.attention_backward(*(t.double().cpu().numpy() for t in (q, k, v, do)), causal=causal)
+    for name, leaf, same, ref in zip(("dq", "dk", "dv"), leaves, direct, want):
+        assert torch.equal(leaf.grad, same), name
+        ref = torch.from_numpy(ref).float().cuda()
+        rel = (torch.linalg.vector_norm(leaf.grad.float() - ref) / torch.linalg.vector_norm(ref)).item()
+        assert rel < 2e-2, f"{name}: relative error {rel:.2e}"
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; "
                                        "tests/test_launch.py checks the launcher with a stand-in kernel on a CPU")
 def test_the_bound_launches_are_triton_s_launches_on_a_hopper_gpu():
     """The backward's three launches bound once per key (launch.BoundLauncher) give, bit for bit, the gradients of

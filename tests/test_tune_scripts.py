@@ -468,6 +468,37 @@ def test_route_check_s_persistent_mode_turns_the_noncausal_persistent_grid_and_n
     assert points and all(w is None and n >= dispatch.GLUON_MIN_N for w, _, n in points)
 
 
+def test_route_check_s_walk_modes_turn_the_walks_and_nothing_else():
+    """``walk``: ``dispatch.GLUON_WALK_KV_HEADS`` on or off; ``walkbwd`` / ``walkbwd_noncausal``:
+    ``fast_backward.GLUON_WALK_ROWS`` at ``WALK_ROWS`` or ``None``; everything else as shipped, and ``restore`` puts
+    both back. ``walk`` and ``walkbwd_noncausal`` are timed without the causal mask, the backward modes as steps."""
+    from course_utils.kernels import dispatch
+
+    shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
+               dispatch.GLUON_NONCAUSAL_PERSISTENT)
+    walks = (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS)
+    assert walks == (False, None)  # both off as shipped
+    try:
+        for on in (False, True):
+            route_check.set_route("walk", on)
+            assert (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == (on, None)
+            for mode in ("walkbwd", "walkbwd_noncausal"):
+                route_check.set_route(mode, on)
+                assert (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == (False, route_check.WALK_ROWS if on
+                                                                               else None)
+                assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS,
+                        dispatch.GLUON_FMA, dispatch.GLUON_NONCAUSAL_PERSISTENT) == shipped
+        route_check.set_route("walk", True)
+        route_check.restore()
+        assert (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == walks
+    finally:
+        dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS = walks
+        route_check.restore()
+    assert {"walk", "walkbwd_noncausal"} <= set(route_check.NONCAUSAL_MODES)
+    assert "walkbwd" not in route_check.NONCAUSAL_MODES
+    assert all(w is None and n >= dispatch.GLUON_MIN_N for w, _, n in route_check.WALK_POINTS)
+
+
 def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
     """``min4k`` / ``min4k_noncausal``: ``dispatch.GLUON_MIN_N`` at the candidate, as shipped (on), or at the
     threshold before it (off); ``min4k_window``: ``dispatch.GLUON_WINDOW_MIN_N`` at the candidate (on) or as shipped,

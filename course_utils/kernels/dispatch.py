@@ -25,7 +25,8 @@ from __future__ import annotations
 from . import fast, fast_window, forward, gluon_cpu
 
 __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_WINDOW_MIN_N", "GLUON_MIN_WINDOW",
-           "GLUON_WINDOW_PERSISTENT", "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "gluon_applies", "gluon_persistent"]
+           "GLUON_WINDOW_PERSISTENT", "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "GLUON_WALK_KV_HEADS",
+           "gluon_applies", "gluon_persistent", "gluon_heads_together"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
@@ -70,6 +71,13 @@ GLUON_NONCAUSAL_PERSISTENT: bool = True
 # rounds (benchmarks/route_check.py --modes fma, results/route_check_fma_h100.json, an H100): plain causal 8k and
 # 16k 1.024x and 1.028x faster with it, the windows (W 1024 / 4096, S 0 / 4, N 8k-64k) 0.99-1.05x, median 1.015x.
 GLUON_FMA: bool = True
+# Whether plain attention without the causal mask on the persistent grid walks its work tiles a kv head at a time
+# (hopper_ws.attention's heads_together=hopper_ws.kv_head_order(H, group): the programs that run together read one
+# kv head's K/V tiles, where the default walk streams every (batch, kv head) at once). Off until the route check
+# says otherwise: one H100 A/B of three rounds (results/gluon_ab_walk_h100.json) read it 1.036x / 1.030x / 1.013x
+# at 4k / 8k / 16k, inside the spread route checks of a kernel against itself have shown (0.93-1.03x);
+# route_check.py --modes walk times the route both ways.
+GLUON_WALK_KV_HEADS: bool = False
 
 
 def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
@@ -115,6 +123,17 @@ def gluon_persistent(causal: bool, window_size=None) -> bool:
     return not causal and GLUON_NONCAUSAL_PERSISTENT
 
 
+def gluon_heads_together(q, k, causal: bool, window_size=None) -> int | None:
+    """The persistent grid's walk for a call on the Gluon route (``hopper_ws.attention``'s ``heads_together``): a kv
+    head's query heads at a time (:func:`.hopper_ws.kv_head_order`) for plain attention without the causal mask while
+    :data:`GLUON_WALK_KV_HEADS`, else ``None`` (the grid's default walk)."""
+    if not GLUON_WALK_KV_HEADS or window_size is not None or not gluon_persistent(causal):  # causal: not persistent
+        return None
+    from .hopper_ws import kv_head_order
+
+    return kv_head_order(q.shape[1], q.shape[1] // k.shape[1])
+
+
 def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
                    alibi_slopes=None, sink_logits=None):
     """``(o, lse)`` by the one kernel that fits, for a call :func:`check_call` has accepted.
@@ -129,7 +148,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
     lesson 05's GQA kernel (MHA, GQA and MQA, causal or not) for the rest. Where :func:`gluon_applies` (only
     when :data:`GLUON_MIN_N` is set), plain attention runs lesson 11's Gluon forward instead, and so does a window
     of at least :data:`GLUON_MIN_WINDOW` keys from :data:`GLUON_WINDOW_MIN_N` tokens where those are set (on its
-    persistent grid where :func:`gluon_persistent` says so; the softmax's scale in one FMA while :data:`GLUON_FMA`).
+    persistent grid where :func:`gluon_persistent` says so, walked as :func:`gluon_heads_together` says; the
+    softmax's scale in one FMA while :data:`GLUON_FMA`).
     """
     if forward.has_mods(cu_seqlens, softcap, alibi_slopes, sink_logits):
         return forward.flash_attention_mods_forward(q, k, v, causal, window_size=window_size, sink_size=sink_size,
@@ -140,7 +160,8 @@ def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_s
         from .hopper_ws import attention as gluon_attention
 
         return gluon_attention(q, k, v, causal, window_size=window_size, sink_size=sink_size,
-                               persistent=gluon_persistent(causal, window_size), fma=GLUON_FMA)
+                               persistent=gluon_persistent(causal, window_size), fma=GLUON_FMA,
+                               heads_together=gluon_heads_together(q, k, causal, window_size))
     supported = fast.is_supported(q, k, v)
     if window_size is not None:
         if supported:

@@ -103,7 +103,8 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["FastBackwardConfig", "CONFIGS", "default_config", "supports", "unsupported_reason",
            "attention_backward_fast", "MODES", "AUTOGRAD_CONFIG", "autograd_config", "FastBackwardFunction",
-           "flash_attention_fast_backward", "GLUON_DEFAULT", "WINDOW_MODES", "GLUON_SINKS", "sink_walk_fits"]
+           "flash_attention_fast_backward", "GLUON_DEFAULT", "WINDOW_MODES", "GLUON_SINKS", "sink_walk_fits",
+           "GLUON_WALK_ROWS", "gluon_walk_rows"]
 
 MODES = ("fused", "atomic", "flat", "gluon")
 WINDOW_MODES = ("flat", "gluon")  # the modes that take lesson 08's window (the gluon mode its sinks too)
@@ -614,8 +615,8 @@ def attention_backward_fast(q, k, v, o, lse, do, causal=False, sm_scale=None, *,
 
         return (backward_validated if _validated else attention_backward)(
             q, k, v, o, lse, do, causal, sm_scale, window_size=window_size, sink_size=sink_size,
-            num_buffers=config.num_stages,
-            block_m=config.block_m1, dq_block_n=config.block_n2)
+            num_buffers=config.num_stages, block_m=config.block_m1, dq_block_n=config.block_n2,
+            heads_together=gluon_walk_rows(k, window_size))
     B, n_q_heads, N, D = q.shape
     n_kv_heads = k.shape[1]
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
@@ -676,6 +677,24 @@ AUTOGRAD_CONFIG: FastBackwardConfig | None = GLUON_DEFAULT
 # where lesson 07's pair spreads those far queries over programs of their own (backward._window_backward);
 # benchmarks/route_check.py's "sinks" points time the two against each other.
 GLUON_SINKS: bool | None = None
+
+# How many (batch, kv head) rows at a time the gluon mode's dK/dV programs walk (its dQ the query heads of those rows;
+# hopper_ws_bwd.attention_backward's heads_together), without a window: None, one row after another. Under the
+# causal mask a row's first key blocks are its longest, so one row at a time leaves long blocks to the end of the
+# grid (the last SM 13% past the mean at 4k in the load model of tests/test_gluon_cpu.py, 0.2% walking four rows).
+# Off until the route check says otherwise: one H100 A/B of three rounds (results/gluon_ab_walk_h100.json) read four
+# rows 1.050x / 1.021x / 0.983x causal and 1.027x / 1.034x / 1.000x not at 4k / 8k / 16k, inside the spread route
+# checks of a kernel against itself have shown (0.93-1.03x); route_check.py --modes walkbwd times it both ways.
+GLUON_WALK_ROWS: int | None = None
+
+
+def gluon_walk_rows(k, window_size=None) -> int | None:
+    """The gluon mode's ``heads_together`` for a call: :data:`GLUON_WALK_ROWS` where it is set, there is no window
+    and it divides ``B * H_kv`` (``k``'s first two dims), else ``None`` (one row after another)."""
+    rows = GLUON_WALK_ROWS
+    if rows is None or window_size is not None or (k.shape[0] * k.shape[1]) % rows:
+        return None
+    return rows
 
 
 def sink_walk_fits(batch: int, n_kv_heads: int, window_size: int, block_n: int, n_sms: int) -> bool:
