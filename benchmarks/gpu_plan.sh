@@ -81,7 +81,7 @@
 #   walkroute benchmarks/route_check.py --modes walk walkbwd walkbwd_noncausal, four rounds: the public forward without
 #           the causal mask (N 4k-16k) on the persistent grid walked a kv head at a time (dispatch.GLUON_WALK_KV_HEADS)
 #           against its default walk, and forward + backward, causal and not, with the Gluon backward walking four kv
-#           rows at a time (fast_backward.GLUON_WALK_ROWS) against one row after another (both off as shipped)
+#           rows at a time (fast_backward.GLUON_WALK_ROWS) against one row after another (both on as shipped)
 #   fp8wide benchmarks/route_check.py --modes fp8wide fp8wide_noncausal: flash_attention_fp8 (e4m3 inputs, N 4k-16k)
 #           with its Gluon route on the wide tiles of 256 keys (fp8.GLUON_WIDE) against tiles of 128, four rounds
 #   gluonab benchmarks/gluon_ab.py: lesson 11's Gluon forwards (FP8 and bf16, as the routes launch them, N 4k-16k)

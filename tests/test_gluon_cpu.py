@@ -581,7 +581,7 @@ def _record_walks(monkeypatch, module, name) -> list:
 
 @needs_interpreter
 def test_the_forward_route_walks_a_kv_head_at_a_time_only_when_switched_on(monkeypatch):
-    """dispatch.GLUON_WALK_KV_HEADS (off as shipped): plain attention without the causal mask on the persistent grid
+    """dispatch.GLUON_WALK_KV_HEADS (on as shipped): plain attention without the causal mask on the persistent grid
     walks a kv head's query heads at a time (hopper_ws.kv_head_order), o and lse the kernel's own bit for bit; the
     causal mask (a program per tile) and windows keep the default walk."""
     from course_utils import kernels
@@ -589,14 +589,15 @@ def test_the_forward_route_walks_a_kv_head_at_a_time_only_when_switched_on(monke
 
     g = torch.Generator().manual_seed(21)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
     q, k, v = (torch.randn(2, h, 256, 128, generator=g).half() for h in (4, 2, 2))
-    assert dispatch.GLUON_WALK_KV_HEADS is False
+    assert dispatch.GLUON_WALK_KV_HEADS is True  # as shipped
     monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
     walks = _record_walks(monkeypatch, hopper_ws, "_launch_persistent")
     with gluon_cpu.running():
-        kernels.flash_attention_with_lse(q, k, v, False)
-        monkeypatch.setattr(dispatch, "GLUON_WALK_KV_HEADS", True)
         o, lse = kernels.flash_attention_with_lse(q, k, v, False)
-        assert walks == [None, 4]  # the two query heads of a kv head, doubled to four rows
+        monkeypatch.setattr(dispatch, "GLUON_WALK_KV_HEADS", False)
+        kernels.flash_attention_with_lse(q, k, v, False)
+        assert walks == [4, None]  # the two query heads of a kv head, doubled to four rows; off: the default walk
+        monkeypatch.setattr(dispatch, "GLUON_WALK_KV_HEADS", True)
         assert dispatch.gluon_heads_together(q, k, True) is None  # causal: a program per tile, no walk
         assert dispatch.gluon_heads_together(q, k, True, 1024) is None  # a window keeps its walk
         monkeypatch.setattr(dispatch, "GLUON_NONCAUSAL_PERSISTENT", False)
@@ -609,7 +610,7 @@ def test_the_forward_route_walks_a_kv_head_at_a_time_only_when_switched_on(monke
 
 @needs_interpreter
 def test_the_backward_route_walks_its_rows_only_when_switched_on(monkeypatch):
-    """fast_backward.GLUON_WALK_ROWS (None as shipped): autograd's Gluon backward walks that many (batch, kv head)
+    """fast_backward.GLUON_WALK_ROWS (4 as shipped): autograd's Gluon backward walks that many (batch, kv head)
     rows at a time where it divides B * H_kv and there is no window, its gradients the kernels' own bit for bit and
     right against float64; rows that do not divide, and windows, keep one row after another."""
     from course_utils import kernels
@@ -619,7 +620,7 @@ def test_the_backward_route_walks_its_rows_only_when_switched_on(monkeypatch):
     q, do = (torch.randn(2, 4, 256, 64, generator=g).half() for _ in range(2))
     k, v = (torch.randn(2, 2, 256, 64, generator=g).half() for _ in range(2))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    assert fb.GLUON_WALK_ROWS is None
+    assert fb.GLUON_WALK_ROWS == 4  # as shipped; here B * H_kv = 4 rows, so two
     monkeypatch.setattr(fb, "AUTOGRAD_CONFIG", fb.GLUON_DEFAULT)
     walks = _record_walks(monkeypatch, hopper_ws_bwd, "backward_validated")
     monkeypatch.setattr(fb, "GLUON_WALK_ROWS", 2)

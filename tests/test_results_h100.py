@@ -753,3 +753,51 @@ def test_notes_quote_the_forty_eighth_session_s_walks_as_recorded():
         f"{span(pick('bf16', 'grouped_over_current', True))} (bf16, causal)",
         f"FP8's wide tiles read {span(pick('fp8', 'wide_over_current'))} the 128-key tiles (two slots) and "
         f"{span(pick('fp8', 'wide3_over_current'))} with three"])
+
+
+def test_the_walks_routes_quote_their_route_checks_as_recorded():
+    """dispatch.GLUON_WALK_KV_HEADS and fast_backward.GLUON_WALK_ROWS were switched on from two H100 route checks
+    (results/route_check_walk_h100{,_run2}.json): every reading results/NOTES.md and the two switches' comments quote,
+    recomputed; every walked output and gradient equal to the default walk's; and the switches as the checks left them
+    (on, at the rows the checks timed)."""
+    from course_utils.kernels import dispatch, fast_backward
+
+    runs = [results.load(name) for name in ("route_check_walk_h100", "route_check_walk_h100_run2")]
+    for doc in runs:
+        assert doc["info"]["gpu"].endswith("H100 80GB HBM3") and doc["shipped"]["GLUON_WALK_KV_HEADS"] is False
+        assert all(r["status"] == "ok" and r["rel_diff"] == 0 for r in doc["rows"])
+
+    def each(run, mode):
+        rows = sorted((r for r in run["rows"] if r["mode"] == mode), key=lambda r: r["n"])
+        assert [r["n"] for r in rows] == [4096, 8192, 16384]
+        return ", ".join(f"{r['on_over_off']:.3f}x" for r in rows)
+
+    fwd, causal, plain = ([each(run, mode) for run in runs] for mode in ("walk", "walkbwd", "walkbwd_noncausal"))
+    notes = " ".join((REPO / "results" / "NOTES.md").read_text().split())
+    assert_quoted(notes, [
+        f"The forward without the mask walked a kv head at a time read {fwd[0]} and {fwd[1]} at 4k, 8k, 16k",
+        f"four rows, {causal[0]} and {causal[1]} with the causal mask, {plain[0]} and {plain[1]} without"])
+    slash = lambda text: text.replace(", ", " / ")  # noqa: E731  (the comments' form)
+    for module, quote in ((dispatch, f"{slash(fwd[0])} and {slash(fwd[1])} faster with it at 4k / 8k / 16k"),
+                          (fast_backward, f"{slash(causal[0])} and {slash(causal[1])} causal, {slash(plain[0])} "
+                                          f"and {slash(plain[1])} not")):
+        source = " ".join(" ".join(line.strip().lstrip("#").split()) for line in
+                          open(module.__file__).read().splitlines() if line.strip().startswith("#"))
+        assert quote in source, (module.__name__, quote)
+    # with the forty-eighth session's A/B: three readings of each point
+    ab = {(r["kind"], r["causal"], r["n"]): r["grouped_over_current"]
+          for r in results.load("gluon_ab_walk_h100")["rows"] if r["kind"] in ("bf16", "bwd")}
+    three = {(mode, n): [ab[(kind, causal, n)]] + [r["on_over_off"] for run in runs for r in run["rows"]
+                                                   if (r["mode"], r["n"]) == (mode, n)]
+             for mode, kind, causal in (("walk", "bf16", False), ("walkbwd", "bwd", True),
+                                        ("walkbwd_noncausal", "bwd", False)) for n in (4096, 8192, 16384)}
+    assert all(len(v) == 3 for v in three.values())
+    assert min(v for (mode, _), vs in three.items() if mode == "walk" for v in vs) > 1.01
+    span = lambda values: f"{min(values):.3f}x-{max(values):.3f}x"  # noqa: E731
+    others = [v for (mode, n), vs in three.items() if mode != "walk" and (mode, n) != ("walkbwd", 4096) for v in vs]
+    assert_quoted(notes, [f"the forward's all above 1.01x, the backward's causal 4k point (where the load model puts "
+                          f"the last SM 13% past the mean) {span(three[('walkbwd', 4096)])}, its other points "
+                          f"{span(others)}", "none read under 0.98x"])
+    assert min(v for vs in three.values() for v in vs) >= 0.98
+    assert dispatch.GLUON_WALK_KV_HEADS is True
+    assert fast_backward.GLUON_WALK_ROWS == 4  # route_check.WALK_ROWS (tests/test_tune_scripts.py)

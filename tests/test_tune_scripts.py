@@ -477,18 +477,18 @@ def test_route_check_s_walk_modes_turn_the_walks_and_nothing_else():
     shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
                dispatch.GLUON_NONCAUSAL_PERSISTENT)
     walks = (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS)
-    assert walks == (False, None)  # both off as shipped
+    assert walks == (True, route_check.WALK_ROWS)  # both on as shipped, the backward's at the rows timed
     try:
         for on in (False, True):
             route_check.set_route("walk", on)
-            assert (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == (on, None)
+            assert (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == (on, walks[1])
             for mode in ("walkbwd", "walkbwd_noncausal"):
                 route_check.set_route(mode, on)
-                assert (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == (False, route_check.WALK_ROWS if on
-                                                                               else None)
+                assert (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == (walks[0], route_check.WALK_ROWS if on
+                                                                                  else None)
                 assert (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS,
                         dispatch.GLUON_FMA, dispatch.GLUON_NONCAUSAL_PERSISTENT) == shipped
-        route_check.set_route("walk", True)
+        route_check.set_route("walkbwd", False)
         route_check.restore()
         assert (dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == walks
     finally:

@@ -73,11 +73,11 @@ GLUON_NONCAUSAL_PERSISTENT: bool = True
 GLUON_FMA: bool = True
 # Whether plain attention without the causal mask on the persistent grid walks its work tiles a kv head at a time
 # (hopper_ws.attention's heads_together=hopper_ws.kv_head_order(H, group): the programs that run together read one
-# kv head's K/V tiles, where the default walk streams every (batch, kv head) at once). Off until the route check
-# says otherwise: one H100 A/B of three rounds (results/gluon_ab_walk_h100.json) read it 1.036x / 1.030x / 1.013x
-# at 4k / 8k / 16k, inside the spread route checks of a kernel against itself have shown (0.93-1.03x);
-# route_check.py --modes walk times the route both ways.
-GLUON_WALK_KV_HEADS: bool = False
+# kv head's K/V tiles, where the default walk streams every (batch, kv head) at once). The route both ways on an H100
+# (benchmarks/route_check.py --modes walk, two processes of four rounds, results/route_check_walk_h100{,_run2}.json):
+# 1.043x / 1.053x / 1.017x and 1.038x / 1.068x / 1.019x faster with it at 4k / 8k / 16k (16k tokens a batch), as
+# the A/B before it read (1.036x / 1.030x / 1.013x, results/gluon_ab_walk_h100.json). Not timed on an H200.
+GLUON_WALK_KV_HEADS: bool = True
 
 
 def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,

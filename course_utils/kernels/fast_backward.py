@@ -682,10 +682,12 @@ GLUON_SINKS: bool | None = None
 # hopper_ws_bwd.attention_backward's heads_together), without a window: None, one row after another. Under the
 # causal mask a row's first key blocks are its longest, so one row at a time leaves long blocks to the end of the
 # grid (the last SM 13% past the mean at 4k in the load model of tests/test_gluon_cpu.py, 0.2% walking four rows).
-# Off until the route check says otherwise: one H100 A/B of three rounds (results/gluon_ab_walk_h100.json) read four
-# rows 1.050x / 1.021x / 0.983x causal and 1.027x / 1.034x / 1.000x not at 4k / 8k / 16k, inside the spread route
-# checks of a kernel against itself have shown (0.93-1.03x); route_check.py --modes walkbwd times it both ways.
-GLUON_WALK_ROWS: int | None = None
+# The route both ways on an H100 (route_check.py --modes walkbwd walkbwd_noncausal, two processes of four rounds,
+# results/route_check_walk_h100{,_run2}.json; forward + backward, 16k tokens a batch) read four rows 1.044x / 0.995x /
+# 1.016x and 1.059x / 1.014x / 1.011x causal, 1.028x / 1.028x / 1.033x and 1.014x / 1.022x / 1.000x not, at 4k / 8k /
+# 16k; the A/B of the backward alone before it (results/gluon_ab_walk_h100.json) 1.050x / 1.021x / 0.983x causal,
+# 1.027x / 1.034x / 1.000x not. Not timed on an H200.
+GLUON_WALK_ROWS: int | None = 4
 
 
 def gluon_walk_rows(k, window_size=None) -> int | None:
