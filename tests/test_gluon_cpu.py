@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import module_from_source, record_calls
+from conftest import markdown_text, module_from_source, record_calls
 from course_utils import references
 from course_utils.kernels import fp8, gluon_cpu, hopper_ws, hopper_ws_bwd
 
@@ -348,6 +348,9 @@ def test_the_causal_backward_s_dkdv_walk_leaves_the_last_sm_far_behind_one_kv_he
     assert got == {(4096, 1): 0.1344, (4096, 4): 0.0018, (8192, 1): 0.1121, (8192, 4): 0.0005}, got
     notes = " ".join((Path(__file__).resolve().parents[1] / "results" / "NOTES.md").read_text().split())
     assert "the last SM 13% past the mean at 4k and 11% at 8k; four rows at a time, 0.2% and 0.05%" in notes
+    lesson = " ".join(markdown_text("11_hopper_and_fp8").split())  # lesson 11's backward section, at 4k
+    assert "leaves the last SM 13% past the mean; walking four rows at a time, each run's first blocks first" in lesson
+    assert "heads_together=4)`), 0.2%." in lesson
 
 
 @pytest.mark.parametrize("window,sinks,n,d,block_m,dq_block_n", [

@@ -799,5 +799,14 @@ def test_the_walks_routes_quote_their_route_checks_as_recorded():
                           f"the last SM 13% past the mean) {span(three[('walkbwd', 4096)])}, its other points "
                           f"{span(others)}", "none read under 0.98x"])
     assert min(v for vs in three.values() for v in vs) >= 0.98
+    # lesson 11 ("The backward in Gluon"): the two route checks' ranges
+    checked = {key: vs[1:] for key, vs in three.items()}
+    vr = lambda values: results.value_range(values, ".3f")  # noqa: E731
+    rest = [v for (mode, n), vs in checked.items() if mode != "walk" and (mode, n) != ("walkbwd", 4096) for v in vs]
+    lesson = " ".join(markdown_text("11_hopper_and_fp8").split())
+    assert_quoted(lesson, [
+        f"timed the training step with that walk at **{vr(checked[('walkbwd', 4096)])}** the step without it at "
+        f"causal 4k, and {vr(rest)} at 8k, 16k and without the mask",
+        f"read {vr([v for (mode, _), vs in checked.items() if mode == 'walk' for v in vs])} in the same checks"])
     assert dispatch.GLUON_WALK_KV_HEADS is True
     assert fast_backward.GLUON_WALK_ROWS == 4  # route_check.WALK_ROWS (tests/test_tune_scripts.py)
