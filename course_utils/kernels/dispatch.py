@@ -10,7 +10,8 @@ of :mod:`.backward` come here; nothing here calls back up to the package::
             -> hopper_ws.attention                     (from GLUON_MIN_N tokens on, where set; a window too
                                                         from GLUON_MIN_WINDOW keys and GLUON_WINDOW_MIN_N
                                                         tokens, where set; on the persistent
-                                                        grid where gluon_persistent says so)
+                                                        grid where gluon_persistent says so,
+                                                        walked as gluon_heads_together says)
             -> fast_window.attention_forward_window    (a window the Hopper kernel supports: lessons 06 + 08)
             -> forward.flash_attention_window_forward  (any other window: lesson 08, every machine)
             -> fast.attention_forward_tuned            (plain attention the Hopper kernel supports)
