@@ -54,8 +54,9 @@ walks every head's longest block first, so the programs that run together read K
 and a program per tile takes one head's blocks after another, so under the causal mask the last heads' long blocks
 start last. ``heads_together`` walks the persistent grid a few (batch, query head) rows at a time, each run's
 longest blocks first (:func:`kv_head_order`: a kv head's query heads; run on the CPU by :mod:`.gluon_cpu`, the same
-output bit for bit; no route passes it yet); :func:`_tile_coords` is the same walk for a program per tile, which
-the backward's dQ takes (lesson 11's exercise keeps this module's loader as it is).
+output bit for bit; plain attention's route without the causal mask takes it, ``dispatch.GLUON_WALK_KV_HEADS``);
+:func:`_tile_coords` is the same walk for a program per tile, which the backward's dQ takes (lesson 11's exercise
+keeps this module's loader as it is).
 
 On a CPU Triton cannot run it (Gluon has no interpreter): ``tests/test_hopper_ws.py`` compiles it for sm_90
 there, and :mod:`.gluon_cpu` runs its Python with a model of the barriers, copies and products

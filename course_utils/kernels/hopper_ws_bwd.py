@@ -26,7 +26,8 @@ With ``window_size`` (and ``sink_size``), lesson 08's window: a dK/dV program vi
 see its keys (all of them after a block that holds sink keys), dQ the forward's tile list
 (:func:`.hopper_ws.window_plan`); both mask only the tiles that cross an edge. ``heads_together`` walks dK/dV's
 key blocks a few (batch, kv head) rows at a time, so that under the causal mask every row's long first blocks
-start early (one row after another, the GPU starts the last rows' longest blocks last; not yet timed).
+start early (one row after another, the GPU starts the last rows' longest blocks last); autograd's route walks
+``fast_backward.GLUON_WALK_ROWS`` rows at a time.
 :func:`attention` puts them behind autograd (with the Gluon forward or the course's). Both compiled here for sm_90
 and checked (``tests/test_hopper_ws_bwd.py``), and run on the CPU by
 :mod:`.gluon_cpu`'s model (``tests/test_gluon_cpu.py``); checked against float64 on an H200 and an H100,
