@@ -37,7 +37,13 @@ and switched off (``off``):
   a kv head at a time (``dispatch.GLUON_WALK_KV_HEADS = True``, ``on``) against its default walk (``False``, ``off``);
 - ``walkbwd`` and ``walkbwd_noncausal``: forward + backward at 4k-16k, causal and not, the Gluon backward's dK/dV
   walking :data:`WALK_ROWS` (batch, kv head) rows at a time (``fast_backward.GLUON_WALK_ROWS``, ``on``) against one
-  row after another (``None``, ``off``).
+  row after another (``None``, ``off``);
+- ``walkwindow``: the forward alone with lesson 08's window on the Gluon route's persistent grid (W 1024 / 4096,
+  S 0 / 4, N 16k and 64k, batch 1) walked a kv head at a time (``dispatch.GLUON_WALK_WINDOWS = True``, ``on``) against
+  its default walk (``False``, ``off``);
+- ``fullwindow``: forward + backward with a window as wide as the sequence (W = N = 4096, S 0 / 4, batch 1), which
+  the public entries run as plain causal attention (``dispatch.window_in_effect``, ``on``) against the same call
+  left to the window's kernels (``off``: ``kernels.window_in_effect`` passing every window through).
 
 bf16, GQA 32/8, D = 128, on the window bench's inputs (batch 1) and, for plain causal attention, the training bench's
 main case (16k tokens a batch). Both outputs (and the gradients) are compared before timing (relative error of the
@@ -65,6 +71,7 @@ import torch  # noqa: E402
 
 from course_utils import bench  # noqa: E402
 from course_utils.bench import cases, training, window  # noqa: E402
+from course_utils import kernels  # noqa: E402
 from course_utils.kernels import dispatch, fast_backward, fp8  # noqa: E402
 
 FORWARD_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)] + [
@@ -82,6 +89,8 @@ FP8_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # flash_attention_fp8'
 # timed without the causal mask
 WALK_POINTS = [(None, 0, n) for n in (4096, 8192, 16384)]  # the walks' A/B points (benchmarks/gluon_ab.py)
 WALK_ROWS = 4  # (batch, kv head) rows the backward's walk takes at a time ``on`` (gluon_ab.BWD_ROWS)
+WALK_WINDOW_POINTS = [(w, s, n) for w in (1024, 4096) for s in (0, 4) for n in (16384, 65536)]
+FULL_WINDOW_POINTS = [(4096, s, 4096) for s in (0, 4)]  # windows of N keys: plain causal attention
 NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal", "fp8wide_noncausal", "walk",
                    "walkbwd_noncausal")
 # flash_attention_fp8's calls
@@ -93,20 +102,26 @@ QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 
          "fp8persistent": [(None, 0, 16384)],
          "fp8persistent_noncausal": [(None, 0, 16384)], "fp8transpose": [(None, 0, 4096)],
          "fp8wide": [(None, 0, 16384)], "fp8wide_noncausal": [(None, 0, 16384)], "walk": WALK_POINTS[:1],
-         "walkbwd": WALK_POINTS[:1], "walkbwd_noncausal": WALK_POINTS[:1]}
+         "walkbwd": WALK_POINTS[:1], "walkbwd_noncausal": WALK_POINTS[:1], "walkwindow": [(4096, 0, 65536)],
+         "fullwindow": FULL_WINDOW_POINTS[:1]}
 MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS, "fma": FMA_POINTS,
          "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS,
          "min4k_window": MIN_N_WINDOW_POINTS,
          "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS, "fp8transpose": FP8_POINTS,
          "fp8wide": FP8_POINTS, "fp8wide_noncausal": FP8_POINTS, "walk": WALK_POINTS, "walkbwd": WALK_POINTS,
-         "walkbwd_noncausal": WALK_POINTS}
+         "walkbwd_noncausal": WALK_POINTS, "walkwindow": WALK_WINDOW_POINTS, "fullwindow": FULL_WINDOW_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_WINDOW_MIN_N=dispatch.GLUON_WINDOW_MIN_N,
                GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
                GLUON_FMA=dispatch.GLUON_FMA, GLUON_NONCAUSAL_PERSISTENT=dispatch.GLUON_NONCAUSAL_PERSISTENT,
                FP8_GLUON_PERSISTENT=fp8.GLUON_PERSISTENT, FP8_FAST_TRANSPOSE=fp8.FAST_TRANSPOSE,
                FP8_GLUON_WIDE=fp8.GLUON_WIDE, GLUON_WALK_KV_HEADS=dispatch.GLUON_WALK_KV_HEADS,
-               GLUON_WALK_ROWS=fast_backward.GLUON_WALK_ROWS)
+               GLUON_WALK_ROWS=fast_backward.GLUON_WALK_ROWS, GLUON_WALK_WINDOWS=dispatch.GLUON_WALK_WINDOWS)
+
+
+def _every_window(q, window_size=None, sink_size=0) -> tuple:
+    """``fullwindow``'s ``off``: ``kernels.window_in_effect`` passing every window through as given."""
+    return window_size, sink_size
 
 
 def set_route(mode: str, on: bool) -> None:
@@ -119,7 +134,9 @@ def set_route(mode: str, on: bool) -> None:
     ``fp8persistent`` / ``fp8persistent_noncausal``: the FP8 route's persistent grid on or off; ``fp8transpose``:
     the FP8 entry's tiled transpose of V on or off; ``fp8wide`` / ``fp8wide_noncausal``: the FP8 route's wide tiles
     on or off; ``walk``: the persistent grid walked a kv head at a time or by default; ``walkbwd`` /
-    ``walkbwd_noncausal``: the Gluon backward's walk :data:`WALK_ROWS` rows at a time or one row after another."""
+    ``walkbwd_noncausal``: the Gluon backward's walk :data:`WALK_ROWS` rows at a time or one row after another;
+    ``walkwindow``: a window's persistent grid walked a kv head at a time or by default; ``fullwindow``: a window of
+    ``N`` keys or more run as plain causal attention (``dispatch.window_in_effect``) or by the window's kernels."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
     dispatch.GLUON_NONCAUSAL_PERSISTENT = on if mode == "persistent" else SHIPPED["GLUON_NONCAUSAL_PERSISTENT"]
@@ -138,6 +155,8 @@ def set_route(mode: str, on: bool) -> None:
     dispatch.GLUON_WALK_KV_HEADS = on if mode == "walk" else SHIPPED["GLUON_WALK_KV_HEADS"]
     walked = WALK_ROWS if on else None
     fast_backward.GLUON_WALK_ROWS = walked if mode.startswith("walkbwd") else SHIPPED["GLUON_WALK_ROWS"]
+    dispatch.GLUON_WALK_WINDOWS = on if mode == "walkwindow" else SHIPPED["GLUON_WALK_WINDOWS"]
+    kernels.window_in_effect = _every_window if mode == "fullwindow" and not on else dispatch.window_in_effect
 
 
 def restore() -> None:
@@ -151,6 +170,8 @@ def restore() -> None:
     fp8.GLUON_WIDE = SHIPPED["FP8_GLUON_WIDE"]
     dispatch.GLUON_WALK_KV_HEADS = SHIPPED["GLUON_WALK_KV_HEADS"]
     fast_backward.GLUON_WALK_ROWS = SHIPPED["GLUON_WALK_ROWS"]
+    dispatch.GLUON_WALK_WINDOWS = SHIPPED["GLUON_WALK_WINDOWS"]
+    kernels.window_in_effect = dispatch.window_in_effect
 
 
 def make_step(mode, point):
@@ -158,7 +179,8 @@ def make_step(mode, point):
     for plain causal attention the training bench's main case, 16k tokens a batch), as a zero-argument callable
     returning what it computed: ``(o,)`` or ``(o, dq, dk, dv)``."""
     w, s, n = point
-    backward = mode in ("training", "sinks", "walkbwd", "walkbwd_noncausal")  # the others time the forward alone
+    # the others time the forward alone
+    backward = mode in ("training", "sinks", "walkbwd", "walkbwd_noncausal", "fullwindow")
     causal = mode not in NONCAUSAL_MODES
     if mode in FP8_MODES:  # bench fp8's inputs and its course_fp8 provider
         from course_utils.bench import fp8 as fp8_bench

@@ -612,6 +612,40 @@ def test_the_forward_route_walks_a_kv_head_at_a_time_only_when_switched_on(monke
 
 
 @needs_interpreter
+def test_a_window_s_route_walks_a_kv_head_at_a_time_only_when_switched_on(monkeypatch):
+    """dispatch.GLUON_WALK_WINDOWS (off as shipped): a window on the Gluon route's persistent grid walks a kv head's
+    query heads at a time (hopper_ws.kv_head_order) when it is on, o and lse the kernel's own bit for bit and right
+    against float64; off, and on a program per tile (nothing to walk), the default walk."""
+    from course_utils import kernels
+    from course_utils.kernels import dispatch
+
+    g = torch.Generator().manual_seed(25)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
+    q, k, v = (torch.randn(1, h, 384, 128, generator=g).half() for h in (4, 2, 2))
+    window, sinks = 200, 4
+    assert dispatch.GLUON_WALK_WINDOWS is False  # as shipped
+    monkeypatch.setattr(dispatch, "GLUON_WINDOW_MIN_N", 256)
+    monkeypatch.setattr(dispatch, "GLUON_MIN_WINDOW", 128)
+    walks = _record_walks(monkeypatch, hopper_ws, "_launch_persistent")
+    with gluon_cpu.running():
+        kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
+        monkeypatch.setattr(dispatch, "GLUON_WALK_WINDOWS", True)
+        o, lse = kernels.flash_attention_with_lse(q, k, v, True, window_size=window, sink_size=sinks)
+        assert walks == [None, 4]  # off: the default walk; on: a kv head's two query heads, doubled to four rows
+        monkeypatch.setattr(dispatch, "GLUON_WINDOW_PERSISTENT", False)
+        assert dispatch.gluon_heads_together(q, k, True, window) is None  # a program per tile: nothing to walk
+        monkeypatch.setattr(dispatch, "GLUON_WALK_KV_HEADS", False)  # the two switches are apart
+        monkeypatch.setattr(dispatch, "GLUON_WINDOW_PERSISTENT", True)
+        assert dispatch.gluon_heads_together(q, k, True, window) == 4
+        assert dispatch.gluon_heads_together(q, k, False) is None
+        want_o, want_lse = hopper_ws.attention(q, k, v, True, window_size=window, sink_size=sinks, fma=True,
+                                               persistent=True, heads_together=4)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=True, window_size=window,
+                                      sink_size=sinks)
+    assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
+@needs_interpreter
 def test_the_backward_route_walks_its_rows_only_when_switched_on(monkeypatch):
     """fast_backward.GLUON_WALK_ROWS (4 as shipped): autograd's Gluon backward walks that many (batch, kv head)
     rows at a time where it divides B * H_kv and there is no window, its gradients the kernels' own bit for bit and

@@ -91,6 +91,45 @@ def test_window_as_long_as_n_is_plain_causal():
                                flash_attention(q, k, v, True), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("sink_size", [0, 3])
+def test_a_window_of_n_keys_or_more_runs_plain_causal_attention(monkeypatch, sink_size):
+    """dispatch.window_in_effect: a window of at least N keys hides nothing the causal mask does not, and its sinks
+    select nothing more, so the public entries run plain causal attention's kernels (forward and backward), the same
+    o, lse and gradients bit for bit; a window of N - 1 keys hides key 0 from the last query and keeps the window's
+    kernel. The window's kernels still take such windows when called directly (lesson 08's launcher, checked here)."""
+    from conftest import record_calls
+
+    from course_utils.kernels import dispatch
+
+    n = 80
+    q, k, v, do = _inputs(1, 4, 2, n, 32, torch.float32, seed=5)
+    assert dispatch.window_in_effect(q, n, sink_size) == (None, 0)
+    assert dispatch.window_in_effect(q, n + 100, sink_size) == (None, 0)
+    assert dispatch.window_in_effect(q, n - 1, sink_size) == (n - 1, sink_size)
+    assert dispatch.window_in_effect(q, None, 0) == (None, 0)
+    calls = record_calls(monkeypatch, (forward, "flash_attention_window_forward"),
+                         (forward, "flash_attention_gqa_forward"))
+    plain = flash_attention_with_lse(q, k, v, True)
+    for window_size in (n, n + 100):
+        got = flash_attention_with_lse(q, k, v, True, window_size=window_size, sink_size=sink_size)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain)), window_size
+    assert calls == ["flash_attention_gqa_forward"] * 3
+    flash_attention_with_lse(q, k, v, True, window_size=n - 1, sink_size=sink_size)
+    assert calls[-1] == "flash_attention_window_forward"
+    grads = []
+    for window_size in (None, n):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        sinks = sink_size if window_size else 0
+        flash_attention(*leaves, causal=True, window_size=window_size, sink_size=sinks).backward(do)
+        grads.append([leaf.grad for leaf in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    o, lse = forward.flash_attention_window_forward(q, k, v, window_size=n + 100, sink_size=sink_size)
+    want_o, want_lse = ref.attention_lse(_np(q), _np(k), _np(v), causal=True)
+    atol, rtol, lse_atol = TOL[torch.float32]
+    np.testing.assert_allclose(_np(o), want_o, atol=atol, rtol=rtol)
+    np.testing.assert_allclose(_np(lse), want_lse, atol=lse_atol, rtol=0)
+
+
 BACKWARD_CASES = [
     # b, hq, hkv, n, d, dtype, layout, window_size, sink_size
     (1, 2, 2, 100, 32, torch.float32, "contiguous", 1, 0),

@@ -499,6 +499,41 @@ def test_route_check_s_walk_modes_turn_the_walks_and_nothing_else():
     assert all(w is None and n >= dispatch.GLUON_MIN_N for w, _, n in route_check.WALK_POINTS)
 
 
+def test_route_check_s_window_modes_turn_their_switch_and_nothing_else():
+    """``walkwindow``: ``dispatch.GLUON_WALK_WINDOWS`` on or off, at windows the Gluon route's persistent grid takes;
+    ``fullwindow``: ``kernels.window_in_effect`` as shipped (``on``) or passing every window through (``off``), at
+    windows of N keys, timed as steps; the other walks as shipped, and ``restore`` puts both back."""
+    import torch
+
+    from course_utils import kernels
+    from course_utils.kernels import dispatch
+
+    shipped = (dispatch.GLUON_MIN_N, dispatch.GLUON_WINDOW_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG,
+               dispatch.GLUON_FMA, dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS)
+    q = torch.zeros(1, 4, 4096, 8)
+    assert dispatch.GLUON_WALK_WINDOWS is False and kernels.window_in_effect is dispatch.window_in_effect
+    try:
+        for on in (False, True):
+            route_check.set_route("walkwindow", on)
+            assert dispatch.GLUON_WALK_WINDOWS is on and kernels.window_in_effect is dispatch.window_in_effect
+            route_check.set_route("fullwindow", on)
+            assert dispatch.GLUON_WALK_WINDOWS is False
+            assert kernels.window_in_effect(q, 4096, 4) == ((None, 0) if on else (4096, 4))
+            assert (dispatch.GLUON_MIN_N, dispatch.GLUON_WINDOW_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG,
+                    dispatch.GLUON_FMA, dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == shipped
+        route_check.set_route("walkwindow", True)
+        route_check.set_route("fullwindow", False)
+        route_check.restore()
+        assert dispatch.GLUON_WALK_WINDOWS is False and kernels.window_in_effect is dispatch.window_in_effect
+    finally:
+        dispatch.GLUON_WALK_WINDOWS, kernels.window_in_effect = False, dispatch.window_in_effect
+        route_check.restore()
+    assert all(w >= dispatch.GLUON_MIN_WINDOW and n >= dispatch.GLUON_WINDOW_MIN_N and w < n
+               for w, _, n in route_check.WALK_WINDOW_POINTS)
+    assert all(w >= n for w, _, n in route_check.FULL_WINDOW_POINTS)
+    assert not {"walkwindow", "fullwindow"} & set(route_check.NONCAUSAL_MODES)
+
+
 def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
     """``min4k`` / ``min4k_noncausal``: ``dispatch.GLUON_MIN_N`` at the candidate, as shipped (on), or at the
     threshold before it (off); ``min4k_window``: ``dispatch.GLUON_WINDOW_MIN_N`` at the candidate (on) or as shipped,

@@ -26,7 +26,9 @@ FP8 (e4m3) forward (lesson 11; :mod:`.fp8`, one scale per 128-token block of eac
 
 Sliding window and sinks (lesson 08), with ``causal=True``: key ``j`` is
 visible from query ``i`` iff ``j <= i and (i - j < window_size or j <
-sink_size)``. Such calls run lesson 08's kernels
+sink_size)``. A window of at least ``N`` keys hides nothing more than the
+causal mask (:func:`.dispatch.window_in_effect`): such a call is plain causal
+attention and runs its kernels. Other windows run lesson 08's kernels
 (:func:`.forward.flash_attention_window_forward` and the window kernels of
 :mod:`.backward`), except the forward on a Hopper GPU for the shapes the
 :mod:`.fast` kernel takes: there :mod:`.fast_window` runs lesson 08's phases
@@ -63,7 +65,7 @@ import torch
 from . import decode, dispatch, fast, fast_backward, fast_decode, forward, fp8
 from .backward import FlashAttentionFunction
 from .fast_decode import decode_attention
-from .dispatch import check_call, launch_forward
+from .dispatch import check_call, launch_forward, window_in_effect
 from .fp8 import flash_attention_fp8, quantize_fp8
 from .forward import (flash_attention_forward, flash_attention_gqa_forward, flash_attention_window_forward,
                       validate, validate_window)
@@ -105,6 +107,7 @@ def flash_attention(q, k, v, causal: bool = False, *, window_size=None, sink_siz
     """
     mods = dict(cu_seqlens=cu_seqlens, softcap=softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
     check_call(q, k, v, causal, window_size, sink_size, **mods)
+    window_size, sink_size = window_in_effect(q, window_size, sink_size)  # a window of N or more: plain causal
     inputs = (q, k, v) if sink_logits is None else (q, k, v, sink_logits)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         # lesson 07's autograd function, or the fast backward's where one is configured (fast_backward.AUTOGRAD_CONFIG:
@@ -132,4 +135,5 @@ def flash_attention_with_lse(q, k, v, causal: bool = False, *, window_size=None,
     """
     mods = dict(cu_seqlens=cu_seqlens, softcap=softcap, alibi_slopes=alibi_slopes, sink_logits=sink_logits)
     check_call(q, k, v, causal, window_size, sink_size, **mods)
+    window_size, sink_size = window_in_effect(q, window_size, sink_size)  # a window of N or more: plain causal
     return launch_forward(q, k, v, bool(causal), window_size, sink_size, **mods)

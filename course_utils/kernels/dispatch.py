@@ -5,6 +5,7 @@ of :mod:`.backward` come here; nothing here calls back up to the package::
 
     kernels.flash_attention / flash_attention_with_lse / backward.FlashAttentionFunction
         -> check_call (once; FlashAttentionFunction skips it when flash_attention has run it)
+        -> window_in_effect (the public entries: a window of N keys or more is plain causal attention)
         -> launch_forward (the one decision)
             -> forward.flash_attention_mods_forward    (lesson 12's keywords: every machine)
             -> hopper_ws.attention                     (from GLUON_MIN_N tokens on, where set; a window too
@@ -27,7 +28,7 @@ from . import fast, fast_window, forward, gluon_cpu
 
 __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_WINDOW_MIN_N", "GLUON_MIN_WINDOW",
            "GLUON_WINDOW_PERSISTENT", "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "GLUON_WALK_KV_HEADS",
-           "gluon_applies", "gluon_persistent", "gluon_heads_together"]
+           "GLUON_WALK_WINDOWS", "gluon_applies", "gluon_persistent", "gluon_heads_together", "window_in_effect"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
@@ -79,6 +80,11 @@ GLUON_FMA: bool = True
 # 1.043x / 1.053x / 1.017x and 1.038x / 1.068x / 1.019x faster with it at 4k / 8k / 16k (16k tokens a batch), as
 # the A/B before it read (1.036x / 1.030x / 1.013x, results/gluon_ab_walk_h100.json). Not timed on an H200.
 GLUON_WALK_KV_HEADS: bool = True
+# Whether a window on the Gluon route's persistent grid (GLUON_WINDOW_PERSISTENT) walks a kv head at a time too. By
+# default the programs that run together take every head's block of the same position, so they read the K/V windows
+# of every kv head at once; a kv head at a time, they read one kv head's, over more blocks. Not timed yet
+# (benchmarks/route_check.py --modes walkwindow times the route both ways), so off.
+GLUON_WALK_WINDOWS: bool = False
 
 
 def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
@@ -127,12 +133,24 @@ def gluon_persistent(causal: bool, window_size=None) -> bool:
 def gluon_heads_together(q, k, causal: bool, window_size=None) -> int | None:
     """The persistent grid's walk for a call on the Gluon route (``hopper_ws.attention``'s ``heads_together``): a kv
     head's query heads at a time (:func:`.hopper_ws.kv_head_order`) for plain attention without the causal mask while
-    :data:`GLUON_WALK_KV_HEADS`, else ``None`` (the grid's default walk)."""
-    if not GLUON_WALK_KV_HEADS or window_size is not None or not gluon_persistent(causal):  # causal: not persistent
+    :data:`GLUON_WALK_KV_HEADS`, for a window while :data:`GLUON_WALK_WINDOWS`, else ``None`` (the grid's default
+    walk; plain causal attention runs a program per tile, which has none)."""
+    walks = GLUON_WALK_KV_HEADS if window_size is None else GLUON_WALK_WINDOWS
+    if not walks or not gluon_persistent(causal, window_size):
         return None
     from .hopper_ws import kv_head_order
 
     return kv_head_order(q.shape[1], q.shape[1] // k.shape[1])
+
+
+def window_in_effect(q, window_size=None, sink_size=0) -> tuple:
+    """``(window_size, sink_size)`` as they act on a call with ``q``'s ``N`` (a causal call :func:`check_call` has
+    accepted): a window of at least ``N`` keys hides nothing the causal mask does not (no query has ``N`` earlier
+    keys), and then its sinks select nothing either, so it is ``(None, 0)``, plain causal attention, whose kernels
+    (forward and backward) are the fastest; any other window as given."""
+    if window_size is not None and window_size >= q.shape[2]:
+        return None, 0
+    return window_size, sink_size
 
 
 def launch_forward(q, k, v, causal: bool, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
