@@ -689,7 +689,7 @@ def test_the_readme_leaves_the_h100_sessions_to_speed_md():
     """The README's speed section shows the H200's runs the targets name; the H100 sessions after them are a section
     of results/SPEED.md, which the README points to by its title, and none of their bullets stay in the README."""
     title = "After the H200's runs, on an H100"
-    assert f"## {title} (forty-first to forty-sixth sessions)" in speed_text()
+    assert f"## {title} (forty-first to fiftieth sessions)" in speed_text()
     text = readme_text()
     assert f'[results/SPEED.md](results/SPEED.md) ("{title}")' in text
     for bullet in ("forty-first session", "forty-second session, on an H100", "forty-third session, on an H100"):
@@ -810,3 +810,98 @@ def test_the_walks_routes_quote_their_route_checks_as_recorded():
         f"read {vr([v for (mode, _), vs in checked.items() if mode == 'walk' for v in vs])} in the same checks"])
     assert dispatch.GLUON_WALK_KV_HEADS is True
     assert fast_backward.GLUON_WALK_ROWS == 4  # route_check.WALK_ROWS (tests/test_tune_scripts.py)
+
+
+WALK_GRIDS = dict(ladder=("fp8_bench_gluon_h100_walk", "fp8_bench_gluon_h100_walk_run2"),
+                  train=("training_bench_h100_walk", "training_bench_h100_walk_run2"),
+                  window=("window_bench_h100_walk", "window_bench_h100_walk_run2"),
+                  decode=("decode_bench_h100_walk", "decode_bench_h100_walk_run2"))
+
+
+def _window_ms(name, mode, provider, window_size, sink_size=0, n=4096) -> float:
+    """One timed row of a recorded window grid: ``provider``'s ms at that point."""
+    (row,) = [r for r in results.load(name)["rows"] if r.get("mode") == mode and r["provider"] == provider
+              and r.get("window_size") == window_size and r.get("sink_size") == sink_size and r.get("n") == n]
+    assert row["status"] == "ok"
+    return row["ms"]
+
+
+def test_the_fiftieth_session_s_grids_are_quoted_as_recorded():
+    """results/SPEED.md's bullet on the fiftieth session and results/NOTES.md's section on it: the grids run with both
+    walks on by default, twice on one H100, every ratio and time they quote recomputed from the JSON."""
+    vr, grids = results.value_range, WALK_GRIDS
+    for names in grids.values():
+        assert all(results.load(name)["info"]["gpu"].endswith("H100 80GB HBM3") for name in names)
+    summary = [s for name in grids["ladder"] for s in results.load(name)["summary"]]
+    assert len(summary) == 20 and all(r["status"] == "ok" for name in grids["ladder"]
+                                      for r in results.load(name)["rows"])
+    entry = lambda key, keep: vr([s[f"{key}_over_cudnn"] for s in summary if keep(s)])  # noqa: E731
+    train = lambda other: vr(training_ratios(grids["train"], "course", other, lambda n: n >= 4096))  # noqa: E731
+    dec = [[s["course_vs_sdpa"] for s in results.load(name)["summary"]] for name in grids["decode"]]
+    assert [len(d) for d in dec] == [19, 19]
+    ceiling = [100 * s["course_vs_ceiling"] for name in grids["decode"] for s in results.load(name)["summary"]
+               if s["batch"] >= 16]
+    ratios = {mode: [{(r["window_size"], r["sink_size"], r["n"]): r["course_over_flex"]
+                      for r in results.load(name)["ratios"] if r["mode"] == mode} for name in grids["window"]]
+              for mode in ("forward", "training")}
+    under_fwd = [sorted(k for k, v in run.items() if v < 1.3) for run in ratios["forward"]]
+    under_train = [sorted(k for k, v in run.items() if v < 1.2) for run in ratios["training"]]
+    assert under_fwd == [[(4096, 0, 65536), (4096, 4, 65536)]] * 2
+    assert under_train[0] == [(256, 0, 4096), (1024, 0, 4096)]
+    assert under_train[1] == [(256, 0, 4096), (256, 4, 4096), (1024, 0, 4096), (4096, 0, 16384), (4096, 0, 32768)]
+    every = lambda mode: vr([v for run in ratios[mode] for v in run.values()])  # noqa: E731
+    assert_quoted(speed_text(), [
+        f"**{train('sdpa_cudnn')} cuDNN** at N ≥ 4k and **{train('sdpa_flash')} SDPA flash**",
+        f"the FP8 entry **{entry('course_fp8', lambda s: s['n'] >= 4096)} cuDNN's bf16** at N ≥ 4k "
+        f"({entry('course_fp8', lambda s: s['n'] == 4096)} at",
+        f"4k), the bf16 entry **{entry('course_bf16', lambda s: s['n'] >= 4096)}** "
+        f"({entry('course_bf16', lambda s: s['n'] == 4096 and s['causal'])} causal at 4k, "
+        f"{entry('course_bf16', lambda s: s['n'] == 8192 and not s['causal'])} without the mask at 8k)",
+        f"**{vr(dec[0] + dec[1])}** the best SDPA backend, under 1.0× at {sum(v < 1 for v in dec[0])} of the 19",
+        f"points in each run (by at most {1 - min(dec[0] + dec[1]):.1%}), and {vr(ceiling, '.0f', '%')} of the read "
+        f"ceiling at B ≥ 16",
+        f"the forward **{every('forward')}** FlexAttention, under 1.3× only at W = 4096",
+        f"forward + backward **{every('training')}**, under 1.2× at {len(under_train[0])} and {len(under_train[1])} "
+        f"of the 30"])
+    assert sum(v < 1 for v in dec[1]) == sum(v < 1 for v in dec[0])
+    x = lambda text: text.replace("×", "x").replace("–", "x-")  # noqa: E731  (NOTES.md writes 1.40x-1.42x)
+    lowest_16k = min(s["course_fp8_over_cudnn"] for s in summary if s["n"] == 16384)
+    bf16_over = [s for s in summary if s["course_bf16_over_cudnn"] >= 1.0 and s["n"] >= 4096]
+    assert bf16_over and all(s["n"] == 16384 and not s["causal"] for s in bf16_over)
+    assert min(training_ratios(grids["train"], "course", "sdpa_cudnn", lambda n: n >= 4096)) > 0.9
+    ms = lambda name, provider, w, s=0, mode="training": f"{_window_ms(name, mode, provider, w, s):.3f}"  # noqa: E731
+    run1, run2 = grids["window"]
+    earlier = [n for n in ("window_bench_h100", "window_bench_h100_run2", "window_bench_h100_bound",
+                           "window_bench_h100_bound_run2", "window_bench_h100_fwdbound",
+                           "window_bench_h100_fwdbound_run2", "window_bench_h100_hosttime", "window_bench_h100_min4k",
+                           "window_bench_h100_min4k_run2", "window_bench_h100_persistent")]
+    assert len(earlier) == 10  # "the ten earlier H100 grids": every one with that point (persistent_w4096 has not)
+    def before(provider):
+        """``provider``'s step at W = 256 (plain causal: no window), N = 4k over the earlier grids, as NOTES writes it."""
+        window_size = None if provider == "causal" else 256
+        return vr([_window_ms(n, "training", provider, window_size) for n in earlier], ".3f", " ms").replace("–", "-")
+
+    forwards = [_window_ms(name, "forward", p, w, s) for name in grids["window"]
+                for p, w, s in (("causal", None, 0), ("course", 4096, 0), ("course", 4096, 4))]
+    notes = " ".join((REPO / "results" / "NOTES.md").read_text().split())
+    assert_quoted(notes, [
+        f"the FP8 entry read {x(entry('course_fp8', lambda s: s['n'] == 16384))} cuDNN's bf16 at 16k (its lowest "
+        f"reading {lowest_16k:.4f}x), {x(entry('course_fp8', lambda s: s['n'] == 8192))} at 8k and "
+        f"{x(entry('course_fp8', lambda s: s['n'] == 4096))} at 4k",
+        f"the bf16 entry read 1.0x or more only at 16k without the mask "
+        f"({x(entry('course_bf16', lambda s: s['n'] == 16384 and not s['causal']))}) and was furthest under it at "
+        f"causal 4k ({x(entry('course_bf16', lambda s: s['n'] == 4096 and s['causal']))})",
+        f"the step took {ms(run1, 'course', 4096)} ms and {ms(run2, 'course', 4096)} ms ({ms(run1, 'course', 4096, 4)} "
+        f"and {ms(run2, 'course', 4096, 4)} with 4 sinks) where plain causal attention took {ms(run1, 'causal', None)} "
+        f"and {ms(run2, 'causal', None)} ms in the same runs",
+        f"The forwards alone read the same ({vr(forwards, '.3f', ' ms').replace('–', '-')})",
+        f"W = 256 without sinks read {ms(run1, 'course', 256)} and {ms(run2, 'course', 256)} ms "
+        f"({ratios['training'][0][(256, 0, 4096)]:.2f}x FlexAttention in both runs), where the ten earlier H100 grids "
+        f"read {before('course')}; FlexAttention's step there read {ms(run1, 'flex', 256)} and "
+        f"{ms(run2, 'flex', 256)} ms, against {before('flex')} before",
+        f"the plain causal step, which the kernels pace, read {ms(run1, 'causal', None)} and "
+        f"{ms(run2, 'causal', None)} ms, against {before('causal')} before the walks",
+        "(1.28x-1.30x here)"])
+    assert f"{ratios['training'][1][(256, 0, 4096)]:.2f}" == f"{ratios['training'][0][(256, 0, 4096)]:.2f}"
+    w4096 = sorted(run[(4096, s, 65536)] for run in ratios["forward"] for s in (0, 4))
+    assert f"{w4096[0]:.2f}x-{w4096[-1]:.2f}x" == "1.28x-1.30x"
