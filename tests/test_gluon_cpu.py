@@ -195,7 +195,8 @@ def test_the_persistent_grid_walks_every_fp8_work_tile_once(causal, d, loop, buf
 
 @pytest.mark.parametrize("causal,fp8_tiles,window,heads,n_programs", [
     (True, False, None, 1, 3), (False, False, None, 4, 5), (True, False, None, 2, 64),
-    (True, False, 200, 4, 3), (True, True, None, 4, 3), (False, True, None, 1, 2), (True, True, 300, 2, 5)])
+    (True, False, 200, 4, 3), (True, True, None, 4, 3), (False, True, None, 1, 2), (True, True, 300, 2, 5),
+    (True, False, None, 4, None), (True, True, None, 4, None), (True, False, 200, 2, None), (False, True, None, 2, None)])
 def test_either_grid_walked_a_few_heads_at_a_time_makes_the_same_output(causal, fp8_tiles, window, heads, n_programs):
     """heads_together: the same work tiles in another order (a kv head's query heads side by side), so the same o
     and lse bit for bit as the grid's default walk, on the persistent grid (``n_programs``) and with a program per
@@ -277,7 +278,7 @@ def test_the_kv_head_order_keeps_the_causal_load_even_on_either_grid():
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(heads_together=4), "pass persistent=True"), (dict(persistent=True, heads_together=3), "dividing B"),
+    (dict(heads_together=3), "dividing B"), (dict(persistent=True, heads_together=3), "dividing B"),
     (dict(persistent=True, heads_together=0), "whole number"), (dict(persistent=True, heads_together=2.0), "whole")])
 def test_heads_together_is_refused_when_it_splits_a_run(options, message):
     q = torch.zeros(2, 4, 256, 64, dtype=torch.bfloat16)
@@ -642,6 +643,35 @@ def test_a_window_s_route_walks_a_kv_head_at_a_time_only_when_switched_on(monkey
     assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
     ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=True, window_size=window,
                                       sink_size=sinks)
+    assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
+
+
+@needs_interpreter
+def test_the_causal_route_walks_its_program_per_tile_only_when_switched_on(monkeypatch):
+    """dispatch.GLUON_WALK_CAUSAL (off as shipped): plain causal attention on the Gluon route (a program per tile)
+    walks a kv head's query heads at a time when it is on, on a grid whose shape tells every partition the walk
+    (hopper_ws._grid_tile), o and lse the kernel's own bit for bit and right against float64; off, row by row."""
+    from course_utils import kernels
+    from course_utils.kernels import dispatch
+
+    g = torch.Generator().manual_seed(27)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
+    q, k, v = (torch.randn(2, h, 256, 128, generator=g).half() for h in (4, 2, 2))
+    assert dispatch.GLUON_WALK_CAUSAL is False  # as shipped
+    monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
+    walks = _record_walks(monkeypatch, hopper_ws, "_launch")
+    with gluon_cpu.running():
+        kernels.flash_attention_with_lse(q, k, v, True)
+        monkeypatch.setattr(dispatch, "GLUON_WALK_CAUSAL", True)
+        o, lse = kernels.flash_attention_with_lse(q, k, v, True)
+        assert walks == [None, 4]  # a kv head's two query heads, doubled to four rows
+        assert dispatch.gluon_heads_together(q, k, False) == 4  # without the mask: GLUON_WALK_KV_HEADS's
+        monkeypatch.setattr(dispatch, "GLUON_WALK_KV_HEADS", False)  # the switches are apart
+        assert dispatch.gluon_heads_together(q, k, True) == 4 and dispatch.gluon_heads_together(q, k, False) is None
+        want_o, want_lse = hopper_ws.attention(q, k, v, True, fma=True, heads_together=4)
+        plain_o, plain_lse = hopper_ws.attention(q, k, v, True, fma=True)
+    assert torch.equal(o, want_o) and torch.equal(lse, want_lse)
+    assert torch.equal(o, plain_o) and torch.equal(lse, plain_lse)  # the same tiles, in another order
+    ro, rl = references.attention_lse(*(t.double().numpy() for t in (q, k, v)), causal=True)
     assert _rel(o, ro) < 1e-2 and (lse.double() - torch.from_numpy(rl)).abs().max().item() < 1e-4
 
 

@@ -905,3 +905,19 @@ def test_the_fiftieth_session_s_grids_are_quoted_as_recorded():
     assert f"{ratios['training'][1][(256, 0, 4096)]:.2f}" == f"{ratios['training'][0][(256, 0, 4096)]:.2f}"
     w4096 = sorted(run[(4096, s, 65536)] for run in ratios["forward"] for s in (0, 4))
     assert f"{w4096[0]:.2f}x-{w4096[-1]:.2f}x" == "1.28x-1.30x"
+
+
+def test_the_causal_walk_s_switch_quotes_its_kernel_a_b():
+    """dispatch.GLUON_WALK_CAUSAL's comment: the forty-eighth session's kernel A/B of the program-per-tile walk (bf16,
+    causal; results/gluon_ab_walk_h100.json), as NOTES.md quotes it; the switch off until a route check times it."""
+    from course_utils.kernels import dispatch
+
+    rows = [r for r in results.load("gluon_ab_walk_h100")["rows"] if r["kind"] == "bf16" and r["causal"]]
+    assert sorted(r["n"] for r in rows) == [4096, 8192, 16384] and all(r["status"] == "ok" for r in rows)
+    span = f"{min(r['grouped_over_current'] for r in rows):.3f}x-{max(r['grouped_over_current'] for r in rows):.3f}x"
+    source = " ".join(" ".join(line.strip().lstrip("#").split()) for line in
+                      open(dispatch.__file__).read().splitlines() if line.strip().startswith("#"))
+    assert f"results/gluon_ab_walk_h100.json: {span} bf16)" in source
+    notes = " ".join((REPO / "results" / "NOTES.md").read_text().split())
+    assert f"and {span} (bf16, causal)" in notes
+    assert dispatch.GLUON_WALK_CAUSAL is False

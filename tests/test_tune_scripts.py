@@ -501,6 +501,7 @@ def test_route_check_s_walk_modes_turn_the_walks_and_nothing_else():
 
 def test_route_check_s_window_modes_turn_their_switch_and_nothing_else():
     """``walkwindow``: ``dispatch.GLUON_WALK_WINDOWS`` on or off, at windows the Gluon route's persistent grid takes;
+    ``walkcausal``: ``dispatch.GLUON_WALK_CAUSAL`` on or off, at plain causal attention's walk points;
     ``fullwindow``: ``kernels.window_in_effect`` as shipped (``on``) or passing every window through (``off``), at
     windows of N keys, timed as steps; the other walks as shipped, and ``restore`` puts both back."""
     import torch
@@ -512,12 +513,16 @@ def test_route_check_s_window_modes_turn_their_switch_and_nothing_else():
                dispatch.GLUON_FMA, dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS)
     q = torch.zeros(1, 4, 4096, 8)
     assert dispatch.GLUON_WALK_WINDOWS is False and kernels.window_in_effect is dispatch.window_in_effect
+    assert dispatch.GLUON_WALK_CAUSAL is False
     try:
         for on in (False, True):
             route_check.set_route("walkwindow", on)
             assert dispatch.GLUON_WALK_WINDOWS is on and kernels.window_in_effect is dispatch.window_in_effect
+            assert dispatch.GLUON_WALK_CAUSAL is False
+            route_check.set_route("walkcausal", on)
+            assert dispatch.GLUON_WALK_CAUSAL is on and dispatch.GLUON_WALK_WINDOWS is False
             route_check.set_route("fullwindow", on)
-            assert dispatch.GLUON_WALK_WINDOWS is False
+            assert dispatch.GLUON_WALK_WINDOWS is False and dispatch.GLUON_WALK_CAUSAL is False
             assert kernels.window_in_effect(q, 4096, 4) == ((None, 0) if on else (4096, 4))
             assert (dispatch.GLUON_MIN_N, dispatch.GLUON_WINDOW_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG,
                     dispatch.GLUON_FMA, dispatch.GLUON_WALK_KV_HEADS, fb.GLUON_WALK_ROWS) == shipped
@@ -525,13 +530,18 @@ def test_route_check_s_window_modes_turn_their_switch_and_nothing_else():
         route_check.set_route("fullwindow", False)
         route_check.restore()
         assert dispatch.GLUON_WALK_WINDOWS is False and kernels.window_in_effect is dispatch.window_in_effect
+        route_check.set_route("walkcausal", True)
+        route_check.restore()
+        assert dispatch.GLUON_WALK_CAUSAL is False
     finally:
         dispatch.GLUON_WALK_WINDOWS, kernels.window_in_effect = False, dispatch.window_in_effect
+        dispatch.GLUON_WALK_CAUSAL = False
         route_check.restore()
     assert all(w >= dispatch.GLUON_MIN_WINDOW and n >= dispatch.GLUON_WINDOW_MIN_N and w < n
                for w, _, n in route_check.WALK_WINDOW_POINTS)
     assert all(w >= n for w, _, n in route_check.FULL_WINDOW_POINTS)
-    assert not {"walkwindow", "fullwindow"} & set(route_check.NONCAUSAL_MODES)
+    assert not {"walkwindow", "fullwindow", "walkcausal"} & set(route_check.NONCAUSAL_MODES)
+    assert route_check.MODES["walkcausal"] == route_check.WALK_POINTS
 
 
 def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():

@@ -960,7 +960,9 @@ def _loader_deviation(c, events, plans, finished, bm, bn):
     by_program = {}
     for e in events:
         if e.partition == _LOADER_PARTITION:
-            by_program.setdefault(e.program[:2], []).append(e)
+            # the kernel's grid is (1, N / BLOCK_M, B * H), one row at a time (hopper_ws._grid_tile): a program's
+            # (query block index, (batch, head)) is its second and third index
+            by_program.setdefault(e.program[1:], []).append(e)
     q_bytes, kv_bytes = bm // 2 * c.D * 2, bn * c.D * 2
     for program, (q_row, kv_row, tiles) in plans.items():
         n_tiles = len(tiles)

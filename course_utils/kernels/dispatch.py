@@ -28,7 +28,7 @@ from . import fast, fast_window, forward, gluon_cpu
 
 __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_WINDOW_MIN_N", "GLUON_MIN_WINDOW",
            "GLUON_WINDOW_PERSISTENT", "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "GLUON_WALK_KV_HEADS",
-           "GLUON_WALK_WINDOWS", "gluon_applies", "gluon_persistent", "gluon_heads_together", "window_in_effect"]
+           "GLUON_WALK_WINDOWS", "GLUON_WALK_CAUSAL", "gluon_applies", "gluon_persistent", "gluon_heads_together", "window_in_effect"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
@@ -85,6 +85,14 @@ GLUON_WALK_KV_HEADS: bool = True
 # of every kv head at once; a kv head at a time, they read one kv head's, over more blocks. Not timed yet
 # (benchmarks/route_check.py --modes walkwindow times the route both ways), so off.
 GLUON_WALK_WINDOWS: bool = False
+# Whether plain causal attention on the Gluon route (a program per tile) walks a kv head's query heads at a time: the
+# GPU starts the programs in the grid's order, so by default every row's blocks follow one another and the last rows'
+# longest blocks start last (in the load model of hopper_ws.kv_head_order's docstring, the last SM ends 3.3% after
+# the mean at 4k one row at a time, 0.2% four rows at a time). The walk is read from the grid's shape
+# (hopper_ws._grid_tile), so lesson 11's loader walks with it. Timed once as a kernel A/B on an H100 (the forty-eighth
+# session's results/gluon_ab_walk_h100.json: 1.004x-1.059x bf16), not yet as a route (route_check.py --modes
+# walkcausal), so off.
+GLUON_WALK_CAUSAL: bool = False
 
 
 def check_call(q, k, v, causal=False, window_size=None, sink_size=0, *, cu_seqlens=None, softcap=None,
@@ -131,12 +139,18 @@ def gluon_persistent(causal: bool, window_size=None) -> bool:
 
 
 def gluon_heads_together(q, k, causal: bool, window_size=None) -> int | None:
-    """The persistent grid's walk for a call on the Gluon route (``hopper_ws.attention``'s ``heads_together``): a kv
-    head's query heads at a time (:func:`.hopper_ws.kv_head_order`) for plain attention without the causal mask while
-    :data:`GLUON_WALK_KV_HEADS`, for a window while :data:`GLUON_WALK_WINDOWS`, else ``None`` (the grid's default
-    walk; plain causal attention runs a program per tile, which has none)."""
-    walks = GLUON_WALK_KV_HEADS if window_size is None else GLUON_WALK_WINDOWS
-    if not walks or not gluon_persistent(causal, window_size):
+    """The grid's walk for a call on the Gluon route (``hopper_ws.attention``'s ``heads_together``): a kv head's
+    query heads at a time (:func:`.hopper_ws.kv_head_order`) for plain attention without the causal mask on the
+    persistent grid while :data:`GLUON_WALK_KV_HEADS`, for a window on it while :data:`GLUON_WALK_WINDOWS`, for
+    plain causal attention on a program per tile while :data:`GLUON_WALK_CAUSAL`, else ``None`` (the grid's default
+    walk)."""
+    if window_size is not None:
+        walks = GLUON_WALK_WINDOWS and gluon_persistent(causal, window_size)
+    elif causal:
+        walks = GLUON_WALK_CAUSAL and not gluon_persistent(causal)
+    else:
+        walks = GLUON_WALK_KV_HEADS and gluon_persistent(causal)
+    if not walks:
         return None
     from .hopper_ws import kv_head_order
 

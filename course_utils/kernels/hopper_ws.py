@@ -52,11 +52,13 @@ for sm_90 without spills, checked on an H100; there 0.94-0.995x a program per ti
 ``results/route_check_fp8_h100.json``, so ``fp8.GLUON_PERSISTENT`` leaves it off). By default the persistent grid
 walks every head's longest block first, so the programs that run together read K/V tiles of every kv head at once,
 and a program per tile takes one head's blocks after another, so under the causal mask the last heads' long blocks
-start last. ``heads_together`` walks the persistent grid a few (batch, query head) rows at a time, each run's
-longest blocks first (:func:`kv_head_order`: a kv head's query heads; run on the CPU by :mod:`.gluon_cpu`, the same
-output bit for bit; plain attention's route without the causal mask takes it, ``dispatch.GLUON_WALK_KV_HEADS``);
-:func:`_tile_coords` is the same walk for a program per tile, which the backward's dQ takes (lesson 11's exercise
-keeps this module's loader as it is).
+start last. ``heads_together`` walks either grid a few (batch, query head) rows at a time, each run's longest
+blocks first (:func:`kv_head_order`: a kv head's query heads; run on the CPU by :mod:`.gluon_cpu`, the same output
+bit for bit; plain attention's route without the causal mask takes it, ``dispatch.GLUON_WALK_KV_HEADS``, and the
+causal route while ``dispatch.GLUON_WALK_CAUSAL``). A program per tile reads the walk from its grid's shape
+(:func:`_grid_tile`, through :func:`program_coords`), so the loader's arguments, which lesson 11's exercise
+gives, stay as they are; :func:`_tile_coords` is the same walk as a compile-time argument, which the backward's
+dQ takes.
 
 On a CPU Triton cannot run it (Gluon has no interpreter): ``tests/test_hopper_ws.py`` compiles it for sm_90
 there, and :mod:`.gluon_cpu` runs its Python with a model of the barriers, copies and products
@@ -109,10 +111,21 @@ def _key_tiles(n_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _grid_tile(N, BLOCK_M: gl.constexpr):
+    """This program's ``(start_m, off_hz)`` on a grid of ``(k, N / BLOCK_M, B * H / k)`` programs: the GPU starts
+    them ``program_id(0)`` fastest, so ``k`` (batch, query head) rows at a time, their blocks of one length side by
+    side, the longest first (:func:`_walk`'s order). ``k`` is the grid's first extent, so every partition (and
+    lesson 11's loader, through :func:`program_coords`) takes the same tile with no argument of its own; ``k = 1``:
+    each row's blocks in turn."""
+    return N // BLOCK_M - 1 - gl.program_id(1), gl.program_id(2) * gl.num_programs(0) + gl.program_id(0)
+
+
+@gluon.jit
 def program_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """This program's query block (the longest rows first under the causal mask), then :func:`_block_rows`."""
-    start_m = N // BLOCK_M - 1 - gl.program_id(0)
-    q_row, kv_row, n_tiles = _block_rows(start_m, gl.program_id(1), N, H, GROUP, BLOCK_M, CAUSAL)
+    """This program's query block (the longest rows first under the causal mask; rows side by side as the grid's
+    shape says, :func:`_grid_tile`), then :func:`_block_rows`."""
+    start_m, off_hz = _grid_tile(N, BLOCK_M)
+    q_row, kv_row, n_tiles = _block_rows(start_m, off_hz, N, H, GROUP, BLOCK_M, CAUSAL)
     return start_m, q_row, kv_row, n_tiles
 
 
@@ -130,12 +143,13 @@ def _walk(tile, n_m, HEADS: gl.constexpr):
 @gluon.jit
 def _tile_coords(N, HEADS: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
                  CAUSAL: gl.constexpr):
-    """:func:`program_coords`, or with ``HEADS`` (not 0) the programs, in the order the GPU starts them
-    (``program_id(0)`` fastest), walking the tiles ``HEADS`` rows at a time (:func:`_walk`; the backward's dQ)."""
+    """:func:`program_coords`, or with ``HEADS`` (not 0) the programs of a grid of ``(1, N / BLOCK_M, B * H)``, in
+    the order the GPU starts them (``program_id(1)`` fastest), walking the tiles ``HEADS`` rows at a time
+    (:func:`_walk`; the backward's dQ)."""
     if HEADS == 0:
         return program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
     n_m = N // BLOCK_M
-    start_m, off_hz = _walk(gl.program_id(1) * n_m + gl.program_id(0), n_m, HEADS)
+    start_m, off_hz = _walk(gl.program_id(2) * n_m + gl.program_id(1), n_m, HEADS)
     q_row, kv_row, n_tiles = _block_rows(start_m, off_hz, N, H, GROUP, BLOCK_M, CAUSAL)
     return start_m, q_row, kv_row, n_tiles
 
@@ -623,8 +637,9 @@ def _consumer(HALF_IDX: gl.constexpr, q_smem, k_smem, v_smem, q_bars, k_bars, v_
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     v_prev = gl.to_tensor(1.0)
-    qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, gl.program_id(1), start_m, kv_row, N, N_SB, BLOCK_M,
-                                         SCALE_BLOCK, FP8)
+    _, off_hz = _grid_tile(N, BLOCK_M)  # the program's (batch, query head) row: FP8's q_scale
+    qk_scale, scale_base = _block_scales(qk_scale, qs_ptr, off_hz, start_m, kv_row, N, N_SB, BLOCK_M, SCALE_BLOCK,
+                                         FP8)
     q = q_smem.index(HALF_IDX)
     mbarrier.wait(q_bars.index(HALF_IDX), 0)
     if LOOP == "pipelined":
@@ -1043,16 +1058,19 @@ def _validate_window(causal, window_size, sink_size, loop) -> None:
 
 
 def _launch(q, k, v, causal, sm_scale, num_buffers, loop="serial", fma=False, scales=None, block_size=BLOCK_M,
-            window_size=None, sink_size=0, block_n=BLOCK_N):
+            window_size=None, sink_size=0, block_n=BLOCK_N, heads_together=None):
     """Descriptors, outputs and the launch, for inputs already validated (``tests/`` compile it from CPU tensors).
 
     FP8: ``q, k`` e4m3, ``v`` the transposed ``vt8`` ``[B, H_kv, D, N]``, ``scales`` ``(q_scale, k_scale,
     v_scale)``; ``o`` is bf16 and ``fma`` is implied. ``window_size`` (causal): lesson 08's window, with
-    ``sink_size`` sinks; ``block_n`` keys per K/V tile (256: FP8's wide tiles, :func:`_wide_softmax`)."""
+    ``sink_size`` sinks; ``block_n`` keys per K/V tile (256: FP8's wide tiles, :func:`_wide_softmax`);
+    ``heads_together``: the programs walk the tiles that many rows at a time, told by the grid's first extent
+    (:func:`_grid_tile`; by default 1, each row's blocks in turn)."""
     b, h, n, d = q.shape
     fp8 = q.dtype == _FP8
     o, lse, descs, (qs, ks, vs), n_sb = _operands(q, k, v, scales, block_n)
-    grid = (n // BLOCK_M, b * h)
+    heads = 1 if heads_together is None else int(heads_together)
+    grid = (heads, n // BLOCK_M, b * h // heads)
     window = window_size is not None
     attn_fwd_ws[grid](*descs, o, lse, qs, ks, vs, sm_scale * LOG2E, n, n_sb,
                       int(window_size) if window else 0, int(sink_size), h, h // k.shape[1], BLOCK_M, block_n, d,
@@ -1078,13 +1096,11 @@ def _validate_persistent(q, num_buffers, loop) -> None:
                          "buffers")
 
 
-def _validate_heads_together(x, heads_together, rows_are: str = "B * H", persistent: bool = True) -> None:
+def _validate_heads_together(x, heads_together, rows_are: str = "B * H") -> None:
     """``heads_together``: the grid's walk, a whole number of ``x``'s (batch, head) rows at a time (the forward's
-    persistent grid, the backward's two kernels)."""
+    two grids, the backward's two kernels)."""
     if heads_together is None:
         return
-    if not persistent:
-        raise ValueError("heads_together orders the persistent grid's work tiles: pass persistent=True with it")
     rows = x.shape[0] * x.shape[1]
     if isinstance(heads_together, bool) or not isinstance(heads_together, int) or heads_together < 1 \
             or rows % heads_together:
@@ -1123,23 +1139,24 @@ def attention(q, k, v, causal: bool = False, sm_scale: float | None = None, *, w
     sink_size``); each program visits only its sink tiles and the window's.
     ``persistent``: one program per SM walks the (query block, head) tiles, the longest first, the next tile's Q
     loading while this one runs (:func:`attn_fwd_ws_persistent`; serial or ping-pong, with or without a window).
-    ``heads_together`` (with ``persistent``): the programs walk the (query block, row) tiles that many (batch,
-    query head) rows at a time, each run's longest blocks first, its rows' blocks of one length side by side (a
-    divisor of ``B * H``; :func:`kv_head_order` gives a kv head's query heads); by default every row's longest
-    block first.
+    ``heads_together``: the programs walk the (query block, row) tiles that many (batch, query head) rows at a
+    time, each run's longest blocks first, its rows' blocks of one length side by side (a divisor of ``B * H``;
+    :func:`kv_head_order` gives a kv head's query heads); by default the persistent grid takes every row's longest
+    block first, and a program per tile each row's blocks in turn.
     """
     _validate_inputs(q, k, v)
     _validate_options(num_buffers, loop, False)
     _validate_window(causal, window_size, sink_size, loop)
     if persistent:
         _validate_persistent(q, num_buffers, loop)
-    _validate_heads_together(q, heads_together, persistent=persistent)
+    _validate_heads_together(q, heads_together)
     _validate_device(q)
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if persistent:
         return _launch_persistent(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size,
                                   sink_size=sink_size, heads_together=heads_together)
-    return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size)
+    return _launch(q, k, v, causal, sm_scale, num_buffers, loop, fma, window_size=window_size, sink_size=sink_size,
+                   heads_together=heads_together)
 
 
 def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, *, block_size: int = BLOCK_M,
@@ -1165,7 +1182,7 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
     if persistent:
         _validate_persistent(q8, num_buffers, loop)
     _validate_wide(q8, block_n, num_buffers, loop, window_size, persistent)
-    _validate_heads_together(q8, heads_together, persistent=persistent)
+    _validate_heads_together(q8, heads_together)
     _validate_device(q8)
     scales, sm_scale = (q_scale, k_scale, v_scale), 1.0 / math.sqrt(q8.shape[-1])
     if persistent:
@@ -1173,4 +1190,4 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
                                   sink_size=sink_size, scales=scales, block_size=block_size,
                                   heads_together=heads_together)
     return _launch(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, scales, block_size, window_size,
-                   sink_size, block_n)
+                   sink_size, block_n, heads_together)

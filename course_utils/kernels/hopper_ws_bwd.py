@@ -404,7 +404,7 @@ def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n
     heads = 0 if heads_together is None else int(heads_together)
     key = ((q.dtype, b, h, n, d, window, sink, window_size is not None, group, block_n, num_buffers, bool(causal),
             heads, aligned(lse, delta, dq)) if q.is_cuda else None)
-    _DQ(key, (n // DQ_BLOCK_M, b * h), (
+    _DQ(key, (1, n // DQ_BLOCK_M, b * h), (  # hopper_ws._grid_tile's grid of one row at a time
         *_descriptors(descriptors, (q, DQ_BLOCK_M // 2), (do, DQ_BLOCK_M // 2), (k, block_n), (v, block_n)),
         lse, delta, dq, sm_scale * LOG2E, sm_scale, n, window, sink, window_size is not None, h, group,
         DQ_BLOCK_M, block_n, d, num_buffers, bool(causal), CONSUMER_REGS, LOADER_REGS, heads), num_warps=4,
