@@ -373,7 +373,7 @@ def test_the_fp8_persistent_grid_matches_the_fp8_entry_on_a_hopper_gpu(b, hq, hk
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (H100/H200): Gluon has no interpreter; the compile "
                                        "tests above and tests/test_gluon_cpu.py's model stand in on a CPU")
-@pytest.mark.parametrize("persistent", [True])
+@pytest.mark.parametrize("persistent", [False, True])  # a program per tile walks as its grid's shape says
 @pytest.mark.parametrize("fp8_tiles,causal,window", [
     (False, True, None), (False, False, None), (True, True, None), (True, False, None), (False, True, 300)])
 def test_either_grid_walked_a_kv_head_at_a_time_matches_its_default_walk_on_a_hopper_gpu(fp8_tiles, causal, window,
