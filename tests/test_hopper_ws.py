@@ -214,6 +214,18 @@ def test_unsupported_inputs_are_refused_in_one_sentence(shapes, dtype, message):
         hopper_ws.attention(q, k, k)
 
 
+def test_more_query_blocks_than_a_grid_holds_are_refused_in_one_sentence():
+    """A program per tile puts its query blocks on the grid's second extent (hopper_ws._grid_tile), which holds
+    65535: N up to 65535 blocks of 128 is taken (the check is the inputs'), one block more is refused, and the public
+    entry's route asks the same question (unsupported_reason)."""
+    n = hopper_ws.MAX_GRID_BLOCKS * hopper_ws.BLOCK_M
+    q, k = (torch.empty(1, h, n + hopper_ws.BLOCK_M, 128, dtype=torch.bfloat16, device="meta") for h in (4, 2))
+    with pytest.raises(ValueError, match=f"N <= {n}"):
+        hopper_ws.attention(q, k, k)
+    assert f"N <= {n}" in hopper_ws.unsupported_reason(q, k, k)
+    hopper_ws._validate_inputs(q[:, :, :n], k[:, :, :n], k[:, :, :n])  # the largest N the grids hold
+
+
 @pytest.mark.skipif(HOPPER, reason="on a Hopper GPU the kernel runs (the GPU tests below)")
 def test_without_a_hopper_gpu_it_says_why():
     q = torch.zeros(1, 4, 256, 128, dtype=torch.bfloat16)

@@ -946,6 +946,17 @@ def _descriptor(t2d, box):
     return TensorDescriptor.from_tensor(t2d, box, layout)
 
 
+MAX_GRID_BLOCKS = 65535  # CUDA's limit on a grid's second and third extents
+
+
+def _validate_grid(n) -> None:
+    """A program per tile puts its query blocks on the grid's second extent (:func:`_grid_tile`; the backward's dQ
+    too): at most :data:`MAX_GRID_BLOCKS` of them."""
+    if n // BLOCK_M > MAX_GRID_BLOCKS:
+        raise ValueError(f"N = {n} is more than these kernels' grids hold ({MAX_GRID_BLOCKS} blocks of {BLOCK_M} query "
+                         f"rows: N <= {MAX_GRID_BLOCKS * BLOCK_M})")
+
+
 def _validate_inputs(q, k, v) -> None:
     """What this kernel covers, else ``ValueError`` in one sentence."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
@@ -961,6 +972,7 @@ def _validate_inputs(q, k, v) -> None:
         raise ValueError(f"head dim {d} is not supported: {HEAD_DIMS} only")
     if n % BLOCK_M:
         raise ValueError(f"N = {n} must be a multiple of {BLOCK_M} (a program's rows; no masked edge tiles here)")
+    _validate_grid(n)
 
 
 def _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size) -> None:
@@ -978,6 +990,7 @@ def _validate_fp8_inputs(q8, k8, vt8, q_scale, k_scale, v_scale, block_size) -> 
         raise ValueError(f"head dim {d} is not supported: {HEAD_DIMS} only")
     if n % BLOCK_M:
         raise ValueError(f"N = {n} must be a multiple of {BLOCK_M} (a program's rows; no masked edge tiles here)")
+    _validate_grid(n)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < BLOCK_M \
             or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two of at least {BLOCK_M} (a program's rows share one "
