@@ -583,6 +583,13 @@ def _record_walks(monkeypatch, module, name) -> list:
     return walks
 
 
+def _route_inputs(seed, batch=2, n=256):
+    """q, k, v for a route through the public entry in the model: 4 query heads on 2 kv heads, D = 128, fp16 (the
+    course's entry refuses bf16 on a CPU: the interpreter's bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, h, n, 128, generator=g).half() for h in (4, 2, 2))
+
+
 @needs_interpreter
 def test_the_forward_route_walks_a_kv_head_at_a_time_only_when_switched_on(monkeypatch):
     """dispatch.GLUON_WALK_KV_HEADS (on as shipped): plain attention without the causal mask on the persistent grid
@@ -591,8 +598,7 @@ def test_the_forward_route_walks_a_kv_head_at_a_time_only_when_switched_on(monke
     from course_utils import kernels
     from course_utils.kernels import dispatch
 
-    g = torch.Generator().manual_seed(21)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
-    q, k, v = (torch.randn(2, h, 256, 128, generator=g).half() for h in (4, 2, 2))
+    q, k, v = _route_inputs(21)
     assert dispatch.GLUON_WALK_KV_HEADS is True  # as shipped
     monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
     walks = _record_walks(monkeypatch, hopper_ws, "_launch_persistent")
@@ -620,8 +626,7 @@ def test_a_window_s_route_walks_a_kv_head_at_a_time_only_when_switched_on(monkey
     from course_utils import kernels
     from course_utils.kernels import dispatch
 
-    g = torch.Generator().manual_seed(25)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
-    q, k, v = (torch.randn(1, h, 384, 128, generator=g).half() for h in (4, 2, 2))
+    q, k, v = _route_inputs(25, batch=1, n=384)
     window, sinks = 200, 4
     assert dispatch.GLUON_WALK_WINDOWS is False  # as shipped
     monkeypatch.setattr(dispatch, "GLUON_WINDOW_MIN_N", 256)
@@ -654,8 +659,7 @@ def test_the_causal_route_walks_its_program_per_tile_only_when_switched_on(monke
     from course_utils import kernels
     from course_utils.kernels import dispatch
 
-    g = torch.Generator().manual_seed(27)  # fp16: the course's entry refuses bf16 on a CPU (the interpreter's bf16)
-    q, k, v = (torch.randn(2, h, 256, 128, generator=g).half() for h in (4, 2, 2))
+    q, k, v = _route_inputs(27)
     assert dispatch.GLUON_WALK_CAUSAL is False  # as shipped
     monkeypatch.setattr(dispatch, "GLUON_MIN_N", 256)
     walks = _record_walks(monkeypatch, hopper_ws, "_launch")
