@@ -82,13 +82,14 @@
 #           the causal mask (N 4k-16k) on the persistent grid walked a kv head at a time (dispatch.GLUON_WALK_KV_HEADS)
 #           against its default walk, and forward + backward, causal and not, with the Gluon backward walking four kv
 #           rows at a time (fast_backward.GLUON_WALK_ROWS) against one row after another (both on as shipped)
-#   walkwindow benchmarks/route_check.py --modes fullwindow walkcausal walkwindow, four rounds, in that order:
-#           forward + backward with a window as wide as the sequence (W = N = 4096, S 0 / 4) run as plain causal
-#           attention (dispatch.window_in_effect, as shipped) against the window's kernels; the plain causal forward
-#           (N 4k-16k) with its program per tile walked a kv head at a time (dispatch.GLUON_WALK_CAUSAL, off as
-#           shipped) against row by row; lesson 08's window on the Gluon route's persistent grid (W 1024 / 4096,
-#           S 0 / 4, N 16k and 64k) walked a kv head at a time (dispatch.GLUON_WALK_WINDOWS, off) against its
-#           default walk
+#   walkwindow benchmarks/route_check.py --modes fullwindow walkcausal fp8walk fp8walk_noncausal walkwindow, four
+#           rounds, in that order: forward + backward with a window as wide as the sequence (W = N = 4096, S 0 / 4)
+#           run as plain causal attention (dispatch.window_in_effect, as shipped) against the window's kernels; the
+#           plain causal forward (N 4k-16k) with its program per tile walked a kv head at a time
+#           (dispatch.GLUON_WALK_CAUSAL, off as shipped) against row by row; flash_attention_fp8 (e4m3 inputs,
+#           N 4k-16k, causal and not) with its Gluon route walked a kv head at a time (fp8.GLUON_WALK, off) against
+#           its default walk; lesson 08's window on the Gluon route's persistent grid (W 1024 / 4096, S 0 / 4, N 16k
+#           and 64k) walked a kv head at a time (dispatch.GLUON_WALK_WINDOWS, off) against its default walk
 #   fp8wide benchmarks/route_check.py --modes fp8wide fp8wide_noncausal: flash_attention_fp8 (e4m3 inputs, N 4k-16k)
 #           with its Gluon route on the wide tiles of 256 keys (fp8.GLUON_WIDE) against tiles of 128, four rounds
 #   gluonab benchmarks/gluon_ab.py: lesson 11's Gluon forwards (FP8 and bf16, as the routes launch them, N 4k-16k)
@@ -239,8 +240,8 @@ for step in "$@"; do
       run route_walk "$PY" benchmarks/route_check.py --modes walk walkbwd walkbwd_noncausal --rounds 4 \
         --out "$OUT/route_check_walk.json" ;;
     walkwindow)
-      run route_walkwindow "$PY" benchmarks/route_check.py --modes fullwindow walkcausal walkwindow --rounds 4 \
-        --out "$OUT/route_check_walkwindow.json" ;;
+      run route_walkwindow "$PY" benchmarks/route_check.py --rounds 4 --out "$OUT/route_check_walkwindow.json" \
+        --modes fullwindow walkcausal fp8walk fp8walk_noncausal walkwindow ;;
     fp8wide)
       run route_fp8wide "$PY" benchmarks/route_check.py --modes fp8wide fp8wide_noncausal --rounds 4 \
         --out "$OUT/route_check_fp8wide.json" ;;

@@ -41,6 +41,9 @@ and switched off (``off``):
 - ``walkwindow``: the forward alone with lesson 08's window on the Gluon route's persistent grid (W 1024 / 4096,
   S 0 / 4, N 16k and 64k, batch 1) walked a kv head at a time (``dispatch.GLUON_WALK_WINDOWS = True``, ``on``) against
   its default walk (``False``, ``off``);
+- ``fp8walk`` and ``fp8walk_noncausal``: ``kernels.flash_attention_fp8``'s calls as ``fp8persistent`` times them,
+  its Gluon route walked a kv head at a time (``fp8.GLUON_WALK = True``, ``on``) against its default walk
+  (``False``, ``off``);
 - ``walkcausal``: the forward alone with the causal mask at 4k-16k (16k tokens a batch), a program per tile walked a
   kv head at a time (``dispatch.GLUON_WALK_CAUSAL = True``, ``on``) against each row's blocks in turn (``False``,
   ``off``);
@@ -95,9 +98,10 @@ WALK_ROWS = 4  # (batch, kv head) rows the backward's walk takes at a time ``on`
 WALK_WINDOW_POINTS = [(w, s, n) for w in (1024, 4096) for s in (0, 4) for n in (16384, 65536)]
 FULL_WINDOW_POINTS = [(4096, s, 4096) for s in (0, 4)]  # windows of N keys: plain causal attention
 NONCAUSAL_MODES = ("persistent", "min4k_noncausal", "fp8persistent_noncausal", "fp8wide_noncausal", "walk",
-                   "walkbwd_noncausal")
+                   "walkbwd_noncausal", "fp8walk_noncausal")
 # flash_attention_fp8's calls
-FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose", "fp8wide", "fp8wide_noncausal")
+FP8_MODES = ("fp8persistent", "fp8persistent_noncausal", "fp8transpose", "fp8wide", "fp8wide_noncausal", "fp8walk",
+             "fp8walk_noncausal")
 
 QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 8192), (1024, 0, 16384)],
          "sinks": [(1024, 4, 16384)], "fma": [(None, 0, 16384), (1024, 0, 16384)], "persistent": [(None, 0, 16384)],
@@ -106,14 +110,15 @@ QUICK = {"forward": [(None, 0, 8192), (4096, 0, 16384)], "training": [(None, 0, 
          "fp8persistent_noncausal": [(None, 0, 16384)], "fp8transpose": [(None, 0, 4096)],
          "fp8wide": [(None, 0, 16384)], "fp8wide_noncausal": [(None, 0, 16384)], "walk": WALK_POINTS[:1],
          "walkbwd": WALK_POINTS[:1], "walkbwd_noncausal": WALK_POINTS[:1], "walkwindow": [(4096, 0, 65536)],
-         "fullwindow": FULL_WINDOW_POINTS[:1], "walkcausal": WALK_POINTS[:1]}
+         "fullwindow": FULL_WINDOW_POINTS[:1], "walkcausal": WALK_POINTS[:1], "fp8walk": [(None, 0, 4096)],
+         "fp8walk_noncausal": [(None, 0, 4096)]}
 MODES = {"forward": FORWARD_POINTS, "training": TRAINING_POINTS, "sinks": SINK_POINTS, "fma": FMA_POINTS,
          "persistent": PERSISTENT_POINTS, "min4k": MIN_N_POINTS, "min4k_noncausal": MIN_N_POINTS,
          "min4k_window": MIN_N_WINDOW_POINTS,
          "fp8persistent": FP8_POINTS, "fp8persistent_noncausal": FP8_POINTS, "fp8transpose": FP8_POINTS,
          "fp8wide": FP8_POINTS, "fp8wide_noncausal": FP8_POINTS, "walk": WALK_POINTS, "walkbwd": WALK_POINTS,
          "walkbwd_noncausal": WALK_POINTS, "walkwindow": WALK_WINDOW_POINTS, "fullwindow": FULL_WINDOW_POINTS,
-         "walkcausal": WALK_POINTS}
+         "walkcausal": WALK_POINTS, "fp8walk": FP8_POINTS, "fp8walk_noncausal": FP8_POINTS}
 SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_WINDOW_MIN_N=dispatch.GLUON_WINDOW_MIN_N,
                GLUON_MIN_WINDOW=dispatch.GLUON_MIN_WINDOW,
                AUTOGRAD_CONFIG=fast_backward.AUTOGRAD_CONFIG, GLUON_SINKS=fast_backward.GLUON_SINKS,
@@ -121,7 +126,7 @@ SHIPPED = dict(GLUON_MIN_N=dispatch.GLUON_MIN_N, GLUON_WINDOW_MIN_N=dispatch.GLU
                FP8_GLUON_PERSISTENT=fp8.GLUON_PERSISTENT, FP8_FAST_TRANSPOSE=fp8.FAST_TRANSPOSE,
                FP8_GLUON_WIDE=fp8.GLUON_WIDE, GLUON_WALK_KV_HEADS=dispatch.GLUON_WALK_KV_HEADS,
                GLUON_WALK_ROWS=fast_backward.GLUON_WALK_ROWS, GLUON_WALK_WINDOWS=dispatch.GLUON_WALK_WINDOWS,
-               GLUON_WALK_CAUSAL=dispatch.GLUON_WALK_CAUSAL)
+               GLUON_WALK_CAUSAL=dispatch.GLUON_WALK_CAUSAL, FP8_GLUON_WALK=fp8.GLUON_WALK)
 
 
 def _every_window(q, window_size=None, sink_size=0) -> tuple:
@@ -141,7 +146,8 @@ def set_route(mode: str, on: bool) -> None:
     on or off; ``walk``: the persistent grid walked a kv head at a time or by default; ``walkbwd`` /
     ``walkbwd_noncausal``: the Gluon backward's walk :data:`WALK_ROWS` rows at a time or one row after another;
     ``walkwindow``: a window's persistent grid walked a kv head at a time or by default; ``walkcausal``: plain
-    causal attention's program per tile walked a kv head at a time or row by row; ``fullwindow``: a window of
+    causal attention's program per tile walked a kv head at a time or row by row; ``fp8walk`` /
+    ``fp8walk_noncausal``: the FP8 route walked a kv head at a time or by default; ``fullwindow``: a window of
     ``N`` keys or more run as plain causal attention (``dispatch.window_in_effect``) or by the window's kernels."""
     forward_on = on or mode != "forward"
     dispatch.GLUON_FMA = on if mode == "fma" else SHIPPED["GLUON_FMA"]
@@ -163,6 +169,7 @@ def set_route(mode: str, on: bool) -> None:
     fast_backward.GLUON_WALK_ROWS = walked if mode.startswith("walkbwd") else SHIPPED["GLUON_WALK_ROWS"]
     dispatch.GLUON_WALK_WINDOWS = on if mode == "walkwindow" else SHIPPED["GLUON_WALK_WINDOWS"]
     dispatch.GLUON_WALK_CAUSAL = on if mode == "walkcausal" else SHIPPED["GLUON_WALK_CAUSAL"]
+    fp8.GLUON_WALK = on if mode.startswith("fp8walk") else SHIPPED["FP8_GLUON_WALK"]
     kernels.window_in_effect = _every_window if mode == "fullwindow" and not on else dispatch.window_in_effect
 
 
@@ -179,6 +186,7 @@ def restore() -> None:
     fast_backward.GLUON_WALK_ROWS = SHIPPED["GLUON_WALK_ROWS"]
     dispatch.GLUON_WALK_WINDOWS = SHIPPED["GLUON_WALK_WINDOWS"]
     dispatch.GLUON_WALK_CAUSAL = SHIPPED["GLUON_WALK_CAUSAL"]
+    fp8.GLUON_WALK = SHIPPED["FP8_GLUON_WALK"]
     kernels.window_in_effect = dispatch.window_in_effect
 
 

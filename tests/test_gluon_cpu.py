@@ -748,6 +748,31 @@ def test_the_gluon_fp8_entry_is_the_route_flash_attention_fp8_takes_when_it_is_s
 
 
 @needs_interpreter
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_fp8_route_walks_a_kv_head_at_a_time_only_when_switched_on(monkeypatch, persistent):
+    """fp8.GLUON_WALK (off until a route check times it): on, flash_attention_fp8's Gluon route walks its grid a kv
+    head's query heads at a time (hopper_ws.kv_head_order), on either grid, o bit for bit the kernel's own with that
+    walk and its default walk's (the same tiles: each takes its own q_scale)."""
+    from course_utils.kernels import flash_attention_fp8
+
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, h, 256, 128, generator=g) for h in (4, 2, 2))
+    (q8, qs), (k8, ks), (v8, vs) = (fp8.quantize_fp8(t) for t in (q, k, v))
+    vt8 = v8.transpose(2, 3).contiguous()
+    assert fp8.GLUON_WALK is False  # as shipped
+    monkeypatch.setattr(fp8, "GLUON_MIN_N", 256)
+    monkeypatch.setattr(fp8, "GLUON_PERSISTENT", persistent)
+    walks = _record_walks(monkeypatch, hopper_ws, "_launch_persistent" if persistent else "_launch")
+    with gluon_cpu.running():
+        o_default = flash_attention_fp8(q8, k8, v8, True, q_scale=qs, k_scale=ks, v_scale=vs)
+        monkeypatch.setattr(fp8, "GLUON_WALK", True)
+        o = flash_attention_fp8(q8, k8, v8, True, q_scale=qs, k_scale=ks, v_scale=vs)
+        want = hopper_ws.attention_fp8(q8, k8, vt8, qs, ks, vs, True, persistent=persistent, heads_together=4)[0]
+    assert walks == [None, 4, 4]  # off, on (a kv head's two query heads, doubled to four rows), the direct call
+    assert torch.equal(o, want.float()) and torch.equal(o, o_default)
+
+
+@needs_interpreter
 def test_the_fp8_route_takes_the_wide_tiles_only_when_switched_on(monkeypatch):
     """fp8.GLUON_WIDE (off until a GPU times it): on, flash_attention_fp8's Gluon route runs attention_fp8 with
     block_n=256 (its output bit for bit) where N is a multiple of 256, and the 128-key tiles elsewhere and on the

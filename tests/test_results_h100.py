@@ -921,3 +921,22 @@ def test_the_causal_walk_s_switch_quotes_its_kernel_a_b():
     notes = " ".join((REPO / "results" / "NOTES.md").read_text().split())
     assert f"and {span} (bf16, causal)" in notes
     assert dispatch.GLUON_WALK_CAUSAL is False
+
+
+def test_the_fp8_walk_s_switch_quotes_its_kernel_a_b():
+    """fp8.GLUON_WALK's comment: the forty-eighth session's kernel A/B of the FP8 program per tile walked a kv head
+    at a time (results/gluon_ab_walk_h100.json), each point as recorded; the switch off until a route check."""
+    from course_utils.kernels import fp8
+
+    rows = {(r["causal"], r["n"]): r for r in results.load("gluon_ab_walk_h100")["rows"] if r["kind"] == "fp8"}
+    assert all(r["status"] == "ok" for r in rows.values())
+    each = lambda causal: " / ".join(f"{rows[(causal, n)]['grouped_over_current']:.3f}x"  # noqa: E731
+                                     for n in (4096, 8192, 16384))
+    source = " ".join(" ".join(line.strip().lstrip("#").split()) for line in
+                      open(fp8.__file__).read().splitlines() if line.strip().startswith("#"))
+    assert f"read {each(True)} causal and {each(False)} without the mask at 4k / 8k / 16k" in source
+    plain = [rows[(False, n)]["grouped_over_current"] for n in (4096, 8192, 16384)]
+    notes = " ".join((REPO / "results" / "NOTES.md").read_text().split())
+    assert (f"its program per tile walked so read {min(plain):.3f}x-{max(plain):.3f}x without the mask and "
+            f"{each(True).replace(' / ', ', ')} with it at 4k, 8k, 16k") in notes
+    assert fp8.GLUON_WALK is False

@@ -544,6 +544,7 @@ def test_route_check_s_window_modes_turn_their_switch_and_nothing_else():
     assert route_check.MODES["walkcausal"] == route_check.WALK_POINTS
 
 
+
 def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
     """``min4k`` / ``min4k_noncausal``: ``dispatch.GLUON_MIN_N`` at the candidate, as shipped (on), or at the
     threshold before it (off); ``min4k_window``: ``dispatch.GLUON_WINDOW_MIN_N`` at the candidate (on) or as shipped,
@@ -580,17 +581,19 @@ def test_route_check_s_min4k_modes_lower_the_gluon_threshold_and_nothing_else():
 
 def test_route_check_s_fp8_modes_turn_one_fp8_switch_and_nothing_else():
     """``fp8persistent`` / ``fp8persistent_noncausal``: ``fp8.GLUON_PERSISTENT`` on or off; ``fp8transpose``:
-    ``fp8.FAST_TRANSPOSE`` on or off; ``fp8wide`` / ``fp8wide_noncausal``: ``fp8.GLUON_WIDE`` on or off; every other
+    ``fp8.FAST_TRANSPOSE`` on or off; ``fp8wide`` / ``fp8wide_noncausal``: ``fp8.GLUON_WIDE`` on or off; ``fp8walk``
+    / ``fp8walk_noncausal``: ``fp8.GLUON_WALK`` on or off; every other
     switch as shipped; their points are where flash_attention_fp8's Gluon route runs (N from fp8.GLUON_MIN_N), the
     ``_noncausal`` ones without the causal mask."""
     from course_utils.kernels import dispatch, fp8
 
     others = (dispatch.GLUON_MIN_N, dispatch.GLUON_MIN_WINDOW, fb.AUTOGRAD_CONFIG, fb.GLUON_SINKS, dispatch.GLUON_FMA,
               dispatch.GLUON_NONCAUSAL_PERSISTENT)
-    switches = lambda: (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE, fp8.GLUON_WIDE)  # noqa: E731
+    switches = lambda: (fp8.GLUON_PERSISTENT, fp8.FAST_TRANSPOSE, fp8.GLUON_WIDE, fp8.GLUON_WALK)  # noqa: E731
     shipped = switches()
-    assert shipped[2] is False  # the wide tiles wait for a GPU's timing
-    which = {"fp8persistent": 0, "fp8persistent_noncausal": 0, "fp8transpose": 1, "fp8wide": 2, "fp8wide_noncausal": 2}
+    assert shipped[2] is False and shipped[3] is False  # the wide tiles and the walk wait for a GPU's timing
+    which = {"fp8persistent": 0, "fp8persistent_noncausal": 0, "fp8transpose": 1, "fp8wide": 2, "fp8wide_noncausal": 2,
+             "fp8walk": 3, "fp8walk_noncausal": 3}
     try:
         assert set(route_check.FP8_MODES) == set(which)
         for mode in route_check.FP8_MODES:
@@ -605,6 +608,7 @@ def test_route_check_s_fp8_modes_turn_one_fp8_switch_and_nothing_else():
         route_check.set_route("fma", True)  # another mode puts them back
         assert switches() == shipped
         route_check.set_route("fp8wide", not shipped[2])
+        route_check.set_route("fp8walk", not shipped[3])
     finally:
         route_check.restore()
     assert switches() == shipped

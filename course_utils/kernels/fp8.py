@@ -101,6 +101,7 @@ __all__ = [
     "GLUON_MIN_N",
     "GLUON_PERSISTENT",
     "GLUON_WIDE",
+    "GLUON_WALK",
     "FAST_TRANSPOSE",
     "transpose_keys",
     "transpose_tiled",
@@ -915,6 +916,12 @@ GLUON_PERSISTENT: bool = False
 # and checked in the CPU model only (results/NOTES.md; benchmarks/gluon_ab.py --wide and route_check.py --modes fp8wide
 # time it).
 GLUON_WIDE: bool = False
+# Whether that route walks its grid a kv head's query heads at a time (hopper_ws.kv_head_order; a program per tile
+# reads the walk from its grid's shape, hopper_ws._grid_tile). The forty-eighth session's kernel A/B of a program per
+# tile walked so (results/gluon_ab_walk_h100.json, an H100) read 0.960x / 1.033x / 1.032x causal and 1.037x / 1.026x /
+# 1.047x without the mask at 4k / 8k / 16k; not yet timed as a route (route_check.py --modes fp8walk
+# fp8walk_noncausal), so off.
+GLUON_WALK: bool = False
 
 
 def gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size: int = 128, *,
@@ -946,7 +953,8 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
     v`` ``[B, Hkv, N, D]`` (``Hq`` a multiple of ``Hkv``), any strides, ``16 <=
     D <= 256``. Bad input raises a ``ValueError`` of one sentence. Where :data:`GLUON_MIN_N` is set and
     :func:`gluon_fp8_applies`, lesson 11's Gluon FP8 entry computes it (on its persistent grid while
-    :data:`GLUON_PERSISTENT`; on its wide tiles while :data:`GLUON_WIDE`).
+    :data:`GLUON_PERSISTENT`; on its wide tiles while :data:`GLUON_WIDE`; walked a kv head at a time while
+    :data:`GLUON_WALK`).
     """
     fp8_in = validate_fp8(q, k, v, q_scale, k_scale, v_scale, block_size)
     if fp8_in:
@@ -958,10 +966,13 @@ def flash_attention_fp8(q, k, v, causal: bool = False, *, q_scale=None, k_scale=
     vt8 = transpose_keys(v8)  # K-major: [B, Hkv, D, N], the keys contiguous
     if gluon_fp8_applies(q8, k8, vt8, q_scale, k_scale, v_scale, block_size):
         from .hopper_ws import attention_fp8 as gluon_fp8
+        from .hopper_ws import kv_head_order
 
         wide = GLUON_WIDE and not GLUON_PERSISTENT and q8.shape[2] % 256 == 0
+        heads = kv_head_order(q8.shape[1], q8.shape[1] // k8.shape[1]) if GLUON_WALK else None
         return gluon_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size=block_size,
-                         persistent=GLUON_PERSISTENT, block_n=256 if wide else 128)[0].to(out_dtype)
+                         persistent=GLUON_PERSISTENT, block_n=256 if wide else 128,
+                         heads_together=heads)[0].to(out_dtype)
     if hopper_unsupported_reason(q8, block_size, causal=causal) is None:
         return launch_fp8_hopper(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)
     return launch_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal, block_size, out_dtype)

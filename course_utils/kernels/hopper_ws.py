@@ -1203,4 +1203,4 @@ def attention_fp8(q8, k8, vt8, q_scale, k_scale, v_scale, causal: bool = False, 
                                   sink_size=sink_size, scales=scales, block_size=block_size,
                                   heads_together=heads_together)
     return _launch(q8, k8, vt8, causal, sm_scale, num_buffers, loop, True, scales, block_size, window_size,
-                   sink_size, block_n, heads_together)
+                   sink_size, block_n, heads_together=heads_together)
