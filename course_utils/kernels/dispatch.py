@@ -28,7 +28,8 @@ from . import fast, fast_window, forward, gluon_cpu
 
 __all__ = ["check_call", "launch_forward", "GLUON_MIN_N", "GLUON_WINDOW_MIN_N", "GLUON_MIN_WINDOW",
            "GLUON_WINDOW_PERSISTENT", "GLUON_NONCAUSAL_PERSISTENT", "GLUON_FMA", "GLUON_WALK_KV_HEADS",
-           "GLUON_WALK_WINDOWS", "GLUON_WALK_CAUSAL", "gluon_applies", "gluon_persistent", "gluon_heads_together", "window_in_effect"]
+           "GLUON_WALK_WINDOWS", "GLUON_WALK_CAUSAL", "gluon_applies", "gluon_persistent", "gluon_heads_together",
+           "window_in_effect"]
 
 # Lesson 11's Gluon forward (kernels.hopper_ws, its serial loop) for plain attention from this many tokens on, where
 # gluon_applies says it can run. On an H100, over three ladders (results/fp8_bench_gluon_h100*.json) and two main
