@@ -196,7 +196,8 @@ def test_the_persistent_grid_walks_every_fp8_work_tile_once(causal, d, loop, buf
 @pytest.mark.parametrize("causal,fp8_tiles,window,heads,n_programs", [
     (True, False, None, 1, 3), (False, False, None, 4, 5), (True, False, None, 2, 64),
     (True, False, 200, 4, 3), (True, True, None, 4, 3), (False, True, None, 1, 2), (True, True, 300, 2, 5),
-    (True, False, None, 4, None), (True, True, None, 4, None), (True, False, 200, 2, None), (False, True, None, 2, None)])
+    (True, False, None, 4, None), (True, True, None, 4, None), (True, False, 200, 2, None),
+    (False, True, None, 2, None)])
 def test_either_grid_walked_a_few_heads_at_a_time_makes_the_same_output(causal, fp8_tiles, window, heads, n_programs):
     """heads_together: the same work tiles in another order (a kv head's query heads side by side), so the same o
     and lse bit for bit as the grid's default walk, on the persistent grid (``n_programs``) and with a program per

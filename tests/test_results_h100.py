@@ -877,7 +877,8 @@ def test_the_fiftieth_session_s_grids_are_quoted_as_recorded():
                            "window_bench_h100_min4k_run2", "window_bench_h100_persistent")]
     assert len(earlier) == 10  # "the ten earlier H100 grids": every one with that point (persistent_w4096 has not)
     def before(provider):
-        """``provider``'s step at W = 256 (plain causal: no window), N = 4k over the earlier grids, as NOTES writes it."""
+        """``provider``'s step at W = 256 (plain causal: no window), N = 4k, over the earlier grids, as NOTES
+        writes it."""
         window_size = None if provider == "causal" else 256
         return vr([_window_ms(n, "training", provider, window_size) for n in earlier], ".3f", " ms").replace("–", "-")
 
