@@ -96,7 +96,8 @@ def test_a_window_of_n_keys_or_more_runs_plain_causal_attention(monkeypatch, sin
     """dispatch.window_in_effect: a window of at least N keys hides nothing the causal mask does not, and its sinks
     select nothing more, so the public entries run plain causal attention's kernels (forward and backward), the same
     o, lse and gradients bit for bit; a window of N - 1 keys hides key 0 from the last query and keeps the window's
-    kernel. The window's kernels still take such windows when called directly (lesson 08's launcher, checked here)."""
+    kernel. The window's kernels still take such windows when called directly (lesson 08's forward launcher and lesson
+    07's window backward, checked here)."""
     from conftest import record_calls
 
     from course_utils.kernels import dispatch
@@ -128,6 +129,10 @@ def test_a_window_of_n_keys_or_more_runs_plain_causal_attention(monkeypatch, sin
     atol, rtol, lse_atol = TOL[torch.float32]
     np.testing.assert_allclose(_np(o), want_o, atol=atol, rtol=rtol)
     np.testing.assert_allclose(_np(lse), want_lse, atol=lse_atol, rtol=0)
+    got = bw.attention_backward(q, k, v, o, lse, do, causal=True, window_size=n + 100, sink_size=sink_size)
+    want = ref.attention_backward(_np(q), _np(k), _np(v), _np(do), causal=True)  # lesson 07's window kernels too
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(_np(g), w, atol=atol, rtol=rtol)
 
 
 BACKWARD_CASES = [

@@ -147,8 +147,8 @@ def gluon_heads_together(q, k, causal: bool, window_size=None) -> int | None:
     walk)."""
     if window_size is not None:
         walks = GLUON_WALK_WINDOWS and gluon_persistent(causal, window_size)
-    elif causal:
-        walks = GLUON_WALK_CAUSAL and not gluon_persistent(causal)
+    elif causal:  # a program per tile (gluon_persistent): its walk is the grid's shape
+        walks = GLUON_WALK_CAUSAL
     else:
         walks = GLUON_WALK_KV_HEADS and gluon_persistent(causal)
     if not walks:

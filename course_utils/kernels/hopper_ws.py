@@ -57,8 +57,7 @@ blocks first (:func:`kv_head_order`: a kv head's query heads; run on the CPU by 
 bit for bit; plain attention's route without the causal mask takes it, ``dispatch.GLUON_WALK_KV_HEADS``, and the
 causal route while ``dispatch.GLUON_WALK_CAUSAL``). A program per tile reads the walk from its grid's shape
 (:func:`_grid_tile`, through :func:`program_coords`), so the loader's arguments, which lesson 11's exercise
-gives, stay as they are; :func:`_tile_coords` is the same walk as a compile-time argument, which the backward's
-dQ takes.
+gives, stay as they are, and the backward's dQ, which takes the forward's tiles, walks the same way.
 
 On a CPU Triton cannot run it (Gluon has no interpreter): ``tests/test_hopper_ws.py`` compiles it for sm_90
 there, and :mod:`.gluon_cpu` runs its Python with a model of the barriers, copies and products
@@ -138,20 +137,6 @@ def _walk(tile, n_m, HEADS: gl.constexpr):
     span = n_m * HEADS
     w = tile % span
     return n_m - 1 - w // HEADS, tile // span * HEADS + w % HEADS
-
-
-@gluon.jit
-def _tile_coords(N, HEADS: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-                 CAUSAL: gl.constexpr):
-    """:func:`program_coords`, or with ``HEADS`` (not 0) the programs of a grid of ``(1, N / BLOCK_M, B * H)``, in
-    the order the GPU starts them (``program_id(1)`` fastest), walking the tiles ``HEADS`` rows at a time
-    (:func:`_walk`; the backward's dQ)."""
-    if HEADS == 0:
-        return program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
-    n_m = N // BLOCK_M
-    start_m, off_hz = _walk(gl.program_id(2) * n_m + gl.program_id(1), n_m, HEADS)
-    q_row, kv_row, n_tiles = _block_rows(start_m, off_hz, N, H, GROUP, BLOCK_M, CAUSAL)
-    return start_m, q_row, kv_row, n_tiles
 
 
 @gluon.jit

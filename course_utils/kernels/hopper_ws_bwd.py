@@ -46,8 +46,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from .backward import default_config, launch_dq, launch_preprocess
 from .forward import _capability
 from .launch import BoundLauncher, aligned
-from .hopper_ws import (_descriptor, _tile_coords, _validate_device, _validate_heads_together, _validate_inputs,
-                        _validate_window, _walk, window_kv_tile, window_plan, window_tile_masked)
+from .hopper_ws import (_descriptor, _validate_device, _validate_heads_together, _validate_inputs,
+                        _validate_window, _walk, program_coords, window_kv_tile, window_plan, window_tile_masked)
 from .chips import TARGETS
 
 BLOCK_N = 128  # keys per program: two consumers of 64 (wgmma's M per warpgroup)
@@ -225,11 +225,11 @@ def attn_bwd_dkdv_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr
 # -----------------------------------------------------------------------------
 @gluon.jit
 def _dq_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, HEADS: gl.constexpr):
+               CAUSAL: gl.constexpr):
     """This program's query block, its first row of q (do, lse, delta, dq) and of its kv head, its key tiles,
-    and how many of them (the last ones) cross the diagonal under the causal mask; ``HEADS``: the forward's walk
-    (:func:`.hopper_ws._tile_coords`)."""
-    start_m, q_row, kv_row, n_tiles = _tile_coords(N, HEADS, H, GROUP, BLOCK_M, CAUSAL)  # the forward's tiles
+    and how many of them (the last ones) cross the diagonal under the causal mask; the forward's tiles, walked as
+    the grid's shape says (:func:`.hopper_ws.program_coords`)."""
+    start_m, q_row, kv_row, n_tiles = program_coords(N, H, GROUP, BLOCK_M, CAUSAL)
     if CAUSAL:
         n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N)
         n_masked = BLOCK_M // BLOCK_N
@@ -242,11 +242,10 @@ def _dq_coords(N, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, B
 @gluon.jit
 def _dq_load_partition(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars,
                        empty_bars, N, window_size, sink_size, H: gl.constexpr, GROUP: gl.constexpr,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                       HEADS: gl.constexpr):
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """The producer: each half's Q and dO once (one barrier per half), then K and V tile by tile (under a window,
     the forward's tile list: :func:`.hopper_ws.window_plan`)."""
-    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, HEADS)
+    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
     lo = 0
     ns = 0
     if WINDOW:
@@ -309,9 +308,9 @@ def _dq_tile(q, do, k_smem, v_smem, k_bars, v_bars, empty_bars, j, kv_tile, dq, 
 def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars,
                  lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, N, window_size, sink_size, H: gl.constexpr,
                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr, HEADS: gl.constexpr):
+                 CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """A consumer warpgroup: rows ``HALF_IDX * 64 ...`` of the block, their ``dQ``."""
-    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL, HEADS)
+    start_m, q_row, kv_row, n_tiles, n_masked = _dq_coords(N, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL)
     HALF: gl.constexpr = BLOCK_M // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -354,9 +353,9 @@ def _dq_consumer(HALF_IDX: gl.constexpr, q_smem, do_smem, k_smem, v_smem, q_bars
 def attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, qk_scale, sm_scale, N,
                    window_size, sink_size, WINDOW: gl.constexpr, H: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, CAUSAL: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, HEADS: gl.constexpr):
-    """dQ's buffers and barriers, then its three partitions (the forward's shape: :func:`.hopper_ws.attn_fwd_ws`;
-    ``HEADS`` its walk)."""
+                   CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """dQ's buffers and barriers, then its three partitions (the forward's shape: :func:`.hopper_ws.attn_fwd_ws`,
+    and its grid: the walk is the grid's shape, :func:`.hopper_ws._grid_tile`)."""
     HALF: gl.constexpr = BLOCK_M // 2
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [2, HALF, HEAD_DIM], do_desc.layout)
@@ -375,13 +374,13 @@ def attn_bwd_dq_ws(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, 
     gl.warp_specialize([
         (_dq_consumer, (0, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, lse_ptr, delta_ptr,
                         dq_ptr, qk_scale, sm_scale, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        CAUSAL, WINDOW, HEADS)),
+                        CAUSAL, WINDOW)),
         (_dq_consumer, (1, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars, v_bars, empty_bars, lse_ptr, delta_ptr,
                         dq_ptr, qk_scale, sm_scale, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM,
-                        CAUSAL, WINDOW, HEADS)),
+                        CAUSAL, WINDOW)),
         (_dq_load_partition, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bars, k_bars,
                               v_bars, empty_bars, N, window_size, sink_size, H, GROUP, BLOCK_M, BLOCK_N, CAUSAL,
-                              WINDOW, HEADS)),
+                              WINDOW)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -394,20 +393,20 @@ def _launch_dq(q, k, v, do, lse, delta, causal, sm_scale, num_buffers=2, block_n
     """``dq`` by :func:`attn_bwd_dq_ws` for validated inputs (``tests/`` compile it from CPU tensors).
 
     ``descriptors``: a dict that the call's TMA descriptors are kept in and taken from (:func:`_descriptors`);
-    ``heads_together``: the programs walk the query blocks that many (batch, query head) rows at a time
-    (:func:`.hopper_ws._tile_coords`; by default one row's blocks after another)."""
+    ``heads_together``: the programs walk the query blocks that many (batch, query head) rows at a time, told by
+    the grid's shape (:func:`.hopper_ws._grid_tile`; by default one row's blocks after another)."""
     b, h, n, d = q.shape
     q, k, v, do = (t.contiguous() for t in (q, k, v, do))
     lse, delta = lse.float().contiguous(), delta.float().contiguous()
     dq = torch.empty_like(q)
     window, sink, group = 0 if window_size is None else int(window_size), int(sink_size), h // k.shape[1]
-    heads = 0 if heads_together is None else int(heads_together)
+    heads = 1 if heads_together is None else int(heads_together)
     key = ((q.dtype, b, h, n, d, window, sink, window_size is not None, group, block_n, num_buffers, bool(causal),
-            heads, aligned(lse, delta, dq)) if q.is_cuda else None)
-    _DQ(key, (1, n // DQ_BLOCK_M, b * h), (  # hopper_ws._grid_tile's grid of one row at a time
+            aligned(lse, delta, dq)) if q.is_cuda else None)
+    _DQ(key, (heads, n // DQ_BLOCK_M, b * h // heads), (  # hopper_ws._grid_tile's grid: heads rows at a time
         *_descriptors(descriptors, (q, DQ_BLOCK_M // 2), (do, DQ_BLOCK_M // 2), (k, block_n), (v, block_n)),
         lse, delta, dq, sm_scale * LOG2E, sm_scale, n, window, sink, window_size is not None, h, group,
-        DQ_BLOCK_M, block_n, d, num_buffers, bool(causal), CONSUMER_REGS, LOADER_REGS, heads), num_warps=4,
+        DQ_BLOCK_M, block_n, d, num_buffers, bool(causal), CONSUMER_REGS, LOADER_REGS), num_warps=4,
         maxnreg=MAXNREG)
     return dq
 
